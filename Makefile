@@ -1,0 +1,37 @@
+# Two entry points do all the set-up on a fresh machine:
+#   make demo   compile the tiny recipe to artifacts/ with the embedded backend and inspect it
+#   make test   run the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned, so pip takes the CPU wheel on disk and never a multi-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/neffbuild validate recipes/gpt-oss-tiny.yaml
+	$(BIN)/neffbuild plan recipes/gpt-oss-tiny.yaml --no-cache
+	$(BIN)/neffbuild compile recipes/gpt-oss-tiny.yaml -o artifacts
+	$(BIN)/neffbuild inspect artifacts/gpt-oss-tiny-0.1.0
+	$(BIN)/neffbuild generate artifacts/gpt-oss-tiny-0.1.0 --prompt-ids 1,2,3,4,5 --prompt-ids 7,8 --max-new-tokens 16 --check
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) artifacts/*/ .pytest_cache

@@ -1,0 +1,68 @@
+"""``neffbuild plan``: the grid a recipe compiles, with cache state and estimated time."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from neffbuild import grid
+from neffbuild import recipe as recipe_mod
+
+
+@click.command("plan")
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document {count, targets} on stdout.")
+@click.option("--cache/--no-cache", "check_cache", default=True, show_default=True,
+              help="Look each target up in the compile cache (traces the graph; needs torch).")
+@click.option("--backend", type=click.Choice(["auto", "inductor", "neuron"]), default=None,
+              help="Override compiler.backend for the cache lookup.")
+def plan(recipe_path, as_json, check_cache, backend):
+    """Show every graph RECIPE compiles: label, family, batch, ctx, query_len.
+
+    With --cache (the default) each row also says whether it is cached or to build, why a
+    miss misses (the nearest cached entry and the fields that differ) and an estimated
+    build time from past compiles.
+    """
+    r = recipe_mod.load(recipe_path)
+    if backend:
+        r = r.replace(backend=backend)
+    tgts = grid.targets(r)
+    states = {}
+    if check_cache:
+        from neffbuild.build.planner import cache_states
+
+        states = cache_states(r, tgts)
+    if as_json:
+        rows = []
+        for t in tgts:
+            row = t.to_json()
+            if t.label in states:
+                row.update(states[t.label])
+            rows.append(row)
+        click.echo(json.dumps({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    for w in r.warnings:
+        click.echo(f"warning: {w}", err=True)
+    table = Table(title=f"{r.name} {r.version}: {len(tgts)} graphs")
+    for col in ("label", "family", "batch", "ctx", "query_len"):
+        table.add_column(col, justify="right" if col in ("batch", "ctx", "query_len") else "left")
+    if states:
+        table.add_column("cache")
+        table.add_column("why / estimate")
+    for t in tgts:
+        cells = [t.label, t.family, str(t.batch), str(t.ctx), str(t.query_len)]
+        if states:
+            s = states[t.label]
+            cells += [s["cache"], s.get("why", "") + (f" (~{s['estimate_s']:.0f}s)" if s.get("estimate_s") else "")]
+        table.add_row(*cells)
+    console = Console()
+    console.print(table)
+    console.print(f"NEFF count: {grid.count_formula(r)}")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(plan)

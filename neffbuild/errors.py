@@ -1,0 +1,77 @@
+"""One exception hierarchy for everything a user can see.
+
+The CLI maps these to exit codes in one place (``cli/main.py``): an ``InvalidInput``
+exits 2, any other ``NeffbuildError`` exits 1. This module imports nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NeffbuildError(Exception):
+    """Base of every error meant for a user: the message names the thing and the fix."""
+
+    exit_code = 1
+
+
+class InvalidInput(NeffbuildError):
+    """Bad input from the user (recipe, flag, file): exit code 2."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One validation finding: dotted path, offending value, and the rule it broke."""
+
+    path: str
+    value: object
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: got {self.value!r}, {self.message}" if self.value is not _NO_VALUE else f"{self.path}: {self.message}"
+
+    def to_json(self) -> dict:
+        value = None if self.value is _NO_VALUE else self.value
+        return {"path": self.path, "value": value, "message": self.message}
+
+
+class _NoValue:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_NO_VALUE = _NoValue()
+NO_VALUE = _NO_VALUE
+
+
+class RecipeError(InvalidInput):
+    """A recipe failed validation; carries every problem found, not just the first."""
+
+    def __init__(self, source: str, problems: list[Problem], warnings: list[str] | None = None):
+        self.source = source
+        self.problems = list(problems)
+        self.warnings = list(warnings or [])
+        lines = [f"{source}: {len(self.problems)} problem(s)"] + [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class ShapeNotCovered(NeffbuildError):
+    """The runtime was asked for a shape no compiled artifact covers (fail closed)."""
+
+
+class BackendUnavailable(NeffbuildError):
+    """The requested compiler backend cannot run on this machine."""
+
+
+class BuildFailed(NeffbuildError):
+    """One or more targets failed to compile; the message lists them."""
+
+
+class BundleError(NeffbuildError):
+    """A bundle is malformed, corrupt or tampered with; the message names the file."""
+
+
+class IncompatibleBundle(BundleError):
+    """A bundle is well formed but was built for another format or toolchain."""

@@ -1,0 +1,3 @@
+"""Graph definitions, one package per architecture."""
+
+KNOWN_ARCHS = ("gpt_oss",)

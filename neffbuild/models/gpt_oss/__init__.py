@@ -1,0 +1,1 @@
+"""GPT-OSS: config, checkpoint loading, weight stacking, the GK decode graph and prefill."""

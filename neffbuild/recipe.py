@@ -1,0 +1,579 @@
+"""Recipe: YAML -> validated, frozen ``Recipe``. Every validation rule lives here.
+
+Validation collects every problem before raising (``RecipeError``), each naming the dotted
+path, the value and the rule. Types are strict: ``"1024"`` is not an int and ``true`` is
+not a number. Validation never needs a compiler or torch. The only project modules used
+are ``errors``, the pure bucket math and the architecture's config dataclass (a leaf
+module), so the config defaults live in one place.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from neffbuild.errors import NO_VALUE, InvalidInput, Problem, RecipeError
+from neffbuild.models import KNOWN_ARCHS
+from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
+from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+SEMVER_RE = re.compile(r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
+BACKENDS = ("auto", "inductor", "neuron")
+TARGETS = ("trn1", "trn2")
+SPEC_METHODS = ("eagle3",)
+
+# Allowed keys per section; anything else is an error with a "did you mean".
+SCHEMA = {
+    "": {"name", "version", "model", "serving", "neuron_config", "parallel", "speculative", "compiler", "build"},
+    "model": {"arch", "config", "checkpoint", "random_seed"},
+    "serving": {"max_model_len", "max_num_seqs", "block_size", "num_blocks"},
+    "neuron_config": {"num_seqs_buckets", "decode_context_length_buckets", "gk_decode", "fp8_packed_kv", "lnc"},
+    "parallel": {"tp", "dp", "ep"},
+    "speculative": {"method", "num_speculative_tokens", "draft"},
+    "speculative.draft": {"checkpoint", "random_seed", "config"},
+    "compiler": {"backend", "target", "optlevel", "flags"},
+    "build": {"jobs", "cache_dir"},
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    hf_config: dict  # resolved Hugging Face config keys
+    checkpoint: Path | None
+    random_seed: int | None
+
+    @property
+    def config(self) -> GptOssConfig:
+        return GptOssConfig.from_hf_dict(self.hf_config)
+
+
+@dataclass(frozen=True)
+class Speculative:
+    method: str
+    num_speculative_tokens: int
+    draft_checkpoint: Path | None
+    draft_random_seed: int | None
+    draft_hf_config: dict
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    version: str
+    model: ModelSpec
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_blocks: int
+    num_seqs_buckets: tuple[int, ...]
+    decode_context_length_buckets: tuple[int, ...]  # fallback (max_model_len) not included
+    gk_decode: bool
+    fp8_packed_kv: bool
+    lnc: int
+    tp: int
+    dp: int
+    ep: int
+    speculative: Speculative | None
+    backend: str
+    target: str
+    optlevel: int
+    flags: tuple[str, ...]
+    jobs: int | None
+    cache_dir: Path | None
+    source: str = "<recipe>"
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def num_swa(self) -> int:
+        cfg = self.model.config
+        if not cfg.has_sliding_layers:
+            return 0
+        return num_swa_blocks(cfg.sliding_window, self.block_size, self.max_model_len)
+
+    def to_dict(self) -> dict:
+        """Normalised recipe: every default filled in; paths as given (absolute)."""
+        spec = None
+        if self.speculative:
+            s = self.speculative
+            draft = {"config": s.draft_hf_config}
+            draft.update({"checkpoint": str(s.draft_checkpoint)} if s.draft_checkpoint else {"random_seed": s.draft_random_seed})
+            spec = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens, "draft": draft}
+        model = {"arch": self.model.arch, "config": self.model.hf_config}
+        if self.model.checkpoint:
+            model["checkpoint"] = str(self.model.checkpoint)
+        else:
+            model["random_seed"] = self.model.random_seed
+        out = {
+            "name": self.name,
+            "version": self.version,
+            "model": model,
+            "serving": {
+                "max_model_len": self.max_model_len,
+                "max_num_seqs": self.max_num_seqs,
+                "block_size": self.block_size,
+                "num_blocks": self.num_blocks,
+            },
+            "neuron_config": {
+                "num_seqs_buckets": list(self.num_seqs_buckets),
+                "decode_context_length_buckets": list(self.decode_context_length_buckets),
+                "gk_decode": self.gk_decode,
+                "fp8_packed_kv": self.fp8_packed_kv,
+                "lnc": self.lnc,
+            },
+            "parallel": {"tp": self.tp, "dp": self.dp, "ep": self.ep},
+            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel, "flags": list(self.flags)},
+            "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
+        }
+        if spec:
+            out["speculative"] = spec
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=True)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def replace(self, **changes) -> "Recipe":
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", mark
+            )
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def parse_yaml(text: str, source: str) -> object:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise InvalidInput(f"{source}: YAML syntax error at {where}: {exc.problem or exc}") from None
+    except yaml.YAMLError as exc:
+        raise InvalidInput(f"{source}: YAML error: {exc}") from None
+
+
+def load(path: str | Path) -> Recipe:
+    """Read, parse and validate a recipe file; raise RecipeError listing every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInput(f"{path}: recipe file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{path}: cannot read recipe: {exc}") from None
+    return from_dict(parse_yaml(text, str(path)), base_dir=path.parent.resolve(), source=str(path))
+
+
+def from_dict(raw: object, *, base_dir: Path | None = None, source: str = "<recipe>") -> Recipe:
+    v = _Validator(base_dir or Path.cwd(), source)
+    recipe = v.run(raw)
+    if v.problems:
+        raise RecipeError(source, v.problems, v.warnings)
+    return recipe
+
+
+# ----------------------------------------------------------------------------- validator
+
+
+class _Validator:
+    def __init__(self, base_dir: Path, source: str):
+        self.base_dir = base_dir
+        self.source = source
+        self.problems: list[Problem] = []
+        self.warnings: list[str] = []
+
+    # -- primitives
+    def err(self, path: str, value, message: str) -> None:
+        self.problems.append(Problem(path, value, message))
+
+    def section(self, raw: dict, key: str, schema_key: str, required: bool = False) -> dict:
+        value = raw.get(key, NO_VALUE)
+        if value is NO_VALUE or value is None:
+            if required:
+                self.err(schema_key, NO_VALUE, "is required")
+            return {}
+        if not isinstance(value, dict):
+            self.err(schema_key, value, "must be a mapping")
+            return {}
+        self.unknown_keys(value, schema_key)
+        return value
+
+    def unknown_keys(self, mapping: dict, schema_key: str) -> None:
+        allowed = SCHEMA[schema_key]
+        for key in mapping:
+            if key not in allowed:
+                path = f"{schema_key}.{key}" if schema_key else str(key)
+                hint = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+                rule = f"unknown key; did you mean {hint[0]!r}?" if hint else f"unknown key; allowed: {', '.join(sorted(allowed))}"
+                self.err(path, NO_VALUE, rule)
+
+    def integer(self, mapping: dict, key: str, path: str, *, default=NO_VALUE, minimum: int | None = 1):
+        value = mapping.get(key, NO_VALUE)
+        if value is NO_VALUE:
+            if default is NO_VALUE:
+                self.err(path, NO_VALUE, "is required")
+                return None
+            return default
+        return self.check_int(value, path, minimum)
+
+    def check_int(self, value, path: str, minimum: int | None = 1):
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.err(path, value, "must be an integer")
+            return None
+        if minimum is not None and value < minimum:
+            self.err(path, value, f"must be >= {minimum}" if minimum != 1 else "must be a positive integer")
+            return None
+        return value
+
+    def boolean(self, mapping: dict, key: str, path: str, default: bool):
+        value = mapping.get(key, default)
+        if not isinstance(value, bool):
+            self.err(path, value, "must be true or false")
+            return default
+        return value
+
+    def choice(self, mapping: dict, key: str, path: str, choices, default):
+        value = mapping.get(key, default)
+        if value not in choices or isinstance(value, bool):
+            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            more = f"; did you mean {hint[0]!r}?" if hint else ""
+            self.err(path, value, f"must be one of {', '.join(map(str, choices))}{more}")
+            return default
+        return value
+
+    def path_value(self, value, path: str, *, want_dir: bool) -> Path | None:
+        if not isinstance(value, str) or not value:
+            self.err(path, value, "must be a path string")
+            return None
+        p = Path(value).expanduser()
+        p = p if p.is_absolute() else (self.base_dir / p)
+        if not p.exists():
+            self.err(path, value, f"does not exist (resolved to {p})")
+            return None
+        if want_dir and not p.is_dir():
+            self.err(path, value, "must be a folder holding a Hugging Face safetensors checkpoint")
+            return None
+        return p.resolve()
+
+    # -- sections
+    def run(self, raw: object) -> Recipe | None:
+        if not isinstance(raw, dict):
+            self.err("(top level)", raw if raw is None or isinstance(raw, (str, int, list)) else type(raw).__name__,
+                     "a recipe must be a YAML mapping")
+            return None
+        self.unknown_keys(raw, "")
+        name = raw.get("name", NO_VALUE)
+        if name is NO_VALUE:
+            self.err("name", NO_VALUE, "is required")
+        elif not isinstance(name, str) or not NAME_RE.match(name):
+            self.err("name", name, "must match [a-z0-9][a-z0-9._-]* (it names the bundle folder)")
+        version = raw.get("version", NO_VALUE)
+        if version is NO_VALUE:
+            self.err("version", NO_VALUE, "is required")
+        elif not isinstance(version, str) or not SEMVER_RE.match(version):
+            self.err("version", version, "must be a semantic version string such as '0.1.0' (quote it in YAML)")
+
+        serving = self.serving(self.section(raw, "serving", "serving", required=True))
+        model, cfg = self.model(self.section(raw, "model", "model", required=True))
+        nc = self.section(raw, "neuron_config", "neuron_config", required=True)
+        par = self.section(raw, "parallel", "parallel")
+        parallel = {k: self.integer(par, k, f"parallel.{k}", default=1) for k in ("tp", "dp", "ep")}
+        num_seqs, ctx = self.buckets(nc, serving)
+        gk = self.boolean(nc, "gk_decode", "neuron_config.gk_decode", True)
+        fp8 = self.boolean(nc, "fp8_packed_kv", "neuron_config.fp8_packed_kv", False)
+        lnc = nc.get("lnc", 1)
+        if isinstance(lnc, bool) or lnc not in (1, 2):
+            self.err("neuron_config.lnc", lnc, "must be 1 or 2 (logical NeuronCore config)")
+            lnc = 1
+        spec = self.speculative(raw, cfg)
+        comp = self.section(raw, "compiler", "compiler")
+        backend = self.choice(comp, "backend", "compiler.backend", BACKENDS, "auto")
+        target = self.choice(comp, "target", "compiler.target", TARGETS, "trn2")
+        optlevel = comp.get("optlevel", 2)
+        if isinstance(optlevel, bool) or optlevel not in (1, 2, 3):
+            self.err("compiler.optlevel", optlevel, "must be 1, 2 or 3")
+            optlevel = 2
+        flags = comp.get("flags", [])
+        if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+            self.err("compiler.flags", flags, "must be a list of strings")
+            flags = []
+        bld = self.section(raw, "build", "build")
+        jobs = self.integer(bld, "jobs", "build.jobs", default=None)
+        cache_dir = bld.get("cache_dir")
+        if cache_dir is not None and not isinstance(cache_dir, str):
+            self.err("build.cache_dir", cache_dir, "must be a path string")
+            cache_dir = None
+        if cache_dir:
+            cache_dir = Path(cache_dir).expanduser()
+            cache_dir = cache_dir if cache_dir.is_absolute() else self.base_dir / cache_dir
+
+        if cfg is not None:
+            self.cross_checks(cfg, serving, parallel, ctx, gk, spec)
+        if self.problems:
+            return None
+        return Recipe(
+            name=name, version=version, model=model,
+            max_model_len=serving["max_model_len"], max_num_seqs=serving["max_num_seqs"],
+            block_size=serving["block_size"], num_blocks=serving["num_blocks"],
+            num_seqs_buckets=tuple(num_seqs), decode_context_length_buckets=tuple(ctx),
+            gk_decode=gk, fp8_packed_kv=fp8, lnc=lnc, speculative=spec,
+            backend=backend, target=target, optlevel=optlevel, flags=tuple(flags),
+            jobs=jobs, cache_dir=cache_dir, source=self.source, warnings=tuple(self.warnings),
+            **parallel,
+        )
+
+    def serving(self, s: dict) -> dict:
+        return {k: self.integer(s, k, f"serving.{k}") for k in ("max_model_len", "max_num_seqs", "block_size", "num_blocks")}
+
+    def model(self, m: dict):
+        arch = m.get("arch", NO_VALUE)
+        if arch is NO_VALUE:
+            self.err("model.arch", NO_VALUE, "is required")
+        elif arch not in KNOWN_ARCHS:
+            hint = difflib.get_close_matches(str(arch), KNOWN_ARCHS, n=1)
+            self.err("model.arch", arch, f"unknown architecture; known: {', '.join(KNOWN_ARCHS)}"
+                     + (f"; did you mean {hint[0]!r}?" if hint else ""))
+        has_ck, has_seed = "checkpoint" in m, "random_seed" in m
+        checkpoint = seed = None
+        if has_ck == has_seed:
+            self.err("model", NO_VALUE, "set exactly one of model.checkpoint (a folder) or model.random_seed (an int)")
+        if has_ck:
+            checkpoint = self.path_value(m["checkpoint"], "model.checkpoint", want_dir=True)
+        if has_seed:
+            seed = self.check_int(m["random_seed"], "model.random_seed", minimum=0)
+        hf = self.hf_config(m.get("config"), "model.config", checkpoint)
+        if hf is None:
+            return None, None
+        cfg = self.arch_config(hf, "model.config")
+        return ModelSpec(arch=arch if isinstance(arch, str) else "", hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
+
+    def hf_config(self, value, path: str, checkpoint: Path | None) -> dict | None:
+        if value is None:
+            if checkpoint is None:
+                self.err(path, NO_VALUE, "is required with random_seed (inline keys or a path to config.json)")
+                return None
+            value_path = checkpoint / "config.json"
+            if not value_path.is_file():
+                self.err(path, NO_VALUE, f"not given and {value_path} does not exist")
+                return None
+            return self._read_json(value_path, path)
+        if isinstance(value, str):
+            p = self.path_value(value, path, want_dir=False)
+            if p is None:
+                return None
+            if p.is_dir():
+                p = p / "config.json"
+            return self._read_json(p, path)
+        if isinstance(value, dict):
+            return dict(value)
+        self.err(path, value, "must be a mapping of Hugging Face config keys or a path to config.json")
+        return None
+
+    def _read_json(self, p: Path, path: str) -> dict | None:
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            self.err(path, str(p), f"is not a readable JSON file: {exc}")
+            return None
+        if not isinstance(data, dict):
+            self.err(path, str(p), "must hold a JSON object")
+            return None
+        return data
+
+    def arch_config(self, hf: dict, path: str) -> GptOssConfig | None:
+        ok = True
+        for key in GptOssConfig.INT_FIELDS:
+            if key in hf and self.check_int(hf[key], f"{path}.{key}") is None:
+                ok = False
+        sw = hf.get("sliding_window")
+        if sw is not None and self.check_int(sw, f"{path}.sliding_window") is None:
+            ok = False
+        types = hf.get("layer_types")
+        if types is not None and (not isinstance(types, list) or any(t not in (SLIDING, FULL) for t in types)):
+            self.err(f"{path}.layer_types", types, f"must be a list of {SLIDING!r} / {FULL!r}")
+            ok = False
+        if not ok:
+            return None
+        cfg = GptOssConfig.from_hf_dict(hf)
+        if len(cfg.layer_types) != cfg.num_hidden_layers:
+            self.err(f"{path}.layer_types", len(cfg.layer_types), f"must have num_hidden_layers ({cfg.num_hidden_layers}) entries")
+            return None
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            self.err(f"{path}.num_attention_heads", cfg.num_attention_heads,
+                     f"must be a multiple of num_key_value_heads ({cfg.num_key_value_heads})")
+        if cfg.num_experts_per_tok > cfg.num_local_experts:
+            self.err(f"{path}.num_experts_per_tok", cfg.num_experts_per_tok,
+                     f"must be <= num_local_experts ({cfg.num_local_experts})")
+        return cfg
+
+    def int_list(self, value, path: str) -> list[int] | None:
+        if not isinstance(value, list):
+            self.err(path, value, "must be a list of integers")
+            return None
+        if not value:
+            self.err(path, value, "must not be empty")
+            return None
+        out, ok = [], True
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, int):
+                self.err(f"{path}[{i}]", item, "must be an integer")
+                ok = False
+            elif item <= 0:
+                self.err(f"{path}[{i}]", item, "must be > 0")
+                ok = False
+            else:
+                out.append(item)
+        if not ok:
+            return None
+        for i in range(1, len(out)):
+            if out[i] <= out[i - 1]:
+                self.err(f"{path}[{i}]", out[i], f"must be strictly ascending (previous is {out[i - 1]})")
+                ok = False
+        return out if ok else None
+
+    def buckets(self, nc: dict, serving: dict):
+        mns, mml = serving["max_num_seqs"], serving["max_model_len"]
+        path = "neuron_config.num_seqs_buckets"
+        if "num_seqs_buckets" in nc:
+            num_seqs = self.int_list(nc["num_seqs_buckets"], path)
+            if num_seqs and mns is not None and num_seqs[-1] != mns:
+                self.err(f"{path}[{len(num_seqs) - 1}]", num_seqs[-1], f"the last bucket must equal serving.max_num_seqs ({mns})")
+        else:
+            num_seqs = default_num_seqs_buckets(mns) if mns else None
+        path = "neuron_config.decode_context_length_buckets"
+        if "decode_context_length_buckets" not in nc:
+            self.err(path, NO_VALUE, f"is required (a list of multiples of {P_MAX}; [max_model_len] means fallback only)")
+            return num_seqs, None
+        ctx = self.int_list(nc["decode_context_length_buckets"], path)
+        if ctx is None:
+            return num_seqs, None
+        ok = True
+        for i, c in enumerate(ctx):
+            if c % P_MAX:
+                self.err(f"{path}[{i}]", c, f"must be divisible by {P_MAX} (the attention tile)")
+                ok = False
+            elif mml is not None and c > mml:
+                self.err(f"{path}[{i}]", c, f"must be <= serving.max_model_len ({mml})")
+                ok = False
+        if not ok:
+            return num_seqs, None
+        for c in ctx:
+            if c & (c - 1):
+                self.warnings.append(
+                    f"{path}: {c} is not a power of two; non-power-of-two buckets measured up to 1.87x slower (1920 vs 2048)"
+                )
+        if mml is not None and ctx and ctx[-1] == mml:
+            ctx = ctx[:-1]  # folded into the always-compiled fallback
+        return num_seqs, ctx
+
+    def speculative(self, raw: dict, cfg: GptOssConfig | None) -> Speculative | None:
+        s = self.section(raw, "speculative", "speculative")
+        if not s:
+            return None
+        method = self.choice(s, "method", "speculative.method", SPEC_METHODS, "eagle3")
+        k = self.integer(s, "num_speculative_tokens", "speculative.num_speculative_tokens")
+        d = self.section(s, "draft", "speculative.draft")
+        ck = seed = None
+        if ("checkpoint" in d) == ("random_seed" in d):
+            self.err("speculative.draft", NO_VALUE, "set exactly one of draft.checkpoint or draft.random_seed")
+        if "checkpoint" in d:
+            ck = self.path_value(d["checkpoint"], "speculative.draft.checkpoint", want_dir=True)
+        if "random_seed" in d:
+            seed = self.check_int(d["random_seed"], "speculative.draft.random_seed", minimum=0)
+        draft_cfg = d.get("config")
+        if draft_cfg is None and ck is not None and (ck / "config.json").is_file():
+            draft_cfg = self._read_json(ck / "config.json", "speculative.draft.config")
+        if draft_cfg is None and cfg is not None:
+            # Derived from the target: same widths and heads, one layer.
+            draft_cfg = dict(cfg.to_hf_dict(), num_hidden_layers=1, layer_types=[FULL])
+        if draft_cfg is not None and not isinstance(draft_cfg, dict):
+            self.err("speculative.draft.config", draft_cfg, "must be a mapping of Hugging Face config keys")
+            draft_cfg = None
+        if k is None:
+            return None
+        return Speculative(method, k, ck, seed, draft_cfg or {})
+
+    def cross_checks(self, cfg: GptOssConfig, serving: dict, par: dict, ctx, gk: bool, spec) -> None:
+        """Rules across sections; each runs only when the values it needs are themselves valid."""
+        mml, bs, nb, mns = serving["max_model_len"], serving["block_size"], serving["num_blocks"], serving["max_num_seqs"]
+        tp, ep = par["tp"], par["ep"]
+        if tp and cfg.num_attention_heads % tp:
+            self.err("parallel.tp", tp, f"must divide model.config.num_attention_heads ({cfg.num_attention_heads})")
+        if tp and cfg.num_key_value_heads % tp:
+            self.err("parallel.tp", tp, f"must divide model.config.num_key_value_heads ({cfg.num_key_value_heads})")
+        if ep and cfg.num_local_experts % ep:
+            self.err("parallel.ep", ep, f"must divide model.config.num_local_experts ({cfg.num_local_experts})")
+        if mml and mml > cfg.max_position_embeddings:
+            self.err("serving.max_model_len", mml,
+                     f"must be <= model.config.max_position_embeddings ({cfg.max_position_embeddings})")
+        if mml and bs and nb:
+            if nb * bs < mml:
+                self.err("serving.num_blocks", nb,
+                         f"num_blocks * block_size ({nb * bs}) must hold one full-length sequence (max_model_len {mml})")
+            elif mns and nb * bs < mns * mml:
+                self.warnings.append(
+                    f"serving.num_blocks: {nb} blocks of {bs} hold {nb * bs} tokens, fewer than max_num_seqs x "
+                    f"max_model_len ({mns * mml}); long requests will queue"
+                )
+        if gk:
+            self.gk_layout(cfg)
+        if cfg.has_sliding_layers and bs:
+            if bs > P_MAX:
+                self.err("serving.block_size", bs, f"must be <= {P_MAX} for models with sliding-window layers")
+            elif ctx and mml:
+                width = num_swa_blocks(cfg.sliding_window, bs, mml) * bs
+                for i, c in enumerate(ctx):
+                    if c < width:
+                        self.err(f"neuron_config.decode_context_length_buckets[{i}]", c,
+                                 f"must be >= the sliding-window table width ({width} tokens = num_swa x block_size)")
+        if ctx and bs:
+            for i, c in enumerate(ctx):
+                if c % bs:
+                    self.err(f"neuron_config.decode_context_length_buckets[{i}]", c,
+                             f"must be a multiple of serving.block_size ({bs})")
+        if spec is not None and mml and mml <= spec.num_speculative_tokens + 1:
+            self.err("speculative.num_speculative_tokens", spec.num_speculative_tokens,
+                     f"leaves no room in max_model_len ({mml})")
+
+    def gk_layout(self, cfg: GptOssConfig) -> None:
+        L = cfg.num_hidden_layers
+        if L % 2:
+            self.err("model.config.num_hidden_layers", L, "must be even for gk_decode (layers pair up on KV buffers)")
+        for i, t in enumerate(cfg.layer_types):
+            want = SLIDING if i % 2 == 0 else FULL
+            if t != want:
+                self.err(f"model.config.layer_types[{i}]", t, f"must be {want!r} for gk_decode (even layers sliding, odd full)")

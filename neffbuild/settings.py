@@ -1,0 +1,30 @@
+"""The only module that reads environment variables.
+
+NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild)
+NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
+NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    value = os.environ.get("NEFFBUILD_CACHE_DIR")
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "neffbuild"
+
+
+def default_jobs() -> int:
+    value = os.environ.get("NEFFBUILD_JOBS")
+    if value and value.isdigit() and int(value) > 0:
+        return int(value)
+    return os.cpu_count() or 1
+
+
+def log_level() -> str:
+    return os.environ.get("NEFFBUILD_LOG", "WARNING").upper()

@@ -1,0 +1,235 @@
+"""Recipe validation: a table of (fragment, expected path, expected message)."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from neffbuild import recipe as R
+from neffbuild.errors import InvalidInput, RecipeError
+from tests.conftest import ROOT, TINY
+
+BASE = yaml.safe_load(TINY.read_text())
+
+
+def patched(path: str, value):
+    raw = copy.deepcopy(BASE)
+    keys = path.split(".")
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    if value is DELETE:
+        node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = value
+    return raw
+
+
+DELETE = object()
+CTX = "neuron_config.decode_context_length_buckets"
+NS = "neuron_config.num_seqs_buckets"
+
+CASES = [
+    # (dotted key to patch, new value, expected error path, substring of the message)
+    (CTX, 256, CTX, "must be a list"),
+    (CTX, [], CTX, "must not be empty"),
+    (CTX, [128, True], f"{CTX}[1]", "must be an integer"),
+    (CTX, [128, 256.0], f"{CTX}[1]", "must be an integer"),
+    (CTX, ["128"], f"{CTX}[0]", "must be an integer"),
+    (CTX, [-128, 256], f"{CTX}[0]", "must be > 0"),
+    (CTX, [0, 256], f"{CTX}[0]", "must be > 0"),
+    (CTX, [256, 128], f"{CTX}[1]", "strictly ascending"),
+    (CTX, [128, 128], f"{CTX}[1]", "strictly ascending"),
+    (CTX, [128, 300], f"{CTX}[1]", "divisible by 128"),
+    (CTX, [128, 1024], f"{CTX}[1]", "<= serving.max_model_len"),
+    (CTX, DELETE, CTX, "is required"),
+    (NS, [], NS, "must not be empty"),
+    (NS, [1, 2, 3], f"{NS}[2]", "must equal serving.max_num_seqs"),
+    (NS, [0, 4], f"{NS}[0]", "must be > 0"),
+    (NS, [True, 4], f"{NS}[0]", "must be an integer"),
+    (NS, [2, 1, 4], f"{NS}[1]", "strictly ascending"),
+    ("serving.block_size", 256, "serving.block_size", "must be <= 128"),
+    ("serving.block_size", "16", "serving.block_size", "must be an integer"),
+    ("serving.max_num_seqs", 0, "serving.max_num_seqs", "positive integer"),
+    ("serving.max_model_len", True, "serving.max_model_len", "must be an integer"),
+    ("serving.num_blocks", 16, "serving.num_blocks", "full-length sequence"),
+    ("serving.max_model_len", 8192, "serving.max_model_len", "max_position_embeddings"),
+    ("serving.block_size", DELETE, "serving.block_size", "is required"),
+    ("model.config.sliding_window", 256, f"{CTX}[0]", "sliding-window table width"),
+    ("parallel.tp", 3, "parallel.tp", "num_attention_heads"),
+    ("parallel.tp", 4, "parallel.tp", "num_key_value_heads"),
+    ("parallel.ep", 3, "parallel.ep", "num_local_experts"),
+    ("parallel.dp", 0, "parallel.dp", "positive integer"),
+    ("model.config.num_hidden_layers", 3, "model.config.num_hidden_layers", "must be even"),
+    ("model.config.layer_types", ["sliding_attention", "full_attention"], "model.config.layer_types", "num_hidden_layers"),
+    ("model.config.layer_types", ["full_attention", "sliding_attention"] * 2, "model.config.layer_types[0]", "gk_decode"),
+    ("model.config.layer_types", ["sliding_attention", "nope"], "model.config.layer_types", "must be a list of"),
+    ("model.config.num_attention_heads", 3, "model.config.num_attention_heads", "multiple of num_key_value_heads"),
+    ("model.config.hidden_size", -1, "model.config.hidden_size", "positive integer"),
+    ("model.config.head_dim", "16", "model.config.head_dim", "must be an integer"),
+    ("model.config.num_experts_per_tok", 8, "model.config.num_experts_per_tok", "num_local_experts"),
+    ("model.arch", "llama", "model.arch", "unknown architecture"),
+    ("model.arch", "gpt-oss", "model.arch", "did you mean 'gpt_oss'"),
+    ("model.checkpoint", "/nonexistent/ckpt", "model.checkpoint", "does not exist"),
+    ("model.random_seed", DELETE, "model", "exactly one of"),
+    ("model.random_seed", -1, "model.random_seed", "must be >= 0"),
+    ("neuron_config.lnc", 3, "neuron_config.lnc", "must be 1 or 2"),
+    ("neuron_config.lnc", True, "neuron_config.lnc", "must be 1 or 2"),
+    ("neuron_config.gk_decode", "yes", "neuron_config.gk_decode", "true or false"),
+    ("neuron_config.fp8_packed_kv", 1, "neuron_config.fp8_packed_kv", "true or false"),
+    ("neuron_config.decode_context_lenght_buckets", [128], "neuron_config.decode_context_lenght_buckets",
+     "did you mean 'decode_context_length_buckets'"),
+    ("serving.max_modle_len", 5, "serving.max_modle_len", "did you mean 'max_model_len'"),
+    ("compiler.backend", "inductr", "compiler.backend", "did you mean 'inductor'"),
+    ("compiler.target", "trn3", "compiler.target", "must be one of"),
+    ("compiler.optlevel", 4, "compiler.optlevel", "1, 2 or 3"),
+    ("compiler.flags", "-O2", "compiler.flags", "list of strings"),
+    ("build.jobs", 0, "build.jobs", "positive integer"),
+    ("name", "Bad Name", "name", "must match"),
+    ("version", 1.0, "version", "semantic version"),
+    ("version", DELETE, "version", "is required"),
+    ("speculative", {"method": "eagle3", "num_speculative_tokens": 0, "draft": {"random_seed": 1}},
+     "speculative.num_speculative_tokens", "positive integer"),
+    ("speculative", {"method": "medusa", "num_speculative_tokens": 2, "draft": {"random_seed": 1}},
+     "speculative.method", "must be one of"),
+    ("speculative", {"method": "eagle3", "num_speculative_tokens": 2, "draft": {}},
+     "speculative.draft", "exactly one of"),
+    ("serving", [1], "serving", "must be a mapping"),
+    ("nonsense", 1, "nonsense", "unknown key"),
+]
+
+
+@pytest.mark.parametrize("key,value,path,message", CASES, ids=[f"{c[0]}={c[1]!r}"[:60] for c in CASES])
+def test_validation_rule(key, value, path, message):
+    with pytest.raises(RecipeError) as info:
+        R.from_dict(patched(key, value))
+    problems = info.value.problems
+    hits = [p for p in problems if p.path == path and message in str(p)]
+    assert hits, f"expected {path}: ...{message}...; got {[str(p) for p in problems]}"
+
+
+def test_error_text_names_path_value_and_rule():
+    with pytest.raises(RecipeError) as info:
+        R.from_dict(patched(CTX, [128, 3000]))
+    assert f"{CTX}[1]: got 3000, must be divisible by 128 (the attention tile)" in str(info.value)
+
+
+def test_gk_off_allows_any_layer_order():
+    raw = patched("model.config.layer_types", ["full_attention", "sliding_attention"] * 2)
+    raw["neuron_config"]["gk_decode"] = False
+    R.from_dict(raw)
+
+
+def test_all_errors_at_once():
+    raw = patched(CTX, [256, 128])
+    raw["serving"]["block_size"] = "16"
+    raw["parallel"]["tp"] = 3
+    with pytest.raises(RecipeError) as info:
+        R.from_dict(raw)
+    paths = {p.path for p in info.value.problems}
+    assert {f"{CTX}[1]", "serving.block_size", "parallel.tp"} <= paths
+
+
+def test_last_bucket_equal_to_max_model_len_is_folded():
+    r = R.from_dict(patched(CTX, [128, 512]))
+    assert r.decode_context_length_buckets == (128,)
+    r = R.from_dict(patched(CTX, [512]))
+    assert r.decode_context_length_buckets == ()
+
+
+@pytest.mark.parametrize("mns,expected", [(8, (1, 2, 4, 8)), (6, (1, 2, 4, 6)), (1, (1,)), (4, (1, 2, 4))])
+def test_default_num_seqs_buckets(mns, expected):
+    raw = patched(NS, DELETE)
+    raw["serving"]["max_num_seqs"] = mns
+    assert R.from_dict(raw).num_seqs_buckets == expected
+
+
+def test_non_power_of_two_bucket_warns():
+    raw = patched(CTX, [128, 384])
+    r = R.from_dict(raw)
+    assert any("384" in w and "1.87x" in w for w in r.warnings)
+
+
+def test_few_blocks_warns():
+    r = R.from_dict(patched("serving.num_blocks", 64))
+    assert any("num_blocks" in w for w in r.warnings)
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nserving: {max_model_len: 5\nversion: 1\n")
+    with pytest.raises(InvalidInput, match=r"line \d+, column \d+"):
+        R.load(p)
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("name: a\nname: b\n")
+    with pytest.raises(InvalidInput, match="duplicate key 'name'"):
+        R.load(p)
+
+
+def test_relative_paths_resolve_against_recipe_folder(tmp_path):
+    (tmp_path / "ck").mkdir()
+    cfg = dict(BASE["model"]["config"])
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    raw = copy.deepcopy(BASE)
+    raw["model"] = {"arch": "gpt_oss", "checkpoint": "ck"}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    r = R.load(tmp_path / "r.yaml")
+    assert r.model.checkpoint == (tmp_path / "ck").resolve()
+    assert r.model.config.hidden_size == 64
+
+
+def test_normalised_recipe_round_trips_and_hash_is_stable():
+    r = R.from_dict(copy.deepcopy(BASE))
+    again = R.from_dict(yaml.safe_load(r.to_yaml()))
+    assert again.sha256() == r.sha256()
+    assert again == r
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-tiny", "gpt-oss-small", "gpt-oss-120b-di-decode"])
+def test_shipped_recipes_validate(name):
+    R.load(ROOT / "recipes" / f"{name}.yaml")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_validate_three_mistakes(tmp_path):
+    raw = patched(CTX, [256, 128])
+    raw["serving"]["block_size"] = "16"
+    raw["parallel"]["tpp"] = 2
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    res = _cli("validate", str(p))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    for needle in (f"{CTX}[1]", "serving.block_size", "parallel.tpp", "did you mean 'tp'"):
+        assert needle in res.stderr
+    res = _cli("validate", str(p), "--json")
+    doc = json.loads(res.stdout)
+    assert res.returncode == 2 and doc["valid"] is False and len(doc["errors"]) == 3
+
+
+def test_cli_validate_ok_json():
+    res = _cli("validate", str(TINY), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"valid": True, "errors": [], "warnings": []}
+
+
+def test_cli_missing_file_is_usage_error():
+    res = _cli("validate", "/nope.yaml")
+    assert res.returncode == 2 and "not found" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_plan_json_neuron_recipe_without_sdk():
+    res = _cli("plan", str(ROOT / "recipes" / "gpt-oss-120b-di-decode.yaml"), "--json", "--no-cache")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["count"] == 48 and len(doc["targets"]) == 48
+    assert {t["family"] for t in doc["targets"]} == {"target_spec", "target_nospec", "draft"}
