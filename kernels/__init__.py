@@ -1,0 +1,16 @@
+"""Traceable decode kernels in plain PyTorch ops.
+
+No data-dependent Python control flow and no ``.item()``: every function exports with
+``torch.export`` for any static shape. The graphs in ``neffbuild.models`` call them.
+"""
+
+from kernels.attention import paged_attention, sdpa_with_sinks
+from kernels.kv import gather_blocks, pack_k_fp8_view, write_kv
+from kernels.moe import moe, swiglu
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope, rope_cos_sin, yarn_inv_freq
+
+__all__ = [
+    "paged_attention", "sdpa_with_sinks", "gather_blocks", "pack_k_fp8_view", "write_kv",
+    "moe", "swiglu", "rms_norm", "apply_rope", "rope_cos_sin", "yarn_inv_freq",
+]

@@ -1,0 +1,104 @@
+"""The GPT-OSS giga-kernel (GK) decode step: all layers in one traceable graph.
+
+Layers pair up: layer ``2j`` is sliding-window, layer ``2j+1`` full attention, and both
+use KV buffer ``j`` (``[2, num_blocks, kv_heads, block_size, head_dim]``, K then V), each
+through its own block table: the full layer through the head-trimmed table, the sliding
+layer through the tail-trimmed one with ``swa_kv_pos_offset``. The weights are module
+buffers stacked on ``[L, ...]``; export turns them into constants that the inductor
+backend leaves out of the artifact and binds at load time.
+
+KV reaches the caller by in-place mutation of the cache inputs: ``torch.export`` records
+the write as an input mutation and the AOTInductor artifact performs it on the caller's
+tensor (checked in tests/test_gpt_oss.py::test_aoti_matches_eager), so no KV is copied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import apply_rope, moe, paged_attention, rms_norm, rope_cos_sin, write_kv, yarn_inv_freq
+from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
+from neffbuild.models.gpt_oss.weights import STACKED_NAMES
+
+
+def attention_inputs(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, cos, sin):
+    """Norm, fused QKV projection and RoPE for layer i. x [B, S, H] -> q [B,S,Hq,d], k, v [B,S,Hk,d]."""
+    d, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h = rms_norm(x, w["ln_attn"][i], cfg.rms_norm_eps)
+    qkv = h @ w["qkv_w"][i].t() + w["qkv_b"][i]
+    B, S = x.shape[:2]
+    q, k, v = qkv.split([Hq * d, Hk * d, Hk * d], dim=-1)
+    q, k, v = q.view(B, S, Hq, d), k.view(B, S, Hk, d), v.view(B, S, Hk, d)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output_and_mlp(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """o-proj + residual, then the MoE block + residual. x [B, S, H]; attn [B, S, Hq*d]."""
+    x = x + attn @ w["o_w"][i].t() + w["o_b"][i]
+    h = rms_norm(x, w["ln_mlp"][i], cfg.rms_norm_eps)
+    B, S, H = h.shape
+    out = moe(h.reshape(B * S, H), w["router_w"][i], w["router_b"][i], w["gate_up_w"][i], w["gate_up_b"][i],
+              w["down_w"][i], w["down_b"][i], cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
+    return x + out.view(B, S, H)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """Layers whose outputs EAGLE3 drafts from: early, middle, late."""
+    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
+
+
+class GptOssDecode(nn.Module):
+    """One decode step over all layers; KV written in place into ``kv_caches``."""
+
+    def __init__(self, cfg: GptOssConfig, stacked: dict[str, torch.Tensor], *, packed_k: bool = False,
+                 aux_layers: tuple[int, ...] | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.packed_k = packed_k
+        self.aux_layers = tuple(aux_layers) if aux_layers else ()
+        self.window = cfg.sliding_window
+        for name in STACKED_NAMES:
+            self.register_buffer(name, stacked[name], persistent=True)
+        inv_freq, self.rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # (layer, KV buffer, attention kind): decided once here, never inside forward.
+        self.layer_plan = [(i, i // 2, kind) for i, kind in enumerate(cfg.layer_types)]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in STACKED_NAMES}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, q] int64
+        positions: torch.Tensor,  # [B, q] absolute
+        block_table: torch.Tensor,  # [B, W] head-trimmed full-attention table
+        block_table_swa: torch.Tensor,  # [B, W_swa] tail-trimmed sliding-window table
+        swa_kv_pos_offset: torch.Tensor,  # [B] absolute position of block_table_swa[:, 0]
+        slot_mapping: torch.Tensor,  # [B*q] full-group write slots (-1 = pad, skipped)
+        slot_mapping_swa: torch.Tensor,  # [B*q] sliding-group write slots
+        kv_caches: tuple[torch.Tensor, ...],  # G x [2, num_blocks, kv_heads, block_size, head_dim]
+    ):
+        cfg, w = self.cfg, self.weights()
+        B, S = input_ids.shape
+        x = w["embed"][input_ids]  # [B, q, H]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # [B, q, d/2]
+        frames = {  # kind -> (block table, kv position offset, write slots, window)
+            SLIDING: (block_table_swa, swa_kv_pos_offset, slot_mapping_swa, self.window),
+            FULL: (block_table, torch.zeros_like(swa_kv_pos_offset), slot_mapping, None),
+        }
+        hidden = []
+        for i, buf, kind in self.layer_plan:
+            table, offset, slots, window = frames[kind]
+            cache = kv_caches[buf]
+            q, k, v = attention_inputs(cfg, w, i, x, cos, sin)
+            write_kv(cache[0], slots, k.reshape(B * S, *k.shape[2:]), self.packed_k)
+            write_kv(cache[1], slots, v.reshape(B * S, *v.shape[2:]), False)
+            attn = paged_attention(q, cache[0], cache[1], table, positions, offset, w["sinks"][i],
+                                   cfg.attention_scale, window, self.packed_k)
+            x = attention_output_and_mlp(cfg, w, i, x, attn)
+            hidden.append(x)
+        logits = rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()  # [B, q, V]
+        if self.aux_layers:
+            return logits, torch.cat([hidden[i] for i in self.aux_layers], dim=-1)  # aux [B, q, 3H]
+        return logits

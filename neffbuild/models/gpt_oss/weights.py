@@ -1,0 +1,199 @@
+"""GPT-OSS weights: checkpoint names, MXFP4 dequantisation, random init, GK stacking, sharding.
+
+Every checkpoint name lives here. The GK decode graph sees only the stacked layout: one
+tensor per kind with a leading ``[num_layers, ...]`` axis, built once on the host.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from neffbuild.errors import InvalidInput
+from neffbuild.models.gpt_oss.config import GptOssConfig
+
+# FP4 (e2m1) code points, indexed by the 4-bit nibble.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+MXFP4_SCALE_BIAS = 127
+
+# Stacked GK names -> per-layer checkpoint name pattern (None: not per layer).
+LAYER_KEYS = {
+    "ln_attn": "model.layers.{i}.input_layernorm.weight",
+    "ln_mlp": "model.layers.{i}.post_attention_layernorm.weight",
+    "sinks": "model.layers.{i}.self_attn.sinks",
+    "o_w": "model.layers.{i}.self_attn.o_proj.weight",
+    "o_b": "model.layers.{i}.self_attn.o_proj.bias",
+    "router_w": "model.layers.{i}.mlp.router.weight",
+    "router_b": "model.layers.{i}.mlp.router.bias",
+    "gate_up_w": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "gate_up_b": "model.layers.{i}.mlp.experts.gate_up_proj_bias",
+    "down_w": "model.layers.{i}.mlp.experts.down_proj",
+    "down_b": "model.layers.{i}.mlp.experts.down_proj_bias",
+}
+QKV = ("q_proj", "k_proj", "v_proj")
+GLOBAL_KEYS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+STACKED_NAMES = tuple(GLOBAL_KEYS) + ("qkv_w", "qkv_b") + tuple(LAYER_KEYS)
+
+
+# ----------------------------------------------------------------------------- MXFP4
+
+
+def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """MXFP4 -> dense. blocks [..., G, 16] uint8 (low nibble first), scales [..., G] uint8 (2^(s-127)).
+
+    Returns [..., G * 32]: each group of 32 values shares one power-of-two scale.
+    """
+    if blocks.shape[:-1] != scales.shape:
+        raise InvalidInput(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match")
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    b = blocks.to(torch.uint8)
+    lo, hi = lut[(b & 0x0F).long()], lut[(b >> 4).long()]
+    vals = torch.stack([lo, hi], dim=-1).flatten(-2)  # [..., G, 32]
+    exp = scales.to(torch.int32) - MXFP4_SCALE_BIAS
+    vals = torch.ldexp(vals, exp.unsqueeze(-1).to(dtype))
+    return vals.flatten(-2)
+
+
+def quant_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [..., K] (K % 32 == 0) -> (blocks, scales), rounding to the nearest FP4 code.
+
+    Used to write test checkpoints in the real GPT-OSS layout.
+    """
+    *prefix, K = dense.shape
+    groups = dense.float().reshape(*prefix, K // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.pow(2.0, exp).unsqueeze(-1)
+    lut = torch.tensor(FP4_VALUES)
+    codes = (scaled.unsqueeze(-1) - lut).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + MXFP4_SCALE_BIAS).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise InvalidInput(f"{index}: not a safetensors index ({exc})") from None
+        files = sorted({folder / f for f in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise InvalidInput(f"{folder}: no *.safetensors files (expected a Hugging Face checkpoint folder)")
+    for f in files:
+        if not f.is_file():
+            raise InvalidInput(f"{f}: listed in the index but missing")
+    return files
+
+
+def load_checkpoint(folder: str | Path, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """HF-layout state dict (single file or sharded), MXFP4 experts dequantised to ``dtype``."""
+    raw: dict[str, torch.Tensor] = {}
+    for f in _checkpoint_files(Path(folder)):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                raw[k] = fh.get_tensor(k)
+    out = {}
+    for k, t in raw.items():
+        if k.endswith(MXFP4_SCALES):
+            continue
+        if k.endswith(MXFP4_BLOCKS):
+            base = k[: -len(MXFP4_BLOCKS)]
+            scales = raw.get(base + MXFP4_SCALES)
+            if scales is None:
+                raise InvalidInput(f"{folder}: {k} has no matching {base + MXFP4_SCALES}")
+            # [E, out, G, 16] -> [E, out, in] -> transposed to the [E, in, out] the model multiplies by.
+            out[base] = dequant_mxfp4(t, scales, dtype).transpose(1, 2).contiguous()
+        else:
+            out[k] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[str, torch.Tensor]:
+    """HF-named random weights. std is large enough that greedy decoding is not degenerate."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=std):
+        return torch.randn(*shape, generator=g) * scale
+
+    H, d, E, I = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts, cfg.intermediate_size
+    Hq, Hk = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    sd = {
+        GLOBAL_KEYS["embed"]: rnd(cfg.vocab_size, H, scale=1.0),
+        GLOBAL_KEYS["norm"]: 1 + rnd(H, scale=0.1),
+        GLOBAL_KEYS["lm_head"]: rnd(cfg.vocab_size, H),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name, rows in zip(QKV, (Hq, Hk, Hk)):
+            sd[f"{p}self_attn.{name}.weight"] = rnd(rows, H)
+            sd[f"{p}self_attn.{name}.bias"] = rnd(rows, scale=0.05)
+        shapes = {
+            "ln_attn": (H,), "ln_mlp": (H,), "sinks": (cfg.num_attention_heads,), "o_w": (H, Hq), "o_b": (H,),
+            "router_w": (E, H), "router_b": (E,), "gate_up_w": (E, H, 2 * I), "gate_up_b": (E, 2 * I),
+            "down_w": (E, I, H), "down_b": (E, H),
+        }
+        for key, shape in shapes.items():
+            t = rnd(*shape)
+            sd[LAYER_KEYS[key].format(i=i)] = 1 + 0.5 * t if key.startswith("ln") else t
+    return sd
+
+
+# ----------------------------------------------------------------------------- stacking
+
+
+def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF state dict -> GK layout: per-layer tensors stacked once on a leading [L, ...] axis."""
+    L = cfg.num_hidden_layers
+
+    def get(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise InvalidInput(f"checkpoint is missing tensor {name!r}")
+        return sd[name]
+
+    out = {k: get(v).contiguous() for k, v in GLOBAL_KEYS.items()}
+    out["qkv_w"] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.weight") for n in QKV]) for i in range(L)])
+    out["qkv_b"] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.bias") for n in QKV]) for i in range(L)])
+    for key, pattern in LAYER_KEYS.items():
+        out[key] = torch.stack([get(pattern.format(i=i)) for i in range(L)]).contiguous()
+    return out
+
+
+def shard(cfg: GptOssConfig, stacked: dict[str, torch.Tensor], *, tp: int, ep: int, tp_rank: int, ep_rank: int):
+    """The slice of the stacked weights one (tp_rank, ep_rank) holds.
+
+    Attention is split by heads (q, k, v rows; o-proj columns; sinks); experts by ep.
+    The o-proj bias stays on tp rank 0 so the all-reduce adds it once.
+    """
+    d, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q_per, k_per, e_per = Hq // tp, Hk // tp, cfg.num_local_experts // ep
+    qs = slice(tp_rank * q_per * d, (tp_rank + 1) * q_per * d)
+    ks = slice(Hq * d + tp_rank * k_per * d, Hq * d + (tp_rank + 1) * k_per * d)
+    vs = slice((Hq + Hk) * d + tp_rank * k_per * d, (Hq + Hk) * d + (tp_rank + 1) * k_per * d)
+    es = slice(ep_rank * e_per, (ep_rank + 1) * e_per)
+    out = dict(stacked)
+    out["qkv_w"] = torch.cat([stacked["qkv_w"][:, s] for s in (qs, ks, vs)], dim=1)
+    out["qkv_b"] = torch.cat([stacked["qkv_b"][:, s] for s in (qs, ks, vs)], dim=1)
+    out["o_w"] = stacked["o_w"][:, :, qs]
+    out["o_b"] = stacked["o_b"] if tp_rank == 0 else torch.zeros_like(stacked["o_b"])
+    out["sinks"] = stacked["sinks"][:, tp_rank * q_per:(tp_rank + 1) * q_per]
+    for key in ("router_w", "router_b"):
+        out[key] = stacked[key]  # every rank routes over all experts
+    for key in ("gate_up_w", "gate_up_b", "down_w", "down_b"):
+        out[key] = stacked[key][:, es]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def model_weights(cfg: GptOssConfig, checkpoint: Path | None, random_seed: int | None) -> dict[str, torch.Tensor]:
+    """Stacked GK weights from a checkpoint folder or a random seed."""
+    sd = load_checkpoint(checkpoint) if checkpoint is not None else random_state_dict(cfg, random_seed or 0)
+    return stack(cfg, sd)

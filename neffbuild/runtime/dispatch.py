@@ -1,0 +1,91 @@
+"""Per-step plan: batch padding, needed_seq, context bucket, family, artifact label. Pure.
+
+A shape the bundle does not cover raises ``ShapeNotCovered``; nothing here ever compiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from neffbuild.errors import ShapeNotCovered
+from neffbuild.runtime import buckets
+
+# Family names and labels mirror neffbuild.grid (kept here so the runtime stays thin;
+# tests/test_runtime.py proves the reachable set equals the compiled set).
+DECODE, TARGET_SPEC, TARGET_NOSPEC = "decode", "target_spec", "target_nospec"
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """What a bundle compiled: the inputs that decide every step's artifact."""
+
+    num_seqs_buckets: tuple[int, ...]
+    ctx_buckets: tuple[int, ...]  # without the max_model_len fallback
+    max_model_len: int
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    batch: int  # padded batch bucket
+    num_reqs: int
+    needed_seq: int
+    ctx: int  # context bucket
+    family: str
+    query_len: int
+    label: str
+
+    @property
+    def padding(self) -> int:
+        return self.batch - self.num_reqs
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "family": self.family, "batch": self.batch, "ctx": self.ctx,
+                "needed_seq": self.needed_seq}
+
+
+def label(family: str, batch: int, ctx: int, query_len: int) -> str:
+    if family == DECODE:
+        return f"decode_b{batch}_ctx{ctx}"
+    return f"decode_b{batch}_s{query_len}_ctx{ctx}"
+
+
+def choose_family(spec: GridSpec, needed_with_drafts: int, *, all_have_drafts: bool, after_transfer: bool) -> str:
+    """With EAGLE3: with-spec normally; without-spec near max_model_len, right after a DI
+    transfer (no aux hidden states yet), or when any request has no drafts."""
+    if spec.num_speculative_tokens == 0:
+        return DECODE
+    if needed_with_drafts > spec.max_model_len or after_transfer or not all_have_drafts:
+        return TARGET_NOSPEC
+    return TARGET_SPEC
+
+
+def plan_step(
+    num_computed_tokens: Sequence[int],
+    num_reqs: int,
+    num_draft_tokens: int = 0,
+    *,
+    spec: GridSpec,
+    all_have_drafts: bool = True,
+    after_transfer: bool = False,
+) -> StepPlan:
+    """The artifact for one decode step of ``num_reqs`` requests."""
+    if num_reqs > spec.num_seqs_buckets[-1]:
+        raise ShapeNotCovered(
+            f"batch of {num_reqs} requests is above the largest num_seqs bucket {spec.num_seqs_buckets[-1]} "
+            f"(bundle buckets: {list(spec.num_seqs_buckets)})"
+        )
+    batch = buckets.bucket_for(max(num_reqs, 1), spec.num_seqs_buckets)
+    k = spec.num_speculative_tokens
+    family = choose_family(spec, buckets.needed_seq(num_computed_tokens, k),
+                           all_have_drafts=all_have_drafts and num_draft_tokens > 0, after_transfer=after_transfer)
+    q = 1 + k if family == TARGET_SPEC else 1
+    needed = buckets.needed_seq(num_computed_tokens, q - 1 if family == TARGET_SPEC else num_draft_tokens)
+    if needed > spec.max_model_len:
+        raise ShapeNotCovered(
+            f"needed context {needed} is above max_model_len {spec.max_model_len} "
+            f"(bundle context buckets: {list(spec.ctx_buckets) + [spec.max_model_len]})"
+        )
+    ctx = buckets.ctx_bucket_for(needed, spec.ctx_buckets, spec.max_model_len)
+    return StepPlan(batch, num_reqs, needed, ctx, family, q, label(family, batch, ctx, q))

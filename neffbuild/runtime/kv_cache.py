@@ -1,0 +1,63 @@
+"""Per-buffer paged KV cache: allocation and views. Thin: no model import.
+
+G = num_layers / 2 buffers, each ``[2, num_blocks, kv_heads, block_size, head_dim]`` (K half
+then V half). Layer pair (2j, 2j+1) shares buffer j through two block tables. With packed
+FP8 K the K half is also viewed as ``[num_blocks, kv_heads, block_size // 2, head_dim, 2]``
+(logical token t of a block at ``[t // 2, :, t % 2]``); V is never packed.
+Block 0 is the null block: never handed to a request, it absorbs padding rows' reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_buffers: int
+    num_blocks: int
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    fp8: bool = False
+    packed_k: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.fp8 else torch.float32
+
+    @property
+    def buffer_shape(self) -> tuple[int, ...]:
+        return (2, self.num_blocks, self.kv_heads, self.block_size, self.head_dim)
+
+    def to_json(self) -> dict:
+        return {"num_buffers": self.num_buffers, "buffer_shape": list(self.buffer_shape),
+                "dtype": str(self.dtype).removeprefix("torch."), "packed_k": self.packed_k}
+
+
+def allocate(layout: KVLayout, device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.zeros(layout.buffer_shape, dtype=layout.dtype, device=device) for _ in range(layout.num_buffers)]
+
+
+def packed_k_view(buffer: torch.Tensor) -> torch.Tensor:
+    _, nb, h, bs, d = buffer.shape
+    return buffer[0].view(nb, h, bs // 2, d, 2)
+
+
+class BlockAllocator:
+    """Hands out block ids 1..num_blocks-1 (0 is the null block)."""
+
+    def __init__(self, num_blocks: int):
+        self.free = list(range(num_blocks - 1, NULL_BLOCK, -1))
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free)} free")
+        return [self.free.pop() for _ in range(n)]
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))

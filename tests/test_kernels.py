@@ -1,0 +1,106 @@
+"""Each decode kernel against a direct (loop or dense) reference."""
+
+import math
+
+import torch
+
+from kernels import apply_rope, moe, paged_attention, rms_norm, sdpa_with_sinks, swiglu, write_kv, yarn_inv_freq
+from kernels.kv import gather_blocks, pack_k_fp8_view
+
+g = torch.Generator().manual_seed(0)
+
+
+def rnd(*s):
+    return torch.randn(*s, generator=g)
+
+
+def ref_attention(q, k, v, sinks, scale, q_pos, k_pos, window):
+    """Loop reference: one query, one head at a time. q [S, H, d]; k, v [T, h, d]."""
+    S, H, d = q.shape
+    h = k.shape[1]
+    out = torch.zeros(S, H, d)
+    for s in range(S):
+        for head in range(H):
+            kv = head // (H // h)
+            ok = [t for t in range(k.shape[0]) if k_pos[t] <= q_pos[s] and (window is None or k_pos[t] > q_pos[s] - window)]
+            logits = torch.stack([q[s, head] @ k[t, kv] * scale for t in ok] + [sinks[head]])
+            p = torch.softmax(logits, 0)[:-1]
+            out[s, head] = sum(p[i] * v[t, kv] for i, t in enumerate(ok)) if ok else 0
+    return out
+
+
+def test_paged_attention_matches_loop_reference():
+    nb, h, bs, d, H = 10, 2, 4, 8, 4
+    kc, vc = rnd(nb, h, bs, d), rnd(nb, h, bs, d)
+    table = torch.tensor([[3, 7, 1], [5, 2, 9]])
+    q_pos = torch.tensor([[9], [6]])
+    q, sinks = rnd(2, 1, H, d), rnd(H)
+    for window, offset in ((None, torch.tensor([0, 0])), (5, torch.tensor([4, 0]))):
+        got = paged_attention(q, kc, vc, table, q_pos, offset, sinks, 0.3, window).view(2, 1, H, d)
+        for b in range(2):
+            k = kc[table[b]].permute(0, 2, 1, 3).reshape(-1, h, d)
+            v = vc[table[b]].permute(0, 2, 1, 3).reshape(-1, h, d)
+            k_pos = offset[b] + torch.arange(k.shape[0])
+            want = ref_attention(q[b], k, v, sinks, 0.3, q_pos[b], k_pos, window)
+            torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_sdpa_matches_loop_reference():
+    S, H, h, d = 7, 4, 2, 8
+    q, k, v, sinks = rnd(1, S, H, d), rnd(1, S, h, d), rnd(1, S, h, d), rnd(H)
+    for window in (None, 3):
+        got = sdpa_with_sinks(q, k, v, sinks, 0.5, window).view(S, H, d)
+        want = ref_attention(q[0], k[0], v[0], sinks, 0.5, torch.arange(S), torch.arange(S), window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_write_skips_pad_and_packed_layout():
+    nb, h, bs, d = 4, 2, 4, 3
+    for packed in (False, True):
+        cache = torch.zeros(nb, h, bs, d, dtype=torch.float8_e4m3fn if packed else torch.float32)
+        vals = torch.arange(3 * h * d, dtype=torch.float32).view(3, h, d) / 8
+        write_kv(cache, torch.tensor([5, -1, 14]), vals, packed)
+        logical = gather_blocks(cache, torch.arange(nb)[None], packed, torch.float32)[0]  # [h, nb*bs, d]
+        assert torch.equal(logical[:, 5], vals[0].to(cache.dtype).float())
+        assert torch.equal(logical[:, 14], vals[2].to(cache.dtype).float())
+        assert logical.abs().sum() == vals[[0, 2]].to(cache.dtype).float().abs().sum()  # pad wrote nothing
+        if packed:  # logical K[b, h, t, d] at packed[b, h, t // 2, d, t % 2]
+            p = pack_k_fp8_view(cache)
+            assert torch.equal(p[1, :, 0, :, 1].float(), vals[0].to(cache.dtype).float())  # slot 5: b1 t1
+            assert torch.equal(p[3, :, 1, :, 0].float(), vals[2].to(cache.dtype).float())  # slot 14: b3 t2
+
+
+def test_moe_matches_per_token_loop():
+    N, H, I, E, k = 5, 6, 4, 4, 2
+    x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
+    gw, gb, dw, db = rnd(E, H, 2 * I), rnd(E, 2 * I), rnd(E, I, H), rnd(E, H)
+    got = moe(x, rw, rb, gw, gb, dw, db, k, 1.702, 7.0)
+    for n in range(N):
+        logits = x[n] @ rw.t() + rb
+        top = torch.topk(logits, k)
+        w = torch.softmax(top.values, 0)
+        want = sum(w[j] * (swiglu(x[n] @ gw[e] + gb[e], 1.702, 7.0) @ dw[e] + db[e]) for j, e in enumerate(top.indices))
+        torch.testing.assert_close(got[n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_clamp():
+    gu = torch.tensor([[10.0, -10.0, 1.0, 2.0]])
+    out = swiglu(gu, 1.702, 7.0)
+    assert torch.allclose(out[0, 0], torch.tensor((-7 + 1) * 7 * torch.sigmoid(torch.tensor(7 * 1.702)).item()))
+
+
+def test_rope_rotates_pairs_and_yarn_scale():
+    inv, scale = yarn_inv_freq(8, {"rope_type": "default", "rope_theta": 10000.0})
+    assert scale == 1.0 and torch.allclose(inv, 1 / 10000 ** (torch.arange(0, 8, 2) / 8))
+    x = rnd(1, 1, 8)
+    ang = 3 * inv
+    out = apply_rope(x, ang.cos()[None], ang.sin()[None])
+    x1, x2 = x[..., :4], x[..., 4:]
+    torch.testing.assert_close(out[..., :4], x1 * ang.cos() - x2 * ang.sin())
+    _, yscale = yarn_inv_freq(64, {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096})
+    assert math.isclose(yscale, 0.1 * math.log(32) + 1)
+
+
+def test_rms_norm():
+    x, w = rnd(3, 8), rnd(8)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5))
