@@ -1,2 +1,114 @@
-def register(group):
-    pass
+"""``neffbuild compile``: recipe -> bundle, in parallel, through the cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from neffbuild import recipe as recipe_mod
+from neffbuild.build.builder import Progress, compile_recipe
+from neffbuild.errors import BuildFailed
+
+
+class RichProgress(Progress):
+    """N/M done, per-target state, elapsed and ETA on stderr."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        self.bar = Bar(TextColumn("[bold]compile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                       console=self.console, transient=False)
+        self.task = None
+        self.active: list[str] = []
+        self.t0 = time.monotonic()
+
+    def stage(self, message):
+        self.console.print(f"[dim]{message}…[/dim]")
+
+    def start(self, total):
+        self.bar.start()
+        self.task = self.bar.add_task("", total=total)
+
+    def running(self, label):
+        self.active.append(label)
+        self.bar.update(self.task, description="running: " + ", ".join(self.active))
+
+    def finished(self, result):
+        label = result["label"]
+        if label in self.active:
+            self.active.remove(label)
+        if result["status"] == "ok":
+            state = "[green]cache hit[/green]" if result["hit"] else f"[yellow]compiled[/yellow] {result['compile_seconds']:.1f}s"
+        else:
+            state = f"[red]FAILED[/red] ({result.get('kind')}): {result.get('error', '')[:200]}"
+        self.bar.console.print(f"  {label}: {state}")
+        self.bar.update(self.task, advance=1, description="running: " + ", ".join(self.active))
+
+    def close(self):
+        self.bar.stop()
+
+
+def summary_table(res):
+    from rich.table import Table
+
+    table = Table(title="build summary")
+    for col in ("label", "result", "compile s", "MB"):
+        table.add_column(col)
+    for r in sorted(res.results, key=lambda r: r["label"]):
+        if r["status"] == "ok":
+            table.add_row(r["label"], "cache hit" if r["hit"] else "compiled", f"{r['compile_seconds']:.1f}",
+                          f"{r['bytes'] / 1e6:.2f}")
+        else:
+            table.add_row(r["label"], f"FAILED: {r.get('kind')}", "", "")
+    return table
+
+
+@click.command("compile")
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", "out_dir", default="artifacts", show_default=True, type=click.Path(file_okay=False),
+              help="Folder that receives <name>-<version>/.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+              help="Parallel compile workers (default: build.jobs from the recipe, else the CPU count).")
+@click.option("--backend", type=click.Choice(["auto", "inductor", "neuron"]), default=None,
+              help="Override compiler.backend (auto: neuron when the Neuron SDK imports, else inductor).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Compile cache folder (default: build.cache_dir, else $NEFFBUILD_CACHE_DIR, else ~/.cache/neffbuild).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=None,
+              help="Give up on one target after this many seconds (classified as a timeout).")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"bundle", "built", "cached", "failed"} on stdout; progress still goes to stderr.')
+def compile_(recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, as_json):
+    """Compile every graph of RECIPE into a versioned bundle under OUT.
+
+    Targets build largest first on a pool of warm workers, through a content-addressed
+    cache: a second run of the same recipe compiles nothing. One failing target does not
+    stop the others, but then no bundle is published (exit 1) and each failure is listed,
+    classified, with its log. Ctrl-C stops cleanly; re-running builds only what is missing.
+    """
+    r = recipe_mod.load(recipe_path)
+    for w in r.warnings:
+        click.echo(f"warning: {w}", err=True)
+    progress = RichProgress()
+    try:
+        res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
+                             timeout_s=timeout_s)
+    finally:
+        progress.close()
+    if as_json:
+        click.echo(json.dumps(res.to_json()))
+    else:
+        progress.console.print(summary_table(res))
+    if res.failed:
+        lines = [f"  - {f['label']}: {f.get('kind')}: {f.get('error')} (log: {f['log']})" for f in res.failed]
+        raise BuildFailed(f"{len(res.failed)} of {len(res.results)} targets failed; no bundle published.\n"
+                          + "\n".join(lines))
+    click.echo(f"bundle: {res.bundle} ({res.built} compiled, {res.cached} cached, {res.wall_s:.1f}s)", err=True)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(compile_)

@@ -1,0 +1,50 @@
+"""Build the manifest object (spec: docs/bundle-format.md). Deterministic: no timestamps."""
+
+from __future__ import annotations
+
+import json
+
+from neffbuild.bundle import layout
+
+
+def dumps(manifest: dict) -> str:
+    """The one serialisation: sorted keys, 1-space indent, trailing newline."""
+    return json.dumps(manifest, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+
+
+def compile_label(family: str, batch: int, ctx: int, query_len: int) -> str:
+    if family == "draft":
+        return f"draft_b{batch}_ctx{ctx}"
+    return f"decode_b{batch}_s{query_len}_ctx{ctx}" if query_len > 1 or family != "decode" else f"decode_b{batch}_ctx{ctx}"
+
+
+def graph_inputs(recipe, kv_layout) -> dict:
+    return {
+        "num_seqs_buckets": list(recipe.num_seqs_buckets),
+        "decode_context_length_buckets": list(recipe.decode_context_length_buckets),
+        "max_model_len": recipe.max_model_len,
+        "block_size": recipe.block_size,
+        "num_blocks": recipe.num_blocks,
+        "num_swa": recipe.num_swa,
+        "tp": recipe.tp, "dp": recipe.dp, "ep": recipe.ep, "lnc": recipe.lnc,
+        "fp8_packed_kv": recipe.fp8_packed_kv,
+        "num_speculative_tokens": recipe.num_speculative_tokens,
+        "kv_layout": kv_layout.to_json(),
+        "arch": recipe.model.arch,
+        "model_config": recipe.model.config.to_hf_dict(),
+    }
+
+
+def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict, files: dict) -> dict:
+    return {
+        "format": layout.BUNDLE_FORMAT,
+        "format_version": layout.BUNDLE_FORMAT_VERSION,
+        "name": recipe.name,
+        "version": recipe.version,
+        "recipe_sha256": recipe.sha256(),
+        "toolchain": toolchain,
+        "graph_inputs": graph_inputs(recipe, kv_layout),
+        "artifacts": sorted(artifacts, key=lambda a: a["label"]),
+        "weights": weights,
+        "files": dict(sorted(files.items())),
+    }

@@ -1,0 +1,125 @@
+"""Write a bundle into a temp folder beside its destination, then rename it into place.
+
+Nothing half-written is ever visible under ``<out>/<name>-<version>``: a crash leaves only
+a ``.<name>-<version>.tmp-<pid>`` folder, swept by the next build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from neffbuild.bundle import layout, manifest
+from neffbuild.fsutil import pid_alive, sha256_file
+
+TMP_MARK = ".tmp-"
+
+
+class BundleWriter:
+    def __init__(self, out_dir: str | Path, name: str, version: str):
+        self.out_dir = Path(out_dir)
+        self.final = self.out_dir / layout.bundle_dirname(name, version)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        sweep(self.out_dir)
+        self.tmp = self.out_dir / f".{self.final.name}{TMP_MARK}{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        for d in (layout.WEIGHTS_DIR, layout.ARTIFACTS_DIR, layout.LOGS_DIR, layout.METRICS_DIR):
+            (self.tmp / d).mkdir(parents=True)
+
+    def path(self, rel: str) -> Path:
+        return self.tmp / rel
+
+    def write_weights(self, tensors: dict[str, torch.Tensor]) -> dict:
+        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(self.path(layout.WEIGHTS_PATH)))
+        return {"file": layout.WEIGHTS_PATH,
+                "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+                            for k, v in sorted(tensors.items())}}
+
+    def add_artifact(self, label: str, ext: str, source: Path) -> str:
+        rel = layout.artifact_path(label, ext)
+        shutil.copyfile(source, self.path(rel))
+        return rel
+
+    def write_text(self, rel: str, text: str) -> None:
+        p = self.path(rel)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+
+    def checksums(self) -> dict:
+        files = {}
+        for p in sorted(self.tmp.rglob("*")):
+            rel = p.relative_to(self.tmp).as_posix()
+            if not p.is_file() or rel in layout.UNCHECKED_PATHS or rel.split("/")[0] in layout.UNCHECKED_DIRS:
+                continue
+            files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        return files
+
+    def finish(self, recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict,
+               report_context: dict) -> Path:
+        """Write the metrics, manifest, report and build info; publish with a rename."""
+        self.write_text(layout.RECIPE_PATH, recipe.to_yaml())
+        self.write_text(layout.COMPILE_METRICS_PATH, compile_metrics(artifacts))
+        m = manifest.build(recipe, toolchain=toolchain, kv_layout=kv_layout, artifacts=artifacts, weights=weights,
+                           files=self.checksums())
+        self.write_text(layout.MANIFEST_PATH, manifest.dumps(m))
+        self.write_text(layout.REPORT_PATH, render_report(m, **report_context))
+        info = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
+                "python": platform.python_version(), **{k: v for k, v in report_context.items() if k != "hits"},
+                "cache_hits": sorted(k for k, v in report_context.get("hits", {}).items() if v)}
+        self.write_text(layout.BUILD_INFO_PATH, json.dumps(info, sort_keys=True, indent=1) + "\n")
+        return self.publish()
+
+    def publish(self) -> Path:
+        old = None
+        if self.final.exists():
+            old = self.out_dir / f".{self.final.name}.old-{os.getpid()}"
+            os.replace(self.final, old)
+        os.replace(self.tmp, self.final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.final
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def sweep(out_dir: Path) -> None:
+    """Remove temp bundles whose writer process is gone."""
+    for p in out_dir.glob(".*"):
+        marker = TMP_MARK if TMP_MARK in p.name else (".old-" if ".old-" in p.name else None)
+        if marker is None:
+            continue
+        pid = p.name.rsplit(marker, 1)[1]
+        if pid.isdigit() and pid_alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+
+
+def compile_metrics(artifacts: list[dict]) -> str:
+    lines = ["# HELP neffbuild_compilation_time_seconds Compile time of one artifact.",
+             "# TYPE neffbuild_compilation_time_seconds gauge"]
+    for a in sorted(artifacts, key=lambda a: a["label"]):
+        lines.append(f'neffbuild_compilation_time_seconds{{bucket="{a["compile_label"]}"}} {a["compile_seconds"]}')
+    return "\n".join(lines) + "\n"
+
+
+def render_report(m: dict, *, hits: dict, built: int, cached: int, wall_s: float) -> str:
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("neffbuild.bundle", "templates"),
+                             autoescape=jinja2.select_autoescape(["html", "j2"]))
+    weights_mb = m["files"].get(layout.WEIGHTS_PATH, {}).get("bytes", 0) / 1e6
+    total_mb = sum(a["bytes"] for a in m["artifacts"]) / 1e6
+    return env.get_template("report.html.j2").render(
+        m=m, hits=hits, built=built, cached=cached, wall_s=wall_s, weights_mb=weights_mb, total_mb=total_mb,
+        graph_inputs=json.dumps(m["graph_inputs"], indent=1, sort_keys=True))

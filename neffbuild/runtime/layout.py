@@ -1,0 +1,37 @@
+"""Every path and marker of a bundle as a named constant (spec: docs/bundle-format.md).
+
+This module imports nothing, so the thin runtime reader shares it.
+"""
+
+BUNDLE_FORMAT = "neffbuild-bundle"
+# Bump when a reader of the previous version would misread a bundle (a field changes
+# meaning or a new MUST is added). Adding an optional field does not bump it.
+BUNDLE_FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+
+MANIFEST_PATH = "manifest.json"
+BUILD_INFO_PATH = "build-info.json"
+RECIPE_PATH = "recipe.yaml"
+WEIGHTS_DIR = "weights"
+WEIGHTS_PATH = "weights/model.safetensors"
+ARTIFACTS_DIR = "artifacts"
+LOGS_DIR = "logs"
+METRICS_DIR = "metrics"
+COMPILE_METRICS_PATH = "metrics/compile.prom"
+REPORT_PATH = "report.html"
+# Per-build records: they differ between two builds of the same inputs, so they are not
+# listed in the manifest's checksums (which must be byte-identical for identical inputs).
+UNCHECKED_PATHS = (MANIFEST_PATH, BUILD_INFO_PATH, "report.html")
+UNCHECKED_DIRS = ("logs",)
+
+
+def bundle_dirname(name: str, version: str) -> str:
+    return f"{name}-{version}"
+
+
+def artifact_path(label: str, ext: str) -> str:
+    return f"{ARTIFACTS_DIR}/{label}.{ext}"
+
+
+def log_path(label: str) -> str:
+    return f"{LOGS_DIR}/{label}.log"
