@@ -38,7 +38,7 @@ SCHEMA = {
     "parallel": {"tp", "dp", "ep"},
     "speculative": {"method", "num_speculative_tokens", "draft"},
     "speculative.draft": {"checkpoint", "random_seed", "config"},
-    "compiler": {"backend", "target", "optlevel", "flags"},
+    "compiler": {"backend", "target", "optlevel", "flags", "target_flags"},
     "build": {"jobs", "cache_dir"},
 }
 
@@ -86,6 +86,7 @@ class Recipe:
     target: str
     optlevel: int
     flags: tuple[str, ...]
+    target_flags: tuple[tuple[str, tuple[str, ...]], ...]  # per-label extra flags, sorted by label
     jobs: int | None
     cache_dir: Path | None
     source: str = "<recipe>"
@@ -133,7 +134,8 @@ class Recipe:
                 "lnc": self.lnc,
             },
             "parallel": {"tp": self.tp, "dp": self.dp, "ep": self.ep},
-            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel, "flags": list(self.flags)},
+            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel, "flags": list(self.flags),
+                         "target_flags": {label: list(f) for label, f in self.target_flags}},
             "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
         }
         if spec:
@@ -145,6 +147,10 @@ class Recipe:
 
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def flags_for(self, label: str) -> tuple[str, ...]:
+        """Compiler flags for one target: the recipe's flags, then that target's own."""
+        return self.flags + dict(self.target_flags).get(label, ())
 
     def replace(self, **changes) -> "Recipe":
         import dataclasses
@@ -331,6 +337,7 @@ class _Validator:
         if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
             self.err("compiler.flags", flags, "must be a list of strings")
             flags = []
+        target_flags = self.target_flags(comp.get("target_flags", {}), num_seqs, ctx, serving, raw)
         bld = self.section(raw, "build", "build")
         jobs = self.integer(bld, "jobs", "build.jobs", default=None)
         cache_dir = bld.get("cache_dir")
@@ -351,10 +358,35 @@ class _Validator:
             block_size=serving["block_size"], num_blocks=serving["num_blocks"],
             num_seqs_buckets=tuple(num_seqs), decode_context_length_buckets=tuple(ctx),
             gk_decode=gk, fp8_packed_kv=fp8, lnc=lnc, speculative=spec,
-            backend=backend, target=target, optlevel=optlevel, flags=tuple(flags),
+            backend=backend, target=target, optlevel=optlevel, flags=tuple(flags), target_flags=target_flags,
             jobs=jobs, cache_dir=cache_dir, source=self.source, warnings=tuple(self.warnings),
             **parallel,
         )
+
+    def target_flags(self, value, num_seqs, ctx, serving: dict, raw: dict):
+        """compiler.target_flags: {label: [flags]} for single targets (labels must be in the grid)."""
+        path = "compiler.target_flags"
+        if not isinstance(value, dict):
+            self.err(path, value, "must be a mapping of target label -> list of flags")
+            return ()
+        labels = None
+        if num_seqs and ctx is not None and serving["max_model_len"]:
+            from neffbuild.grid import enumerate_targets
+
+            spec = raw.get("speculative") if isinstance(raw.get("speculative"), dict) else {}
+            k = spec.get("num_speculative_tokens", 0) if isinstance(spec.get("num_speculative_tokens", 0), int) else 0
+            labels = {t.label for t in enumerate_targets(num_seqs, ctx, serving["max_model_len"], k)}
+        out = []
+        for label, flags in value.items():
+            if labels is not None and label not in labels:
+                hint = difflib.get_close_matches(str(label), sorted(labels), n=1)
+                self.err(f"{path}.{label}", NO_VALUE, "is not a target of this recipe"
+                         + (f"; did you mean {hint[0]!r}?" if hint else " (see `neffbuild plan`)"))
+            elif not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+                self.err(f"{path}.{label}", flags, "must be a list of strings")
+            else:
+                out.append((str(label), tuple(flags)))
+        return tuple(sorted(out))
 
     def serving(self, s: dict) -> dict:
         return {k: self.integer(s, k, f"serving.{k}") for k in ("max_model_len", "max_num_seqs", "block_size", "num_blocks")}

@@ -42,3 +42,36 @@ def hf_checkpoint(tmp_path_factory, tiny_cfg):
     assert not missing and not unexpected
     model.save_pretrained(folder)
     return folder
+
+
+def write_recipe(folder: Path, checkpoint: Path, **changes) -> Path:
+    """The test bundle's recipe: the tiny model from a transformers checkpoint, 6 targets."""
+    raw = yaml.safe_load(TINY.read_text())
+    raw["name"] = changes.pop("name", "gpt-oss-test")
+    raw["model"] = {"arch": "gpt_oss", "checkpoint": str(checkpoint)}
+    raw["neuron_config"]["num_seqs_buckets"] = changes.pop("num_seqs_buckets", [1, 4])
+    raw["neuron_config"]["decode_context_length_buckets"] = changes.pop("ctx_buckets", [128, 256])
+    for key, value in changes.items():
+        section, name = key.split("__")
+        raw.setdefault(section, {})[name] = value
+    path = folder / f"{raw['name']}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="session")
+def build_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, hf_checkpoint, build_cache):
+    """Compile the test recipe once per session: (recipe path, BuildResult)."""
+    from neffbuild import recipe
+    from neffbuild.build.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp("build")
+    path = write_recipe(folder, hf_checkpoint)
+    res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=build_cache)
+    assert not res.failed, res.failed
+    return path, res

@@ -233,3 +233,14 @@ def test_cli_plan_json_neuron_recipe_without_sdk():
     doc = json.loads(res.stdout)
     assert doc["count"] == 48 and len(doc["targets"]) == 48
     assert {t["family"] for t in doc["targets"]} == {"target_spec", "target_nospec", "draft"}
+
+
+def test_target_flags_validated_against_grid():
+    raw = patched("compiler.target_flags", {"decode_b3_ctx128": ["x=1"], "decode_b1_ctx128": "x=1"})
+    with pytest.raises(RecipeError) as info:
+        R.from_dict(raw)
+    text = str(info.value)
+    assert "compiler.target_flags.decode_b3_ctx128" in text and "did you mean" in text
+    assert "compiler.target_flags.decode_b1_ctx128: got 'x=1', must be a list of strings" in text
+    r = R.from_dict(patched("compiler.target_flags", {"decode_b1_ctx128": ["max_autotune=false"]}))
+    assert r.flags_for("decode_b1_ctx128") == ("max_autotune=false",) and r.flags_for("decode_b2_ctx128") == ()

@@ -1,0 +1,267 @@
+"""Build pipeline: artifacts vs eager, shared weights, cache, crash safety, failures, verify."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from neffbuild import recipe as R
+from neffbuild.build.builder import compile_recipe
+from neffbuild.build.cache import Cache
+from neffbuild.build.graphs import build_graph, spec_for
+from neffbuild.errors import BundleError, IncompatibleBundle
+from neffbuild.models.gpt_oss.decode import GptOssDecode
+from neffbuild.models.gpt_oss.harness import greedy
+from neffbuild.runtime import attn_metadata
+from neffbuild.runtime.bundle import check, open_bundle
+from neffbuild.runtime.decoder import Decoder
+from tests.conftest import ROOT, write_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
+                          cwd=ROOT, **kw)
+
+
+def test_artifacts_match_eager_on_prefilled_cache(built):
+    _, res = built
+    b = open_bundle(res.bundle, verify="full")
+    cfg = R.load(built[0]).model.config
+    eager = GptOssDecode(cfg, b.weights).eval()
+    dec = Decoder(layout=b.kv_layout, spec=b.spec, num_swa=b.num_swa, runner=b.runner())
+    prompts = [list(range(5, 100)), [3, 4, 5], [(i * 11) % 256 for i in range(60)]]
+    greedy(dec, cfg, b.weights, prompts, 2)  # prefill + one compiled step
+    rows = [dec.table_rows(r) for r in range(3)]
+    computed = torch.tensor([dec.requests[r].num_computed for r in range(3)])
+    checked = 0
+    for label, entry in b.entries.items():
+        if entry["batch"] < 3 or entry["ctx"] < int(computed.max()) + 1:
+            continue
+        inputs = attn_metadata.build(torch.tensor([[7], [8], [9]]), computed, torch.stack([a for a, _ in rows]),
+                                     torch.stack([s for _, s in rows]), batch=entry["batch"], ctx=entry["ctx"],
+                                     block_size=b.kv_layout.block_size, num_swa=b.num_swa)
+        kv_a = [t.clone() for t in dec.kv_caches]
+        kv_b = [t.clone() for t in dec.kv_caches]
+        with torch.no_grad():
+            want = eager(*inputs.as_args(kv_a))
+        got = b.artifact(label)(*inputs.as_args(kv_b))
+        torch.testing.assert_close(got[:3], want[:3], atol=1e-5, rtol=0)
+        torch.testing.assert_close(kv_b[0], kv_a[0], atol=1e-5, rtol=0)  # KV written in place, same values
+        checked += 1
+    assert checked == 3  # decode_b4 at ctx 128, 256 and 512: every bucket >= needed (97)
+
+
+def test_artifacts_share_one_weight_copy(built):
+    """Bound as user-managed constants: editing the mmapped weights in place changes every artifact."""
+    b = open_bundle(built[1].bundle)
+    spec = spec_for(R.load(built[0]), [t for t in __import__("neffbuild.grid").grid.targets(R.load(built[0]))
+                                       if t.label == "decode_b1_ctx128"][0])
+    _, inputs = build_graph(spec)
+    before = {lb: b.artifact(lb)(*inputs[:7], tuple(t.clone() for t in inputs[7])) for lb in ("decode_b1_ctx128",)}
+    ptr = b.weights["lm_head"].data_ptr()
+    b.weights["lm_head"].mul_(2.0)  # private mapping: copy-on-write, the file is untouched
+    assert b.weights["lm_head"].data_ptr() == ptr
+    after = b.artifact("decode_b1_ctx128")(*inputs[:7], tuple(t.clone() for t in inputs[7]))
+    torch.testing.assert_close(after, before["decode_b1_ctx128"] * 2, rtol=1e-5, atol=1e-6)
+    assert not check(built[1].bundle)  # the bundle on disk is unchanged
+
+
+def test_second_compile_is_all_cache_hits_and_manifest_is_identical(built, build_cache, tmp_path):
+    path, first = built
+    manifest_1 = (first.bundle / "manifest.json").read_bytes()
+    t0 = time.monotonic()
+    res = compile_recipe(R.load(path), tmp_path / "again", jobs=2, cache_root=build_cache)
+    wall = time.monotonic() - t0
+    assert (res.built, res.cached, res.failed) == (0, 6, [])
+    assert (res.bundle / "manifest.json").read_bytes() == manifest_1
+    print(f"second compile: {wall:.1f}s, 0 compiler invocations")
+
+
+def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(built, build_cache, hf_checkpoint,
+                                                                              tmp_path):
+    path = write_recipe(tmp_path, hf_checkpoint, ctx_buckets=[128, 384])
+    res = _cli("plan", str(path), "--json", env=dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache)))
+    assert res.returncode == 0, res.stderr
+    rows = {t["label"]: t for t in json.loads(res.stdout)["targets"]}
+    to_build = sorted(lb for lb, t in rows.items() if t["cache"] == "build")
+    assert to_build == ["decode_b1_ctx384", "decode_b4_ctx384"]
+    assert "shape" in rows["decode_b1_ctx384"]["why"] or "no cached entry" in rows["decode_b1_ctx384"]["why"]
+    assert rows["decode_b1_ctx384"]["estimate_s"] > 0
+    res = compile_recipe(R.load(path), tmp_path / "out", jobs=2, cache_root=build_cache)
+    assert (res.built, res.cached) == (2, 4)  # |num_seqs| x 1 family
+
+
+def test_plan_why_names_the_changed_flag(built, build_cache, hf_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, hf_checkpoint, compiler__flags=["max_autotune=false"])
+    res = _cli("plan", str(path), "--json", env=dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache)))
+    row = [t for t in json.loads(res.stdout)["targets"] if t["label"] == "decode_b1_ctx128"][0]
+    assert row["cache"] == "build" and "flags" in row["why"] and "max_autotune=false" in row["why"]
+
+
+def test_failing_target_is_classified_and_others_are_built(built, build_cache, hf_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, hf_checkpoint, compiler__target_flags={"decode_b1_ctx128": ["not_an_option=1"]})
+    out = tmp_path / "out"
+    res = _cli("compile", str(path), "-o", str(out), "--json", "--cache-dir", str(build_cache))
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["bundle"] is None and doc["cached"] == 5
+    [fail] = doc["failed"]
+    assert fail["label"] == "decode_b1_ctx128" and fail["kind"] == "compiler_error"
+    assert "not_an_option" in Path(fail["log"]).read_text()
+    assert not (out / "gpt-oss-test-0.1.0").exists()
+    assert "Traceback" not in res.stderr and "decode_b1_ctx128" in res.stderr
+    assert all(e["label"] != "decode_b1_ctx128" or "not_an_option" not in str(e.get("fingerprint"))
+               for e in Cache(build_cache).list())  # the failure was not cached
+
+
+def _valid_cache(root: Path) -> None:
+    entries = root / "v1" / "entries"
+    for folder in entries.iterdir() if entries.is_dir() else []:
+        assert Cache(root).get(folder.name) is not None, f"corrupt cache entry {folder}"
+
+
+def test_kill_9_at_random_moments_then_resume(hf_checkpoint, tmp_path):
+    import random
+
+    path = write_recipe(tmp_path, hf_checkpoint, name="killme", num_seqs_buckets=[2, 4], ctx_buckets=[512])
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    args = [sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out), "--cache-dir", str(cache),
+            "--jobs", "2"]
+    rng = random.Random(int(os.environ.get("NEFFBUILD_TEST_SEED", "7")))
+    for delay in (rng.uniform(2, 8), rng.uniform(15, 30)):
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        time.sleep(delay)
+        assert proc.poll() is None, "compile ended before the kill: the test would prove nothing"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(0.5)
+        assert not (out / "killme-0.1.0").exists(), "a half-written bundle became visible"
+        _valid_cache(cache)
+    res = subprocess.run(args + ["--json"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert not check(out / "killme-0.1.0")
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp folders were not swept"
+    _valid_cache(cache)
+
+
+def _copy(bundle: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / bundle.name
+    shutil.copytree(bundle, dest)
+    return dest
+
+
+def _edit_manifest(b: Path, fn) -> None:
+    m = json.loads((b / "manifest.json").read_text())
+    fn(m)
+    (b / "manifest.json").write_text(json.dumps(m))
+
+
+def _flip(b):
+    p = b / "artifacts" / "decode_b1_ctx128.pt2"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    return "artifacts/decode_b1_ctx128.pt2"
+
+
+def _truncate(b):
+    p = b / "weights" / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+    return "weights/model.safetensors"
+
+
+def _missing(b):
+    (b / "artifacts" / "decode_b4_ctx512.pt2").unlink()
+    return "artifacts/decode_b4_ctx512.pt2"
+
+
+def _escape(rel):
+    def edit(b):
+        def fn(m):
+            m["files"][rel] = {"sha256": "0" * 64, "bytes": 1}
+        _edit_manifest(b, fn)
+        return rel
+    return edit
+
+
+def _symlink(b):
+    (b / "artifacts" / "link.pt2").symlink_to(b / "artifacts" / "decode_b1_ctx128.pt2")
+    _escape("artifacts/link.pt2")(b)
+    return "artifacts/link.pt2"
+
+
+def _newer(b):
+    _edit_manifest(b, lambda m: m.update(format_version=99))
+    return "format_version 99"
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate, _missing, _escape("../x"), _escape("/etc/passwd"), _symlink, _newer],
+                         ids=["flipped-byte", "truncated-weights", "missing-file", "dotdot", "absolute", "symlink",
+                              "newer-format"])
+def test_verify_catches(built, tmp_path, damage):
+    b = _copy(built[1].bundle, tmp_path)
+    named = damage(b)
+    res = _cli("verify", str(b))
+    assert res.returncode == 1 and named in res.stderr and "Traceback" not in res.stderr, res.stderr
+    with pytest.raises(BundleError, match=named.replace("/", ".").replace("..", r"\.\.")[:20]):
+        open_bundle(b, verify="full")
+
+
+def test_open_bundle_refuses_other_torch(built, tmp_path):
+    b = _copy(built[1].bundle, tmp_path)
+    _edit_manifest(b, lambda m: m["toolchain"].update(torch="2.11.0+cpu"))
+    with pytest.raises(IncompatibleBundle, match="compiled by torch 2.11.0"):
+        open_bundle(b)
+
+
+def test_stdlib_reader_from_the_spec_parses_a_bundle(built):
+    """Written from docs/bundle-format.md alone: json + hashlib + pathlib, ~30 lines."""
+    import hashlib
+
+    def read_bundle(root):
+        root = Path(root)
+        m = json.loads((root / "manifest.json").read_text())
+        if m["format"] != "neffbuild-bundle" or m["format_version"] > 1:
+            raise ValueError("unsupported bundle")
+        for rel, info in m["files"].items():
+            parts = Path(rel).parts
+            if Path(rel).is_absolute() or ".." in parts or "\\" in rel:
+                raise ValueError(f"unsafe path {rel}")
+            p = root / rel
+            if p.is_symlink() or p.stat().st_size != info["bytes"]:
+                raise ValueError(f"bad size {rel}")
+            if hashlib.sha256(p.read_bytes()).hexdigest() != info["sha256"]:
+                raise ValueError(f"bad sha256 {rel}")
+        for a in m["artifacts"]:
+            assert a["file"] in m["files"]
+        grid = sorted((a["batch"], a["ctx"]) for a in m["artifacts"])
+        header_len = int.from_bytes((root / m["weights"]["file"]).read_bytes()[:8], "little")
+        return m["name"], m["version"], grid, header_len
+
+    name, version, grid, header_len = read_bundle(built[1].bundle)
+    assert (name, version) == ("gpt-oss-test", "0.1.0") and header_len > 0
+    assert grid == [(1, 128), (1, 256), (1, 512), (4, 128), (4, 256), (4, 512)]
+
+
+def test_inspect_and_diff(built, tmp_path):
+    res = _cli("inspect", str(built[1].bundle), "--json")
+    doc = json.loads(res.stdout)
+    assert doc["totals"]["artifacts"] == 6 and doc["name"] == "gpt-oss-test"
+    b = _copy(built[1].bundle, tmp_path)
+    _edit_manifest(b, lambda m: (m["artifacts"].pop(0), m["graph_inputs"].update(num_blocks=1024)))
+    d = json.loads(_cli("diff", str(built[1].bundle), str(b), "--json").stdout)
+    assert d["removed"] == ["decode_b1_ctx128"] and d["config"]["graph_inputs.num_blocks"] == [512, 1024]
+    html = (built[1].bundle / "report.html").read_text()
+    assert "decode_b4_ctx512" in html and "compile s" in html
+    prom = (built[1].bundle / "metrics" / "compile.prom").read_text()
+    assert 'neffbuild_compilation_time_seconds{bucket="decode_b4_ctx512"}' in prom
