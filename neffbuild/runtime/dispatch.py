@@ -81,7 +81,7 @@ def plan_step(
     family = choose_family(spec, buckets.needed_seq(num_computed_tokens, k),
                            all_have_drafts=all_have_drafts and num_draft_tokens > 0, after_transfer=after_transfer)
     q = 1 + k if family == TARGET_SPEC else 1
-    needed = buckets.needed_seq(num_computed_tokens, q - 1 if family == TARGET_SPEC else num_draft_tokens)
+    needed = buckets.needed_seq(num_computed_tokens, q - 1)  # drafts ride along only in the with-spec family
     if needed > spec.max_model_len:
         raise ShapeNotCovered(
             f"needed context {needed} is above max_model_len {spec.max_model_len} "

@@ -1,0 +1,150 @@
+"""Runtime: dispatch, attention metadata, generate against transformers, DP sync, import cost."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neffbuild import grid
+from neffbuild import recipe as R
+from neffbuild.errors import ShapeNotCovered
+from neffbuild.runtime import attn_metadata
+from neffbuild.runtime.dispatch import GridSpec, plan_step
+from tests.conftest import ROOT
+
+SPEC = GridSpec((1, 2, 4), (128, 256), 512)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("computed,num_reqs,label,needed", [
+    ([0], 1, "decode_b1_ctx128", 1),
+    ([127], 1, "decode_b1_ctx128", 128),
+    ([128], 1, "decode_b1_ctx256", 129),
+    ([10, 300], 2, "decode_b2_ctx512", 301),
+    ([10, 20, 30], 3, "decode_b4_ctx128", 31),
+])
+def test_plan_step(computed, num_reqs, label, needed):
+    p = plan_step(computed, num_reqs, spec=SPEC)
+    assert (p.label, p.needed_seq, p.padding) == (label, needed, p.batch - num_reqs)
+
+
+def test_shape_not_covered():
+    with pytest.raises(ShapeNotCovered, match=r"batch of 5 .* largest num_seqs bucket 4"):
+        plan_step([1] * 5, 5, spec=SPEC)
+    with pytest.raises(ShapeNotCovered, match=r"needed context 513 is above max_model_len 512"):
+        plan_step([512], 1, spec=SPEC)
+
+
+def test_eagle3_family_choice():
+    spec = GridSpec((1, 2), (128,), 512, num_speculative_tokens=3)
+    assert plan_step([10], 1, 3, spec=spec).label == "decode_b1_s4_ctx128"
+    assert plan_step([10], 1, 0, spec=spec).label == "decode_b1_s1_ctx128"  # no drafts
+    assert plan_step([10], 1, 3, spec=spec, after_transfer=True).family == "target_nospec"
+    assert plan_step([509], 1, 3, spec=spec).label == "decode_b1_s1_ctx512"  # no room for drafts
+    assert plan_step([124], 1, 3, spec=spec).label == "decode_b1_s4_ctx128"  # needed 128
+    assert plan_step([125], 1, 3, spec=spec).label == "decode_b1_s4_ctx512"
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-tiny", "gpt-oss-120b-di-decode"])
+def test_reachable_shapes_equal_compiled_shapes(name):
+    r = R.load(ROOT / "recipes" / f"{name}.yaml")
+    spec = GridSpec(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len, r.num_speculative_tokens)
+    compiled = {t.label for t in grid.targets(r) if t.family != "draft"}
+    reachable = set()
+    points = sorted({0, r.max_model_len - 1} | {c + d for c in r.decode_context_length_buckets for d in (-5, -4, -1, 0)}
+                    | {c // 2 for c in r.decode_context_length_buckets})
+    for n in range(1, r.max_num_seqs + 1):
+        for top in points:
+            for drafts in ({0, r.num_speculative_tokens} if r.num_speculative_tokens else {0}):
+                if top + 1 + drafts <= r.max_model_len or drafts:
+                    reachable.add(plan_step([top] * n, n, drafts, spec=spec).label)
+    assert reachable == compiled
+    drafts = {t.label for t in grid.targets(r) if t.family == "draft"}
+    assert len(drafts) == (len(compiled) // 2 if r.num_speculative_tokens else 0)  # one draft per (batch, ctx)
+
+
+def test_swa_tail_trim_examples():
+    table = torch.arange(3 * 10).view(3, 10)
+    trimmed, offset = attn_metadata.tail_trim(table, torch.tensor([0, 100, 1000]), 128, 2)
+    assert offset.tolist() == [0, 0, 768]
+    assert trimmed.tolist() == [[0, 1], [10, 11], [26, 27]]
+    same, zero = attn_metadata.tail_trim(table, torch.tensor([5, 500, 1000]), 128, 10)
+    assert torch.equal(same, table) and zero.tolist() == [0, 0, 0]
+
+
+def test_head_trim_is_fresh_and_padding_rows_write_nothing():
+    full = torch.arange(2 * 32).view(2, 32)
+    swa = full + 100
+    inp = attn_metadata.build(torch.tensor([[1], [2]]), torch.tensor([5, 40]), full, swa, batch=4, ctx=128,
+                              block_size=16, num_swa=8)
+    assert inp.block_table.shape == (4, 8) and inp.block_table.is_contiguous()
+    assert inp.block_table.data_ptr() != full.data_ptr()
+    assert inp.slot_mapping.tolist() == [0 * 16 + 5, 34 * 16 + 8, -1, -1]
+    assert inp.slot_mapping_swa.tolist()[2:] == [-1, -1] and inp.block_table[2:].eq(0).all()
+    assert inp.positions[:, 0].tolist() == [5, 40, 0, 0]
+
+
+def test_import_runtime_is_cheap():
+    code = ("import sys, neffbuild.runtime, neffbuild.runtime.bundle, neffbuild.runtime.decoder, "
+            "neffbuild.runtime.dp_sync, neffbuild.runtime.attn_metadata; "
+            "bad = [m for m in ('click', 'yaml', 'rich', 'jinja2', 'neffbuild.build', 'neffbuild.cli', "
+            "'neffbuild.recipe', 'neffbuild.models', 'transformers') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_generate_equals_transformers_across_bucket_boundaries(built, hf_checkpoint):
+    import transformers
+
+    prompts = [[(i * 37) % 256 for i in range(100)], list(range(10, 40)), [5, 6, 7]]
+    n_new = 170
+    res = _cli("generate", str(built[1].bundle), *sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), []),
+               "--max-new-tokens", str(n_new), "--json", "--check")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["check"]["ok"]
+    model = transformers.GptOssForCausalLM.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
+    for n, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False)
+        assert out["tokens"][n] == ref[0, len(p):].tolist(), f"prompt {n}"
+    steps = out["steps"]
+    assert len(steps) == n_new - 1
+    ctxs = [s["ctx"] for s in steps]
+    assert sorted(set(ctxs)) == [128, 256, 512]  # two boundaries crossed
+    for i, s in enumerate(steps):
+        assert s["ctx"] >= s["needed_seq"] and s["batch"] == 4
+        if i and s["ctx"] != steps[i - 1]["ctx"]:
+            assert steps[i - 1]["needed_seq"] == steps[i - 1]["ctx"]  # switched on the first step past the bucket
+            assert s["needed_seq"] == steps[i - 1]["ctx"] + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["busy-idle", "uneven"])
+def test_dp2_ranks_agree_every_step(built, case):
+    rng = random.Random(11)
+    if case == "busy-idle":
+        prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 120))]]
+    else:
+        prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 150))] for _ in range(3)]
+    n_new = 300
+    args = sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), [])
+    dp = _cli("generate", str(built[1].bundle), *args, "--max-new-tokens", str(n_new), "--dp", "2", "--json")
+    assert dp.returncode == 0, dp.stderr
+    dp = json.loads(dp.stdout)
+    single = json.loads(_cli("generate", str(built[1].bundle), *args, "--max-new-tokens", str(n_new), "--json").stdout)
+    r0, r1 = dp["ranks"]
+    assert len(r0["steps"]) == len(r1["steps"]) == n_new - 1
+    assert [s["label"] for s in r0["steps"]] == [s["label"] for s in r1["steps"]]
+    assert r0["collectives"] == r1["collectives"] == n_new - 1  # exactly one all-reduce per step
+    assert dp["tokens"] == single["tokens"]
+    if case == "uneven":  # rank 1 holds one request but runs rank 0's batch-4 bucket
+        assert {s["batch"] for s in r1["steps"]} == {4}
