@@ -25,13 +25,13 @@ demo: $(STAMP)
 	$(BIN)/neffbuild plan recipes/gpt-oss-tiny.yaml --no-cache
 	$(BIN)/neffbuild compile recipes/gpt-oss-tiny.yaml -o artifacts
 	$(BIN)/neffbuild inspect artifacts/gpt-oss-tiny-0.1.0
-	$(BIN)/neffbuild generate artifacts/gpt-oss-tiny-0.1.0 --prompt-ids 1,2,3,4,5 --prompt-ids 7,8 --max-new-tokens 16 --check
+	$(BIN)/neffbuild generate artifacts/gpt-oss-tiny-0.1.0 --prompt-ids $$(seq -s, 1 120) --prompt-ids 7,8 --max-new-tokens 150 --check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	cd benchmarks && ../$(BIN)/python build_pipeline.py && ../$(BIN)/python dispatch_overhead.py ../artifacts/gpt-oss-tiny-0.1.0
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache

@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "gpt-oss-tiny.yaml"
 
 os.environ.setdefault("NEFFBUILD_CACHE_DIR", str(ROOT / ".ci-cache"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locally; never reach a hub
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ def inspect_(bundle_path, as_json):
             f"num_swa {gi['num_swa']}, fp8_packed_kv {gi['fp8_packed_kv']}, k {gi['num_speculative_tokens']}")
     t = Table()
     for col in ("label", "family", "batch", "ctx", "query_len", "MB", "compile s"):
-        t.add_column(col, justify="left" if col in ("label", "family") else "right")
+        t.add_column(col, justify="left" if col in ("label", "family") else "right", no_wrap=col == "label")
     for a in m["artifacts"]:
         t.add_row(a["label"], a["family"], str(a["batch"]), str(a["ctx"]), str(a["query_len"]),
                   f"{a['bytes'] / 1e6:.2f}", f"{a['compile_seconds']:.1f}")

@@ -48,8 +48,10 @@ def plan(recipe_path, as_json, check_cache, backend):
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
     table = Table(title=f"{r.name} {r.version}: {len(tgts)} graphs")
-    for col in ("label", "family", "batch", "ctx", "query_len"):
-        table.add_column(col, justify="right" if col in ("batch", "ctx", "query_len") else "left")
+    table.add_column("label", no_wrap=True, min_width=max(len(t.label) for t in tgts))
+    table.add_column("family", no_wrap=True)
+    for col in ("batch", "ctx", "query_len"):
+        table.add_column(col, justify="right")
     if states:
         table.add_column("cache")
         table.add_column("why / estimate")
