@@ -265,3 +265,19 @@ def test_inspect_and_diff(built, tmp_path):
     assert "decode_b4_ctx512" in html and "compile s" in html
     prom = (built[1].bundle / "metrics" / "compile.prom").read_text()
     assert 'neffbuild_compilation_time_seconds{bucket="decode_b4_ctx512"}' in prom
+
+
+def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, hf_checkpoint, name="interrupt", num_seqs_buckets=[4], ctx_buckets=[512])
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out),
+                             "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(8)
+    assert proc.poll() is None, "compile ended before the interrupt"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not out.exists() or not list(out.iterdir()), "nothing may be left in the output folder"
+    _valid_cache(tmp_path / "cache")

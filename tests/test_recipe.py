@@ -99,6 +99,13 @@ CASES = [
      "speculative.draft", "exactly one of"),
     ("serving", [1], "serving", "must be a mapping"),
     ("nonsense", 1, "nonsense", "unknown key"),
+    ("serving.block_size", 48, f"{CTX}[0]", "multiple of serving.block_size"),
+    ("model.config", DELETE, "model.config", "is required with random_seed"),
+    ("model.config", "missing/config.json", "model.config", "does not exist"),
+    ("model.config", [1], "model.config", "must be a mapping"),
+    ("speculative", {"method": "eagle3", "num_speculative_tokens": 600, "draft": {"random_seed": 1}},
+     "speculative.num_speculative_tokens", "leaves no room"),
+    ("compiler.target_flags", ["x"], "compiler.target_flags", "must be a mapping"),
 ]
 
 

@@ -1,0 +1,1 @@
+"""Build pipeline: backends, the compile cache, the worker pool, and targets -> bundle."""

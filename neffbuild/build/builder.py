@@ -1,0 +1,125 @@
+"""Targets -> jobs -> bundle: the main job of ``neffbuild compile``.
+
+Every target is built (or found in the cache) by a worker; the weights are loaded once
+here and stored once in the bundle. One failing target does not stop the others, but a
+build with any failure publishes no bundle: its logs are kept in
+``<out>/<name>-<version>.failed-logs/`` and the error lists each failure, classified.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neffbuild import grid, settings
+from neffbuild.build.backends import get_backend
+from neffbuild.build.cache import Cache
+from neffbuild.build.executor import LocalExecutor
+from neffbuild.build.graphs import kv_layout_for, spec_for
+from neffbuild.build.worker import Job
+from neffbuild.bundle import layout
+from neffbuild.bundle.manifest import compile_label
+from neffbuild.bundle.writer import BundleWriter
+from neffbuild.models.gpt_oss.weights import model_weights
+
+
+@dataclass
+class BuildResult:
+    bundle: Path | None
+    built: int = 0
+    cached: int = 0
+    failed: list[dict] = field(default_factory=list)
+    results: list[dict] = field(default_factory=list)
+    wall_s: float = 0.0
+    failed_logs: Path | None = None
+
+    def to_json(self) -> dict:
+        return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
+                "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
+                "wall_s": round(self.wall_s, 3)}
+
+
+class Progress:
+    """Callbacks the CLI implements; the default does nothing."""
+
+    def start(self, total: int) -> None: ...
+    def running(self, label: str) -> None: ...
+    def finished(self, result: dict) -> None: ...
+    def stage(self, message: str) -> None: ...
+
+
+def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
+    return {"name": backend_name or recipe.backend, "target": recipe.target, "optlevel": recipe.optlevel,
+            "lnc": recipe.lnc, "flags": tuple(recipe.flags)}
+
+
+def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
+                   cache_root: str | Path | None = None, progress: Progress | None = None,
+                   timeout_s: float | None = None) -> BuildResult:
+    progress = progress or Progress()
+    started = time.monotonic()
+    bk = backend_kwargs(recipe, backend_name)
+    backend = get_backend(**bk)  # fails fast (exit 1, clear message) when the backend cannot run here
+    bk["name"] = backend.name
+    cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir()).ensure()
+    cache.sweep()
+    targets = grid.build_order(grid.targets(recipe))
+    writer = BundleWriter(out_dir, recipe.name, recipe.version)
+    result = BuildResult(bundle=None)
+    try:
+        progress.stage("loading weights")
+        weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+        weights_entry = writer.write_weights(weights)
+        del weights
+        jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
+                         str(writer.path(layout.log_path(t.label)))) for t in targets]
+        by_label = {t.label: t for t in targets}
+        progress.start(len(jobs_list))
+        executor = LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
+        for res in executor.run(jobs_list, on_start=lambda j: progress.running(j.label)):
+            result.results.append(res)
+            if res["status"] == "ok":
+                result.cached += res["hit"]
+                result.built += not res["hit"]
+            else:
+                result.failed.append(res)
+            progress.finished(res)
+        result.wall_s = time.monotonic() - started
+        if result.failed:
+            result.failed_logs = _keep_logs(writer, out_dir)
+            for f in result.failed:
+                f["log"] = str(result.failed_logs / Path(f["log"]).name)
+            writer.abort()
+            return result
+        progress.stage("writing bundle")
+        artifacts = []
+        for res in sorted(result.results, key=lambda r: r["label"]):
+            t = by_label[res["label"]]
+            rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
+            artifacts.append({
+                "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
+                "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
+                "cache_key": res["cache_key"], "input_signature": res["input_signature"],
+                "compile_label": compile_label(t.family, t.batch, t.ctx, t.query_len),
+            })
+        hits = {r["label"]: r["hit"] for r in result.results}
+        result.bundle = writer.finish(
+            recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
+            weights=weights_entry,
+            report_context={"hits": hits, "built": result.built, "cached": result.cached,
+                             "wall_s": round(time.monotonic() - started, 3)},
+        )
+        result.wall_s = time.monotonic() - started
+        return result
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _keep_logs(writer: BundleWriter, out_dir) -> Path:
+    dest = Path(out_dir) / f"{writer.final.name}.failed-logs"
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(writer.path(layout.LOGS_DIR), dest)
+    return dest

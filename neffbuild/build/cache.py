@@ -1,0 +1,162 @@
+"""Content-addressed compile cache: disposable, versioned apart from the bundle.
+
+Layout under the cache root (``NEFFBUILD_CACHE_DIR``, default ``~/.cache/neffbuild``)::
+
+    v{CACHE_VERSION}/entries/<key>/artifact.<ext>   the compiled file
+    v{CACHE_VERSION}/entries/<key>/meta.json        what produced it, its sha256 and size
+    v{CACHE_VERSION}/locks/<key>.lock               flock: one compile per key at a time
+    v{CACHE_VERSION}/tmp/<key>.<pid>.<rand>/        work in progress, never read
+
+Key = sha256 of canonical JSON (sorted keys) over the graph text, the input signature,
+the backend fingerprint and the cache version. An entry is written in a temp folder,
+validated, then published with ``os.replace``; an unreadable, mismatching or partial
+entry is a miss (and is removed). Failures are never published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from neffbuild.fsutil import pid_alive, sha256_file
+
+# Bump when the key recipe or the entry layout changes; old entries are then ignored.
+CACHE_VERSION = 1
+META = "meta.json"
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def cache_key(graph_text: str, signature: list, fingerprint: dict) -> str:
+    parts = {
+        "cache_version": CACHE_VERSION,
+        "graph_sha256": hashlib.sha256(graph_text.encode()).hexdigest(),
+        "signature": signature,
+        "fingerprint": fingerprint,
+    }
+    return hashlib.sha256(canonical(parts)).hexdigest()
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    path: Path  # the artifact file
+    meta: dict
+
+
+class Cache:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser()
+        self.base = self.root / f"v{CACHE_VERSION}"
+        self.entries_dir = self.base / "entries"
+        self.tmp_dir = self.base / "tmp"
+        self.locks_dir = self.base / "locks"
+
+    def ensure(self) -> "Cache":
+        for d in (self.entries_dir, self.tmp_dir, self.locks_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # -- read
+    def get(self, key: str) -> Entry | None:
+        """The entry for key if it is complete and its artifact matches its recorded sha256."""
+        folder = self.entries_dir / key
+        try:
+            meta = json.loads((folder / META).read_text())
+            artifact = folder / meta["file"]
+            if meta.get("key") != key or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
+                raise ValueError("mismatch")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            self._discard(folder)
+            return None
+        return Entry(key, artifact, meta)
+
+    def list(self) -> list[dict]:
+        out = []
+        if not self.entries_dir.is_dir():
+            return out
+        for folder in sorted(self.entries_dir.iterdir()):
+            entry = self.get(folder.name)
+            if entry:
+                out.append(dict(entry.meta, path=str(entry.path)))
+        return out
+
+    # -- write
+    @contextlib.contextmanager
+    def lock(self, key: str):
+        """Exclusive per-key lock across processes (and hosts sharing a POSIX filesystem)."""
+        self.ensure()
+        with open(self.locks_dir / f"{key}.lock", "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def new_tmp(self, key: str) -> Path:
+        self.ensure()
+        path = self.tmp_dir / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        return path
+
+    def publish(self, key: str, tmp: Path, artifact: Path, meta: dict) -> Entry:
+        """Validate the work folder, then move it into place atomically. Call under ``lock``."""
+        if not artifact.is_file() or artifact.stat().st_size == 0:
+            raise RuntimeError(f"backend produced no artifact at {artifact}")
+        final_name = artifact.name
+        meta = dict(meta, key=key, file=final_name, bytes=artifact.stat().st_size, sha256=sha256_file(artifact),
+                    created=time.time())
+        for extra in tmp.iterdir():  # keep only the artifact and its meta
+            if extra.name != final_name:
+                shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
+        meta_tmp = tmp / (META + ".part")
+        with open(meta_tmp, "w") as f:
+            json.dump(meta, f, sort_keys=True, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(meta_tmp, tmp / META)
+        dest = self.entries_dir / key
+        if dest.exists():
+            self._discard(dest)
+        os.replace(tmp, dest)
+        return Entry(key, dest / final_name, meta)
+
+    def _discard(self, folder: Path) -> None:
+        trash = self.tmp_dir / f"trash.{folder.name}.{uuid.uuid4().hex[:8]}"
+        with contextlib.suppress(OSError):
+            self.ensure()
+            os.replace(folder, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def sweep(self) -> int:
+        """Remove work folders left by processes that no longer run (a crash or kill -9)."""
+        removed = 0
+        if not self.tmp_dir.is_dir():
+            return 0
+        for d in self.tmp_dir.iterdir():
+            parts = d.name.split(".")
+            pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+            if pid is not None and pid_alive(pid):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            removed += 1
+        return removed
+
+    def clear(self) -> int:
+        n = len(list(self.entries_dir.iterdir())) if self.entries_dir.is_dir() else 0
+        shutil.rmtree(self.root, ignore_errors=True)
+        return n
+
+

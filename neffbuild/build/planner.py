@@ -1,0 +1,67 @@
+"""Cache state per target for ``neffbuild plan``: cached or to build, why, and how long."""
+
+from __future__ import annotations
+
+from neffbuild import settings
+from neffbuild.build.backends import get_backend
+from neffbuild.build.builder import backend_kwargs
+from neffbuild.build.cache import Cache
+from neffbuild.build.graphs import spec_for
+from neffbuild.build.worker import key_for
+from neffbuild.errors import BackendUnavailable, NeffbuildError
+
+
+def _diff(meta: dict, fingerprint: dict, graph: dict, signature: list) -> list[str]:
+    """Fields that differ between a cached entry and what this target would build."""
+    out = []
+    old_fp = meta.get("fingerprint", {})
+    for k in sorted(set(old_fp) | set(fingerprint)):
+        if old_fp.get(k) != fingerprint.get(k):
+            out.append(f"{k}: {old_fp.get(k)!r} -> {fingerprint.get(k)!r}")
+    if meta.get("graph") != graph:
+        changed = [k for k in graph if meta.get("graph", {}).get(k) != graph[k]]
+        out.append("shape: " + ", ".join(f"{k} {meta.get('graph', {}).get(k)!r} -> {graph[k]!r}" for k in changed)
+                   if changed else "shape")
+    elif meta.get("input_signature") != signature:
+        out.append("input signature")
+    if not out:
+        out.append("graph (model code or config changed)")
+    return out
+
+
+def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict[str, dict]:
+    """{label: {"cache": "cached"|"build", "why": str, "estimate_s": float|None}}."""
+    cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir())
+    entries = cache.list()
+    times = [e["compile_seconds"] for e in entries if "compile_seconds" in e]
+    kwargs = backend_kwargs(recipe, backend_name)
+    try:
+        get_backend(**kwargs)
+    except BackendUnavailable as exc:
+        return {t.label: {"cache": "unknown", "why": str(exc).split(";")[0]} for t in targets}
+    from neffbuild.build.worker import graph_summary
+
+    out = {}
+    for t in targets:
+        backend = get_backend(**dict(kwargs, flags=recipe.flags_for(t.label)))
+        spec = spec_for(recipe, t)
+        try:
+            key, _, signature, _ = key_for(spec, backend)
+        except NeffbuildError as exc:
+            out[t.label] = {"cache": "error", "why": str(exc)}
+            continue
+        if cache.get(key):
+            out[t.label] = {"cache": "cached", "why": "", "cache_key": key}
+            continue
+        same = [e for e in entries if e.get("label") == t.label]
+        graph = graph_summary(spec)
+        if same:
+            nearest = max(same, key=lambda e: e.get("created", 0))
+            why = "differs from cached " + nearest["key"][:12] + ": " + "; ".join(
+                _diff(nearest, backend.fingerprint(), graph, signature))
+        else:
+            why = "no cached entry for this target"
+        past = [e["compile_seconds"] for e in same] or times
+        out[t.label] = {"cache": "build", "why": why, "cache_key": key,
+                        "estimate_s": round(sum(past) / len(past), 1) if past else None}
+    return out
