@@ -40,6 +40,8 @@ def test_artifacts_match_eager_on_prefilled_cache(built):
     dec = Decoder(layout=b.kv_layout, spec=b.spec, num_swa=b.num_swa, runner=b.runner())
     prompts = [list(range(5, 100)), [3, 4, 5], [(i * 11) % 256 for i in range(60)]]
     greedy(dec, cfg, b.weights, prompts, 2)  # prefill + one compiled step
+    assert 'neffbuild_neff_execution_count{bucket="decode_b4"} 1' in dec.prometheus()
+    assert "neffbuild_batch_padding_ratio 0.250000" in dec.prometheus()  # 3 live rows of 4
     rows = [dec.table_rows(r) for r in range(3)]
     computed = torch.tensor([dec.requests[r].num_computed for r in range(3)])
     checked = 0
@@ -281,3 +283,42 @@ def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
     assert "interrupted" in err
     assert not out.exists() or not list(out.iterdir()), "nothing may be left in the output folder"
     _valid_cache(tmp_path / "cache")
+
+
+def test_concurrent_builds_share_a_cache_and_compile_each_key_once(hf_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, hf_checkpoint, name="twice", num_seqs_buckets=[4], ctx_buckets=[512])
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o",
+                               str(tmp_path / f"out{n}"), "--cache-dir", str(cache), "--jobs", "1", "--json"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    docs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        docs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted((d["built"], d["cached"]) for d in docs) == [(0, 1), (1, 0)]  # one compile, one hit
+    _valid_cache(cache)
+    a, b = (Path(d["bundle"]) / "manifest.json" for d in docs)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_timeout_is_classified(hf_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, hf_checkpoint, name="slow", num_seqs_buckets=[4], ctx_buckets=[512])
+    res = _cli("compile", str(path), "-o", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+               "--timeout", "3", "--json")
+    assert res.returncode == 1
+    [fail] = json.loads(res.stdout.strip().splitlines()[-1])["failed"]
+    assert fail["kind"] == "timeout" and "3s" in fail["error"]
+    assert "timeout" in Path(fail["log"]).read_text()
+    _valid_cache(tmp_path / "cache")
+
+
+def test_cache_cli(built, build_cache, tmp_path):
+    res = _cli("cache", "ls", "--json", "--cache-dir", str(build_cache))
+    labels = {e["label"] for e in json.loads(res.stdout)}
+    assert {"decode_b1_ctx128", "decode_b4_ctx512"} <= labels
+    assert _cli("cache", "path", "--cache-dir", str(build_cache)).stdout.strip() == str(build_cache)
+    copy = tmp_path / "c"
+    shutil.copytree(build_cache, copy)
+    res = _cli("cache", "clear", "--yes", "--cache-dir", str(copy))
+    assert res.returncode == 0 and "removed" in res.stdout and not copy.exists()

@@ -162,3 +162,25 @@ def test_layer_plan_is_decided_in_init(tiny_cfg, stacked):
     m = GptOssDecode(tiny_cfg, stacked)
     assert m.layer_plan == [(0, 0, "sliding_attention"), (1, 0, "full_attention"),
                             (2, 1, "sliding_attention"), (3, 1, "full_attention")]
+
+
+def test_spec_family_graph_exports_with_aux_hidden_states(tiny_recipe, stacked):
+    """q = 1+k with EAGLE3 aux outputs: torch.export traces it and the exported graph equals eager."""
+    from neffbuild.build.graphs import build_graph, spec_for
+    from neffbuild.grid import Target
+
+    spec = spec_for(tiny_recipe, Target("target_spec", 2, 128, 4, "decode_b2_s4_ctx128"))
+    module, inputs = build_graph(spec, stacked)
+    ins = list(inputs)
+    ins[0] = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    ins[1] = torch.tensor([[10, 11, 12, 13], [40, 41, 42, 43]])
+    ins[2] = torch.arange(1, 17).view(2, 8)
+    ins[5] = torch.arange(16, 24)
+    ep = torch.export.export(module, tuple(ins[:7]) + (tuple(t.clone() for t in ins[7]),), strict=False)
+    with torch.no_grad():
+        want_logits, want_aux = module(*ins[:7], tuple(t.clone() for t in ins[7]))
+        got_logits, got_aux = ep.module()(*ins[:7], tuple(t.clone() for t in ins[7]))
+    assert want_logits.shape == (2, 4, tiny_recipe.model.config.vocab_size)
+    assert want_aux.shape == (2, 4, 3 * tiny_recipe.model.config.hidden_size)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_aux, want_aux, atol=1e-5, rtol=0)
