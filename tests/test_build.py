@@ -322,3 +322,33 @@ def test_cache_cli(built, build_cache, tmp_path):
     shutil.copytree(build_cache, copy)
     res = _cli("cache", "clear", "--yes", "--cache-dir", str(copy))
     assert res.returncode == 0 and "removed" in res.stdout and not copy.exists()
+
+
+def test_packed_fp8_kv_bundle_matches_eager(hf_checkpoint, build_cache, tmp_path):
+    """float8_e4m3fn KV with packed K survives export + AOTInductor: compiled tokens == eager tokens."""
+    path = write_recipe(tmp_path, hf_checkpoint, name="fp8", num_seqs_buckets=[4], ctx_buckets=[512],
+                        neuron_config__fp8_packed_kv=True)
+    res = compile_recipe(R.load(path), tmp_path / "out", jobs=1, cache_root=build_cache)
+    assert not res.failed and res.built == 1
+    m = json.loads((res.bundle / "manifest.json").read_text())
+    assert m["graph_inputs"]["kv_layout"]["dtype"] == "float8_e4m3fn" and m["graph_inputs"]["kv_layout"]["packed_k"]
+    gen = _cli("generate", str(res.bundle), "--prompt-ids", ",".join(map(str, range(3, 70))), "--prompt-ids", "9,8,7",
+               "--max-new-tokens", "24", "--check", "--json")
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["check"]["ok"]
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["compile", "recipes/gpt-oss-tiny.yaml", "--backend", "neuron", "-o", "{tmp}"], 1, "needs the Neuron SDK"),
+    (["inspect", "{tmp}"], 1, "not a neffbuild bundle"),
+    (["verify", "{tmp}"], 1, "manifest.json"),
+    (["generate", "{bundle}", "--prompt-ids", "1,x"], 2, "comma-separated token ids"),
+    (["generate", "{bundle}", "--prompt-ids", "1,999"], 2, "outside the vocabulary"),
+    (["generate", "{bundle}", "--prompt-ids", "1,2", "--max-new-tokens", "600"], 2, "exceeds the bundle's max_model_len"),
+    (["compile", "/nope.yaml"], 2, "recipe file not found"),
+])
+def test_cli_errors_are_clear(built, tmp_path, args, code, needle):
+    args = [a.format(tmp=tmp_path, bundle=built[1].bundle) for a in args]
+    res = _cli(*args)
+    assert res.returncode == code, res.stderr
+    assert needle in res.stderr and "Traceback" not in res.stderr

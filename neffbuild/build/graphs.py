@@ -67,7 +67,7 @@ def example_inputs(spec: GraphSpec) -> tuple:
         torch.zeros(B, **long),  # swa_kv_pos_offset
         torch.full((B * q,), -1, **long),  # slot_mapping
         torch.full((B * q,), -1, **long),  # slot_mapping_swa
-        tuple(torch.zeros(layout.buffer_shape, dtype=layout.dtype) for _ in range(layout.num_buffers)),
+        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers)),
     )
 
 

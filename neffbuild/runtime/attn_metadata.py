@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neffbuild.runtime.kv_cache import NULL_BLOCK
+from neffbuild.runtime.kv_cache import NULL_BLOCK, graph_view
 
 PAD_SLOT = -1
 
@@ -29,8 +29,9 @@ class StepInputs:
     slot_mapping_swa: torch.Tensor  # [B*q]
 
     def as_args(self, kv_caches) -> tuple:
+        """Positional graph arguments; FP8 caches travel as their uint8 bytes (see kv_cache.graph_view)."""
         return (self.input_ids, self.positions, self.block_table, self.block_table_swa, self.swa_kv_pos_offset,
-                self.slot_mapping, self.slot_mapping_swa, tuple(kv_caches))
+                self.slot_mapping, self.slot_mapping_swa, tuple(graph_view(c) for c in kv_caches))
 
 
 def head_trim(table: torch.Tensor, ctx: int, block_size: int) -> torch.Tensor:

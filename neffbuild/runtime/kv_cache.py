@@ -5,6 +5,7 @@ then V half). Layer pair (2j, 2j+1) shares buffer j through two block tables. Wi
 FP8 K the K half is also viewed as ``[num_blocks, kv_heads, block_size // 2, head_dim, 2]``
 (logical token t of a block at ``[t // 2, :, t % 2]``); V is never packed.
 Block 0 is the null block: never handed to a request, it absorbs padding rows' reads.
+FP8 buffers are passed to compiled graphs as their uint8 bytes (``graph_view``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class KVLayout:
         return torch.float8_e4m3fn if self.fp8 else torch.float32
 
     @property
+    def graph_dtype(self) -> torch.dtype:
+        """What compiled graphs take: FP8 buffers as uint8 bytes (same storage, a free view)."""
+        return torch.uint8 if self.fp8 else torch.float32
+
+    @property
     def buffer_shape(self) -> tuple[int, ...]:
         return (2, self.num_blocks, self.kv_heads, self.block_size, self.head_dim)
 
@@ -41,6 +47,11 @@ class KVLayout:
 
 def allocate(layout: KVLayout, device: str = "cpu") -> list[torch.Tensor]:
     return [torch.zeros(layout.buffer_shape, dtype=layout.dtype, device=device) for _ in range(layout.num_buffers)]
+
+
+def graph_view(buffer: torch.Tensor) -> torch.Tensor:
+    """The tensor a compiled graph takes for a KV buffer: FP8 as its uint8 bytes, else itself."""
+    return buffer.view(torch.uint8) if buffer.dtype == torch.float8_e4m3fn else buffer
 
 
 def packed_k_view(buffer: torch.Tensor) -> torch.Tensor:
