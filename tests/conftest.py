@@ -32,7 +32,6 @@ def tiny_cfg(tiny_recipe):
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory, tiny_cfg):
     """A random GptOssForCausalLM saved by transformers (safetensors), non-degenerate weights."""
-    import torch
     import transformers
 
     from neffbuild.models.gpt_oss.weights import random_state_dict

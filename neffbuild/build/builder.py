@@ -94,16 +94,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             writer.abort()
             return result
         progress.stage("writing bundle")
-        artifacts = []
-        for res in sorted(result.results, key=lambda r: r["label"]):
-            t = by_label[res["label"]]
-            rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
-            artifacts.append({
-                "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
-                "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
-                "cache_key": res["cache_key"], "input_signature": res["input_signature"],
-                "compile_label": compile_label(t.family, t.batch, t.ctx, t.query_len),
-            })
+        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in sorted(result.results, key=lambda r: r["label"])]
         hits = {r["label"]: r["hit"] for r in result.results}
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
@@ -116,6 +107,17 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     except BaseException:
         writer.abort()
         raise
+
+
+def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
+    """Copy one built artifact into the bundle; its manifest entry."""
+    rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
+    return {
+        "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
+        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
+        "cache_key": res["cache_key"], "input_signature": res["input_signature"],
+        "compile_label": compile_label(t.family, t.batch, t.ctx, t.query_len),
+    }
 
 
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:

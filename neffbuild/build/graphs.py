@@ -77,7 +77,7 @@ INPUT_NAMES = ("input_ids", "positions", "block_table", "block_table_swa", "swa_
 
 def input_signature(inputs: tuple) -> list[dict]:
     out = []
-    for name, value in zip(INPUT_NAMES, inputs):
+    for name, value in zip(INPUT_NAMES, inputs, strict=False):
         items = value if isinstance(value, tuple) else (value,)
         for n, t in enumerate(items):
             out.append({"name": f"{name}[{n}]" if isinstance(value, tuple) else name, "shape": list(t.shape),

@@ -27,7 +27,7 @@ def greedy(decoder: Decoder, cfg: GptOssConfig, stacked: dict, prompts: list[lis
     out = {rid: [tok] for rid, tok in nxt.items()}
     for _ in range(max_new_tokens - 1):
         plan, logits = decoder.step(nxt)
-        nxt = {rid: int(t) for rid, t in zip(nxt, logits.argmax(-1).tolist())}
+        nxt = {rid: int(t) for rid, t in zip(nxt, logits.argmax(-1).tolist(), strict=False)}
         for rid, tok in nxt.items():
             out[rid].append(tok)
         if on_step:

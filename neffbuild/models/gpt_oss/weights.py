@@ -134,7 +134,7 @@ def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[st
     }
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        for name, rows in zip(QKV, (Hq, Hk, Hk)):
+        for name, rows in zip(QKV, (Hq, Hk, Hk), strict=False):
             sd[f"{p}self_attn.{name}.weight"] = rnd(rows, H)
             sd[f"{p}self_attn.{name}.bias"] = rnd(rows, scale=0.05)
         shapes = {

@@ -1,26 +1,22 @@
-"""Recipe: YAML -> validated, frozen ``Recipe``. Every validation rule lives here.
+"""Every recipe validation rule (DESIGN.md section 4), collected, never first-error-only.
 
-Validation collects every problem before raising (``RecipeError``), each naming the dotted
-path, the value and the rule. Types are strict: ``"1024"`` is not an int and ``true`` is
-not a number. Validation never needs a compiler or torch. The only project modules used
-are ``errors``, the pure bucket math and the architecture's config dataclass (a leaf
-module), so the config defaults live in one place.
+Types are strict: ``"1024"`` is not an int and ``true`` is not a number. Unknown keys get
+a "did you mean". The only project modules used are ``errors``, the pure bucket math, the
+grid (for ``compiler.target_flags`` labels) and the architecture's config dataclass (a
+leaf module), so config defaults and bucket formulas exist once.
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from neffbuild.errors import NO_VALUE, InvalidInput, Problem, RecipeError
+from neffbuild.errors import NO_VALUE, Problem
 from neffbuild.models import KNOWN_ARCHS
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
+from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -43,179 +39,8 @@ SCHEMA = {
 }
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    arch: str
-    hf_config: dict  # resolved Hugging Face config keys
-    checkpoint: Path | None
-    random_seed: int | None
 
-    @property
-    def config(self) -> GptOssConfig:
-        return GptOssConfig.from_hf_dict(self.hf_config)
-
-
-@dataclass(frozen=True)
-class Speculative:
-    method: str
-    num_speculative_tokens: int
-    draft_checkpoint: Path | None
-    draft_random_seed: int | None
-    draft_hf_config: dict
-
-
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    version: str
-    model: ModelSpec
-    max_model_len: int
-    max_num_seqs: int
-    block_size: int
-    num_blocks: int
-    num_seqs_buckets: tuple[int, ...]
-    decode_context_length_buckets: tuple[int, ...]  # fallback (max_model_len) not included
-    gk_decode: bool
-    fp8_packed_kv: bool
-    lnc: int
-    tp: int
-    dp: int
-    ep: int
-    speculative: Speculative | None
-    backend: str
-    target: str
-    optlevel: int
-    flags: tuple[str, ...]
-    target_flags: tuple[tuple[str, tuple[str, ...]], ...]  # per-label extra flags, sorted by label
-    jobs: int | None
-    cache_dir: Path | None
-    source: str = "<recipe>"
-    warnings: tuple[str, ...] = field(default=(), compare=False)
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        return self.speculative.num_speculative_tokens if self.speculative else 0
-
-    @property
-    def num_swa(self) -> int:
-        cfg = self.model.config
-        if not cfg.has_sliding_layers:
-            return 0
-        return num_swa_blocks(cfg.sliding_window, self.block_size, self.max_model_len)
-
-    def to_dict(self) -> dict:
-        """Normalised recipe: every default filled in; paths as given (absolute)."""
-        spec = None
-        if self.speculative:
-            s = self.speculative
-            draft = {"config": s.draft_hf_config}
-            draft.update({"checkpoint": str(s.draft_checkpoint)} if s.draft_checkpoint else {"random_seed": s.draft_random_seed})
-            spec = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens, "draft": draft}
-        model = {"arch": self.model.arch, "config": self.model.hf_config}
-        if self.model.checkpoint:
-            model["checkpoint"] = str(self.model.checkpoint)
-        else:
-            model["random_seed"] = self.model.random_seed
-        out = {
-            "name": self.name,
-            "version": self.version,
-            "model": model,
-            "serving": {
-                "max_model_len": self.max_model_len,
-                "max_num_seqs": self.max_num_seqs,
-                "block_size": self.block_size,
-                "num_blocks": self.num_blocks,
-            },
-            "neuron_config": {
-                "num_seqs_buckets": list(self.num_seqs_buckets),
-                "decode_context_length_buckets": list(self.decode_context_length_buckets),
-                "gk_decode": self.gk_decode,
-                "fp8_packed_kv": self.fp8_packed_kv,
-                "lnc": self.lnc,
-            },
-            "parallel": {"tp": self.tp, "dp": self.dp, "ep": self.ep},
-            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel, "flags": list(self.flags),
-                         "target_flags": {label: list(f) for label, f in self.target_flags}},
-            "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
-        }
-        if spec:
-            out["speculative"] = spec
-        return out
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=True)
-
-    def sha256(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
-
-    def flags_for(self, label: str) -> tuple[str, ...]:
-        """Compiler flags for one target: the recipe's flags, then that target's own."""
-        return self.flags + dict(self.target_flags).get(label, ())
-
-    def replace(self, **changes) -> "Recipe":
-        import dataclasses
-
-        return dataclasses.replace(self, **changes)
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last)."""
-
-
-def _construct_mapping(loader, node, deep=False):
-    seen = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", mark
-            )
-        seen[key] = key_node.start_mark.line
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def parse_yaml(text: str, source: str) -> object:
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise InvalidInput(f"{source}: YAML syntax error at {where}: {exc.problem or exc}") from None
-    except yaml.YAMLError as exc:
-        raise InvalidInput(f"{source}: YAML error: {exc}") from None
-
-
-def load(path: str | Path) -> Recipe:
-    """Read, parse and validate a recipe file; raise RecipeError listing every problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidInput(f"{path}: recipe file not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"{path}: cannot read recipe: {exc}") from None
-    return from_dict(parse_yaml(text, str(path)), base_dir=path.parent.resolve(), source=str(path))
-
-
-def from_dict(raw: object, *, base_dir: Path | None = None, source: str = "<recipe>") -> Recipe:
-    v = _Validator(base_dir or Path.cwd(), source)
-    recipe = v.run(raw)
-    if v.problems:
-        raise RecipeError(source, v.problems, v.warnings)
-    return recipe
-
-
-# ----------------------------------------------------------------------------- validator
-
-
-class _Validator:
+class Validator:
     def __init__(self, base_dir: Path, source: str):
         self.base_dir = base_dir
         self.source = source
@@ -302,17 +127,7 @@ class _Validator:
                      "a recipe must be a YAML mapping")
             return None
         self.unknown_keys(raw, "")
-        name = raw.get("name", NO_VALUE)
-        if name is NO_VALUE:
-            self.err("name", NO_VALUE, "is required")
-        elif not isinstance(name, str) or not NAME_RE.match(name):
-            self.err("name", name, "must match [a-z0-9][a-z0-9._-]* (it names the bundle folder)")
-        version = raw.get("version", NO_VALUE)
-        if version is NO_VALUE:
-            self.err("version", NO_VALUE, "is required")
-        elif not isinstance(version, str) or not SEMVER_RE.match(version):
-            self.err("version", version, "must be a semantic version string such as '0.1.0' (quote it in YAML)")
-
+        name, version = self.header(raw)
         serving = self.serving(self.section(raw, "serving", "serving", required=True))
         model, cfg = self.model(self.section(raw, "model", "model", required=True))
         nc = self.section(raw, "neuron_config", "neuron_config", required=True)
@@ -326,9 +141,33 @@ class _Validator:
             self.err("neuron_config.lnc", lnc, "must be 1 or 2 (logical NeuronCore config)")
             lnc = 1
         spec = self.speculative(raw, cfg)
-        comp = self.section(raw, "compiler", "compiler")
-        backend = self.choice(comp, "backend", "compiler.backend", BACKENDS, "auto")
-        target = self.choice(comp, "target", "compiler.target", TARGETS, "trn2")
+        compiler = self.compiler(self.section(raw, "compiler", "compiler"), num_seqs, ctx, serving, raw)
+        build = self.build(self.section(raw, "build", "build"))
+        if cfg is not None:
+            self.cross_checks(cfg, serving, parallel, ctx, gk, spec)
+        if self.problems:
+            return None
+        return Recipe(
+            name=name, version=version, model=model, **serving,
+            num_seqs_buckets=tuple(num_seqs), decode_context_length_buckets=tuple(ctx),
+            gk_decode=gk, fp8_packed_kv=fp8, lnc=lnc, speculative=spec, **compiler, **build, **parallel,
+            source=self.source, warnings=tuple(self.warnings),
+        )
+
+    def header(self, raw: dict) -> tuple:
+        name = raw.get("name", NO_VALUE)
+        if name is NO_VALUE:
+            self.err("name", NO_VALUE, "is required")
+        elif not isinstance(name, str) or not NAME_RE.match(name):
+            self.err("name", name, "must match [a-z0-9][a-z0-9._-]* (it names the bundle folder)")
+        version = raw.get("version", NO_VALUE)
+        if version is NO_VALUE:
+            self.err("version", NO_VALUE, "is required")
+        elif not isinstance(version, str) or not SEMVER_RE.match(version):
+            self.err("version", version, "must be a semantic version string such as '0.1.0' (quote it in YAML)")
+        return name, version
+
+    def compiler(self, comp: dict, num_seqs, ctx, serving: dict, raw: dict) -> dict:
         optlevel = comp.get("optlevel", 2)
         if isinstance(optlevel, bool) or optlevel not in (1, 2, 3):
             self.err("compiler.optlevel", optlevel, "must be 1, 2 or 3")
@@ -337,8 +176,15 @@ class _Validator:
         if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
             self.err("compiler.flags", flags, "must be a list of strings")
             flags = []
-        target_flags = self.target_flags(comp.get("target_flags", {}), num_seqs, ctx, serving, raw)
-        bld = self.section(raw, "build", "build")
+        return {
+            "backend": self.choice(comp, "backend", "compiler.backend", BACKENDS, "auto"),
+            "target": self.choice(comp, "target", "compiler.target", TARGETS, "trn2"),
+            "optlevel": optlevel,
+            "flags": tuple(flags),
+            "target_flags": self.target_flags(comp.get("target_flags", {}), num_seqs, ctx, serving, raw),
+        }
+
+    def build(self, bld: dict) -> dict:
         jobs = self.integer(bld, "jobs", "build.jobs", default=None)
         cache_dir = bld.get("cache_dir")
         if cache_dir is not None and not isinstance(cache_dir, str):
@@ -347,21 +193,7 @@ class _Validator:
         if cache_dir:
             cache_dir = Path(cache_dir).expanduser()
             cache_dir = cache_dir if cache_dir.is_absolute() else self.base_dir / cache_dir
-
-        if cfg is not None:
-            self.cross_checks(cfg, serving, parallel, ctx, gk, spec)
-        if self.problems:
-            return None
-        return Recipe(
-            name=name, version=version, model=model,
-            max_model_len=serving["max_model_len"], max_num_seqs=serving["max_num_seqs"],
-            block_size=serving["block_size"], num_blocks=serving["num_blocks"],
-            num_seqs_buckets=tuple(num_seqs), decode_context_length_buckets=tuple(ctx),
-            gk_decode=gk, fp8_packed_kv=fp8, lnc=lnc, speculative=spec,
-            backend=backend, target=target, optlevel=optlevel, flags=tuple(flags), target_flags=target_flags,
-            jobs=jobs, cache_dir=cache_dir, source=self.source, warnings=tuple(self.warnings),
-            **parallel,
-        )
+        return {"jobs": jobs, "cache_dir": cache_dir or None}
 
     def target_flags(self, value, num_seqs, ctx, serving: dict, raw: dict):
         """compiler.target_flags: {label: [flags]} for single targets (labels must be in the grid)."""

@@ -1,0 +1,128 @@
+"""The frozen recipe types. Imports nothing of the project but the model config."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from neffbuild.models.gpt_oss.config import GptOssConfig
+from neffbuild.runtime.buckets import num_swa_blocks
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    hf_config: dict  # resolved Hugging Face config keys
+    checkpoint: Path | None
+    random_seed: int | None
+
+    @property
+    def config(self) -> GptOssConfig:
+        return GptOssConfig.from_hf_dict(self.hf_config)
+
+
+@dataclass(frozen=True)
+class Speculative:
+    method: str
+    num_speculative_tokens: int
+    draft_checkpoint: Path | None
+    draft_random_seed: int | None
+    draft_hf_config: dict
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    version: str
+    model: ModelSpec
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_blocks: int
+    num_seqs_buckets: tuple[int, ...]
+    decode_context_length_buckets: tuple[int, ...]  # fallback (max_model_len) not included
+    gk_decode: bool
+    fp8_packed_kv: bool
+    lnc: int
+    tp: int
+    dp: int
+    ep: int
+    speculative: Speculative | None
+    backend: str
+    target: str
+    optlevel: int
+    flags: tuple[str, ...]
+    target_flags: tuple[tuple[str, tuple[str, ...]], ...]  # per-label extra flags, sorted by label
+    jobs: int | None
+    cache_dir: Path | None
+    source: str = "<recipe>"
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def num_swa(self) -> int:
+        cfg = self.model.config
+        if not cfg.has_sliding_layers:
+            return 0
+        return num_swa_blocks(cfg.sliding_window, self.block_size, self.max_model_len)
+
+    def to_dict(self) -> dict:
+        """Normalised recipe: every default filled in; paths as given (absolute)."""
+        spec = None
+        if self.speculative:
+            s = self.speculative
+            draft = {"config": s.draft_hf_config}
+            draft.update({"checkpoint": str(s.draft_checkpoint)} if s.draft_checkpoint else {"random_seed": s.draft_random_seed})
+            spec = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens, "draft": draft}
+        model = {"arch": self.model.arch, "config": self.model.hf_config}
+        if self.model.checkpoint:
+            model["checkpoint"] = str(self.model.checkpoint)
+        else:
+            model["random_seed"] = self.model.random_seed
+        out = {
+            "name": self.name,
+            "version": self.version,
+            "model": model,
+            "serving": {
+                "max_model_len": self.max_model_len,
+                "max_num_seqs": self.max_num_seqs,
+                "block_size": self.block_size,
+                "num_blocks": self.num_blocks,
+            },
+            "neuron_config": {
+                "num_seqs_buckets": list(self.num_seqs_buckets),
+                "decode_context_length_buckets": list(self.decode_context_length_buckets),
+                "gk_decode": self.gk_decode,
+                "fp8_packed_kv": self.fp8_packed_kv,
+                "lnc": self.lnc,
+            },
+            "parallel": {"tp": self.tp, "dp": self.dp, "ep": self.ep},
+            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel, "flags": list(self.flags),
+                         "target_flags": {label: list(f) for label, f in self.target_flags}},
+            "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
+        }
+        if spec:
+            out["speculative"] = spec
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=True)
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def flags_for(self, label: str) -> tuple[str, ...]:
+        """Compiler flags for one target: the recipe's flags, then that target's own."""
+        return self.flags + dict(self.target_flags).get(label, ())
+
+    def replace(self, **changes) -> "Recipe":
+
+        return dataclasses.replace(self, **changes)
