@@ -6,7 +6,7 @@ import json
 
 import click
 
-from neffbuild import grid
+from neffbuild import grid, settings
 from neffbuild import recipe as recipe_mod
 
 
@@ -64,6 +64,14 @@ def plan(recipe_path, as_json, check_cache, backend):
     console = Console()
     console.print(table)
     console.print(f"NEFF count: {grid.count_formula(r)}")
+    if states:
+        todo = [s for s in states.values() if s["cache"] == "build"]
+        est = [s["estimate_s"] for s in todo if s.get("estimate_s")]
+        jobs = r.jobs or settings.default_jobs()
+        line = f"to build: {len(todo)} of {len(tgts)}"
+        if est:
+            line += f", about {sum(est) / max(1, min(jobs, len(todo))) / 60:.1f} min with {jobs} jobs (from past compiles)"
+        console.print(line)
 
 
 def register(group: click.Group) -> None:
