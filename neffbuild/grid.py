@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from neffbuild.runtime.buckets import ctx_buckets_with_fallback
+from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_NOSPEC, TARGET_SPEC, label
 
-DECODE, TARGET_SPEC, TARGET_NOSPEC, DRAFT = "decode", "target_spec", "target_nospec", "draft"
-FAMILIES = (DECODE, TARGET_SPEC, TARGET_NOSPEC, DRAFT)
+__all__ = ["DECODE", "DRAFT", "FAMILIES", "TARGET_NOSPEC", "TARGET_SPEC", "Target", "label", "targets"]
 
 
 @dataclass(frozen=True, order=True)
@@ -25,16 +25,6 @@ class Target:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def label_for(family: str, batch: int, ctx: int, query_len: int) -> str:
-    if family == DECODE:
-        return f"decode_b{batch}_ctx{ctx}"
-    if family in (TARGET_SPEC, TARGET_NOSPEC):
-        return f"decode_b{batch}_s{query_len}_ctx{ctx}"
-    if family == DRAFT:
-        return f"draft_b{batch}_ctx{ctx}"
-    raise ValueError(f"unknown family {family!r}")
 
 
 def families(num_speculative_tokens: int) -> list[tuple[str, int]]:
@@ -50,7 +40,7 @@ def enumerate_targets(num_seqs_buckets, ctx_buckets, max_model_len: int, num_spe
     for batch in num_seqs_buckets:
         for ctx in ctx_buckets_with_fallback(ctx_buckets, max_model_len):
             for fam, q in families(num_speculative_tokens):
-                out.append(Target(fam, batch, ctx, q, label_for(fam, batch, ctx, q)))
+                out.append(Target(fam, batch, ctx, q, label(fam, batch, ctx, q)))
     return out
 
 

@@ -20,7 +20,6 @@ from neffbuild.build.executor import LocalExecutor
 from neffbuild.build.graphs import kv_layout_for, spec_for
 from neffbuild.build.worker import Job
 from neffbuild.bundle import layout
-from neffbuild.bundle.manifest import compile_label
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.models.gpt_oss.weights import model_weights
 
@@ -116,7 +115,7 @@ def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
         "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
         "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
-        "compile_label": compile_label(t.family, t.batch, t.ctx, t.query_len),
+        "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
 
 

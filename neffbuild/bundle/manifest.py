@@ -12,12 +12,6 @@ def dumps(manifest: dict) -> str:
     return json.dumps(manifest, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
 
 
-def compile_label(family: str, batch: int, ctx: int, query_len: int) -> str:
-    if family == "draft":
-        return f"draft_b{batch}_ctx{ctx}"
-    return f"decode_b{batch}_s{query_len}_ctx{ctx}" if query_len > 1 or family != "decode" else f"decode_b{batch}_ctx{ctx}"
-
-
 def graph_inputs(recipe, kv_layout) -> dict:
     return {
         "num_seqs_buckets": list(recipe.num_seqs_buckets),

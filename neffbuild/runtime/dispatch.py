@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from neffbuild.errors import ShapeNotCovered
 from neffbuild.runtime import buckets
 
-# Family names and labels mirror neffbuild.grid (kept here so the runtime stays thin;
-# tests/test_runtime.py proves the reachable set equals the compiled set).
-DECODE, TARGET_SPEC, TARGET_NOSPEC = "decode", "target_spec", "target_nospec"
+# The one definition of families and labels: the grid (neffbuild.grid) names the targets it
+# compiles with them, the dispatcher the artifact it runs, and the manifest's compile label
+# is the same string, so the three can never disagree.
+DECODE, TARGET_SPEC, TARGET_NOSPEC, DRAFT = "decode", "target_spec", "target_nospec", "draft"
+FAMILIES = (DECODE, TARGET_SPEC, TARGET_NOSPEC, DRAFT)
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,14 @@ class StepPlan:
 
 
 def label(family: str, batch: int, ctx: int, query_len: int) -> str:
+    """decode_b{B}_ctx{S}, decode_b{B}_s{q}_ctx{S} (target families), draft_b{B}_ctx{S}."""
     if family == DECODE:
         return f"decode_b{batch}_ctx{ctx}"
-    return f"decode_b{batch}_s{query_len}_ctx{ctx}"
+    if family in (TARGET_SPEC, TARGET_NOSPEC):
+        return f"decode_b{batch}_s{query_len}_ctx{ctx}"
+    if family == DRAFT:
+        return f"draft_b{batch}_ctx{ctx}"
+    raise ValueError(f"unknown family {family!r}")
 
 
 def choose_family(spec: GridSpec, needed_with_drafts: int, *, all_have_drafts: bool, after_transfer: bool) -> str:
