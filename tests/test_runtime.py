@@ -148,3 +148,21 @@ def test_dp2_ranks_agree_every_step(built, case):
     assert dp["tokens"] == single["tokens"]
     if case == "uneven":  # rank 1 holds one request but runs rank 0's batch-4 bucket
         assert {s["batch"] for s in r1["steps"]} == {4}
+
+
+def test_decoder_fails_closed_before_running_anything():
+    from neffbuild.runtime.decoder import Decoder
+    from neffbuild.runtime.kv_cache import KVLayout
+
+    ran = []
+    dec = Decoder(layout=KVLayout(1, 64, 1, 16, 4), spec=GridSpec((1, 2), (128,), 256), num_swa=8,
+                  runner=lambda plan: ran.append(plan))
+    for rid in range(3):
+        dec.add_request(rid, 5)
+    with pytest.raises(ShapeNotCovered, match="above the largest bucket 2"):
+        dec.step({0: 1, 1: 1, 2: 1})
+    dec.finish(2)
+    dec.requests[0].num_computed = 256
+    with pytest.raises(ShapeNotCovered, match="needed context 257 is above max_model_len 256"):
+        dec.step({0: 1, 1: 1})
+    assert ran == []

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neffbuild.runtime import attn_metadata, buckets, dp_sync
-from neffbuild.runtime.dispatch import DECODE, GridSpec, StepPlan, label
+from neffbuild.runtime.dispatch import GridSpec, StepPlan, plan_for
 from neffbuild.runtime.kv_cache import NULL_BLOCK, BlockAllocator, KVLayout, allocate
 
 Runner = Callable[[StepPlan], Callable[..., torch.Tensor]]
@@ -68,21 +68,16 @@ class Decoder:
     # -- one step
     def plan(self, rids: list[int]) -> StepPlan:
         """Local plan, then (with DP) the MAX-synced plan every rank agrees on."""
-        computed = [self.requests[r].num_computed for r in rids]
-        padded = buckets.bucket_for(len(rids), self.spec.num_seqs_buckets) if rids else 0
-        needed = buckets.needed_seq(computed) if rids else 0
+        padded = needed = 0  # an idle rank contributes nothing to the sync
+        if rids:  # a local batch above every bucket fails here; a context too long fails on all ranks below
+            padded = buckets.bucket_for(len(rids), self.spec.num_seqs_buckets)
+            needed = buckets.needed_seq([self.requests[r].num_computed for r in rids])
         padded, needed = dp_sync.sync_step(padded, needed, self.group)
-        if needed > self.spec.max_model_len:
-            buckets.ctx_bucket_for(needed, self.spec.ctx_buckets, self.spec.max_model_len)  # raises ShapeNotCovered
-        batch = buckets.bucket_for(max(padded, 1), self.spec.num_seqs_buckets)
-        ctx = buckets.ctx_bucket_for(needed, self.spec.ctx_buckets, self.spec.max_model_len)
-        return StepPlan(batch, len(rids), needed, ctx, DECODE, 1, label(DECODE, batch, ctx, 1))
+        return plan_for(self.spec, batch_count=padded, needed=needed, num_reqs=len(rids))
 
     def step(self, tokens: dict[int, int]) -> tuple[StepPlan, torch.Tensor]:
         """Run one decode step for {request id: its next input token}; logits [R, vocab]."""
         rids = list(tokens)
-        if len(rids) > self.spec.num_seqs_buckets[-1]:
-            buckets.bucket_for(len(rids), self.spec.num_seqs_buckets)  # raises ShapeNotCovered
         plan = self.plan(rids)
         for r in rids:
             self.reserve(self.requests[r], self.requests[r].num_computed + 1)

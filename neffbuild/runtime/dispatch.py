@@ -68,6 +68,27 @@ def choose_family(spec: GridSpec, needed_with_drafts: int, *, all_have_drafts: b
     return TARGET_SPEC
 
 
+def plan_for(spec: GridSpec, *, batch_count: int, needed: int, num_reqs: int, family: str = DECODE,
+             query_len: int = 1) -> StepPlan:
+    """The artifact for ``batch_count`` rows needing ``needed`` context; ShapeNotCovered if none.
+
+    ``batch_count`` may exceed ``num_reqs``: after a DP sync it is the largest rank's padded batch.
+    """
+    if batch_count > spec.num_seqs_buckets[-1]:
+        raise ShapeNotCovered(
+            f"batch of {batch_count} requests is above the largest num_seqs bucket {spec.num_seqs_buckets[-1]} "
+            f"(bundle buckets: {list(spec.num_seqs_buckets)})"
+        )
+    if needed > spec.max_model_len:
+        raise ShapeNotCovered(
+            f"needed context {needed} is above max_model_len {spec.max_model_len} "
+            f"(bundle context buckets: {list(spec.ctx_buckets) + [spec.max_model_len]})"
+        )
+    batch = buckets.bucket_for(max(batch_count, 1), spec.num_seqs_buckets)
+    ctx = buckets.ctx_bucket_for(needed, spec.ctx_buckets, spec.max_model_len)
+    return StepPlan(batch, num_reqs, needed, ctx, family, query_len, label(family, batch, ctx, query_len))
+
+
 def plan_step(
     num_computed_tokens: Sequence[int],
     num_reqs: int,
@@ -78,21 +99,9 @@ def plan_step(
     after_transfer: bool = False,
 ) -> StepPlan:
     """The artifact for one decode step of ``num_reqs`` requests."""
-    if num_reqs > spec.num_seqs_buckets[-1]:
-        raise ShapeNotCovered(
-            f"batch of {num_reqs} requests is above the largest num_seqs bucket {spec.num_seqs_buckets[-1]} "
-            f"(bundle buckets: {list(spec.num_seqs_buckets)})"
-        )
-    batch = buckets.bucket_for(max(num_reqs, 1), spec.num_seqs_buckets)
     k = spec.num_speculative_tokens
     family = choose_family(spec, buckets.needed_seq(num_computed_tokens, k),
                            all_have_drafts=all_have_drafts and num_draft_tokens > 0, after_transfer=after_transfer)
     q = 1 + k if family == TARGET_SPEC else 1
     needed = buckets.needed_seq(num_computed_tokens, q - 1)  # drafts ride along only in the with-spec family
-    if needed > spec.max_model_len:
-        raise ShapeNotCovered(
-            f"needed context {needed} is above max_model_len {spec.max_model_len} "
-            f"(bundle context buckets: {list(spec.ctx_buckets) + [spec.max_model_len]})"
-        )
-    ctx = buckets.ctx_bucket_for(needed, spec.ctx_buckets, spec.max_model_len)
-    return StepPlan(batch, num_reqs, needed, ctx, family, q, label(family, batch, ctx, q))
+    return plan_for(spec, batch_count=num_reqs, needed=needed, num_reqs=num_reqs, family=family, query_len=q)
