@@ -39,9 +39,7 @@ class GraphSpec:
         return GptOssConfig.from_hf_dict(self.hf_config)
 
     def kv_layout(self) -> KVLayout:
-        cfg = self.config
-        return KVLayout(cfg.num_kv_buffers, self.num_blocks, cfg.num_key_value_heads, self.block_size, cfg.head_dim,
-                        fp8=self.fp8_packed_kv, packed_k=self.fp8_packed_kv)
+        return _kv_layout(self.config, self.num_blocks, self.block_size, self.fp8_packed_kv)
 
 
 def spec_for(recipe, target) -> GraphSpec:
@@ -50,9 +48,13 @@ def spec_for(recipe, target) -> GraphSpec:
 
 
 def kv_layout_for(recipe) -> KVLayout:
-    cfg = recipe.model.config
-    return KVLayout(cfg.num_kv_buffers, recipe.num_blocks, cfg.num_key_value_heads, recipe.block_size, cfg.head_dim,
-                    fp8=recipe.fp8_packed_kv, packed_k=recipe.fp8_packed_kv)
+    return _kv_layout(recipe.model.config, recipe.num_blocks, recipe.block_size, recipe.fp8_packed_kv)
+
+
+def _kv_layout(cfg: GptOssConfig, num_blocks: int, block_size: int, fp8_packed_kv: bool) -> KVLayout:
+    # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout.
+    return KVLayout(cfg.num_kv_buffers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim,
+                    fp8=fp8_packed_kv, packed_k=fp8_packed_kv)
 
 
 def example_inputs(spec: GraphSpec) -> tuple:

@@ -32,7 +32,8 @@ def _diff(meta: dict, fingerprint: dict, graph: dict, signature: list) -> list[s
 def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict[str, dict]:
     """{label: {"cache": "cached"|"build", "why": str, "estimate_s": float|None}}."""
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir())
-    entries = cache.list()
+    entries = cache.list()  # every entry here has been validated (sha256 checked) once
+    valid_keys = {e["key"] for e in entries}
     times = [e["compile_seconds"] for e in entries if "compile_seconds" in e]
     kwargs = backend_kwargs(recipe, backend_name)
     try:
@@ -50,7 +51,7 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict
         except NeffbuildError as exc:
             out[t.label] = {"cache": "error", "why": str(exc)}
             continue
-        if cache.get(key):
+        if key in valid_keys:
             out[t.label] = {"cache": "cached", "why": "", "cache_key": key}
             continue
         same = [e for e in entries if e.get("label") == t.label]

@@ -7,7 +7,6 @@ import json
 import click
 
 from neffbuild import recipe as recipe_mod
-from neffbuild.errors import RecipeError
 
 
 @click.command("validate")
@@ -21,10 +20,7 @@ def validate(ctx, recipe_path, as_json):
     No compiler is needed: a recipe for the neuron backend validates on any machine.
     """
     ctx.meta["json_errors"] = as_json
-    try:
-        r = recipe_mod.load(recipe_path)
-    except RecipeError:
-        raise
+    r = recipe_mod.load(recipe_path)  # a RecipeError is printed (as JSON with --json) by cli/main.py
     if as_json:
         click.echo(json.dumps({"valid": True, "errors": [], "warnings": list(r.warnings)}))
     else:

@@ -1,12 +1,11 @@
 """Open and verify a bundle, memory-map its weights once, load artifacts lazily.
 
-Thin: standard library, torch and the bundle layout constants only. Reads JSON and
+Thin: standard library, torch, the bundle layout constants and the base file helpers only. Reads JSON and
 safetensors; never unpickles anything from a bundle. The format is docs/bundle-format.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
+from neffbuild.fsutil import sha256_file
 from neffbuild.runtime import layout
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
@@ -31,14 +31,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def safe_path(root: Path, rel: object) -> Path:
@@ -109,7 +101,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
             problems.append(Problem(rel, "missing"))
         elif not isinstance(info, dict) or p.stat().st_size != info.get("bytes"):
             problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {info.get('bytes') if isinstance(info, dict) else info}"))
-        elif full and _sha256(p) != info.get("sha256"):
+        elif full and sha256_file(p) != info.get("sha256"):
             problems.append(Problem(rel, "sha256 mismatch (corrupt or modified)"))
     return problems
 

@@ -19,10 +19,11 @@ LOGS_DIR = "logs"
 METRICS_DIR = "metrics"
 COMPILE_METRICS_PATH = "metrics/compile.prom"
 REPORT_PATH = "report.html"
+
 # Per-build records: they differ between two builds of the same inputs, so they are not
 # listed in the manifest's checksums (which must be byte-identical for identical inputs).
-UNCHECKED_PATHS = (MANIFEST_PATH, BUILD_INFO_PATH, "report.html")
-UNCHECKED_DIRS = ("logs",)
+UNCHECKED_PATHS = (MANIFEST_PATH, BUILD_INFO_PATH, REPORT_PATH)
+UNCHECKED_DIRS = (LOGS_DIR,)
 
 
 def bundle_dirname(name: str, version: str) -> str:

@@ -125,8 +125,9 @@ def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[st
     def rnd(*shape, scale=std):
         return torch.randn(*shape, generator=g) * scale
 
-    H, d, E, I = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts, cfg.intermediate_size
+    H, d = cfg.hidden_size, cfg.head_dim
     Hq, Hk = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = {key: shape[1:] for key, shape in stacked_shapes(cfg).items() if key in LAYER_KEYS}
     sd = {
         GLOBAL_KEYS["embed"]: rnd(cfg.vocab_size, H, scale=1.0),
         GLOBAL_KEYS["norm"]: 1 + rnd(H, scale=0.1),
@@ -137,13 +138,8 @@ def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[st
         for name, rows in zip(QKV, (Hq, Hk, Hk), strict=False):
             sd[f"{p}self_attn.{name}.weight"] = rnd(rows, H)
             sd[f"{p}self_attn.{name}.bias"] = rnd(rows, scale=0.05)
-        shapes = {
-            "ln_attn": (H,), "ln_mlp": (H,), "sinks": (cfg.num_attention_heads,), "o_w": (H, Hq), "o_b": (H,),
-            "router_w": (E, H), "router_b": (E,), "gate_up_w": (E, H, 2 * I), "gate_up_b": (E, 2 * I),
-            "down_w": (E, I, H), "down_b": (E, H),
-        }
-        for key, shape in shapes.items():
-            t = rnd(*shape)
+        for key in LAYER_KEYS:  # a fixed order, so a seed always gives the same weights
+            t = rnd(*per_layer[key])
             sd[LAYER_KEYS[key].format(i=i)] = 1 + 0.5 * t if key.startswith("ln") else t
     return sd
 
