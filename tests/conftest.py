@@ -68,7 +68,7 @@ def build_cache(tmp_path_factory):
 def built(tmp_path_factory, hf_checkpoint, build_cache):
     """Compile the test recipe once per session: (recipe path, BuildResult)."""
     from neffbuild import recipe
-    from neffbuild.build.builder import compile_recipe
+    from neffbuild.compiler.builder import compile_recipe
 
     folder = tmp_path_factory.mktemp("build")
     path = write_recipe(folder, hf_checkpoint)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from neffbuild import recipe as R
-from neffbuild.build.builder import compile_recipe
-from neffbuild.build.cache import Cache
-from neffbuild.build.graphs import build_graph, spec_for
+from neffbuild.compiler.builder import compile_recipe
+from neffbuild.compiler.cache import Cache
+from neffbuild.compiler.graphs import build_graph, spec_for
 from neffbuild.errors import BundleError, IncompatibleBundle
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.models.gpt_oss.harness import greedy

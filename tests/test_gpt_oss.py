@@ -166,7 +166,7 @@ def test_layer_plan_is_decided_in_init(tiny_cfg, stacked):
 
 def test_spec_family_graph_exports_with_aux_hidden_states(tiny_recipe, stacked):
     """q = 1+k with EAGLE3 aux outputs: torch.export traces it and the exported graph equals eager."""
-    from neffbuild.build.graphs import build_graph, spec_for
+    from neffbuild.compiler.graphs import build_graph, spec_for
     from neffbuild.grid import Target
 
     spec = spec_for(tiny_recipe, Target("target_spec", 2, 128, 4, "decode_b2_s4_ctx128"))

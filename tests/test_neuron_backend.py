@@ -2,7 +2,7 @@
 
 import pytest
 
-from neffbuild.build.backends import get_backend, neuron
+from neffbuild.compiler.backends import get_backend, neuron
 from neffbuild.errors import BackendUnavailable
 
 
@@ -31,7 +31,7 @@ def test_neuron_backend_unavailable_is_a_clear_error():
                     "from public indexes, run on a Trainium host")
 def test_neuron_compiles_tiny_decode(tmp_path):
     from neffbuild import recipe, grid
-    from neffbuild.build.graphs import build_graph, spec_for
+    from neffbuild.compiler.graphs import build_graph, spec_for
     from tests.conftest import TINY
 
     r = recipe.load(TINY)

@@ -7,7 +7,7 @@ import json
 import click
 
 from neffbuild import settings
-from neffbuild.build.cache import Cache
+from neffbuild.compiler.cache import Cache
 
 _dir = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                     help="Cache folder (default: $NEFFBUILD_CACHE_DIR, else ~/.cache/neffbuild).")

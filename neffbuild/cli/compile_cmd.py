@@ -8,7 +8,7 @@ import time
 import click
 
 from neffbuild import recipe as recipe_mod
-from neffbuild.build.builder import Progress, compile_recipe
+from neffbuild.compiler.builder import Progress, compile_recipe
 from neffbuild.errors import BuildFailed
 
 

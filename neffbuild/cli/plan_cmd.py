@@ -30,7 +30,7 @@ def plan(recipe_path, as_json, check_cache, backend):
     tgts = grid.targets(r)
     states = {}
     if check_cache:
-        from neffbuild.build.planner import cache_states
+        from neffbuild.compiler.planner import cache_states
 
         states = cache_states(r, tgts)
     if as_json:

@@ -11,7 +11,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from neffbuild.build.backends.base import Backend
+from neffbuild.compiler.backends.base import Backend
 from neffbuild.errors import BuildFailed
 
 TOO_MANY_INSTRUCTIONS = re.compile(r"XTP002|[Tt]oo many instructions")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from neffbuild.build.worker import KILLED, TIMEOUT, Job, run_job, warm_up
+from neffbuild.compiler.worker import KILLED, TIMEOUT, Job, run_job, warm_up
 
 
 class LocalExecutor:

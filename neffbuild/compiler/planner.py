@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from neffbuild import settings
-from neffbuild.build.backends import get_backend
-from neffbuild.build.builder import backend_kwargs
-from neffbuild.build.cache import Cache
-from neffbuild.build.graphs import spec_for
-from neffbuild.build.worker import key_for
+from neffbuild.compiler.backends import get_backend
+from neffbuild.compiler.builder import backend_kwargs
+from neffbuild.compiler.cache import Cache
+from neffbuild.compiler.graphs import spec_for
+from neffbuild.compiler.worker import key_for
 from neffbuild.errors import BackendUnavailable, NeffbuildError
 
 
@@ -40,7 +40,7 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict
         get_backend(**kwargs)
     except BackendUnavailable as exc:
         return {t.label: {"cache": "unknown", "why": str(exc).split(";")[0]} for t in targets}
-    from neffbuild.build.worker import graph_summary
+    from neffbuild.compiler.worker import graph_summary
 
     out = {}
     for t in targets:

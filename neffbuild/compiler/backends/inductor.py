@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from neffbuild.build.backends.base import Backend
+from neffbuild.compiler.backends.base import Backend
 from neffbuild.errors import InvalidInput
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild import grid, settings
-from neffbuild.build.backends import get_backend
-from neffbuild.build.cache import Cache
-from neffbuild.build.executor import LocalExecutor
-from neffbuild.build.graphs import kv_layout_for, spec_for
-from neffbuild.build.worker import Job
+from neffbuild.compiler.backends import get_backend
+from neffbuild.compiler.cache import Cache
+from neffbuild.compiler.executor import LocalExecutor
+from neffbuild.compiler.graphs import kv_layout_for, spec_for
+from neffbuild.compiler.worker import Job
 from neffbuild.bundle import layout
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.models.gpt_oss.weights import model_weights

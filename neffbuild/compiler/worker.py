@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.build.graphs import GraphSpec
+from neffbuild.compiler.graphs import GraphSpec
 
 COMPILER_ERROR, KILLED, TIMEOUT, ENVIRONMENT = "compiler_error", "killed_or_oom", "timeout", "environment"
 
@@ -51,8 +51,8 @@ def redirected_output(path: str):
 
 def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     """(cache key, exported graph, input signature, graph text) for one target."""
-    from neffbuild.build.cache import cache_key
-    from neffbuild.build.graphs import build_graph, input_signature
+    from neffbuild.compiler.cache import cache_key
+    from neffbuild.compiler.graphs import build_graph, input_signature
 
     module, inputs = build_graph(graph)
     exported = backend.export(module, inputs)
@@ -63,8 +63,8 @@ def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
 
 def run_job(job: Job) -> dict:
     """Build one target through the cache. Never raises: failures come back classified."""
-    from neffbuild.build.backends import get_backend
-    from neffbuild.build.cache import Cache
+    from neffbuild.compiler.backends import get_backend
+    from neffbuild.compiler.cache import Cache
     from neffbuild.errors import BackendUnavailable, InvalidInput
 
     result = {"label": job.label, "status": "failed", "hit": False, "log": job.log_path, "pid": os.getpid()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from neffbuild.build.backends.base import Backend
+from neffbuild.compiler.backends.base import Backend
 from neffbuild.errors import BackendUnavailable, InvalidInput
 
 NAMES = ("inductor", "neuron")
@@ -10,7 +10,7 @@ NAMES = ("inductor", "neuron")
 
 def get_backend(name: str, *, target: str = "trn2", optlevel: int = 2, lnc: int = 1, flags=(), device: str = "cpu") -> Backend:
     """``auto`` picks neuron when the Neuron SDK imports, else inductor."""
-    from neffbuild.build.backends import inductor, neuron
+    from neffbuild.compiler.backends import inductor, neuron
 
     if name == "auto":
         name = "neuron" if neuron.available() else "inductor"
