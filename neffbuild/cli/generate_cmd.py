@@ -56,7 +56,8 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
     before = dp_sync.COLLECTIVES["count"]
     tokens = greedy(decoder, cfg, bundle.weights, prompts, max_new_tokens, packed_k=bundle.kv_layout.packed_k)
     return {"tokens": tokens, "steps": [s.to_json() for s in decoder.steps],
-            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus()}
+            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus(),
+            "histogram": decoder.histogram.rows()}
 
 
 def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str):
@@ -87,7 +88,8 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
     for r in ranks:
         for n, toks in enumerate(r["tokens"]):
             tokens[r["rank"] + n * dp] = toks
-    return {"tokens": tokens, "steps": ranks[0]["steps"],
+    # Every rank records the synced needed_seq, so rank 0's histogram is the run's.
+    return {"tokens": tokens, "steps": ranks[0]["steps"], "histogram": ranks[0]["histogram"],
             "ranks": [{"rank": r["rank"], "steps": r["steps"], "collectives": r["collectives"]} for r in ranks]}
 
 
@@ -100,8 +102,11 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact.")
 @click.option("--check", is_flag=True, help="Also run the eager graph; exit 1 on any token mismatch.")
+@click.option("--histogram", "histogram_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the needed_seq of every decode step as CSV (needed_seq,count), "
+                   "the input of `neffbuild recommend`.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"tokens", "steps"[, "ranks"]} on stdout.')
-def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
+def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, histogram_path, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that fits; the step log
@@ -113,6 +118,10 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     else:
         out = run_rank(bundle_path, prompts, max_new_tokens)
         out.pop("collectives")
+    rows = out.pop("histogram")
+    if histogram_path:
+        _write_histogram(histogram_path, rows)
+    if dp == 1:
         metrics = out.pop("metrics")
         if not as_json:
             click.echo(metrics, err=True, nl=False)
@@ -134,6 +143,16 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
         raise NeffbuildError(f"--check: tokens differ from the eager reference for prompts {bad}")
     if check and not as_json:
         click.echo("check: tokens equal the eager reference", err=True)
+
+
+def _write_histogram(path: str, rows) -> None:
+    from neffbuild.runtime.histogram import NeededSeqHistogram
+
+    try:
+        NeededSeqHistogram(counts=rows).write_csv(path)
+    except OSError as exc:
+        raise InvalidInput(f"--histogram {path}: cannot write ({exc.strerror or exc})") from None
+    click.echo(f"histogram: {path} ({sum(n for _, n in rows)} decode steps)", err=True)
 
 
 def register(group: click.Group) -> None:

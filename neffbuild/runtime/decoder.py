@@ -15,6 +15,7 @@ import torch
 
 from neffbuild.runtime import attn_metadata, buckets, dp_sync
 from neffbuild.runtime.dispatch import GridSpec, StepPlan, plan_for
+from neffbuild.runtime.histogram import NeededSeqHistogram
 from neffbuild.runtime.kv_cache import NULL_BLOCK, BlockAllocator, KVLayout, allocate
 
 Runner = Callable[[StepPlan], Callable[..., torch.Tensor]]
@@ -38,6 +39,7 @@ class Decoder:
         self.padding_rows = 0
         self.total_rows = 0
         self.steps: list[StepPlan] = []
+        self.histogram = NeededSeqHistogram(spec.max_model_len)  # synced needed_seq per step
 
     # -- requests
     def add_request(self, rid: int, num_tokens: int) -> Request:
@@ -98,6 +100,7 @@ class Decoder:
         self.padding_rows += plan.padding
         self.total_rows += plan.batch
         self.steps.append(plan)
+        self.histogram.record(plan.needed_seq)
         return plan, logits[: len(rids), -1]
 
     # -- metrics
@@ -106,4 +109,4 @@ class Decoder:
         lines += [f'neffbuild_neff_execution_count{{bucket="{k}"}} {v}' for k, v in sorted(self.executions.items())]
         ratio = self.padding_rows / self.total_rows if self.total_rows else 0.0
         lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {ratio:.6f}"]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self.histogram.to_prometheus()
