@@ -6,7 +6,8 @@ from fractions import Fraction
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from neffbuild.cli.main import _register, cli
 from neffbuild.recommend import Constraints, cost, optimise, report
