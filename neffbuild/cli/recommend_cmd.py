@@ -73,7 +73,7 @@ def _print(out: dict, recipe_path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(soft_wrap=True)
     table = Table(title=f"{out['steps']} decode steps, max_model_len {out['max_model_len']}")
     for col, just in (("k", "right"), ("buckets", "left"), ("KV tokens/step", "right"),
                       ("vs fallback", "right"), ("NEFFs", "right")):
