@@ -75,3 +75,14 @@ def built(tmp_path_factory, hf_checkpoint, build_cache):
     res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=build_cache)
     assert not res.failed, res.failed
     return path, res
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance per session (2 CPUs, this machine); yields its address for CLI drivers."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

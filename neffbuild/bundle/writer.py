@@ -113,7 +113,7 @@ def compile_metrics(artifacts: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_report(m: dict, *, hits: dict, built: int, cached: int, wall_s: float) -> str:
+def render_report(m: dict, *, hits: dict, built: int, cached: int, wall_s: float, **_records) -> str:
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("neffbuild.bundle", "templates"),

@@ -16,7 +16,7 @@ from pathlib import Path
 from neffbuild import grid, settings
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
-from neffbuild.compiler.executor import LocalExecutor
+from neffbuild.compiler.executor import make_executor
 from neffbuild.compiler.graphs import kv_layout_for, spec_for
 from neffbuild.compiler.worker import Job
 from neffbuild.bundle import layout
@@ -56,7 +56,8 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
-                   timeout_s: float | None = None) -> BuildResult:
+                   timeout_s: float | None = None, executor: str = "local", address: str | None = None,
+                   shared_cache: bool = False) -> BuildResult:
     progress = progress or Progress()
     started = time.monotonic()
     bk = backend_kwargs(recipe, backend_name)
@@ -65,6 +66,8 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir()).ensure()
     cache.sweep()
     targets = grid.build_order(grid.targets(recipe))
+    runner = make_executor(executor, jobs=jobs or recipe.jobs or settings.default_jobs(), cache_root=cache.root,
+                           timeout_s=timeout_s, address=address, shared_cache=shared_cache)  # fails fast without Ray
     writer = BundleWriter(out_dir, recipe.name, recipe.version)
     result = BuildResult(bundle=None)
     try:
@@ -76,8 +79,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
                          str(writer.path(layout.log_path(t.label)))) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        executor = LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
-        for res in executor.run(jobs_list, on_start=lambda j: progress.running(j.label)):
+        for res in runner.run(jobs_list, on_start=lambda j: progress.running(j.label)):
             result.results.append(res)
             if res["status"] == "ok":
                 result.cached += res["hit"]
@@ -99,7 +101,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry,
             report_context={"hits": hits, "built": result.built, "cached": result.cached,
-                             "wall_s": round(time.monotonic() - started, 3)},
+                             "wall_s": round(time.monotonic() - started, 3), **_placement(executor, result.results)},
         )
         result.wall_s = time.monotonic() - started
         return result
@@ -117,6 +119,12 @@ def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
+
+
+def _placement(executor: str, results: list[dict]) -> dict:
+    """Where each target was built: a per-build record (build-info.json), never the manifest."""
+    nodes = {r["label"]: r["node"] for r in results if r.get("node")}
+    return {"executor": executor, **({"built_on": dict(sorted(nodes.items()))} if nodes else {})}
 
 
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:

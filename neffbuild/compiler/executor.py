@@ -4,8 +4,8 @@
 more jobs in flight than workers, so "submitted" means "running" and a per-target timeout
 is exact. A worker that dies (OOM killer, signal) breaks the pool: its in-flight jobs are
 reported as ``killed_or_oom`` and the pool is rebuilt for the rest. Ctrl-C kills the
-workers and re-raises, so the caller can clean up. A cluster executor (Ray) plugs in
-behind the same ``run`` interface; it is not part of this release.
+workers and re-raises, so the caller can clean up. ``RayExecutor`` (ray_executor.py) runs
+the same jobs on a Ray cluster behind the same ``run`` interface; ``make_executor`` picks one.
 """
 
 from __future__ import annotations
@@ -81,6 +81,21 @@ class LocalExecutor:
             self.pool = None
         finally:
             self._kill()
+
+
+EXECUTORS = ("local", "ray")
+
+
+def make_executor(name: str, *, jobs: int, cache_root, timeout_s: float | None = None, address: str | None = None,
+                  shared_cache: bool = False):
+    """The executor called ``name``: the local pool of ``jobs`` workers, or Ray."""
+    if name == "ray":
+        from neffbuild.compiler.ray_executor import RayExecutor
+
+        return RayExecutor(cache_root=cache_root, address=address, shared_cache=shared_cache, timeout_s=timeout_s)
+    if name != "local":
+        raise ValueError(f"unknown executor {name!r}")
+    return LocalExecutor(jobs, timeout_s=timeout_s)
 
 
 def _failure(job: Job, kind: str, message: str) -> dict:
