@@ -81,7 +81,8 @@ def built(tmp_path_factory, hf_checkpoint, build_cache):
 def ray_cluster():
     """One local Ray instance per session (2 CPUs, this machine); yields its address for CLI drivers."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20,
+             _system_config={"worker_niceness": 0})  # compile at the test's priority, not Ray's background one
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

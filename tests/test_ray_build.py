@@ -39,7 +39,7 @@ def _decode(bundle_path, prompt, new_tokens):
 def ray_built(ray_cluster, hf_checkpoint, tmp_path_factory):
     """The tiny test model, 2 targets (b1 x ctx 128 + fallback), built on Ray into a fresh cache."""
     folder = tmp_path_factory.mktemp("ray")
-    path = write_recipe(folder, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128])
+    path = write_recipe(folder, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1)
     res = compile_recipe(R.load(path), folder / "out", cache_root=folder / "cache", executor="ray")
     assert not res.failed, res.failed
     return path, folder, res
@@ -77,7 +77,7 @@ def test_second_ray_build_is_all_cache_hits(ray_built, ray_cluster):
 
 def test_failing_target_on_ray_is_reported_like_a_local_failure(ray_built, ray_cluster, hf_checkpoint, tmp_path):
     _, folder, _ = ray_built
-    path = write_recipe(tmp_path, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128],
+    path = write_recipe(tmp_path, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1,
                         compiler__target_flags={"decode_b1_ctx128": ["not_an_option=1"]})
     out_dir = tmp_path / "out"
     res = _cli("compile", str(path), "-o", str(out_dir), "--cache-dir", str(folder / "cache"), "--json",

@@ -118,8 +118,8 @@ class RayExecutor:
 
             pkgs = [str(Path(m.__file__).parent) for m in (neffbuild, kernels)]
             ray.init(address=self.address, runtime_env={"py_modules": pkgs}, **kwargs)
-        else:
-            ray.init(**kwargs)
+        else:  # Ray lowers its workers' priority by default; compiles are the build's work, not background work
+            ray.init(_system_config={"worker_niceness": 0}, **kwargs)
         return True
 
 
@@ -141,6 +141,8 @@ class _Run:
         self.running: dict = {}  # ref -> (job, submitted at, attempt)
         slots = self.ray.cluster_resources().get("CPU", 1) / ex.num_cpus
         self.capacity = max(1, int(slots))
+        # A reservation above every node's memory would wait forever: cap it at the largest node.
+        self.largest = max((n["Resources"].get("memory", 0) for n in self.ray.nodes() if n.get("Alive")), default=0)
 
     def results(self) -> Iterator[dict]:
         try:
@@ -159,6 +161,7 @@ class _Run:
 
     def _submit(self, job: Job, attempt: int) -> None:
         mem = self.memory[job.label] * (2 ** attempt)
+        mem = int(min(mem, self.largest)) if self.largest else mem
         opts = {"num_cpus": self.ex.num_cpus, "memory": mem, "max_retries": 0}
         ref = self.task.options(**opts).remote(job, self.ex.shared, self.index_ref)
         self.running[ref] = (job, time.monotonic(), attempt)
