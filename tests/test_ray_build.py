@@ -101,3 +101,19 @@ def test_missing_ray_names_the_extra(tmp_path):
     assert res.returncode == 1
     assert "neffbuild[ray]" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_memory_estimate_uses_past_peaks_of_the_same_graph(tiny_recipe):
+    from neffbuild import grid
+    from neffbuild.compiler.graphs import spec_for
+    from neffbuild.compiler.ray_executor import BASE_MEMORY, estimate_memory, graph_bytes
+    from neffbuild.compiler.worker import Job, graph_summary
+
+    small, big = (t for t in grid.targets(tiny_recipe) if t.label in ("decode_b1_ctx128", "decode_b4_ctx512"))
+    jobs = [Job(t.label, spec_for(tiny_recipe, t), {}, "", "") for t in (small, big)]
+    assert graph_bytes(jobs[1]) > graph_bytes(jobs[0]) > 0
+    assert estimate_memory(jobs[0], []) > BASE_MEMORY
+    past = [{"label": small.label, "graph": graph_summary(jobs[0].graph), "peak_rss_bytes": 4 << 30},
+            {"label": big.label, "graph": dict(graph_summary(jobs[1].graph), num_blocks=1), "peak_rss_bytes": 9 << 30}]
+    assert estimate_memory(jobs[0], past) == int(1.25 * (4 << 30))
+    assert estimate_memory(jobs[1], past) == estimate_memory(jobs[1], [])  # another graph's peak does not count

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from neffbuild.compiler.executor import _failure
-from neffbuild.compiler.worker import COMPILER_ERROR, KILLED, TIMEOUT, Job, graph_summary
+from neffbuild.compiler.worker import COMPILER_ERROR, ENVIRONMENT, KILLED, TIMEOUT, Job, graph_summary
 from neffbuild.errors import NeffbuildError
 
 GIB = 1 << 30
@@ -52,12 +52,14 @@ def import_ray():
 
 
 def graph_bytes(job: Job) -> int:
-    """Bytes of the graph's weights (bf16) and KV pool: what tracing and compiling hold."""
+    """Bytes the traced graph holds: weights (bf16), the KV pool, fp32 attention scores of every layer."""
     from neffbuild.models.gpt_oss.weights import stacked_shapes
 
-    weights = sum(2 * math.prod(s) for s in stacked_shapes(job.graph.config).values())
-    kv = job.graph.kv_layout()
-    return weights + kv.num_buffers * math.prod(kv.buffer_shape) * (1 if kv.fp8 else 2)
+    g, cfg = job.graph, job.graph.config
+    weights = sum(2 * math.prod(s) for s in stacked_shapes(cfg).values())
+    kv = g.kv_layout()
+    scores = 4 * g.batch * g.query_len * g.ctx * cfg.num_attention_heads * cfg.num_hidden_layers
+    return weights + kv.num_buffers * math.prod(kv.buffer_shape) * (1 if kv.fp8 else 2) + scores
 
 
 def estimate_memory(job: Job, history: list[dict]) -> int:
@@ -180,8 +182,8 @@ class _Run:
                 self._submit(job, attempt=1)
                 return None
             return _failure(job, KILLED, f"the Ray task died twice (last: {type(exc).__name__}: killed or out of memory)")
-        except exc_mod.RayError as exc:
-            return _failure(job, COMPILER_ERROR, f"Ray task failed: {type(exc).__name__}: {str(exc)[:500]}")
+        except exc_mod.RayError as exc:  # run_job never raises: this is the cluster, not the compiler
+            return _failure(job, ENVIRONMENT, f"Ray task failed: {type(exc).__name__}: {str(exc)[:500]}")
         return self._finish(job, out)
 
     def _finish(self, job: Job, out: dict) -> dict:
