@@ -355,6 +355,7 @@ class KVAgent:
         return self.start_pull(request, remote_block_ids, local_block_ids).wait(timeout)
 
     def close(self) -> None:
+        """End the side channel (and the server), release the descriptor lists, deregister the KV."""
         if self._sock is not None:
             try:
                 send_msg(self._sock, {"op": "close"})
@@ -366,6 +367,14 @@ class KVAgent:
         if self._server is not None:
             server, self._server = self._server, None
             server.close()
+        if self._reg is not None:  # NIXL lets go of the KV memory: the caller may free it
+            for handle in (self._remote, self._local):
+                if handle is not None:
+                    handle.release()
+            if self._remote_name is not None:
+                self.agent.remove_remote_agent(self._remote_name)
+            self.agent.deregister_memory(self._reg)
+            self._reg = self._remote = self._local = self._remote_name = None
 
 
 def _groups(ids) -> list[list[int]]:
