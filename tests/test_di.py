@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from neffbuild.errors import KVTransferError
 from neffbuild.runtime.blocks import SLIDING_GROUP, BlockManager, kv_groups
@@ -57,6 +58,33 @@ def test_without_the_rule_the_block_manager_drops_a_block_the_first_step_reads()
     assert all(n % BS == BS - 1 for n in broken)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_last_logits_equal_a_decode_step_at_that_position(tiny_recipe, tiny_cfg, hf_checkpoint, fp8):
+    """What DI relies on: prefill of N tokens and prefill of N-1 plus one decode step agree (FP8 KV too)."""
+    from neffbuild.models.gpt_oss import weights
+    from neffbuild.runtime.step import StepBatch
+    from neffbuild.serve.greedy import tables_for
+    from tests.test_gpt_oss import make_session
+
+    stacked = weights.stack(tiny_cfg, weights.load_checkpoint(hf_checkpoint))
+    for n in (16, 47):
+        prompt = _prompts([n])[0]
+        whole = make_session(tiny_recipe, stacked, fp8=fp8, packed=fp8)
+        blocks = whole.block_manager()
+        blocks.reserve("a", n, n)
+        rows = {g: t[0] for g, t in tables_for(blocks, ["a"], [n]).items()}
+        want = whole.prefill(prompt, whole.stepper.kv_caches, rows)[-1]
+        split = make_session(tiny_recipe, stacked, fp8=fp8, packed=fp8)
+        blocks = split.block_manager()
+        blocks.reserve("b", n - 1, n - 1)
+        rows = {g: t[0] for g, t in tables_for(blocks, ["b"], [n - 1]).items()}
+        split.prefill(prompt[:-1], split.stepper.kv_caches, rows)
+        blocks.reserve("b", n, n - 1)
+        got = split.stepper.step(StepBatch([[prompt[-1]]], [n - 1], tables_for(blocks, ["b"], [n]))).logits[0, -1]
+        torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+        assert int(got.argmax()) == int(want.argmax())
+
+
 # -- two processes, real NIXL, compiled bundles
 
 
@@ -70,18 +98,18 @@ def _single_process(session, prompts, new):
     return greedy(session.stepper, session.prefill, session.block_manager(), prompts, new).tokens
 
 
-def _di_vs_single(bundle_path, lengths, new=6, **kw):
+def _di_vs_single(bundle_path, lengths, new=6):
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.di import PrefillWorker, generate_di
     from neffbuild.serve.session import open_session
 
     session = open_session(open_bundle(bundle_path))
     out = []
-    with PrefillWorker(bundle_path, _n_minus_1=kw.get("_n_minus_1", True)) as worker:
+    with PrefillWorker(bundle_path) as worker:
         for i in range(0, len(lengths), 4):  # the bundles' largest batch bucket
             prompts = _prompts(lengths[i:i + 4])
             ref = _single_process(session, prompts, new)
-            gen = generate_di(session, worker.port, prompts, new, **kw)
+            gen = generate_di(session, worker.port, prompts, new)
             out += list(zip(lengths[i:i + 4], gen.tokens, ref, gen.transfers, strict=True))
     return out
 
@@ -103,11 +131,21 @@ def test_generate_di_equals_single_process_packed_fp8(built_fp8):
 
 @pytest.mark.slow
 def test_n_minus_1_rule_is_needed(built):
+    """Rule off on both sides: the first step reads a block never transferred (checked), or, unchecked, tokens differ."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.di import PrefillWorker, generate_di
+    from neffbuild.serve.session import open_session
+
+    path = built[1].bundle
+    session = open_session(open_bundle(path))
     lengths = [16, 17, 47, 63]
-    with pytest.raises(KVTransferError, match="position 46 reads sliding-group logical blocks \\[0\\] that were never"):
-        _di_vs_single(built[1].bundle, lengths, _n_minus_1=False)
-    rows = _di_vs_single(built[1].bundle, lengths, _n_minus_1=False, check_reads=False)
-    differ = [n for n, di, ref, _ in rows if di != ref]
+    prompts = _prompts(lengths)
+    ref = _single_process(session, prompts, 6)
+    with PrefillWorker(path, _n_minus_1=False) as worker:
+        with pytest.raises(KVTransferError, match=r"position 46 reads sliding-group logical blocks \[0\] that were never"):
+            generate_di(session, worker.port, prompts, 6, _n_minus_1=False)
+        gen = generate_di(session, worker.port, prompts, 6, _n_minus_1=False, check_reads=False)
+    differ = [n for n, di, r in zip(lengths, gen.tokens, ref, strict=True) if di != r]
     assert 47 in differ or 63 in differ
     assert 16 not in differ and 17 not in differ  # other residues are unaffected
 
