@@ -133,6 +133,8 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, hf_checkpo
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["check"]["ok"]
+    assert out["decode_seconds"] > 0  # decode steps only: 3 prompts x (n_new - 1) step tokens
+    assert out["tokens_per_second"] == pytest.approx(3 * (n_new - 1) / out["decode_seconds"], rel=1e-3)
     model = transformers.GptOssForCausalLM.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
     for n, p in enumerate(prompts):
         ids = torch.tensor([p])
@@ -147,6 +149,14 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, hf_checkpo
         if i and s["ctx"] != steps[i - 1]["ctx"]:
             assert steps[i - 1]["needed_seq"] == steps[i - 1]["ctx"]  # switched on the first step past the bucket
             assert s["needed_seq"] == steps[i - 1]["ctx"] + 1
+
+
+@pytest.mark.slow
+def test_generate_human_output_reports_speed(built):
+    res = _cli("generate", str(built[1].bundle), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
+    assert res.returncode == 0, res.stderr
+    line = [x for x in res.stdout.splitlines() if x.startswith("decode:")]
+    assert line and " s, " in line[0] and "tokens/s" in line[0], res.stdout
 
 
 @pytest.mark.slow
@@ -168,6 +178,8 @@ def test_dp2_ranks_agree_every_step(built, case):
     assert [s["label"] for s in r0["steps"]] == [s["label"] for s in r1["steps"]]
     assert r0["collectives"] == r1["collectives"] == n_new - 1  # exactly one all-reduce per step
     assert dp["tokens"] == single["tokens"]
+    assert dp["decode_seconds"] == pytest.approx(max(r["decode_seconds"] for r in dp["ranks"]), abs=1e-6)
+    assert dp["tokens_per_second"] > 0
     if case == "uneven":  # rank 1 holds one request but runs rank 0's batch-4 bucket
         assert {s["batch"] for s in r1["steps"]} == {4}
 

@@ -101,6 +101,41 @@ def test_engine_owned_tables_join_leave_across_buckets(built, hf_checkpoint):
     assert needed == [p.needed_seq for p in plans]  # the hook saw every step's synced needed_seq
 
 
+def _eager_stepper(cfg, weights, k):
+    """The tiny model's eager graph (max_model_len 512, block 16, num_swa 8) behind a Stepper."""
+    layout = KVLayout(cfg.num_kv_buffers, 80, cfg.num_key_value_heads, 16, cfg.head_dim)
+    return Stepper(eager_artifacts(cfg, weights, GridSpec((1, 2), (128,), 512, k), layout, 8))
+
+
+def test_spec_step_equals_single_token_steps_and_family_rules():
+    """1+k tokens in one target_spec step = the same tokens one by one; aux states come back; the rules fire."""
+    cfg = R.load(TINY).model.config
+    weights = model_weights(cfg, None, 0)
+    prompt, drafts = [(i * 13) % 256 for i in range(45)], [7, 99, 3, 250]
+    full, swa = torch.arange(1, 33)[None], torch.arange(33, 65)[None]  # the two groups never share a block
+    tables = {"full": full, "sliding": swa}
+    results = {}
+    for k in (0, 3):
+        step = _eager_stepper(cfg, weights, k)
+        prefill(cfg, weights, prompt, step.kv_caches, full[0], swa[0])
+        if k:
+            out = step.step(StepBatch([drafts], [len(prompt)], tables))
+            assert (out.plan.family, out.plan.query_len, out.plan.needed_seq) == ("target_spec", 4, len(prompt) + 4)
+            assert out.aux_hidden.shape == (1, 4, 3 * cfg.hidden_size)
+            results[k] = out.logits[0]
+        else:
+            results[k] = torch.cat([step.step(StepBatch([[t]], [len(prompt) + i], tables)).logits[0]
+                                    for i, t in enumerate(drafts)])
+    torch.testing.assert_close(results[3], results[0], atol=1e-5, rtol=0)
+    step = _eager_stepper(cfg, weights, 3)
+    mixed = step.step(StepBatch([drafts, [5]], [50, 60], {"full": full.repeat(2, 1), "sliding": swa.repeat(2, 1)}))
+    assert (mixed.plan.family, mixed.plan.query_len, mixed.logits.shape[1]) == ("target_nospec", 1, 1)
+    assert mixed.aux_hidden.shape == (2, 1, 3 * cfg.hidden_size)
+    near_end = step.plan(StepBatch([drafts], [509], {"full": full}))  # 509 + 3 + 1 > 512: no room for drafts
+    assert (near_end.family, near_end.needed_seq, near_end.label) == ("target_nospec", 510, "decode_b1_s1_ctx512")
+    assert step.plan(StepBatch([drafts], [508], {"full": full})).label == "decode_b1_s4_ctx512"
+
+
 # -- DP: local problems travel through the one collective -------------------------------------------
 
 SPEC = GridSpec((1, 2), (128,), 256)

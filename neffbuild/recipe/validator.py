@@ -413,7 +413,7 @@ class Validator:
             if bs > P_MAX:
                 self.err("serving.block_size", bs, f"must be <= {P_MAX} for models with sliding-window layers")
             elif ctx and mml:
-                width = num_swa_blocks(cfg.sliding_window, bs, mml) * bs
+                width = num_swa_blocks(cfg.sliding_window, bs, mml, 1 + (spec.num_speculative_tokens if spec else 0)) * bs
                 for i, c in enumerate(ctx):
                     if c < width:
                         self.err(f"neuron_config.decode_context_length_buckets[{i}]", c,
