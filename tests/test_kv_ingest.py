@@ -179,3 +179,18 @@ def test_handshake_refuses_packed_fp8_on_one_side_only(producer):
             agent.connect(port)
     finally:
         agent.close()
+
+
+def test_kv_ingest_imports_nixl_lazily_and_stays_thin():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("import sys, neffbuild.runtime as rt, neffbuild.runtime.kv_ingest, neffbuild.runtime.di_prompt; "
+            "[getattr(rt, n) for n in rt.__all__]; "
+            "print([m for m in ('nixl', 'nixl_cu12', 'neffbuild.serve', 'neffbuild.models', 'neffbuild.cli', "
+            "'click', 'yaml') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
