@@ -65,6 +65,14 @@ class BackendUnavailable(NeffbuildError):
     """The requested compiler backend cannot run on this machine."""
 
 
+class KVTransferError(NeffbuildError):
+    """A disaggregated-inference KV transfer failed: handshake refused, pull failed or timed out."""
+
+
+class NixlUnavailable(KVTransferError):
+    """NIXL is not installed here; the message names the extra to install."""
+
+
 class BuildFailed(NeffbuildError):
     """One or more targets failed to compile; the message lists them."""
 

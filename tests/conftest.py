@@ -75,3 +75,17 @@ def built(tmp_path_factory, hf_checkpoint, build_cache):
     res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=build_cache)
     assert not res.failed, res.failed
     return path, res
+
+
+@pytest.fixture(scope="session")
+def built_fp8(tmp_path_factory, hf_checkpoint, build_cache):
+    """A packed-FP8-K bundle of one target (b4, fallback context 512): the BuildResult."""
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp("build_fp8")
+    path = write_recipe(folder, hf_checkpoint, name="fp8", num_seqs_buckets=[4], ctx_buckets=[512],
+                        neuron_config__fp8_packed_kv=True)
+    res = compile_recipe(recipe.load(path), folder / "out", jobs=1, cache_root=build_cache)
+    assert not res.failed, res.failed
+    return res

@@ -5,6 +5,8 @@ artifacts, one dispatch per step (the loop: neffbuild/serve/greedy.py). ``decode
 the wall time of the decode steps only; ``tokens_per_second`` = decode-step tokens / it. ``--dp N`` runs N ranks as N processes over gloo with
 the prompts split across them (``prompts[r::N]``); a rank without work runs dummy steps
 at the synced bucket. ``--check`` also runs the eager graph and fails on any mismatch.
+``--di`` runs disaggregated inference: a prefill worker process and this decode process, the
+KV moved over NIXL (neffbuild/serve/di.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,36 @@ def _parse_prompt(text: str) -> list[int]:
     return ids
 
 
+def _check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab: int, max_model_len: int) -> None:
+    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+    if bad:
+        raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > max_model_len:
+        raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
+                           f"max_model_len {max_model_len}")
+
+
+def run_di_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """``--di``: prefill in a worker process, KV over NIXL, decode here through the bundle's artifacts."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.kv_ingest import load_nixl
+    from neffbuild.serve.di import PrefillWorker, generate_di
+    from neffbuild.serve.greedy import prometheus
+    from neffbuild.serve.session import open_session
+
+    load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
+    bundle = open_bundle(bundle_path)
+    session = open_session(bundle)
+    _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
+    for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
+        bundle.artifact(label)
+    with PrefillWorker(bundle_path) as worker:
+        gen = generate_di(session, worker.port, prompts, max_new_tokens)
+    return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans], "metrics": prometheus(gen.plans),
+            "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens, "transfers": gen.transfers}
+
+
 def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
     """Greedy tokens, the step log and decode timing for this rank's prompts (bundle artifacts, or eager)."""
     from neffbuild.runtime import dp_sync
@@ -38,14 +70,7 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
 
     bundle = open_bundle(bundle_path)
     session = open_session(bundle, reference=reference, group=group)
-    vocab = session.config.vocab_size
-    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
-    if bad:
-        raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    longest = max((len(p) for p in prompts), default=0)
-    if longest + max_new_tokens > bundle.spec.max_model_len:
-        raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
-                           f"max_model_len {bundle.spec.max_model_len}")
+    _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
     if not reference:
         for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
             bundle.artifact(label)
@@ -103,21 +128,29 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
               help="Greedy tokens to generate per prompt.")
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact.")
+@click.option("--di", is_flag=True,
+              help="Disaggregated inference: prefill runs in a second process (eager, its own KV cache), the KV "
+                   "moves over NIXL into this process, which runs every decode step (the first one recomputes the "
+                   "last prompt token). Needs the nixl extra.")
 @click.option("--check", is_flag=True, help="Also run the eager graph; exit 1 on any token mismatch.")
 @click.option("--json", "as_json", is_flag=True,
-              help='Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "check"]} on stdout.')
-def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
+              help='Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", "check"]} '
+                   'on stdout.')
+def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that fits; the step log
     shows which artifact ran. Use --check in CI to accept a bundle before shipping it.
+    With --di the tokens must equal those of a plain run (same bundle, same prompts).
     """
     prompts = [_parse_prompt(p) for p in prompt_ids]
+    if di and dp > 1:
+        raise InvalidInput("--di runs one decode process; use it without --dp")
     if dp > 1:
         out = run_dp(bundle_path, prompts, max_new_tokens, dp)
     else:
-        out = run_rank(bundle_path, prompts, max_new_tokens)
-        out.pop("collectives")
+        out = run_di_rank(bundle_path, prompts, max_new_tokens) if di else run_rank(bundle_path, prompts, max_new_tokens)
+        out.pop("collectives", None)
         metrics = out.pop("metrics")
         out.update(_speed(out["decode_seconds"], out.pop("decode_tokens")))
         if not as_json:
@@ -132,6 +165,10 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
             click.echo(f"prompt {n}: {','.join(map(str, toks))}")
         click.echo(f"decode: {out['decode_seconds']:.3f} s, {out['tokens_per_second']:.1f} tokens/s "
                    f"(decode steps only: no loading, prefill or --check)")
+        for n, t in enumerate(out.get("transfers", [])):
+            click.echo(f"prompt {n}: pulled KV of {t['kv_len']} tokens ({t['blocks']} blocks, {t['bytes']} bytes) in "
+                       f"{t['pull_seconds'] * 1e3:.1f} ms{' (sliding-window N-1 rule)' if t['truncated'] else ''}",
+                       err=True)
         last = None
         for i, s in enumerate(out["steps"]):
             if s["label"] != last:
