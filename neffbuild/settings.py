@@ -3,6 +3,8 @@
 NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
+NEURON_LOGICAL_NC_CONFIG  the Neuron runtime's logical NeuronCore config (read to refuse a
+                     bundle compiled for another LNC; the SDK's own variable)
 """
 
 from __future__ import annotations
@@ -28,3 +30,8 @@ def default_jobs() -> int:
 
 def log_level() -> str:
     return os.environ.get("NEFFBUILD_LOG", "WARNING").upper()
+
+
+def neuron_logical_nc_config() -> int | None:
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
+    return int(value) if value.isdigit() else None

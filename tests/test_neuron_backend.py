@@ -8,9 +8,11 @@ from neffbuild.errors import BackendUnavailable
 
 def test_compiler_args():
     args = neuron.compiler_args(target="trn2", optlevel=2, lnc=1, flags=["--verbose=info"])
-    assert args[:3] == ["--target=trn2", "--lnc=1", "-O2"] and args[-1] == "--verbose=info"
-    assert "--model-type=transformer" in args
-    assert neuron.compiler_args(target="trn1", optlevel=3, lnc=2)[:3] == ["--target=trn1", "--lnc=2", "-O3"]
+    assert args[:3] == ["--target=trn2", "--logical-nc-config=1", "--optlevel=2"] and args[-1] == "--verbose=info"
+    assert "--model-type=transformer" in args and "--enable-saturate-infinity" not in args
+    trn1 = neuron.compiler_args(target="trn1", optlevel=3, lnc=1)
+    assert trn1[:2] == ["--target=trn1", "--optlevel=3"]  # trn1 has no logical NeuronCore config
+    assert "--enable-saturate-infinity" in trn1
 
 
 def test_instruction_limit_advice():

@@ -56,7 +56,7 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
-                   timeout_s: float | None = None) -> BuildResult:
+                   timeout_s: float | None = None, executor=None) -> BuildResult:
     progress = progress or Progress()
     started = time.monotonic()
     bk = backend_kwargs(recipe, backend_name)
@@ -76,7 +76,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
                          str(writer.path(layout.log_path(t.label)))) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        executor = LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
+        executor = executor or LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
         for res in executor.run(jobs_list, on_start=lambda j: progress.running(j.label)):
             result.results.append(res)
             if res["status"] == "ok":

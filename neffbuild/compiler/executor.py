@@ -83,6 +83,18 @@ class LocalExecutor:
             self._kill()
 
 
+class InlineExecutor:
+    """Runs every job in the calling process, one after another (debugging, tests that patch a backend)."""
+
+    jobs = 1
+
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
+        for job in jobs:
+            if on_start:
+                on_start(job)
+            yield run_job(job)
+
+
 def _failure(job: Job, kind: str, message: str) -> dict:
     try:
         with open(job.log_path, "a") as log:

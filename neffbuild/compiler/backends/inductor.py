@@ -58,9 +58,9 @@ class InductorBackend(Backend):
         return path
 
     def load(self, path: Path, constants: dict[str, torch.Tensor], device: str = "cpu"):
-        from neffbuild.runtime.bundle import load_aoti
+        from neffbuild.runtime.loaders import load_inductor
 
-        return load_aoti(Path(path), constants)
+        return load_inductor(Path(path), constants, self.fingerprint(), device)
 
     def fingerprint(self) -> dict:
         return {
