@@ -32,7 +32,7 @@ def test_neuron_backend_unavailable_is_a_clear_error():
 @pytest.mark.skipif(not neuron.available(), reason="needs the Neuron SDK (torch-neuronx, neuronx-cc): not installable "
                     "from public indexes, run on a Trainium host")
 def test_neuron_compiles_tiny_decode(tmp_path):
-    from neffbuild import recipe, grid
+    from neffbuild import grid, recipe
     from neffbuild.compiler.graphs import build_graph, spec_for
     from tests.conftest import TINY
 

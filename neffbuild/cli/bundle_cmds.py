@@ -57,7 +57,8 @@ def verify(bundle_path, as_json):
     """Check every checksum and the manifest schema of BUNDLE. Exit 1 naming each bad file."""
     problems = reader.check(Path(bundle_path), full=True)
     if as_json:
-        click.echo(json.dumps({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]}))
+        listed = [{"path": p.path, "message": p.message} for p in problems]
+        click.echo(json.dumps({"ok": not problems, "problems": listed}))
     if problems:
         raise BundleError(f"{bundle_path}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
     if not as_json:

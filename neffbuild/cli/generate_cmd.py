@@ -94,7 +94,8 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 @click.command("generate")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @click.option("--prompt-ids", "prompt_ids", multiple=True, required=True,
-              help="One prompt as comma-separated token ids; repeat for a batch (e.g. --prompt-ids 1,2,3 --prompt-ids 4,5).")
+              help="One prompt as comma-separated token ids; repeat for a batch "
+                   "(e.g. --prompt-ids 1,2,3 --prompt-ids 4,5).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy tokens to generate per prompt.")
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,

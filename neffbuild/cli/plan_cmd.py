@@ -70,7 +70,8 @@ def plan(recipe_path, as_json, check_cache, backend):
         jobs = r.jobs or settings.default_jobs()
         line = f"to build: {len(todo)} of {len(tgts)}"
         if est:
-            line += f", about {sum(est) / max(1, min(jobs, len(todo))) / 60:.1f} min with {jobs} jobs (from past compiles)"
+            minutes = sum(est) / max(1, min(jobs, len(todo))) / 60
+            line += f", about {minutes:.1f} min with {jobs} jobs (from past compiles)"
         console.print(line)
 
 

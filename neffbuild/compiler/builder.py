@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild import grid, settings
+from neffbuild.bundle import layout
+from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
 from neffbuild.compiler.graphs import kv_layout_for, spec_for
 from neffbuild.compiler.worker import Job
-from neffbuild.bundle import layout
-from neffbuild.bundle.writer import BundleWriter
 from neffbuild.models.gpt_oss.weights import model_weights
 
 
@@ -93,7 +93,8 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             writer.abort()
             return result
         progress.stage("writing bundle")
-        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in sorted(result.results, key=lambda r: r["label"])]
+        ordered = sorted(result.results, key=lambda r: r["label"])
+        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
         hits = {r["label"]: r["hit"] for r in result.results}
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,

@@ -10,6 +10,7 @@ behind the same ``run`` interface; it is not part of this release.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -37,10 +38,8 @@ class LocalExecutor:
             return
         procs = list(getattr(self.pool, "_processes", {}).values())
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError, AttributeError):
                 os.kill(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, AttributeError):
-                pass
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.pool = None
 

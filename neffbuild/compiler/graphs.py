@@ -60,7 +60,7 @@ def _kv_layout(cfg: GptOssConfig, num_blocks: int, block_size: int, fp8_packed_k
 def example_inputs(spec: GraphSpec) -> tuple:
     B, q = spec.batch, spec.query_len
     layout = spec.kv_layout()
-    long = dict(dtype=torch.long)
+    long = {"dtype": torch.long}
     return (
         torch.zeros(B, q, **long),  # input_ids
         torch.zeros(B, q, **long),  # positions

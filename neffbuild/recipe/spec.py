@@ -80,7 +80,8 @@ class Recipe:
         if self.speculative:
             s = self.speculative
             draft = {"config": s.draft_hf_config}
-            draft.update({"checkpoint": str(s.draft_checkpoint)} if s.draft_checkpoint else {"random_seed": s.draft_random_seed})
+            draft.update({"checkpoint": str(s.draft_checkpoint)} if s.draft_checkpoint
+                         else {"random_seed": s.draft_random_seed})
             spec = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens, "draft": draft}
         model = {"arch": self.model.arch, "config": self.model.hf_config}
         if self.model.checkpoint:
@@ -105,7 +106,8 @@ class Recipe:
                 "lnc": self.lnc,
             },
             "parallel": {"tp": self.tp, "dp": self.dp, "ep": self.ep},
-            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel, "flags": list(self.flags),
+            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel,
+                         "flags": list(self.flags),
                          "target_flags": {label: list(f) for label, f in self.target_flags}},
             "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
         }
@@ -123,6 +125,6 @@ class Recipe:
         """Compiler flags for one target: the recipe's flags, then that target's own."""
         return self.flags + dict(self.target_flags).get(label, ())
 
-    def replace(self, **changes) -> "Recipe":
+    def replace(self, **changes) -> Recipe:
 
         return dataclasses.replace(self, **changes)

@@ -69,7 +69,8 @@ class Validator:
             if key not in allowed:
                 path = f"{schema_key}.{key}" if schema_key else str(key)
                 hint = difflib.get_close_matches(str(key), sorted(allowed), n=1)
-                rule = f"unknown key; did you mean {hint[0]!r}?" if hint else f"unknown key; allowed: {', '.join(sorted(allowed))}"
+                rule = (f"unknown key; did you mean {hint[0]!r}?" if hint
+                        else f"unknown key; allowed: {', '.join(sorted(allowed))}")
                 self.err(path, NO_VALUE, rule)
 
     def integer(self, mapping: dict, key: str, path: str, *, default=NO_VALUE, minimum: int | None = 1):
@@ -221,7 +222,8 @@ class Validator:
         return tuple(sorted(out))
 
     def serving(self, s: dict) -> dict:
-        return {k: self.integer(s, k, f"serving.{k}") for k in ("max_model_len", "max_num_seqs", "block_size", "num_blocks")}
+        keys = ("max_model_len", "max_num_seqs", "block_size", "num_blocks")
+        return {k: self.integer(s, k, f"serving.{k}") for k in keys}
 
     def model(self, m: dict):
         arch = m.get("arch", NO_VALUE)
@@ -243,7 +245,8 @@ class Validator:
         if hf is None:
             return None, None
         cfg = self.arch_config(hf, "model.config")
-        return ModelSpec(arch=arch if isinstance(arch, str) else "", hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
+        arch = arch if isinstance(arch, str) else ""
+        return ModelSpec(arch=arch, hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
 
     def hf_config(self, value, path: str, checkpoint: Path | None) -> dict | None:
         if value is None:
@@ -294,7 +297,8 @@ class Validator:
             return None
         cfg = GptOssConfig.from_hf_dict(hf)
         if len(cfg.layer_types) != cfg.num_hidden_layers:
-            self.err(f"{path}.layer_types", len(cfg.layer_types), f"must have num_hidden_layers ({cfg.num_hidden_layers}) entries")
+            self.err(f"{path}.layer_types", len(cfg.layer_types),
+                     f"must have num_hidden_layers ({cfg.num_hidden_layers}) entries")
             return None
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             self.err(f"{path}.num_attention_heads", cfg.num_attention_heads,
@@ -335,12 +339,14 @@ class Validator:
         if "num_seqs_buckets" in nc:
             num_seqs = self.int_list(nc["num_seqs_buckets"], path)
             if num_seqs and mns is not None and num_seqs[-1] != mns:
-                self.err(f"{path}[{len(num_seqs) - 1}]", num_seqs[-1], f"the last bucket must equal serving.max_num_seqs ({mns})")
+                self.err(f"{path}[{len(num_seqs) - 1}]", num_seqs[-1],
+                         f"the last bucket must equal serving.max_num_seqs ({mns})")
         else:
             num_seqs = default_num_seqs_buckets(mns) if mns else None
         path = "neuron_config.decode_context_length_buckets"
         if "decode_context_length_buckets" not in nc:
-            self.err(path, NO_VALUE, f"is required (a list of multiples of {P_MAX}; [max_model_len] means fallback only)")
+            self.err(path, NO_VALUE,
+                     f"is required (a list of multiples of {P_MAX}; [max_model_len] means fallback only)")
             return num_seqs, None
         ctx = self.int_list(nc["decode_context_length_buckets"], path)
         if ctx is None:
@@ -358,7 +364,8 @@ class Validator:
         for c in ctx:
             if c & (c - 1):
                 self.warnings.append(
-                    f"{path}: {c} is not a power of two; non-power-of-two buckets measured up to 1.87x slower (1920 vs 2048)"
+                    f"{path}: {c} is not a power of two; "
+                    "non-power-of-two buckets measured up to 1.87x slower (1920 vs 2048)"
                 )
         if mml is not None and ctx and ctx[-1] == mml:
             ctx = ctx[:-1]  # folded into the always-compiled fallback
@@ -393,7 +400,8 @@ class Validator:
 
     def cross_checks(self, cfg: GptOssConfig, serving: dict, par: dict, ctx, gk: bool, spec) -> None:
         """Rules across sections; each runs only when the values it needs are themselves valid."""
-        mml, bs, nb, mns = serving["max_model_len"], serving["block_size"], serving["num_blocks"], serving["max_num_seqs"]
+        mml, bs = serving["max_model_len"], serving["block_size"]
+        nb, mns = serving["num_blocks"], serving["max_num_seqs"]
         tp, ep = par["tp"], par["ep"]
         if tp and cfg.num_attention_heads % tp:
             self.err("parallel.tp", tp, f"must divide model.config.num_attention_heads ({cfg.num_attention_heads})")
@@ -407,7 +415,8 @@ class Validator:
         if mml and bs and nb:
             if nb * bs < mml:
                 self.err("serving.num_blocks", nb,
-                         f"num_blocks * block_size ({nb * bs}) must hold one full-length sequence (max_model_len {mml})")
+                         f"num_blocks * block_size ({nb * bs}) must hold one full-length sequence "
+                         f"(max_model_len {mml})")
             elif mns and nb * bs < mns * mml:
                 self.warnings.append(
                     f"serving.num_blocks: {nb} blocks of {bs} hold {nb * bs} tokens, fewer than max_num_seqs x "
@@ -440,4 +449,5 @@ class Validator:
         for i, t in enumerate(cfg.layer_types):
             want = SLIDING if i % 2 == 0 else FULL
             if t != want:
-                self.err(f"model.config.layer_types[{i}]", t, f"must be {want!r} for gk_decode (even layers sliding, odd full)")
+                self.err(f"model.config.layer_types[{i}]", t,
+                         f"must be {want!r} for gk_decode (even layers sliding, odd full)")

@@ -102,7 +102,8 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
         if not p.is_file():
             problems.append(Problem(rel, "missing"))
         elif not isinstance(info, dict) or p.stat().st_size != info.get("bytes"):
-            problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {info.get('bytes') if isinstance(info, dict) else info}"))
+            listed = info.get("bytes") if isinstance(info, dict) else info
+            problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {listed}"))
         elif full and sha256_file(p) != info.get("sha256"):
             problems.append(Problem(rel, "sha256 mismatch (corrupt or modified)"))
     return problems

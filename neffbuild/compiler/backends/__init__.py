@@ -8,7 +8,8 @@ from neffbuild.errors import BackendUnavailable, InvalidInput
 NAMES = ("inductor", "neuron")
 
 
-def get_backend(name: str, *, target: str = "trn2", optlevel: int = 2, lnc: int = 1, flags=(), device: str = "cpu") -> Backend:
+def get_backend(name: str, *, target: str = "trn2", optlevel: int = 2, lnc: int = 1, flags=(),
+                device: str = "cpu") -> Backend:
     """``auto`` picks neuron when the Neuron SDK imports, else inductor."""
     from neffbuild.compiler.backends import inductor, neuron
 

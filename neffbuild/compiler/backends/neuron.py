@@ -141,7 +141,8 @@ class NeuronBackend(Backend):
     def compile(self, exported: NeuronGraph, workdir: Path) -> Path:
         import torch_neuronx  # only on hosts with the SDK
 
-        args = compiler_args(target=self.target, optlevel=self.optlevel, lnc=self.lnc, flags=self.flags, workdir=workdir)
+        args = compiler_args(target=self.target, optlevel=self.optlevel, lnc=self.lnc, flags=self.flags,
+                             workdir=workdir)
         path = Path(workdir) / f"artifact.{self.ext}"
         try:
             traced = torch_neuronx.trace(exported.module, exported.inputs, compiler_args=args,

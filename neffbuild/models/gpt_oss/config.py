@@ -52,7 +52,7 @@ class GptOssConfig:
     )
 
     @classmethod
-    def from_hf_dict(cls, hf: dict) -> "GptOssConfig":
+    def from_hf_dict(cls, hf: dict) -> GptOssConfig:
         """Map Hugging Face keys onto the dataclass; unknown HF keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in hf.items() if k in names and k not in ("rope", "layer_types")}
