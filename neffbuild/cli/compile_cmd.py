@@ -8,6 +8,7 @@ import time
 import click
 
 from neffbuild import recipe as recipe_mod
+from neffbuild import registry
 from neffbuild.compiler.builder import Progress, compile_recipe
 from neffbuild.errors import BuildFailed
 
@@ -76,7 +77,7 @@ def summary_table(res):
               help="Folder that receives <name>-<version>/.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
               help="Parallel compile workers (default: build.jobs from the recipe, else the CPU count).")
-@click.option("--backend", type=click.Choice(["auto", "inductor", "neuron"]), default=None,
+@click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend (auto: neuron when the Neuron SDK imports, else inductor).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Compile cache folder (default: build.cache_dir, else $NEFFBUILD_CACHE_DIR, "

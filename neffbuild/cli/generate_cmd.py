@@ -30,16 +30,15 @@ def _parse_prompt(text: str) -> list[int]:
 
 def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
     """Greedy tokens and the step log for this rank's prompts (bundle artifacts, or eager)."""
-    from neffbuild.models.gpt_oss.config import GptOssConfig
-    from neffbuild.models.gpt_oss.decode import GptOssDecode
-    from neffbuild.models.gpt_oss.harness import eager_runner, greedy
+    from neffbuild import registry
     from neffbuild.runtime import dp_sync
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.runtime.decoder import Decoder
 
     bundle = open_bundle(bundle_path)
     gi = bundle.manifest["graph_inputs"]
-    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
+    arch = registry.arch(gi["arch"])
+    cfg = arch.get("config").from_hf_dict(gi["model_config"])
     vocab = cfg.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= t < vocab]
     if bad:
@@ -49,11 +48,13 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
         raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
                            f"max_model_len {bundle.spec.max_model_len}")
     if reference:
-        runner = eager_runner(GptOssDecode(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval())
+        decode = arch.get("decode")(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval()
+        runner = arch.get("eager_runner")(decode)
     else:
         runner = bundle.runner()
     decoder = Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=runner, group=group)
     before = dp_sync.COLLECTIVES["count"]
+    greedy = arch.get("greedy")
     tokens = greedy(decoder, cfg, bundle.weights, prompts, max_new_tokens, packed_k=bundle.kv_layout.packed_k)
     return {"tokens": tokens, "steps": [s.to_json() for s in decoder.steps],
             "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus()}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neffbuild import grid, settings
+from neffbuild import grid, registry, settings
 from neffbuild.bundle import layout
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
@@ -21,7 +21,6 @@ from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
 from neffbuild.compiler.graphs import kv_layout_for, spec_for
 from neffbuild.compiler.worker import Job
-from neffbuild.models.gpt_oss.weights import model_weights
 
 
 @dataclass
@@ -69,6 +68,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
+        model_weights = registry.arch(recipe.model.arch).get("weights")
         weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
         weights_entry = writer.write_weights(weights)
         del weights

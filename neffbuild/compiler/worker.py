@@ -114,6 +114,8 @@ def warm_up() -> int:
     import torch
     import torch._inductor  # noqa: F401
 
-    from neffbuild.models.gpt_oss import decode  # noqa: F401
+    from neffbuild import registry
 
+    for arch in registry.ARCHITECTURES.values():
+        arch.get("decode")
     return os.getpid()

@@ -1,4 +1,4 @@
-"""The frozen recipe types. Imports nothing of the project but the model config."""
+"""The frozen recipe types. Imports nothing of the project but the registry and the bucket math."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from neffbuild.models.gpt_oss.config import GptOssConfig
+from neffbuild import registry
 from neffbuild.runtime.buckets import num_swa_blocks
 
 
@@ -22,8 +22,9 @@ class ModelSpec:
     random_seed: int | None
 
     @property
-    def config(self) -> GptOssConfig:
-        return GptOssConfig.from_hf_dict(self.hf_config)
+    def config(self):
+        """The architecture's config dataclass (from the registry)."""
+        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
 
 
 @dataclass(frozen=True)

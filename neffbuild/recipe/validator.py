@@ -3,7 +3,8 @@
 Types are strict: ``"1024"`` is not an int and ``true`` is not a number. Unknown keys get
 a "did you mean". The only project modules used are ``errors``, the pure bucket math, the
 grid (for ``compiler.target_flags`` labels) and the architecture's config dataclass (a
-leaf module), so config defaults and bucket formulas exist once.
+leaf module, found through ``registry``), so config defaults and bucket formulas exist once.
+Backend and architecture choices come from ``registry``.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import json
 import re
 from pathlib import Path
 
+from neffbuild import registry
 from neffbuild.errors import NO_VALUE, Problem
-from neffbuild.models import KNOWN_ARCHS
-from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SEMVER_RE = re.compile(r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
-BACKENDS = ("auto", "inductor", "neuron")
+BACKENDS = registry.backend_choices()
+KNOWN_ARCHS = tuple(registry.ARCHITECTURES)
 TARGETS = ("trn1", "trn2")
 SPEC_METHODS = ("eagle3",)
 
@@ -244,8 +245,8 @@ class Validator:
         hf = self.hf_config(m.get("config"), "model.config", checkpoint)
         if hf is None:
             return None, None
-        cfg = self.arch_config(hf, "model.config")
         arch = arch if isinstance(arch, str) else ""
+        cfg = self.arch_config(hf, "model.config", arch)
         return ModelSpec(arch=arch, hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
 
     def hf_config(self, value, path: str, checkpoint: Path | None) -> dict | None:
@@ -281,9 +282,14 @@ class Validator:
             return None
         return data
 
-    def arch_config(self, hf: dict, path: str) -> GptOssConfig | None:
+    def arch_config(self, hf: dict, path: str, arch: str):
+        """The architecture's config from Hugging Face keys (None: unknown architecture or bad keys)."""
+        if arch not in registry.ARCHITECTURES:
+            return None
+        config_cls = registry.arch(arch).get("config")
+        SLIDING, FULL = config_cls.SLIDING, config_cls.FULL
         ok = True
-        for key in GptOssConfig.INT_FIELDS:
+        for key in config_cls.INT_FIELDS:
             if key in hf and self.check_int(hf[key], f"{path}.{key}") is None:
                 ok = False
         sw = hf.get("sliding_window")
@@ -295,7 +301,7 @@ class Validator:
             ok = False
         if not ok:
             return None
-        cfg = GptOssConfig.from_hf_dict(hf)
+        cfg = config_cls.from_hf_dict(hf)
         if len(cfg.layer_types) != cfg.num_hidden_layers:
             self.err(f"{path}.layer_types", len(cfg.layer_types),
                      f"must have num_hidden_layers ({cfg.num_hidden_layers}) entries")
@@ -371,7 +377,7 @@ class Validator:
             ctx = ctx[:-1]  # folded into the always-compiled fallback
         return num_seqs, ctx
 
-    def speculative(self, raw: dict, cfg: GptOssConfig | None) -> Speculative | None:
+    def speculative(self, raw: dict, cfg) -> Speculative | None:
         s = self.section(raw, "speculative", "speculative")
         if not s:
             return None
@@ -390,7 +396,7 @@ class Validator:
             draft_cfg = self._read_json(ck / "config.json", "speculative.draft.config")
         if draft_cfg is None and cfg is not None:
             # Derived from the target: same widths and heads, one layer.
-            draft_cfg = dict(cfg.to_hf_dict(), num_hidden_layers=1, layer_types=[FULL])
+            draft_cfg = dict(cfg.to_hf_dict(), num_hidden_layers=1, layer_types=[cfg.FULL])
         if draft_cfg is not None and not isinstance(draft_cfg, dict):
             self.err("speculative.draft.config", draft_cfg, "must be a mapping of Hugging Face config keys")
             draft_cfg = None
@@ -398,7 +404,7 @@ class Validator:
             return None
         return Speculative(method, k, ck, seed, draft_cfg or {})
 
-    def cross_checks(self, cfg: GptOssConfig, serving: dict, par: dict, ctx, gk: bool, spec) -> None:
+    def cross_checks(self, cfg, serving: dict, par: dict, ctx, gk: bool, spec) -> None:
         """Rules across sections; each runs only when the values it needs are themselves valid."""
         mml, bs = serving["max_model_len"], serving["block_size"]
         nb, mns = serving["num_blocks"], serving["max_num_seqs"]
@@ -442,12 +448,12 @@ class Validator:
             self.err("speculative.num_speculative_tokens", spec.num_speculative_tokens,
                      f"leaves no room in max_model_len ({mml})")
 
-    def gk_layout(self, cfg: GptOssConfig) -> None:
+    def gk_layout(self, cfg) -> None:
         L = cfg.num_hidden_layers
         if L % 2:
             self.err("model.config.num_hidden_layers", L, "must be even for gk_decode (layers pair up on KV buffers)")
         for i, t in enumerate(cfg.layer_types):
-            want = SLIDING if i % 2 == 0 else FULL
+            want = cfg.SLIDING if i % 2 == 0 else cfg.FULL
             if t != want:
                 self.err(f"model.config.layer_types[{i}]", t,
                          f"must be {want!r} for gk_decode (even layers sliding, odd full)")

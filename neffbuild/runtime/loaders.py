@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from neffbuild import registry
 from neffbuild.errors import BundleError
 
 NEURON_WEIGHT_PREFIX = "model."  # the traced wrapper holds the decode module as ``model``
@@ -95,17 +96,14 @@ def neuron_problem(toolchain: dict) -> str | None:
     return None
 
 
-LOADERS = {"inductor": (load_inductor, inductor_problem), "neuron": (load_neuron, neuron_problem)}
-
-
 def toolchain_problem(toolchain: dict) -> str | None:
     """Why the running toolchain cannot run these artifacts, or None."""
-    entry = LOADERS.get(toolchain.get("backend"))
+    entry = registry.BACKENDS.get(toolchain.get("backend"))
     if entry is None:
-        return f"unknown backend {toolchain.get('backend')!r} in the manifest (known: {sorted(LOADERS)})"
-    return entry[1](toolchain)
+        return f"unknown backend {toolchain.get('backend')!r} in the manifest (known: {', '.join(registry.BACKENDS)})"
+    return entry.get("host_problem")(toolchain)
 
 
 def load(toolchain: dict, path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"):
-    """Load one artifact through its backend's loader."""
-    return LOADERS[toolchain["backend"]][0](path, weights, toolchain, device)
+    """Load one artifact through its backend's loader (named in neffbuild/registry.py)."""
+    return registry.backend(toolchain["backend"]).get("loader")(path, weights, toolchain, device)

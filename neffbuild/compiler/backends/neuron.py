@@ -122,6 +122,10 @@ class NeuronBackend(Backend):
     def __init__(self, *, target: str, optlevel: int, lnc: int, flags=()):
         self.target, self.optlevel, self.lnc, self.flags = target, optlevel, lnc, tuple(flags)
 
+    @classmethod
+    def create(cls, *, target, optlevel, lnc, flags, device):
+        return cls(target=target, optlevel=optlevel, lnc=lnc, flags=flags)
+
     def export(self, module, example_inputs):
         with torch.no_grad():
             ep = torch.export.export(module, example_inputs, strict=False)

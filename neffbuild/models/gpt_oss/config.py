@@ -45,6 +45,9 @@ class GptOssConfig:
     layer_types: tuple[str, ...] = ()
     rope: dict = field(default_factory=_default_rope)
 
+    SLIDING = SLIDING  # layer kinds, reachable from the class the registry names
+    FULL = FULL
+
     INT_FIELDS = (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
