@@ -55,8 +55,8 @@ AUTO = "auto"  # the first available backend, in the order above
 
 # Architecture parts: config (dataclass with from_hf_dict), weights (config, checkpoint,
 # seed -> stacked weights), placeholder_shapes (config -> {name: shape}), decode (the decode
-# graph module), aux_layers (num_layers -> EAGLE3 aux layer ids), prefill, greedy and
-# eager_runner (the reference generation loop `generate --check` uses).
+# graph module), aux_layers (num_layers -> EAGLE3 aux layer ids), prefill (eager prompt
+# pass that fills the paged KV; serve/ uses it).
 ARCHITECTURES = {
     "gpt_oss": Entry("gpt_oss", {
         "config": "neffbuild.models.gpt_oss.config:GptOssConfig",
@@ -65,8 +65,6 @@ ARCHITECTURES = {
         "decode": "neffbuild.models.gpt_oss.decode:GptOssDecode",
         "aux_layers": "neffbuild.models.gpt_oss.decode:default_aux_layers",
         "prefill": "neffbuild.models.gpt_oss.prefill:prefill",
-        "greedy": "neffbuild.models.gpt_oss.harness:greedy",
-        "eager_runner": "neffbuild.models.gpt_oss.harness:eager_runner",
     }),
 }
 
@@ -85,6 +83,14 @@ def backend(name: str) -> Entry:
 
 def arch(name: str) -> Entry:
     return _lookup(ARCHITECTURES, name, "architecture", "model.arch")
+
+
+def arch_of(config) -> Entry:
+    """The architecture whose config class ``config`` is an instance of."""
+    for entry in ARCHITECTURES.values():
+        if isinstance(config, entry.get("config")):
+            return entry
+    raise InvalidInput(f"no registered architecture has the config class {type(config).__name__}")
 
 
 def backend_choices() -> tuple[str, ...]:
