@@ -30,7 +30,9 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path}: got {self.value!r}, {self.message}" if self.value is not _NO_VALUE else f"{self.path}: {self.message}"
+        if self.value is _NO_VALUE:
+            return f"{self.path}: {self.message}"
+        return f"{self.path}: got {self.value!r}, {self.message}"
 
     def to_json(self) -> dict:
         value = None if self.value is _NO_VALUE else self.value

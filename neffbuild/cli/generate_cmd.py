@@ -2,9 +2,10 @@
 
 Per-layer prefill (eager) into the KV cache, then greedy decode through the bundle's
 artifacts, one dispatch per step (the loop: neffbuild/serve/greedy.py). ``decode_seconds`` is
-the wall time of the decode steps only; ``tokens_per_second`` = decode-step tokens / it. ``--dp N`` runs N ranks as N processes over gloo with
-the prompts split across them (``prompts[r::N]``); a rank without work runs dummy steps
-at the synced bucket. ``--check`` also runs the eager graph and fails on any mismatch.
+the wall time of the decode steps only; ``tokens_per_second`` = decode-step tokens / it.
+``--dp N`` runs N ranks as N processes over gloo with the prompts split across them
+(``prompts[r::N]``); a rank without work runs dummy steps at the synced bucket. ``--check``
+also runs the eager graph and fails on any mismatch.
 ``--di`` runs disaggregated inference: a prefill worker process and this decode process, the
 KV moved over NIXL (neffbuild/serve/di.py).
 """
@@ -82,7 +83,8 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
 
 
 def _speed(seconds: float, tokens: int) -> dict:
-    return {"decode_seconds": round(seconds, 6), "tokens_per_second": round(tokens / seconds, 3) if seconds > 0 else 0.0}
+    rate = round(tokens / seconds, 3) if seconds > 0 else 0.0
+    return {"decode_seconds": round(seconds, 6), "tokens_per_second": rate}
 
 
 def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str):
@@ -123,7 +125,8 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 @click.command("generate")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @click.option("--prompt-ids", "prompt_ids", multiple=True, required=True,
-              help="One prompt as comma-separated token ids; repeat for a batch (e.g. --prompt-ids 1,2,3 --prompt-ids 4,5).")
+              help="One prompt as comma-separated token ids; repeat for a batch "
+                   "(e.g. --prompt-ids 1,2,3 --prompt-ids 4,5).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy tokens to generate per prompt.")
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
