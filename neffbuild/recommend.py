@@ -127,7 +127,8 @@ def constraints_for(recipe) -> Constraints:
                        len(recipe.num_seqs_buckets), len(grid.families(recipe.num_speculative_tokens)))
 
 
-def report(rows: list[tuple[int, int]], con: Constraints, max_buckets: int, current: tuple[int, ...] | None = None) -> dict:
+def report(rows: list[tuple[int, int]], con: Constraints, max_buckets: int,
+           current: tuple[int, ...] | None = None) -> dict:
     """Everything ``neffbuild recommend`` prints: the choice, the comparisons, the table for k = 1..K."""
     total = sum(n for _, n in rows)
     n_mml = con.max_model_len

@@ -109,7 +109,8 @@ def test_recommend_needs_max_model_len_and_checks_the_recipe(tmp_path):
     path.write_text("needed_seq,count\n5,1\n")
     res = CliRunner().invoke(cli, ["recommend", "--histogram", str(path)])
     assert res.exit_code == 2 and "--max-model-len" in res.output
-    res = CliRunner().invoke(cli, ["recommend", "--histogram", str(path), "--recipe", str(TINY), "--max-model-len", "999"])
+    args = ["recommend", "--histogram", str(path), "--recipe", str(TINY), "--max-model-len", "999"]
+    res = CliRunner().invoke(cli, args)
     assert res.exit_code == 2 and "disagrees" in res.output
 
 

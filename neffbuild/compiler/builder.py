@@ -13,15 +13,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neffbuild import grid, settings
+from neffbuild import grid, registry, settings
+from neffbuild.bundle import layout
+from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
 from neffbuild.compiler.graphs import kv_layout_for, spec_for
 from neffbuild.compiler.worker import Job
-from neffbuild.bundle import layout
-from neffbuild.bundle.writer import BundleWriter
-from neffbuild.models.gpt_oss.weights import model_weights
 
 
 @dataclass
@@ -56,8 +55,13 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
-                   timeout_s: float | None = None, executor: str = "local", address: str | None = None,
+                   timeout_s: float | None = None, executor="local", address: str | None = None,
                    shared_cache: bool = False) -> BuildResult:
+    """Build every target of ``recipe`` into a bundle under ``out_dir``.
+
+    ``executor``: "local" (a pool of ``jobs`` workers), "ray" (``address``, ``shared_cache``:
+    see compiler/ray_executor.py) or an executor object with ``run(jobs, on_start)``.
+    """
     progress = progress or Progress()
     started = time.monotonic()
     bk = backend_kwargs(recipe, backend_name)
@@ -66,12 +70,15 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir()).ensure()
     cache.sweep()
     targets = grid.build_order(grid.targets(recipe))
-    runner = make_executor(executor, jobs=jobs or recipe.jobs or settings.default_jobs(), cache_root=cache.root,
-                           timeout_s=timeout_s, address=address, shared_cache=shared_cache)  # fails fast without Ray
+    runner = executor
+    if isinstance(executor, str):  # fails fast without Ray
+        runner = make_executor(executor, jobs=jobs or recipe.jobs or settings.default_jobs(), cache_root=cache.root,
+                               timeout_s=timeout_s, address=address, shared_cache=shared_cache)
     writer = BundleWriter(out_dir, recipe.name, recipe.version)
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
+        model_weights = registry.arch(recipe.model.arch).get("weights")
         weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
         weights_entry = writer.write_weights(weights)
         del weights
@@ -95,13 +102,14 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             writer.abort()
             return result
         progress.stage("writing bundle")
-        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in sorted(result.results, key=lambda r: r["label"])]
+        ordered = sorted(result.results, key=lambda r: r["label"])
+        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
         hits = {r["label"]: r["hit"] for r in result.results}
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry,
             report_context={"hits": hits, "built": result.built, "cached": result.cached,
-                             "wall_s": round(time.monotonic() - started, 3), **_placement(executor, result.results)},
+                             "wall_s": round(time.monotonic() - started, 3), **_placement(runner, result.results)},
         )
         result.wall_s = time.monotonic() - started
         return result
@@ -121,10 +129,11 @@ def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
     }
 
 
-def _placement(executor: str, results: list[dict]) -> dict:
+def _placement(runner, results: list[dict]) -> dict:
     """Where each target was built: a per-build record (build-info.json), never the manifest."""
     nodes = {r["label"]: r["node"] for r in results if r.get("node")}
-    return {"executor": executor, **({"built_on": dict(sorted(nodes.items()))} if nodes else {})}
+    record = {"executor": getattr(runner, "name", type(runner).__name__)}
+    return dict(record, built_on=dict(sorted(nodes.items()))) if nodes else record
 
 
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:

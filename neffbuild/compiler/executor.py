@@ -10,6 +10,7 @@ the same jobs on a Ray cluster behind the same ``run`` interface; ``make_executo
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -22,6 +23,8 @@ from neffbuild.compiler.worker import KILLED, TIMEOUT, Job, run_job, warm_up
 
 
 class LocalExecutor:
+    name = "local"
+
     def __init__(self, jobs: int, *, timeout_s: float | None = None):
         self.jobs = max(1, int(jobs))
         self.timeout_s = timeout_s
@@ -37,10 +40,8 @@ class LocalExecutor:
             return
         procs = list(getattr(self.pool, "_processes", {}).values())
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError, AttributeError):
                 os.kill(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, AttributeError):
-                pass
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.pool = None
 
@@ -81,6 +82,19 @@ class LocalExecutor:
             self.pool = None
         finally:
             self._kill()
+
+
+class InlineExecutor:
+    """Runs every job in the calling process, one after another (debugging, tests that patch a backend)."""
+
+    jobs = 1
+    name = "inline"
+
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
+        for job in jobs:
+            if on_start:
+                on_start(job)
+            yield run_job(job)
 
 
 EXECUTORS = ("local", "ray")

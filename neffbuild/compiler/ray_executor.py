@@ -53,10 +53,11 @@ def import_ray():
 
 def graph_bytes(job: Job) -> int:
     """Bytes the traced graph holds: weights (bf16), the KV pool, fp32 attention scores of every layer."""
-    from neffbuild.models.gpt_oss.weights import stacked_shapes
+    from neffbuild import registry
 
     g, cfg = job.graph, job.graph.config
-    weights = sum(2 * math.prod(s) for s in stacked_shapes(cfg).values())
+    shapes = registry.arch(g.arch).get("placeholder_shapes")(cfg)
+    weights = sum(2 * math.prod(s) for s in shapes.values())
     kv = g.kv_layout()
     scores = 4 * g.batch * g.query_len * g.ctx * cfg.num_attention_heads * cfg.num_hidden_layers
     return weights + kv.num_buffers * math.prod(kv.buffer_shape) * (1 if kv.fp8 else 2) + scores
@@ -81,7 +82,8 @@ def build_remote(job: Job, shared: bool, index: dict) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="neffbuild-ray-") as scratch:
         log = os.path.join(scratch, "target.log")
-        local = dataclasses.replace(job, log_path=log, cache_root=job.cache_root if shared else os.path.join(scratch, "c"))
+        cache_root = job.cache_root if shared else os.path.join(scratch, "cache")
+        local = dataclasses.replace(job, log_path=log, cache_root=cache_root)
         result = run_job(local, None if shared else index.get)
         out = {"result": result, "node": socket.gethostname()}
         with open(log, "rb") as f:
@@ -93,6 +95,8 @@ def build_remote(job: Job, shared: bool, index: dict) -> dict:
 
 
 class RayExecutor:
+    name = "ray"
+
     def __init__(self, *, cache_root: str | Path, address: str | None = None, shared_cache: bool = False,
                  timeout_s: float | None = None, num_cpus: float = 1):
         self.ray = import_ray()
@@ -178,10 +182,12 @@ class _Run:
             out = self.ray.get(ref)
         except (exc_mod.OutOfMemoryError, exc_mod.WorkerCrashedError, exc_mod.NodeDiedError) as exc:
             if attempt == 0:
-                _note(job, f"== ray: {type(exc).__name__}; retrying once with {2 * self.memory[job.label] / GIB:.1f} GiB")
+                more = 2 * self.memory[job.label] / GIB
+                _note(job, f"== ray: {type(exc).__name__}; retrying once with {more:.1f} GiB")
                 self._submit(job, attempt=1)
                 return None
-            return _failure(job, KILLED, f"the Ray task died twice (last: {type(exc).__name__}: killed or out of memory)")
+            why = f"the Ray task died twice (last: {type(exc).__name__}: killed or out of memory)"
+            return _failure(job, KILLED, why)
         except exc_mod.RayError as exc:  # run_job never raises: this is the cluster, not the compiler
             return _failure(job, ENVIRONMENT, f"Ray task failed: {type(exc).__name__}: {str(exc)[:500]}")
         return self._finish(job, out)
