@@ -95,10 +95,11 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         progress.stage("writing bundle")
         artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in sorted(result.results, key=lambda r: r["label"])]
         hits = {r["label"]: r["hit"] for r in result.results}
+        seconds = {r["label"]: r["compile_seconds"] for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry,
-            report_context={"hits": hits, "built": result.built, "cached": result.cached,
+            report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3)},
         )
         result.wall_s = time.monotonic() - started
@@ -113,7 +114,7 @@ def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
     rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
     return {
         "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
-        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
+        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"],
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
