@@ -38,10 +38,13 @@ class Problem:
         """Plain JSON: a short scalar value as itself, anything else as its shortened text."""
         value = None if self.value is _NO_VALUE else self.value
         simple = value is None or isinstance(value, (bool, str, int, float))
-        if not simple or len(short_repr(value)) != len(_safe_repr(value)) or value != value or value in (
-                float("inf"), float("-inf")):
+        if not simple or len(short_repr(value)) != len(_safe_repr(value)) or _non_finite(value):
             value = short_repr(value)
         return {"path": self.path, "value": value, "message": self.message}
+
+
+def _non_finite(value) -> bool:
+    return isinstance(value, float) and (value in (float("inf"), float("-inf")) or value != value)  # noqa: PLR0124
 
 
 def _safe_repr(value) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
@@ -31,7 +32,7 @@ def _compile_seconds(path: str) -> dict[str, float]:
             return {}
         doc = json.loads(info.read_text(encoding="utf-8"))
         seconds = doc.get("compile_seconds", {}) if isinstance(doc, dict) else {}
-        return {k: float(v) for k, v in seconds.items() if isinstance(v, (int, float)) and v == v and abs(v) < 1e12}
+        return {k: float(v) for k, v in seconds.items() if isinstance(v, (int, float)) and math.isfinite(v) and abs(v) < 1e12}
     except (OSError, ValueError, RecursionError, AttributeError):
         return {}
 

@@ -10,27 +10,50 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import click
 
-from neffbuild.errors import InvalidInput, NeffbuildError
+from neffbuild.cli.output import dumps, json_option, shorten
+from neffbuild.errors import BundleError, InvalidInput, NeffbuildError
+
+PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
 
 
 def _parse_prompt(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise InvalidInput(f"--prompt-ids {text!r}: must be comma-separated token ids, e.g. 1,2,3") from None
-    if not ids:
-        raise InvalidInput("--prompt-ids: empty prompt")
-    return ids
+    if not PROMPT_RE.fullmatch(text):
+        raise InvalidInput(f"--prompt-ids {shorten(repr(text), 80)}: must be comma-separated token ids "
+                           "(ASCII digits), e.g. 1,2,3")
+    return [int(x) for x in text.split(",")]
+
+
+def check_prompts(gi: dict, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """The user's prompts against a bundle whose manifest already passed the schema (exit 2 when they do not fit)."""
+    vocab = _config(gi).vocab_size
+    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+    if bad:
+        raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > gi["max_model_len"]:
+        raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
+                           f"max_model_len {gi['max_model_len']}")
+
+
+def check_config_matches_weights(cfg, weights: dict) -> None:
+    """The manifest's model_config describes the weights the artifacts bind (else the bundle is broken: exit 1)."""
+    from neffbuild.models.gpt_oss.weights import stacked_shapes
+
+    for name, shape in stacked_shapes(cfg).items():
+        have = tuple(weights[name].shape) if name in weights else None
+        if have != tuple(shape):
+            raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
+                              f"weights hold {list(have) if have else 'none'}: the manifest and weights disagree")
 
 
 def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
     """Greedy tokens and the step log for this rank's prompts (bundle artifacts, or eager)."""
-    from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.decode import GptOssDecode
     from neffbuild.models.gpt_oss.harness import eager_runner, greedy
     from neffbuild.runtime import dp_sync
@@ -39,15 +62,9 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
 
     bundle = open_bundle(bundle_path)
     gi = bundle.manifest["graph_inputs"]
-    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
-    vocab = cfg.vocab_size
-    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
-    if bad:
-        raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    longest = max((len(p) for p in prompts), default=0)
-    if longest + max_new_tokens > bundle.spec.max_model_len:
-        raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
-                           f"max_model_len {bundle.spec.max_model_len}")
+    cfg = _config(gi)
+    check_config_matches_weights(cfg, bundle.weights)
+    check_prompts(gi, prompts, max_new_tokens)
     if reference:
         runner = eager_runner(GptOssDecode(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval())
     else:
@@ -59,6 +76,18 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
             "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus()}
 
 
+def _config(gi: dict):
+    """The bundle's model config, validated with the recipe's rules (a broken bundle is exit 1, not the user's input)."""
+    from neffbuild.errors import RecipeError
+    from neffbuild.recipe.validator import Validator
+
+    v = Validator(Path.cwd(), "graph_inputs.model_config")
+    cfg = v.arch_config(gi["model_config"], "graph_inputs.model_config") if isinstance(gi["model_config"], dict) else None
+    if cfg is None or v.problems:
+        raise BundleError(str(RecipeError("manifest graph_inputs.model_config", v.problems or [])))
+    return cfg
+
+
 def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str):
     import torch.distributed as dist
 
@@ -66,11 +95,13 @@ def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts,
     try:
         res = run_rank(bundle_path, prompts[rank::world], max_new_tokens, group=dist.group.WORLD)
         res["rank"] = rank
-    except NeffbuildError as exc:
-        res = {"rank": rank, "error": str(exc)}
+    except NeffbuildError as exc:  # the real cause: written before the peers see a closed connection
+        res = {"rank": rank, "error": str(exc), "exit_code": exc.exit_code, "cause": True}
+    except Exception as exc:  # noqa: BLE001 - a peer's failure seen from here (gloo: connection closed)
+        res = {"rank": rank, "error": f"{type(exc).__name__}: {str(exc)[:300]}", "exit_code": 1, "cause": False}
     finally:
         dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    Path(out_dir, f"rank{rank}.json").write_text(dumps(res))
 
 
 def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
@@ -78,11 +109,20 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="neffbuild-dp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_dp_worker, args=(dp, init_file, bundle_path, prompts, max_new_tokens, tmp), nprocs=dp, join=True)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(dp)]
-    errors = [r["error"] for r in ranks if "error" in r]
-    if errors:
-        raise NeffbuildError("; ".join(errors))
+        try:
+            mp.spawn(_dp_worker, args=(dp, init_file, bundle_path, prompts, max_new_tokens, tmp), nprocs=dp, join=True)
+        except mp.ProcessRaisedException:
+            pass  # every rank writes its outcome; the cause is read below
+        except mp.ProcessExitedException as exc:
+            raise NeffbuildError(f"--dp {dp}: a rank died ({exc}); no result") from None
+        files = [Path(tmp, f"rank{r}.json") for r in range(dp)]
+        ranks = [json.loads(f.read_text()) for f in files if f.is_file()]
+    causes = [r for r in ranks if r.get("cause")] or [r for r in ranks if "error" in r]
+    if causes or len(ranks) < dp:
+        first = causes[0] if causes else {"rank": "?", "error": "a rank wrote no result", "exit_code": 1}
+        err = (InvalidInput if first.get("exit_code") == 2 else NeffbuildError)(
+            f"rank {first['rank']}: {first['error']}")
+        raise err
     tokens = [None] * len(prompts)
     for r in ranks:
         for n, toks in enumerate(r["tokens"]):
@@ -100,7 +140,7 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact.")
 @click.option("--check", is_flag=True, help="Also run the eager graph; exit 1 on any token mismatch.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"tokens", "steps"[, "ranks"]} on stdout.')
+@json_option('Print {"tokens", "steps"[, "ranks"]} on stdout (errors too).')
 def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
@@ -109,6 +149,12 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     """
     prompts = [_parse_prompt(p) for p in prompt_ids]
     if dp > 1:
+        from neffbuild.runtime.bundle import read_manifest
+        from neffbuild.runtime.manifest_schema import problems
+
+        m = read_manifest(Path(bundle_path))  # the prompts are the user's: refuse them before any rank starts
+        if not problems(m):
+            check_prompts(m["graph_inputs"], prompts, max_new_tokens)
         out = run_dp(bundle_path, prompts, max_new_tokens, dp)
     else:
         out = run_rank(bundle_path, prompts, max_new_tokens)
@@ -120,7 +166,7 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
         ref = run_rank(bundle_path, prompts, max_new_tokens, reference=True)["tokens"]
         out["check"] = {"ok": ref == out["tokens"], "reference": ref}
     if as_json:
-        click.echo(json.dumps(out))
+        click.echo(dumps(out))
     else:
         for n, toks in enumerate(out["tokens"]):
             click.echo(f"prompt {n}: {','.join(map(str, toks))}")

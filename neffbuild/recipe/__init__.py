@@ -18,7 +18,7 @@ from neffbuild.errors import NO_VALUE, Problem, RecipeError
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.recipe.validator import Validator
 
-__all__ = ["ModelSpec", "Recipe", "Speculative", "load", "from_dict", "parse_yaml"]
+__all__ = ["ModelSpec", "Recipe", "Speculative", "from_dict", "load", "parse_yaml"]
 
 
 MAX_RECIPE_BYTES = 1024 * 1024
@@ -94,7 +94,7 @@ def parse_yaml(text: str, source: str) -> object:
     """Parse recipe YAML safely: bounded depth, aliases and size; located syntax errors."""
     try:
         _check_shape(text, source)
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"

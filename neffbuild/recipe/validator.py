@@ -71,6 +71,8 @@ class Validator:
     def unknown_keys(self, mapping: dict, schema_key: str) -> None:
         allowed = SCHEMA[schema_key]
         for key in mapping:
+            if not schema_key and isinstance(key, str) and key.startswith("x-"):
+                continue  # top-level x-* keys hold YAML anchors for merge keys (<<: *x-defaults)
             if key not in allowed:
                 path = f"{schema_key}.{key}" if schema_key else str(key)
                 hint = difflib.get_close_matches(str(key), sorted(allowed), n=1)
@@ -294,7 +296,9 @@ class Validator:
         return None
 
     def _read_json(self, p: Path, path: str) -> dict | None:
-        from neffbuild.recipe import read_regular_file  # the one bounded, regular-file-only reader
+        from neffbuild.recipe import (
+            read_regular_file,  # the one bounded, regular-file-only reader
+        )
 
         try:
             data = json.loads(read_regular_file(p, "config.json"), parse_constant=_no_constant)

@@ -114,7 +114,7 @@ def load_package(path: Path):
         os.environ["TMPDIR"] = tmp  # the loader extracts under std::filesystem::temp_directory_path()
         try:
             return torch._inductor.aoti_load_package(str(path))
-        except Exception as exc:  # the loader raises RuntimeError for any malformed package
+        except Exception as exc:  # noqa: BLE001 - the loader raises RuntimeError for any malformed package
             shutil.rmtree(tmp, ignore_errors=True)
             raise BundleError(f"{path}: AOTInductor could not load the artifact ({str(exc).strip()[:200]})") from None
         finally:

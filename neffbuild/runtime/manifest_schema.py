@@ -9,12 +9,13 @@ Standard library and the runtime's pure modules only.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
 from neffbuild.runtime import layout
 from neffbuild.runtime.buckets import table_width
-from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_NOSPEC, TARGET_SPEC, label
+from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_SPEC, label
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -63,7 +64,7 @@ class _Checker:
     def int_list(self, d: dict, key: str, path: str, *, empty_ok: bool) -> list[int] | None:
         v = d.get(key)
         if not isinstance(v, list) or (not v and not empty_ok) or len(v) > 4096 or not all(is_int(x, 1) for x in v) \
-                or any(b <= a for a, b in zip(v, v[1:])):
+                or any(b <= a for a, b in itertools.pairwise(v)):
             self.bad(f"{path}.{key}", f"got {short(v)}, must be a strictly ascending list of positive integers")
             return None
         return v

@@ -10,6 +10,7 @@ a view of that one mapping, so N artifacts bound to these tensors share one copy
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -111,7 +112,7 @@ def check_entries(where: str, tensors: dict, data_bytes: int) -> None:
                               f"data_offsets span {end - begin}")
         spans.append((begin, end, name))
     spans.sort()
-    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
         if begin_b < end_a:
             raise BundleError(f"{where}: tensors {a!r} and {b!r} overlap in the data area")
 
@@ -144,6 +145,3 @@ def check_table(where: str, header: dict, table: dict) -> None:
         if not isinstance(want, dict) or {"dtype": want.get("dtype"), "shape": want.get("shape")} != got:
             raise BundleError(f"{where}: weights.tensors.{name}: manifest says {str(want)[:120]}, the file holds {got}")
 
-
-def dtype_of(name: str) -> torch.dtype:
-    return getattr(torch, name)
