@@ -24,6 +24,18 @@ def _manifest(path: str) -> dict:
     return m
 
 
+def _diffable(path: str) -> dict:
+    """A manifest with the fields diff reads well typed (diff may compare a bundle that fails verify)."""
+    m = reader.read_manifest(Path(path))
+    ok = (all(isinstance(m.get(k), dict) for k in ("graph_inputs", "toolchain", "files", "weights"))
+          and isinstance(m.get("artifacts"), list)
+          and all(isinstance(a, dict) and isinstance(a.get("label"), str) for a in m["artifacts"]))
+    if not ok:
+        raise BundleError(f"{path}: manifest lacks the fields diff compares (graph_inputs, toolchain, files, weights, "
+                          "artifacts with labels); run `neffbuild verify` on it")
+    return m
+
+
 def _compile_seconds(path: str) -> dict[str, float]:
     """Per-label compile times from build-info.json (a per-build record; empty when absent or odd)."""
     info = Path(path) / layout.BUILD_INFO_PATH
@@ -106,10 +118,10 @@ def diff_manifests(a: dict, b: dict) -> dict:
     return {
         "added": sorted(set(lb) - set(la)),
         "removed": sorted(set(la) - set(lb)),
-        "changed": sorted(k for k in set(la) & set(lb) if la[k]["sha256"] != lb[k]["sha256"]),
-        "unchanged": sorted(k for k in set(la) & set(lb) if la[k]["sha256"] == lb[k]["sha256"]),
+        "changed": sorted(k for k in set(la) & set(lb) if la[k].get("sha256") != lb[k].get("sha256")),
+        "unchanged": sorted(k for k in set(la) & set(lb) if la[k].get("sha256") == lb[k].get("sha256")),
         "config": config,
-        "weights_changed": a["files"].get(a["weights"]["file"]) != b["files"].get(b["weights"]["file"]),
+        "weights_changed": a["files"].get(str(a["weights"].get("file"))) != b["files"].get(str(b["weights"].get("file"))),
     }
 
 
@@ -119,7 +131,7 @@ def diff_manifests(a: dict, b: dict) -> dict:
 @json_option("Print the difference as one JSON document.")
 def diff(a, b, as_json):
     """What changed from bundle A to bundle B: targets added/removed, artifacts changed, config."""
-    d = diff_manifests(_manifest(a), _manifest(b))
+    d = diff_manifests(_diffable(a), _diffable(b))
     if as_json:
         echo_json(d)
         return

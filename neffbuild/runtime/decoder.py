@@ -7,13 +7,13 @@ across DP ranks, builds the trimmed inputs and runs the artifact, which writes K
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from neffbuild.runtime import attn_metadata, buckets, dp_sync
+from neffbuild.runtime.metrics import StepMetrics
 from neffbuild.runtime.dispatch import GridSpec, StepPlan, plan_for
 from neffbuild.runtime.kv_cache import NULL_BLOCK, BlockAllocator, KVLayout, allocate
 
@@ -28,15 +28,14 @@ class Request:
 
 
 class Decoder:
-    def __init__(self, *, layout: KVLayout, spec: GridSpec, num_swa: int, runner: Runner, group=None, device="cpu"):
+    def __init__(self, *, layout: KVLayout, spec: GridSpec, num_swa: int, runner: Runner, group=None, device="cpu",
+                 registry=None):
         self.layout, self.spec, self.num_swa, self.runner, self.group = layout, spec, num_swa, runner, group
         self.kv_caches = allocate(layout, device)
         self.allocator = BlockAllocator(layout.num_blocks)
         self.max_blocks = buckets.table_width(spec.max_model_len, layout.block_size)
         self.requests: dict[int, Request] = {}
-        self.executions: Counter[str] = Counter()  # neffbuild_neff_execution_count{bucket="decode_b4"}
-        self.padding_rows = 0
-        self.total_rows = 0
+        self.metrics = StepMetrics(registry)  # also in the engine's prometheus_client registry, when installed
         self.steps: list[StepPlan] = []
 
     # -- requests
@@ -94,16 +93,11 @@ class Decoder:
         logits = out[0] if isinstance(out, (tuple, list)) else out
         for r in rids:
             self.requests[r].num_computed += 1
-        self.executions[f"decode_b{plan.batch}"] += 1
-        self.padding_rows += plan.padding
-        self.total_rows += plan.batch
+        self.metrics.record(f"decode_b{plan.batch}", plan.batch, plan.padding)
         self.steps.append(plan)
         return plan, logits[: len(rids), -1]
 
     # -- metrics
     def prometheus(self) -> str:
-        lines = ["# TYPE neffbuild_neff_execution_count counter"]
-        lines += [f'neffbuild_neff_execution_count{{bucket="{k}"}} {v}' for k, v in sorted(self.executions.items())]
-        ratio = self.padding_rows / self.total_rows if self.total_rows else 0.0
-        lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {ratio:.6f}"]
-        return "\n".join(lines) + "\n"
+        """This decoder's metrics in the Prometheus text format (fallback when no prometheus_client registry)."""
+        return self.metrics.text()
