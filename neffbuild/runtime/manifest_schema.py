@@ -153,7 +153,7 @@ def _kv_layout(c: _Checker, kv, nb: int, bs: int, fp8: bool) -> None:
 
 
 def _weights(c: _Checker, w: dict, files: dict) -> None:
-    if w.get("file") not in files:
+    if not isinstance(w.get("file"), str) or w["file"] not in files:
         c.bad("weights.file", f"got {short(w.get('file'))}, must be a file listed in files")
     tensors = w.get("tensors")
     if not isinstance(tensors, dict) or not tensors:

@@ -95,7 +95,7 @@ def check_entries(where: str, tensors: dict, data_bytes: int) -> None:
         if not isinstance(info, dict):
             raise BundleError(f"{where}: tensor {name!r}: entry must be an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise BundleError(f"{where}: tensor {name!r}: unknown dtype {str(dtype)[:40]!r}; known: {sorted(ITEMSIZE)}")
         if not _shape_ok(shape):
             raise BundleError(f"{where}: tensor {name!r}: shape {str(shape)[:80]} must be a list of non-negative ints")
