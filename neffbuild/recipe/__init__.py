@@ -101,10 +101,10 @@ def parse_yaml(text: str, source: str) -> object:
         raise _file_error(source, f"YAML error at {where}: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise _file_error(source, f"YAML error: {str(exc)[:200]}") from None
-    except (ValueError, TypeError, OverflowError) as exc:  # e.g. !!float abc, !!timestamp garbage
-        raise _file_error(source, f"YAML value error: {str(exc)[:200]}") from None
     except RecursionError:
         raise _file_error(source, "nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - PyYAML's constructors raise anything on bad tagged scalars (!!float)
+        raise _file_error(source, f"YAML value error: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def read_regular_file(path: Path, what: str, limit: int = MAX_RECIPE_BYTES) -> str:
