@@ -318,7 +318,7 @@ def _weights(fn):
     return lambda root, m: (fn(m["weights"]["file"], root), [m["weights"]["file"]])[1]
 
 
-# (id, edit, stage: "open" fails at open_bundle, "load" at the first artifact load, needle)
+# (id, edit, stage: "open" must fail at open_bundle, "load" by the first load of every artifact at the latest, needle)
 BUNDLES = [
     ("kv-buffer-shape-256", gi(lambda g: g["kv_layout"]["buffer_shape"].__setitem__(1, 256)), "open", "buffer_shape"),
     ("kv-num-blocks-256", gi(lambda g: (g.update(num_blocks=256), g["kv_layout"]["buffer_shape"].__setitem__(1, 256))),
@@ -359,14 +359,11 @@ BUNDLES = [
 @pytest.mark.parametrize("edit,stage,needle", [c[1:] for c in BUNDLES], ids=[c[0] for c in BUNDLES])
 def test_tampered_bundle_is_refused(built, tmp_path, edit, stage, needle):
     root = tampered(built[1].bundle, tmp_path / "b", edit)
-    if stage == "open":
-        with pytest.raises(BundleError, match=needle):
-            open_bundle(root)
-    else:
+    with pytest.raises(BundleError, match=needle):
         b = open_bundle(root)
-        with pytest.raises(BundleError, match=needle):
-            for label in b.labels:
-                b.artifact(label)
+        assert stage == "load", "expected open_bundle to refuse it"
+        for label in b.labels:  # the fallback artifact is checked at open; the others before their first call
+            b.artifact(label)
     assert check(root), "verify must report it too"
 
 
@@ -381,7 +378,7 @@ def test_manifest_edit_without_digest_is_caught(built, tmp_path):
 
 
 def _generate(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", *args], capture_output=True, check=False,
                           text=True, cwd=ROOT, timeout=300)
 
 
@@ -403,7 +400,7 @@ def test_generate_on_a_broken_bundle_exits_1_with_json(built, tmp_path, edit, ne
 def test_verify_json_and_dp_prompt_error(built, tmp_path):
     root = tampered(built[1].bundle, tmp_path / "b", _extra_so)
     res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "verify", str(root), "--json"],
-                         capture_output=True, text=True, cwd=ROOT)
+                         capture_output=True, text=True, cwd=ROOT, check=False)
     doc = strict_json(res.stdout)
     assert res.returncode == 1 and not doc["ok"] and doc["problems"][0]["path"] == "artifacts/evil.so"
     res = _generate(str(built[1].bundle), "--dp", "2", "--prompt-ids", "1,2", "--prompt-ids", "1,999", "--json")

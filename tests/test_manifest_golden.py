@@ -11,7 +11,12 @@ from pathlib import Path
 from neffbuild import grid
 from neffbuild import recipe as R
 from neffbuild.bundle import layout, manifest
-from neffbuild.compiler.graphs import example_inputs, input_signature, kv_layout_for, spec_for
+from neffbuild.compiler.graphs import (
+    example_inputs,
+    input_signature,
+    kv_layout_for,
+    spec_for,
+)
 from neffbuild.models.gpt_oss.weights import stacked_shapes
 from neffbuild.runtime.manifest_schema import problems
 from tests.conftest import TINY

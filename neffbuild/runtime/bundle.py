@@ -221,6 +221,8 @@ class Bundle:
         if backend == "inductor":
             check_artifact(path, entry, self.manifest["weights"]["tensors"], f"artifacts[{entry['label']}]")
             return load_aoti(path, self.weights)
+        if sha256_file(path) != entry["sha256"]:
+            raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
         import torch_neuronx  # noqa: F401  - Neuron hosts only
 
         return torch.jit.load(str(path))
@@ -265,6 +267,11 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     reason = toolchain_problem(manifest["toolchain"])
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
+    if manifest["toolchain"]["backend"] == "inductor" and verify != "full":
+        # The fallback artifact pins what the runtime allocates from before any artifact loads (KV buffers,
+        # block-table widths): check it against its own package now, so a lie there fails here, not in memory.
+        top = max(manifest["artifacts"], key=lambda a: (a["ctx"], a["batch"], a["label"]))
+        check_artifact(safe_path(root, top["file"]), top, manifest["weights"]["tensors"], f"artifacts[{top['label']}]")
     aoti_package.sweep_temp()
     bundle = Bundle(root, manifest, device)
     if preload:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from neffbuild.runtime import attn_metadata, buckets, dp_sync
-from neffbuild.runtime.metrics import StepMetrics
 from neffbuild.runtime.dispatch import GridSpec, StepPlan, plan_for
 from neffbuild.runtime.kv_cache import NULL_BLOCK, BlockAllocator, KVLayout, allocate
+from neffbuild.runtime.metrics import StepMetrics
 
 Runner = Callable[[StepPlan], Callable[..., torch.Tensor]]
 
