@@ -258,7 +258,10 @@ def tampered(src: Path, dest: Path, edit) -> Path:
 
 
 def gi(fn):
-    return lambda root, m: fn(m["graph_inputs"])
+    def edit(root, m):
+        fn(m["graph_inputs"])
+
+    return edit
 
 
 def kv_sigs(m, fn):

@@ -6,7 +6,10 @@ file with ``python -m tests.test_manifest_golden`` and review the diff.
 """
 
 import hashlib
+import json
 from pathlib import Path
+
+import pytest
 
 from neffbuild import grid
 from neffbuild import recipe as R
@@ -54,8 +57,6 @@ def test_manifest_bytes_are_pinned():
 
 
 def test_manifest_holds_no_per_build_fields_and_passes_its_schema():
-    import json
-
     m = json.loads(golden_text())
     assert not problems(m)
     for word in ("compile_seconds", "created", "host", "wall_s"):
@@ -67,3 +68,20 @@ def test_manifest_holds_no_per_build_fields_and_passes_its_schema():
 if __name__ == "__main__":
     GOLDEN.write_text(golden_text(), encoding="utf-8")
     print(f"wrote {GOLDEN}")
+
+
+@pytest.mark.slow
+def test_two_cold_builds_give_identical_manifests(hf_checkpoint, tmp_path):
+    """Fresh compile caches, same recipe: byte-identical manifests (timings differ, in build-info.json)."""
+    from neffbuild.compiler.builder import compile_recipe
+    from tests.conftest import write_recipe
+
+    path = write_recipe(tmp_path, hf_checkpoint, name="cold", num_seqs_buckets=[1], ctx_buckets=[512])
+    r = R.load(path)
+    assert r.decode_context_length_buckets == ()  # fallback only: one target
+    runs = [compile_recipe(r, tmp_path / f"out{n}", jobs=1, cache_root=tmp_path / f"cache{n}") for n in (1, 2)]
+    assert [(x.built, x.cached) for x in runs] == [(1, 0), (1, 0)]
+    first, second = ((x.bundle / layout.MANIFEST_PATH).read_bytes() for x in runs)
+    assert first == second
+    info = json.loads((runs[0].bundle / layout.BUILD_INFO_PATH).read_text())
+    assert set(info["compile_seconds"]) == {"decode_b1_ctx512"}
