@@ -19,6 +19,7 @@ from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
 from neffbuild.compiler.graphs import kv_layout_for, spec_for
 from neffbuild.compiler.worker import Job
+from neffbuild.errors import InvalidInput
 from neffbuild.bundle import layout
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.models.gpt_oss.weights import model_weights
@@ -69,7 +70,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
-        weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+        weights = _load_weights(recipe)
         weights_entry = writer.write_weights(weights)
         del weights
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
@@ -107,6 +108,17 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     except BaseException:
         writer.abort()
         raise
+
+
+def _load_weights(recipe) -> dict:
+    """The checkpoint's stacked weights; an unreadable checkpoint is the user's input (exit 2), not a crash."""
+    from safetensors import SafetensorError
+
+    try:
+        return model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+    except (SafetensorError, OSError) as exc:
+        raise InvalidInput(f"model.checkpoint {recipe.model.checkpoint}: unreadable safetensors checkpoint "
+                           f"({str(exc)[:200]})") from None
 
 
 def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
