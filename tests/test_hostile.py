@@ -336,7 +336,7 @@ BUNDLES = [
      "its own file"),
     ("duplicate-label", lambda r, m: m["artifacts"].__setitem__(1, dict(m["artifacts"][0])), "open", "duplicate"),
     ("no-artifacts", lambda r, m: m.update(artifacts=[]), "open", "at least one"),
-    ("missing-cell", lambda r, m: m["artifacts"].pop(), "open", "lacks \\(batch, ctx\\) cells"),
+    ("missing-cell", lambda r, m: m["artifacts"].pop() and None, "open", "lacks \\(batch, ctx\\) cells"),
     ("negative-bytes", lambda r, m: m["files"][m["weights"]["file"]].update(bytes=-1), "open", "bytes"),
     ("unlisted-so", _extra_so, "open", "not listed"),
     ("no-kv-layout", gi(lambda g: g.pop("kv_layout")), "open", "kv_layout"),

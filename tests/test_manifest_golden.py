@@ -76,7 +76,8 @@ def test_two_cold_builds_give_identical_manifests(hf_checkpoint, tmp_path):
     from neffbuild.compiler.builder import compile_recipe
     from tests.conftest import write_recipe
 
-    path = write_recipe(tmp_path, hf_checkpoint, name="cold", num_seqs_buckets=[1], ctx_buckets=[512])
+    path = write_recipe(tmp_path, hf_checkpoint, name="cold", num_seqs_buckets=[1], ctx_buckets=[512],
+                        serving__max_num_seqs=1)
     r = R.load(path)
     assert r.decode_context_length_buckets == ()  # fallback only: one target
     runs = [compile_recipe(r, tmp_path / f"out{n}", jobs=1, cache_root=tmp_path / f"cache{n}") for n in (1, 2)]

@@ -119,6 +119,13 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
     if problems:
         return problems
     problems += _file_problems(root, m["files"], full)
+    if not problems:
+        try:  # the header only: limits, dtypes, spans, overlaps, and the manifest's weights table
+            path = safe_path(root, m["weights"]["file"])
+            _, header = weights_file.read_header(path)
+            weights_file.check_table(str(path), header, m["weights"]["tensors"])
+        except BundleError as exc:
+            problems.append(Problem(m["weights"]["file"], str(exc)))
     if full and not problems and m["toolchain"]["backend"] == "inductor":
         for i, entry in enumerate(m["artifacts"]):
             try:
