@@ -152,7 +152,8 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
     if dp > 1:
         out = run_dp(bundle_path, prompts, max_new_tokens, dp)
     else:
-        out = run_di_rank(bundle_path, prompts, max_new_tokens) if di else run_rank(bundle_path, prompts, max_new_tokens)
+        run_one = run_di_rank if di else run_rank
+        out = run_one(bundle_path, prompts, max_new_tokens)
         out.pop("collectives", None)
         metrics = out.pop("metrics")
         out.update(_speed(out["decode_seconds"], out.pop("decode_tokens")))
