@@ -58,9 +58,16 @@ def _console():
 @click.command("inspect")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @json_option("Print the manifest plus totals (and build-info compile times) as one JSON document.")
-def inspect_(bundle_path, as_json):
+@click.option("--vllm-config", "vllm", is_flag=True,
+              help="Print the JSON for vLLM's --additional-config (the compiled neuron_config grid); the other "
+                   "vLLM flags that must match go to stderr. With --json: one document with the additional config, "
+                   "the speculative config and the engine arguments.")
+def inspect_(bundle_path, as_json, vllm):
     """Show what BUNDLE holds: header, toolchain, the grid with sizes and compile times, totals."""
     m = _manifest(bundle_path)
+    if vllm:
+        _print_vllm_config(Path(bundle_path), m, as_json)
+        return
     seconds = _compile_seconds(bundle_path)
     totals = {"artifacts": len(m["artifacts"]), "artifact_bytes": sum(a["bytes"] for a in m["artifacts"]),
               "compile_seconds": round(sum(seconds.values()), 3),
@@ -87,6 +94,21 @@ def inspect_(bundle_path, as_json):
     c.print(t)
     c.print(f"totals: {totals['artifacts']} artifacts, {totals['artifact_bytes'] / 1e6:.1f} MB of artifacts, "
             f"{totals['bundle_bytes'] / 1e6:.1f} MB in all, {totals['compile_seconds']:.0f} s of compile time")
+
+
+def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
+    import yaml
+
+    from neffbuild.bundle import handoff, layout
+
+    recipe_file = reader.safe_path(root, layout.RECIPE_PATH)
+    recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
+    config = handoff.vllm_config(manifest, recipe if isinstance(recipe, dict) else {})
+    if as_json:
+        click.echo(json.dumps(config, sort_keys=True))
+        return
+    click.echo(json.dumps(config["additional_config"]))
+    click.echo(f"vLLM flags for this bundle: {handoff.vllm_flags(config)}", err=True)
 
 
 @click.command("verify")

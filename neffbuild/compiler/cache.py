@@ -70,7 +70,7 @@ class Cache:
         self.tmp_dir = self.base / "tmp"
         self.locks_dir = self.base / "locks"
 
-    def ensure(self) -> "Cache":
+    def ensure(self) -> Cache:
         for d in (self.entries_dir, self.tmp_dir, self.locks_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
@@ -87,7 +87,8 @@ class Cache:
             if not _meta_ok(meta):
                 raise ValueError("malformed meta")
             artifact = folder / meta["file"]
-            if meta.get("key") != key or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
+            if (meta.get("key") != key or artifact.stat().st_size != meta["bytes"]
+                    or sha256_file(artifact) != meta["sha256"]):
                 raise ValueError("mismatch")
         except FileNotFoundError:
             return None

@@ -12,7 +12,6 @@ import difflib
 import math
 
 from neffbuild.errors import NO_VALUE
-from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
 
 INT64_MAX = 2**63 - 1
 # Upper bounds: generous for real models (GPT-OSS-120B is far below each), small enough for memory.
@@ -72,11 +71,11 @@ def check_rope(v, rope, path: str) -> bool:
     return ok
 
 
-def check_numbers(v, hf: dict, path: str) -> bool:
-    """Every int field of the config in range, floats finite, rope block valid, layer_types bounded."""
+def check_numbers(v, hf: dict, path: str, config_cls) -> bool:
+    """Every int field of the architecture's config in range, floats finite, rope block valid, layer_types bounded."""
     ok = True
-    for key in GptOssConfig.INT_FIELDS:
-        if key in hf and v.check_int(hf[key], f"{path}.{key}", maximum=INT_LIMITS[key]) is None:
+    for key in config_cls.INT_FIELDS:
+        if key in hf and v.check_int(hf[key], f"{path}.{key}", maximum=INT_LIMITS.get(key, 2**31 - 1)) is None:
             ok = False
     sw = hf.get("sliding_window")
     if sw is not None and v.check_int(sw, f"{path}.sliding_window", maximum=INT_LIMITS["sliding_window"]) is None:
@@ -88,9 +87,10 @@ def check_numbers(v, hf: dict, path: str) -> bool:
         if hf.get(key) is not None:
             ok &= check_rope(v, hf[key], f"{path}.{key}")
     types = hf.get("layer_types")
+    sliding, full = config_cls.SLIDING, config_cls.FULL
     if types is not None and (not isinstance(types, list) or len(types) > INT_LIMITS["num_hidden_layers"]
-                              or any(t not in (SLIDING, FULL) for t in types)):
-        v.err(f"{path}.layer_types", types, f"must be a list of {SLIDING!r} / {FULL!r} (at most "
+                              or any(t not in (sliding, full) for t in types)):
+        v.err(f"{path}.layer_types", types, f"must be a list of {sliding!r} / {full!r} (at most "
               f"{INT_LIMITS['num_hidden_layers']} entries)")
         ok = False
     return ok

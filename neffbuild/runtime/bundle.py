@@ -1,5 +1,7 @@
 """Open and verify a bundle, memory-map its weights once, load artifacts lazily.
 
+Artifacts load through ``runtime/loaders.py``, the one loading path per backend.
+
 Thin: standard library, torch, the bundle layout constants and the base file helpers only. Reads JSON and
 safetensors; never unpickles anything from a bundle. The format is docs/bundle-format.md.
 """
@@ -15,7 +17,7 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import aoti_package, layout, manifest_schema, weights_file
+from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, weights_file
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.runtime.manifest_schema import Problem
@@ -170,26 +172,6 @@ def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> 
         raise BundleError(f"{path}: {why}")
 
 
-def toolchain_problem(toolchain: dict) -> str | None:
-    """Why the running toolchain cannot run these artifacts, or None."""
-    backend = toolchain.get("backend")
-    if backend == "inductor":
-        built = str(toolchain.get("torch", "")).split("+")[0]
-        here = torch.__version__.split("+")[0]
-        if built != here:
-            return (f"artifacts were compiled by torch {toolchain.get('torch')} and this process runs torch "
-                    f"{torch.__version__}; AOTInductor artifacts only load in the torch that built them. "
-                    f"Install torch=={built} or rebuild the bundle")
-        return None
-    if backend == "neuron":
-        import importlib.util
-
-        if importlib.util.find_spec("torch_neuronx") is None:
-            return "artifacts are NEFFs; this host has no torch-neuronx (the Neuron SDK)"
-        return None
-    return f"unknown backend {backend!r} in the manifest"
-
-
 class Bundle:
     """An opened bundle: manifest, grid, shared weights, and lazily loaded artifacts."""
 
@@ -224,15 +206,11 @@ class Bundle:
 
     def _load(self, entry: dict):
         path = safe_path(self.root, entry["file"])
-        backend = self.manifest["toolchain"]["backend"]
-        if backend == "inductor":
+        if self.manifest["toolchain"]["backend"] == "inductor":
             check_artifact(path, entry, self.manifest["weights"]["tensors"], f"artifacts[{entry['label']}]")
-            return load_aoti(path, self.weights)
-        if sha256_file(path) != entry["sha256"]:
+        elif sha256_file(path) != entry["sha256"]:  # other backends: at least the bytes the manifest names
             raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
-        import torch_neuronx  # noqa: F401  - Neuron hosts only
-
-        return torch.jit.load(str(path))
+        return loaders.load(self.manifest["toolchain"], path, self.weights, self.device)
 
     def runner(self):
         """A Decoder runner: StepPlan -> the artifact callable for its label."""
@@ -240,17 +218,8 @@ class Bundle:
 
 
 def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
-    """Load an AOTInductor package and bind user-managed constants (shared, never copied)."""
-    runner = aoti_package.load_package(path)
-    wanted = runner.get_constant_fqns()
-    missing = [n for n in wanted if n not in constants]
-    if missing:
-        raise BundleError(f"{path}: the bundle's weights lack constants {missing[:5]}")
-    for n in wanted:
-        if not constants[n].is_contiguous():
-            raise BundleError(f"{path}: weight {n!r} is not contiguous")
-    runner.load_constants({n: constants[n] for n in wanted}, check_full_update=True, user_managed=True)
-    return runner
+    """An AOTInductor package bound to shared constants (kept for callers; see loaders.load_inductor)."""
+    return loaders.load_inductor(path, constants, {})
 
 
 def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False) -> Bundle:
@@ -271,7 +240,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     problems = check(root, full=verify == "full") if verify != "none" else manifest_schema.problems(manifest)
     if problems:
         raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
-    reason = toolchain_problem(manifest["toolchain"])
+    reason = loaders.toolchain_problem(manifest["toolchain"])
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
     if manifest["toolchain"]["backend"] == "inductor" and verify != "full":
