@@ -44,7 +44,7 @@ class Problem:
 
 
 def _non_finite(value) -> bool:
-    return isinstance(value, float) and (value in (float("inf"), float("-inf")) or value != value)  # noqa: PLR0124
+    return isinstance(value, float) and (value in (float("inf"), float("-inf")) or value != value)
 
 
 def _safe_repr(value) -> str:

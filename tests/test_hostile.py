@@ -218,7 +218,7 @@ def test_weights_share_one_private_mapping(tmp_path):
     assert len({line.split()[0] for line in maps}) == 1  # one mapping for both tensors
     w["a"].mul_(2)  # copy-on-write: the file is untouched
     assert weights_file.load(p)["a"][1] == 1.0
-    with pytest.raises(BundleError, match="weights.tensors.b"):
+    with pytest.raises(BundleError, match=r"weights\.tensors\.b"):
         weights_file.load(p, {"a": {"dtype": "float32", "shape": [8]}, "b": {"dtype": "float32", "shape": [16]}})
 
 
@@ -376,12 +376,13 @@ def test_manifest_edit_without_digest_is_caught(built, tmp_path):
     shutil.copytree(built[1].bundle, root)
     text = (root / layout.MANIFEST_PATH).read_text().replace('"max_model_len": 512', '"max_model_len": 1024')
     (root / layout.MANIFEST_PATH).write_text(text)
-    with pytest.raises(BundleError, match="manifest.sha256"):
+    with pytest.raises(BundleError, match=r"manifest\.sha256"):
         open_bundle(root)
 
 
 def _generate(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", *args], capture_output=True, check=False,
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", *args], capture_output=True,
+                          check=False,
                           text=True, cwd=ROOT, timeout=300)
 
 

@@ -40,7 +40,8 @@ def golden_text() -> str:
         rel = layout.artifact_path(t.label, "pt2")
         files[rel] = _fake(t.label)
         artifacts.append({"label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx,
-                          "query_len": t.query_len, "file": rel, **files[rel], "cache_key": _fake("k" + t.label)["sha256"],
+                          "query_len": t.query_len, "file": rel, **files[rel],
+                          "cache_key": _fake("k" + t.label)["sha256"],
                           "input_signature": input_signature(example_inputs(spec_for(r, t))), "compile_label": t.label})
     files[layout.WEIGHTS_PATH] = _fake("weights")
     files[layout.RECIPE_PATH] = _fake(r.to_yaml())

@@ -219,7 +219,7 @@ def test_few_blocks_warns():
 def test_checkpoint_folder_without_safetensors_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BASE["model"]["config"]))
     raw = patched("model", {"arch": "gpt_oss", "checkpoint": str(tmp_path)})
-    with pytest.raises(RecipeError, match="holds no \\*.safetensors files"):
+    with pytest.raises(RecipeError, match=r"holds no \*\.safetensors files"):
         R.from_dict(raw)
 
 

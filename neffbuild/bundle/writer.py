@@ -139,5 +139,6 @@ def render_report(m: dict, *, hits: dict, seconds: dict, built: int, cached: int
     weights_mb = m["files"].get(layout.WEIGHTS_PATH, {}).get("bytes", 0) / 1e6
     total_mb = sum(a["bytes"] for a in m["artifacts"]) / 1e6
     return env.get_template("report.html.j2").render(
-        m=m, hits=hits, seconds=seconds, built=built, cached=cached, wall_s=wall_s, weights_mb=weights_mb, total_mb=total_mb,
+        m=m, hits=hits, seconds=seconds, built=built, cached=cached, wall_s=wall_s, weights_mb=weights_mb,
+        total_mb=total_mb,
         graph_inputs=json.dumps(m["graph_inputs"], indent=1, sort_keys=True))

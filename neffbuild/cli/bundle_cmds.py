@@ -44,7 +44,8 @@ def _compile_seconds(path: str) -> dict[str, float]:
             return {}
         doc = json.loads(info.read_text(encoding="utf-8"))
         seconds = doc.get("compile_seconds", {}) if isinstance(doc, dict) else {}
-        return {k: float(v) for k, v in seconds.items() if isinstance(v, (int, float)) and math.isfinite(v) and abs(v) < 1e12}
+        return {k: float(v) for k, v in seconds.items()
+                if isinstance(v, (int, float)) and math.isfinite(v) and abs(v) < 1e12}
     except (OSError, ValueError, RecursionError, AttributeError):
         return {}
 
@@ -143,7 +144,8 @@ def diff_manifests(a: dict, b: dict) -> dict:
         "changed": sorted(k for k in set(la) & set(lb) if la[k].get("sha256") != lb[k].get("sha256")),
         "unchanged": sorted(k for k in set(la) & set(lb) if la[k].get("sha256") == lb[k].get("sha256")),
         "config": config,
-        "weights_changed": a["files"].get(str(a["weights"].get("file"))) != b["files"].get(str(b["weights"].get("file"))),
+        "weights_changed": (a["files"].get(str(a["weights"].get("file")))
+                            != b["files"].get(str(b["weights"].get("file")))),
     }
 
 

@@ -7,8 +7,8 @@ import time
 import click
 
 from neffbuild import recipe as recipe_mod
-from neffbuild.cli.output import echo_json, json_option
 from neffbuild import registry
+from neffbuild.cli.output import echo_json, json_option
 from neffbuild.compiler.builder import Progress, compile_recipe
 from neffbuild.errors import BuildFailed
 

@@ -109,7 +109,7 @@ def _speed(seconds: float, tokens: int) -> dict:
 
 
 def _config(gi: dict):
-    """The bundle's model config, validated with the recipe's rules (a broken bundle is exit 1, not the user's input)."""
+    """The bundle's model config, checked with the recipe's rules (a broken bundle: exit 1, not the user's input)."""
     from neffbuild.errors import RecipeError
     from neffbuild.recipe.validator import Validator
 
@@ -130,7 +130,7 @@ def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts,
         res["rank"] = rank
     except NeffbuildError as exc:  # the real cause: written before the peers see a closed connection
         res = {"rank": rank, "error": str(exc), "exit_code": exc.exit_code, "cause": True}
-    except Exception as exc:  # noqa: BLE001 - a peer's failure seen from here (gloo: connection closed)
+    except Exception as exc:
         res = {"rank": rank, "error": f"{type(exc).__name__}: {str(exc)[:300]}", "exit_code": 1, "cause": False}
     finally:
         dist.destroy_process_group()

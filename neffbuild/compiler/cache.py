@@ -52,7 +52,8 @@ def _meta_ok(meta) -> bool:
     return (isinstance(meta, dict) and isinstance(meta.get("file"), str) and "/" not in meta["file"]
             and meta["file"] not in ("", ".", "..") and isinstance(meta.get("bytes"), int)
             and isinstance(meta.get("sha256"), str) and isinstance(meta.get("label", ""), str)
-            and isinstance(meta.get("compile_seconds", 0.0), (int, float)) and isinstance(meta.get("fingerprint", {}), dict))
+            and isinstance(meta.get("compile_seconds", 0.0), (int, float))
+            and isinstance(meta.get("fingerprint", {}), dict))
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def parse_yaml(text: str, source: str) -> object:
         raise _file_error(source, f"YAML error: {str(exc)[:200]}") from None
     except RecursionError:
         raise _file_error(source, "nested too deeply") from None
-    except Exception as exc:  # noqa: BLE001 - PyYAML's constructors raise anything on bad tagged scalars (!!float)
+    except Exception as exc:
         raise _file_error(source, f"YAML value error: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 

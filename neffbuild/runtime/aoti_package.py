@@ -63,7 +63,8 @@ def input_signature(source: str) -> list[dict]:
         dims = {int(d): int(v) for v, _, d in _SIZE.findall(body)}
         if dtype is None or sorted(dims) != list(range(len(dims))):
             raise ValueError(f"check_input_{idx} has no dtype or gaps in its sizes")
-        out.append({"dtype": _TORCH_DTYPE.get(dtype.group(2), dtype.group(2)), "shape": [dims[i] for i in sorted(dims)]})
+        name = dtype.group(2)
+        out.append({"dtype": _TORCH_DTYPE.get(name, name), "shape": [dims[i] for i in sorted(dims)]})
     return out
 
 
@@ -114,7 +115,7 @@ def load_package(path: Path):
         os.environ["TMPDIR"] = tmp  # the loader extracts under std::filesystem::temp_directory_path()
         try:
             return torch._inductor.aoti_load_package(str(path))
-        except Exception as exc:  # noqa: BLE001 - the loader raises RuntimeError for any malformed package
+        except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BundleError(f"{path}: AOTInductor could not load the artifact ({str(exc).strip()[:200]})") from None
         finally:

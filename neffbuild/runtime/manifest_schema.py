@@ -223,7 +223,7 @@ def expected_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[d
     long = "int64"
     shapes = ([batch, query_len], [batch, query_len], [batch, table_width(ctx, bs)], [batch, max(gi["num_swa"], 1)],
               [batch], [batch * query_len], [batch * query_len])
-    out = [{"name": n, "shape": s, "dtype": long} for n, s in zip(STEP_INPUTS, shapes)]
+    out = [{"name": n, "shape": s, "dtype": long} for n, s in zip(STEP_INPUTS, shapes, strict=True)]
     graph_dtype = "uint8" if kv["dtype"].startswith("float8") else kv["dtype"]
     out += [{"name": f"kv_caches[{j}]", "shape": list(kv["buffer_shape"]), "dtype": graph_dtype}
             for j in range(kv["num_buffers"])]
@@ -237,7 +237,7 @@ def _signature(c: _Checker, p: str, a: dict, gi: dict) -> None:
         c.bad(f"{p}.input_signature", f"must list {len(want)} inputs (graph_inputs imply {len(want)}), "
               f"got {len(got) if isinstance(got, list) else short(got)}")
         return
-    for j, (g, w) in enumerate(zip(got, want)):
+    for j, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:
             c.bad(f"{p}.input_signature[{j}]", f"records {short(g, 120)} but graph_inputs imply {w} "
                   "(kv_layout, num_swa, block_size or the artifact's shape was changed)")
@@ -247,8 +247,9 @@ def _signature(c: _Checker, p: str, a: dict, gi: dict) -> None:
 def compare_with_artifact(where: str, recorded: list[dict], reported: list[dict]) -> str | None:
     """Why the artifact's own input checks disagree with the manifest's signature, or None."""
     if len(recorded) != len(reported):
-        return f"{where}.input_signature: the artifact takes {len(reported)} inputs, the manifest records {len(recorded)}"
-    for j, (r, a) in enumerate(zip(recorded, reported)):
+        return (f"{where}.input_signature: the artifact takes {len(reported)} inputs, "
+                f"the manifest records {len(recorded)}")
+    for j, (r, a) in enumerate(zip(recorded, reported, strict=True)):
         if [r.get("dtype"), r.get("shape")] != [a["dtype"], a["shape"]]:
             return (f"{where}.input_signature[{j}] ({r.get('name')}): the artifact takes {a['dtype']} {a['shape']}, "
                     f"the manifest records {r.get('dtype')} {r.get('shape')}")

@@ -27,6 +27,7 @@ from neffbuild.runtime import attn_metadata, buckets, dp_sync
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 from neffbuild.runtime.dispatch import GridSpec, StepPlan, needs_nospec, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout, allocate
+from neffbuild.runtime.metrics import StepMetrics
 
 
 class Artifacts(Protocol):
