@@ -21,6 +21,7 @@ from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
 from neffbuild.compiler.graphs import kv_layout_for, spec_for
 from neffbuild.compiler.worker import Job
+from neffbuild.errors import InvalidInput
 
 
 @dataclass
@@ -68,8 +69,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
-        model_weights = registry.arch(recipe.model.arch).get("weights")
-        weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+        weights = _load_weights(recipe)
         weights_entry = writer.write_weights(weights)
         del weights
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
@@ -96,10 +96,11 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         ordered = sorted(result.results, key=lambda r: r["label"])
         artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
         hits = {r["label"]: r["hit"] for r in result.results}
+        seconds = {r["label"]: r["compile_seconds"] for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry,
-            report_context={"hits": hits, "built": result.built, "cached": result.cached,
+            report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3)},
         )
         result.wall_s = time.monotonic() - started
@@ -109,12 +110,24 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         raise
 
 
+def _load_weights(recipe) -> dict:
+    """The checkpoint's stacked weights; an unreadable checkpoint is the user's input (exit 2), not a crash."""
+    from safetensors import SafetensorError
+
+    model_weights = registry.arch(recipe.model.arch).get("weights")
+    try:
+        return model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+    except (SafetensorError, OSError) as exc:
+        raise InvalidInput(f"model.checkpoint {recipe.model.checkpoint}: unreadable safetensors checkpoint "
+                           f"({str(exc)[:200]})") from None
+
+
 def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
     """Copy one built artifact into the bundle; its manifest entry."""
     rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
     return {
         "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
-        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
+        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"],
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
