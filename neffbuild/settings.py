@@ -4,6 +4,8 @@ NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
 UCX_TLS              UCX transports for NIXL (DI); `tcp` is always kept (default: tcp,sm,self)
+NEURON_LOGICAL_NC_CONFIG  the Neuron runtime's logical NeuronCore config (read to refuse a
+                     bundle compiled for another LNC; the SDK's own variable)
 """
 
 from __future__ import annotations
@@ -45,3 +47,8 @@ def export_ucx_tls() -> str:
         parts.append("tcp")
     os.environ["UCX_TLS"] = ",".join(parts)
     return os.environ["UCX_TLS"]
+
+
+def neuron_logical_nc_config() -> int | None:
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
+    return int(value) if value.isdigit() else None

@@ -2,9 +2,10 @@
 
 Per-layer prefill (eager) into the KV cache, then greedy decode through the bundle's
 artifacts, one dispatch per step (the loop: neffbuild/serve/greedy.py). ``decode_seconds`` is
-the wall time of the decode steps only; ``tokens_per_second`` = decode-step tokens / it. ``--dp N`` runs N ranks as N processes over gloo with
-the prompts split across them (``prompts[r::N]``); a rank without work runs dummy steps
-at the synced bucket. ``--check`` also runs the eager graph and fails on any mismatch.
+the wall time of the decode steps only; ``tokens_per_second`` = decode-step tokens / it.
+``--dp N`` runs N ranks as N processes over gloo with the prompts split across them
+(``prompts[r::N]``); a rank without work runs dummy steps at the synced bucket. ``--check``
+also runs the eager graph and fails on any mismatch.
 ``--di`` runs disaggregated inference: a prefill worker process and this decode process, the
 KV moved over NIXL (neffbuild/serve/di.py).
 """
@@ -13,22 +14,41 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import click
 
-from neffbuild.errors import InvalidInput, NeffbuildError
+from neffbuild.cli.output import dumps, json_option, shorten
+from neffbuild.errors import BundleError, InvalidInput, NeffbuildError
+
+PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
 
 
 def _parse_prompt(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise InvalidInput(f"--prompt-ids {text!r}: must be comma-separated token ids, e.g. 1,2,3") from None
-    if not ids:
-        raise InvalidInput("--prompt-ids: empty prompt")
-    return ids
+    if not PROMPT_RE.fullmatch(text):
+        raise InvalidInput(f"--prompt-ids {shorten(repr(text), 80)}: must be comma-separated token ids "
+                           "(ASCII digits), e.g. 1,2,3")
+    return [int(x) for x in text.split(",")]
+
+
+def check_prompts(gi: dict, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """The user's prompts against a bundle whose manifest already passed the schema (exit 2 when they do not fit)."""
+    _check_prompts(prompts, max_new_tokens, _config(gi).vocab_size, gi["max_model_len"])
+
+
+def check_bundle(bundle) -> None:
+    """The manifest's model_config is valid and describes the weights the artifacts bind (else exit 1)."""
+    from neffbuild import registry
+
+    gi = bundle.manifest["graph_inputs"]
+    cfg = _config(gi)
+    for name, shape in registry.arch(gi["arch"]).get("placeholder_shapes")(cfg).items():
+        have = tuple(bundle.weights[name].shape) if name in bundle.weights else None
+        if have != tuple(shape):
+            raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
+                              f"weights hold {list(have) if have else 'none'}: the manifest and weights disagree")
 
 
 def _check_prompts(prompts: list[list[int]], max_new_tokens: int, vocab: int, max_model_len: int) -> None:
@@ -51,6 +71,7 @@ def run_di_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int)
 
     load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     bundle = open_bundle(bundle_path)
+    check_bundle(bundle)
     session = open_session(bundle)
     _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
     for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
@@ -69,6 +90,7 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
     from neffbuild.serve.session import open_session
 
     bundle = open_bundle(bundle_path)
+    check_bundle(bundle)
     session = open_session(bundle, reference=reference, group=group)
     _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
     if not reference:
@@ -82,7 +104,21 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
 
 
 def _speed(seconds: float, tokens: int) -> dict:
-    return {"decode_seconds": round(seconds, 6), "tokens_per_second": round(tokens / seconds, 3) if seconds > 0 else 0.0}
+    rate = round(tokens / seconds, 3) if seconds > 0 else 0.0
+    return {"decode_seconds": round(seconds, 6), "tokens_per_second": rate}
+
+
+def _config(gi: dict):
+    """The bundle's model config, checked with the recipe's rules (a broken bundle: exit 1, not the user's input)."""
+    from neffbuild.errors import RecipeError
+    from neffbuild.recipe.validator import Validator
+
+    v = Validator(Path.cwd(), "graph_inputs.model_config")
+    hf = gi["model_config"]
+    cfg = v.arch_config(hf, "graph_inputs.model_config", gi["arch"]) if isinstance(hf, dict) else None
+    if cfg is None or v.problems:
+        raise BundleError(str(RecipeError("manifest graph_inputs.model_config", v.problems or [])))
+    return cfg
 
 
 def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str):
@@ -92,11 +128,13 @@ def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts,
     try:
         res = run_rank(bundle_path, prompts[rank::world], max_new_tokens, group=dist.group.WORLD)
         res["rank"] = rank
-    except NeffbuildError as exc:
-        res = {"rank": rank, "error": str(exc)}
+    except NeffbuildError as exc:  # the real cause: written before the peers see a closed connection
+        res = {"rank": rank, "error": str(exc), "exit_code": exc.exit_code, "cause": True}
+    except Exception as exc:
+        res = {"rank": rank, "error": f"{type(exc).__name__}: {str(exc)[:300]}", "exit_code": 1, "cause": False}
     finally:
         dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    Path(out_dir, f"rank{rank}.json").write_text(dumps(res))
 
 
 def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
@@ -104,11 +142,20 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="neffbuild-dp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_dp_worker, args=(dp, init_file, bundle_path, prompts, max_new_tokens, tmp), nprocs=dp, join=True)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(dp)]
-    errors = [r["error"] for r in ranks if "error" in r]
-    if errors:
-        raise NeffbuildError("; ".join(errors))
+        try:
+            mp.spawn(_dp_worker, args=(dp, init_file, bundle_path, prompts, max_new_tokens, tmp), nprocs=dp, join=True)
+        except mp.ProcessRaisedException:
+            pass  # every rank writes its outcome; the cause is read below
+        except mp.ProcessExitedException as exc:
+            raise NeffbuildError(f"--dp {dp}: a rank died ({exc}); no result") from None
+        files = [Path(tmp, f"rank{r}.json") for r in range(dp)]
+        ranks = [json.loads(f.read_text()) for f in files if f.is_file()]
+    causes = [r for r in ranks if r.get("cause")] or [r for r in ranks if "error" in r]
+    if causes or len(ranks) < dp:
+        first = causes[0] if causes else {"rank": "?", "error": "a rank wrote no result", "exit_code": 1}
+        err = (InvalidInput if first.get("exit_code") == 2 else NeffbuildError)(
+            f"rank {first['rank']}: {first['error']}")
+        raise err
     tokens = [None] * len(prompts)
     for r in ranks:
         for n, toks in enumerate(r["tokens"]):
@@ -123,7 +170,8 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 @click.command("generate")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @click.option("--prompt-ids", "prompt_ids", multiple=True, required=True,
-              help="One prompt as comma-separated token ids; repeat for a batch (e.g. --prompt-ids 1,2,3 --prompt-ids 4,5).")
+              help="One prompt as comma-separated token ids; repeat for a batch "
+                   "(e.g. --prompt-ids 1,2,3 --prompt-ids 4,5).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy tokens to generate per prompt.")
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
@@ -133,9 +181,8 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
                    "moves over NIXL into this process, which runs every decode step (the first one recomputes the "
                    "last prompt token). Needs the nixl extra.")
 @click.option("--check", is_flag=True, help="Also run the eager graph; exit 1 on any token mismatch.")
-@click.option("--json", "as_json", is_flag=True,
-              help='Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", "check"]} '
-                   'on stdout.')
+@json_option('Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", "check"]} '
+             'on stdout (errors too).')
 def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
@@ -147,9 +194,16 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
     if di and dp > 1:
         raise InvalidInput("--di runs one decode process; use it without --dp")
     if dp > 1:
+        from neffbuild.runtime.bundle import read_manifest
+        from neffbuild.runtime.manifest_schema import problems
+
+        m = read_manifest(Path(bundle_path))  # the prompts are the user's: refuse them before any rank starts
+        if not problems(m):
+            check_prompts(m["graph_inputs"], prompts, max_new_tokens)
         out = run_dp(bundle_path, prompts, max_new_tokens, dp)
     else:
-        out = run_di_rank(bundle_path, prompts, max_new_tokens) if di else run_rank(bundle_path, prompts, max_new_tokens)
+        run_one = run_di_rank if di else run_rank
+        out = run_one(bundle_path, prompts, max_new_tokens)
         out.pop("collectives", None)
         metrics = out.pop("metrics")
         out.update(_speed(out["decode_seconds"], out.pop("decode_tokens")))
@@ -159,7 +213,7 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
         ref = run_rank(bundle_path, prompts, max_new_tokens, reference=True)["tokens"]
         out["check"] = {"ok": ref == out["tokens"], "reference": ref}
     if as_json:
-        click.echo(json.dumps(out))
+        click.echo(dumps(out))
     else:
         for n, toks in enumerate(out["tokens"]):
             click.echo(f"prompt {n}: {','.join(map(str, toks))}")

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from neffbuild import registry
 from neffbuild.errors import BuildFailed
-from neffbuild.models.gpt_oss.config import GptOssConfig
-from neffbuild.models.gpt_oss.decode import GptOssDecode, default_aux_layers
-from neffbuild.models.gpt_oss.weights import stacked_shapes
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.kv_cache import KVLayout
 
@@ -35,8 +33,8 @@ class GraphSpec:
     fp8_packed_kv: bool
 
     @property
-    def config(self) -> GptOssConfig:
-        return GptOssConfig.from_hf_dict(self.hf_config)
+    def config(self):
+        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
 
     def kv_layout(self) -> KVLayout:
         return _kv_layout(self.config, self.num_blocks, self.block_size, self.fp8_packed_kv)
@@ -51,7 +49,7 @@ def kv_layout_for(recipe) -> KVLayout:
     return _kv_layout(recipe.model.config, recipe.num_blocks, recipe.block_size, recipe.fp8_packed_kv)
 
 
-def _kv_layout(cfg: GptOssConfig, num_blocks: int, block_size: int, fp8_packed_kv: bool) -> KVLayout:
+def _kv_layout(cfg, num_blocks: int, block_size: int, fp8_packed_kv: bool) -> KVLayout:
     # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout.
     return KVLayout(cfg.num_kv_buffers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim,
                     fp8=fp8_packed_kv, packed_k=fp8_packed_kv)
@@ -60,7 +58,7 @@ def _kv_layout(cfg: GptOssConfig, num_blocks: int, block_size: int, fp8_packed_k
 def example_inputs(spec: GraphSpec) -> tuple:
     B, q = spec.batch, spec.query_len
     layout = spec.kv_layout()
-    long = dict(dtype=torch.long)
+    long = {"dtype": torch.long}
     return (
         torch.zeros(B, q, **long),  # input_ids
         torch.zeros(B, q, **long),  # positions
@@ -91,9 +89,10 @@ def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None)
     """(module, example inputs) for one target; placeholder weights unless given."""
     if spec.family == "draft":
         raise BuildFailed(f"{spec.family}: the EAGLE3 draft graph (models/eagle3) is not implemented yet")
-    cfg = spec.config
+    cfg, arch = spec.config, registry.arch(spec.arch)
     if weights is None:
-        weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in stacked_shapes(cfg).items()}
-    aux = default_aux_layers(cfg.num_hidden_layers) if spec.family in ("target_spec", "target_nospec") else None
-    module = GptOssDecode(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux).eval()
+        shapes = arch.get("placeholder_shapes")(cfg)
+        weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
+    aux = arch.get("aux_layers")(cfg.num_hidden_layers) if spec.family in ("target_spec", "target_nospec") else None
+    module = arch.get("decode")(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux).eval()
     return module, example_inputs(spec)
