@@ -1,0 +1,133 @@
+"""The parallel layout of a bundle (tp, dp, ep) and the process groups its artifacts use.
+
+World = tp x dp ranks. Rank r is TP rank ``r % tp`` of DP group ``r // tp``; the ranks of
+one DP group hold the same requests and split the attention heads. Experts are split over
+EP groups of ``ep`` consecutive ranks (``ep`` divides the world), EP rank ``r % ep``; each
+EP group holds every expert once. When an EP group sits inside one DP group
+(``tp % ep == 0``) its ranks hold the same tokens and the MoE combines with one all-reduce;
+otherwise the group gathers its ranks' tokens, each rank applies its own experts, and a
+reduce-scatter sums the experts' outputs and hands each rank back its own rows.
+
+Compiled graphs name their groups by fixed strings (``TP_GROUP``, ``EP_GROUP``), never by
+rank lists, so one artifact serves every rank: each rank registers ITS groups under those
+names (``join``) before running an artifact. Thin: standard library and torch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from neffbuild.errors import IncompatibleBundle
+
+TP_GROUP = "neffbuild_tp"  # the group an attention all-reduce runs over
+EP_GROUP = "neffbuild_ep"  # the group the MoE combine runs over
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def sharded(self) -> bool:
+        """True when a rank's graph holds a shard and runs collectives (tp or ep above 1)."""
+        return self.tp > 1 or self.ep > 1
+
+    @property
+    def ep_gathers(self) -> bool:
+        """The EP group spans DP groups, so the MoE gathers tokens (else one all-reduce)."""
+        return self.ep > 1 and self.tp % self.ep != 0
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep
+
+    def tp_groups(self) -> list[list[int]]:
+        return [list(range(g * self.tp, (g + 1) * self.tp)) for g in range(self.dp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        return [list(range(g * self.ep, (g + 1) * self.ep)) for g in range(self.world_size // self.ep)]
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "world_size": self.world_size}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ParallelLayout":
+        return cls(int(d.get("tp", 1)), int(d.get("dp", 1)), int(d.get("ep", 1)))
+
+    def describe(self) -> str:
+        ep = f"ep {self.ep} ({'gather + reduce-scatter' if self.ep_gathers else 'all-reduce'} MoE combine)" \
+            if self.ep > 1 else "ep 1 (experts replicated)"
+        return f"tp {self.tp} x dp {self.dp} = {self.world_size} ranks; {ep}"
+
+
+def rank_tensor(rank: int) -> torch.Tensor:
+    """The rank id a sharded artifact takes as its last input (it picks the rank's experts)."""
+    return torch.tensor([rank], dtype=torch.long)
+
+
+@dataclass
+class RankContext:
+    """One rank's place in the world: its rank, its groups (registered by name), the DP-sync group."""
+
+    layout: ParallelLayout
+    rank: int
+    world_group: object | None
+    groups: dict
+
+    @property
+    def rank_input(self) -> torch.Tensor:
+        return rank_tensor(self.rank)
+
+
+def check_world(layout: ParallelLayout, what: str = "bundle") -> int:
+    """This process's rank; a world that differs from the layout is refused, naming both."""
+    live = dist.is_available() and dist.is_initialized()
+    size = dist.get_world_size() if live else 1
+    if size != layout.world_size:
+        how = "a world of 1 (no torch.distributed process group)" if not live else f"a world of {size} ranks"
+        raise IncompatibleBundle(
+            f"{what} was compiled for {layout.describe()}, but this process runs in {how}; start "
+            f"{layout.world_size} processes (`neffbuild generate` does this itself) or rebuild with a matching "
+            f"parallel section")
+    return dist.get_rank() if live else 0
+
+
+def join(layout: ParallelLayout) -> RankContext:
+    """Create every TP and EP group (collectively: all ranks call this) and register this rank's by name."""
+    rank = check_world(layout)
+    if layout.world_size == 1:
+        return RankContext(layout, 0, None, {})
+    mine = {}
+    for name, groups in ((TP_GROUP, layout.tp_groups()), (EP_GROUP, layout.ep_groups())):
+        for ranks in groups:  # every rank creates every group, in the same order (torch requires it)
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = pg
+    for name, pg in mine.items():
+        register(name, pg)
+    return RankContext(layout, rank, dist.group.WORLD, mine)
+
+
+def register(name: str, group) -> None:
+    """Make ``name`` resolve to ``group`` for functional collectives (replacing an older one)."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    try:
+        _unregister_process_group(name)
+    except (RuntimeError, ValueError):
+        pass
+    _register_process_group(name, group)
