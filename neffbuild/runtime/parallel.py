@@ -65,7 +65,7 @@ class ParallelLayout:
         return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "world_size": self.world_size}
 
     @classmethod
-    def from_json(cls, d: dict) -> "ParallelLayout":
+    def from_json(cls, d: dict) -> ParallelLayout:
         return cls(int(d.get("tp", 1)), int(d.get("dp", 1)), int(d.get("ep", 1)))
 
     def describe(self) -> str:
@@ -124,7 +124,10 @@ def join(layout: ParallelLayout) -> RankContext:
 
 def register(name: str, group) -> None:
     """Make ``name`` resolve to ``group`` for functional collectives (replacing an older one)."""
-    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch._C._distributed_c10d import (
+        _register_process_group,
+        _unregister_process_group,
+    )
 
     try:
         _unregister_process_group(name)

@@ -21,7 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import apply_rope, moe, paged_attention, rms_norm, rope_cos_sin, write_kv, yarn_inv_freq
+from kernels import (
+    apply_rope,
+    moe,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+    write_kv,
+    yarn_inv_freq,
+)
 from kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
 from neffbuild.models.gpt_oss.sharding import local_config

@@ -16,7 +16,11 @@ import torch
 
 from kernels import rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
 from neffbuild.models.gpt_oss.config import SLIDING, GptOssConfig
-from neffbuild.models.gpt_oss.decode import SINGLE, attention_inputs, attention_output_and_mlp
+from neffbuild.models.gpt_oss.decode import (
+    SINGLE,
+    attention_inputs,
+    attention_output_and_mlp,
+)
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.runtime.parallel import ParallelLayout, rank_tensor
 
