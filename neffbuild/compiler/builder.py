@@ -17,10 +17,11 @@ from neffbuild import grid, settings
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
-from neffbuild.compiler.graphs import kv_layout_for, spec_for
+from neffbuild.compiler.graphs import kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job
 from neffbuild.bundle import layout
 from neffbuild.bundle.writer import BundleWriter
+from neffbuild.models.gpt_oss import sharding
 from neffbuild.models.gpt_oss.weights import model_weights
 
 
@@ -70,7 +71,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     try:
         progress.stage("loading weights")
         weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
-        weights_entry = writer.write_weights(weights)
+        weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
                          str(writer.path(layout.log_path(t.label)))) for t in targets]
@@ -97,7 +98,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         hits = {r["label"]: r["hit"] for r in result.results}
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
-            weights=weights_entry,
+            weights=weights_entry, parallel=parallel,
             report_context={"hits": hits, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3)},
         )
@@ -106,6 +107,24 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     except BaseException:
         writer.abort()
         raise
+
+
+def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, dict | None]:
+    """Unsharded: one file. Sharded: the replicated piece plus one file per TP and per EP rank,
+    each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps."""
+    par = layout_for(recipe)
+    if not par.sharded:
+        return writer.write_weights(weights), None
+    cfg, entries, shared = recipe.model.config, {}, None
+    for name, tensors in sharding.iter_pieces(cfg, weights, par):
+        if name == sharding.SHARED:
+            shared = writer.write_weights(tensors)
+        else:
+            entries[name] = writer.write_weights(tensors, layout.weights_piece_path(name))
+    info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=sharding.shard_layout(par),
+                rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
+                kv_heads={f"tp{r}": list(sharding.kv_heads_of(cfg, par, r)) for r in range(par.tp)})
+    return shared, info
 
 
 def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import layout
+from neffbuild.runtime import layout, parallel
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
 
@@ -91,6 +91,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
             problems.append(Problem(str(a["file"]), "artifact not listed in files"))
     if m["weights"].get("file") not in m["files"]:
         problems.append(Problem(str(m["weights"].get("file")), "weights file not listed in files"))
+    problems += _parallel_problems(m)
     for rel, info in m["files"].items():
         try:
             p = safe_path(root, rel)
@@ -104,6 +105,27 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
         elif full and sha256_file(p) != info.get("sha256"):
             problems.append(Problem(rel, "sha256 mismatch (corrupt or modified)"))
     return problems
+
+
+def _parallel_problems(m: dict) -> list[Problem]:
+    par = m.get("parallel")
+    if par is None:
+        return []
+    if not isinstance(par, dict) or not isinstance(par.get("pieces"), dict):
+        return [Problem(layout.MANIFEST_PATH, "field 'parallel' must be an object with 'pieces'")]
+    try:
+        lay = parallel.ParallelLayout.from_json(par)
+    except (TypeError, ValueError):
+        return [Problem(layout.MANIFEST_PATH, f"parallel: tp/dp/ep must be integers, got {par}")]
+    wanted = {n for r in range(lay.world_size) for n in _rank_pieces(lay, r)}
+    problems = [Problem(layout.MANIFEST_PATH, f"parallel.pieces lacks {n!r}") for n in sorted(wanted - set(par["pieces"]))]
+    return problems + [Problem(str(e.get("file")), "weight piece not listed in files") for e in par["pieces"].values()
+                       if not isinstance(e, dict) or e.get("file") not in m["files"]]
+
+
+def _rank_pieces(lay: parallel.ParallelLayout, rank: int) -> list[str]:
+    """The per-rank pieces rank ``rank`` maps besides ``weights.file`` (models/gpt_oss/sharding.py writes them)."""
+    return ([f"tp{lay.tp_rank(rank)}"] if lay.tp > 1 else []) + ([f"ep{lay.ep_rank(rank)}"] if lay.ep > 1 else [])
 
 
 def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -148,8 +170,9 @@ def toolchain_problem(toolchain: dict) -> str | None:
 class Bundle:
     """An opened bundle: manifest, grid, shared weights, and lazily loaded artifacts."""
 
-    def __init__(self, root: Path, manifest: dict, device: str):
+    def __init__(self, root: Path, manifest: dict, device: str, rank: parallel.RankContext | None = None):
         self.root, self.manifest, self.device = root, manifest, device
+        self.context = rank  # None: an unsharded bundle, any world
         gi = manifest["graph_inputs"]
         self.spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]),
                              gi["max_model_len"], gi.get("num_speculative_tokens", 0))
@@ -160,6 +183,10 @@ class Bundle:
         self.num_swa = gi["num_swa"]
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
         self.weights = mmap_safetensors(safe_path(root, manifest["weights"]["file"]))
+        if rank is not None:  # a sharded rank maps the replicated piece plus its own TP and EP pieces, nothing else
+            pieces = manifest["parallel"]["pieces"]
+            for name in _rank_pieces(rank.layout, rank.rank):
+                self.weights.update(mmap_safetensors(safe_path(root, pieces[name]["file"])))
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -186,9 +213,22 @@ class Bundle:
 
         return torch.jit.load(str(path))
 
+    @property
+    def layout(self) -> parallel.ParallelLayout:
+        """The parallel layout the artifacts were compiled for (tp = dp = ep = 1 when unsharded)."""
+        return self.context.layout if self.context else parallel.ParallelLayout.from_json(self.manifest["graph_inputs"])
+
+    @property
+    def group(self):
+        """The group DP sync runs over (the world), or None for an unsharded bundle."""
+        return self.context.world_group if self.context else None
+
     def runner(self):
-        """A Decoder runner: StepPlan -> the artifact callable for its label."""
-        return lambda plan: self.artifact(plan.label)
+        """A Decoder runner: StepPlan -> the artifact callable for its label (sharded: with this rank's id)."""
+        if self.context is None:
+            return lambda plan: self.artifact(plan.label)
+        rank = self.context.rank_input
+        return lambda plan: (lambda *args: self.artifact(plan.label)(*args, rank))
 
 
 def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
@@ -208,6 +248,11 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     verify: "sizes" (default: every file present with its size), "full" (also sha256),
     or "none". Refuses a foreign format, a newer format version, a path outside the
     bundle, and a toolchain that cannot run the artifacts, each with a named error.
+
+    A sharded bundle (manifest ``parallel``) must be opened by every rank of a
+    torch.distributed world of exactly its tp x dp ranks (else IncompatibleBundle, naming
+    both); opening it creates and registers the rank's TP and EP groups and maps only the
+    rank's weight pieces.
     """
     if verify not in ("sizes", "full", "none"):
         raise ValueError(f"verify must be 'sizes', 'full' or 'none', got {verify!r}")
@@ -222,7 +267,10 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     reason = toolchain_problem(manifest.get("toolchain", {}))
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
-    bundle = Bundle(root, manifest, device)
+    rank = None
+    if "parallel" in manifest:  # collective: every rank of the world opens the bundle
+        rank = parallel.join(parallel.ParallelLayout.from_json(manifest["parallel"]), what=f"bundle {root}")
+    bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:
             bundle.artifact(label)

@@ -46,6 +46,11 @@ class ParallelLayout:
         """The EP group spans DP groups, so the MoE gathers tokens (else one all-reduce)."""
         return self.ep > 1 and self.tp % self.ep != 0
 
+    @property
+    def ep_combine(self) -> str:
+        """How the MoE output is combined across the EP group (none, all_reduce, gather_reduce_scatter)."""
+        return "none" if self.ep == 1 else ("gather_reduce_scatter" if self.ep_gathers else "all_reduce")
+
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
@@ -106,9 +111,9 @@ def check_world(layout: ParallelLayout, what: str = "bundle") -> int:
     return dist.get_rank() if live else 0
 
 
-def join(layout: ParallelLayout) -> RankContext:
+def join(layout: ParallelLayout, what: str = "bundle") -> RankContext:
     """Create every TP and EP group (collectively: all ranks call this) and register this rank's by name."""
-    rank = check_world(layout)
+    rank = check_world(layout, what)
     if layout.world_size == 1:
         return RankContext(layout, 0, None, {})
     mine = {}
