@@ -3,7 +3,9 @@
 Per-layer prefill (eager) into the KV cache, then greedy decode through the bundle's
 artifacts, one dispatch per step. ``--dp N`` runs N ranks as N processes over gloo with
 the prompts split across them (``prompts[r::N]``); a rank without work runs dummy steps
-at the synced bucket. ``--check`` also runs the eager graph and fails on any mismatch.
+at the synced bucket. A sharded bundle (tp or ep above 1) always runs its own tp x dp
+ranks, the prompts dealt to its DP groups. ``--check`` also runs the unsharded eager
+model (a sharded bundle's weight pieces joined) and fails on any mismatch.
 """
 
 from __future__ import annotations
@@ -28,44 +30,88 @@ def _parse_prompt(text: str) -> list[int]:
     return ids
 
 
-def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
-    """Greedy tokens and the step log for this rank's prompts (bundle artifacts, or eager)."""
-    from neffbuild.models.gpt_oss.config import GptOssConfig
-    from neffbuild.models.gpt_oss.decode import GptOssDecode
-    from neffbuild.models.gpt_oss.harness import eager_runner, greedy
+def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None):
+    """Greedy tokens and the step log for this rank's prompts through the bundle's artifacts.
+
+    A sharded bundle joins the world here (every rank opens it) and runs this rank's shard.
+    """
+    from neffbuild.models.gpt_oss.harness import greedy
     from neffbuild.runtime import dp_sync
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.runtime.decoder import Decoder
 
     bundle = open_bundle(bundle_path)
-    gi = bundle.manifest["graph_inputs"]
-    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
-    vocab = cfg.vocab_size
-    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
-    if bad:
-        raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    longest = max((len(p) for p in prompts), default=0)
-    if longest + max_new_tokens > bundle.spec.max_model_len:
-        raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
-                           f"max_model_len {bundle.spec.max_model_len}")
-    if reference:
-        runner = eager_runner(GptOssDecode(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval())
-    else:
-        runner = bundle.runner()
-    decoder = Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=runner, group=group)
+    cfg = _check_prompts(bundle.manifest, prompts, max_new_tokens)
+    ctx = bundle.context
+    decoder = Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=bundle.runner(),
+                      group=bundle.group or group)
     before = dp_sync.COLLECTIVES["count"]
-    tokens = greedy(decoder, cfg, bundle.weights, prompts, max_new_tokens, packed_k=bundle.kv_layout.packed_k)
+    tokens = greedy(decoder, cfg, bundle.weights, prompts, max_new_tokens, packed_k=bundle.kv_layout.packed_k,
+                    parallel=bundle.layout if ctx else _single(), rank=ctx.rank if ctx else 0)
     return {"tokens": tokens, "steps": [s.to_json() for s in decoder.steps],
             "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus()}
 
 
-def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str):
+def _single():
+    from neffbuild.runtime.parallel import ParallelLayout
+
+    return ParallelLayout()
+
+
+def _check_prompts(manifest: dict, prompts, max_new_tokens: int):
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+
+    gi = manifest["graph_inputs"]
+    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
+    bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > gi["max_model_len"]:
+        raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
+                           f"max_model_len {gi['max_model_len']}")
+    return cfg
+
+
+def run_reference(bundle_path: str, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of the UNSHARDED eager model on the bundle's weights (a sharded bundle's pieces joined)."""
+    from neffbuild.models.gpt_oss.decode import GptOssDecode
+    from neffbuild.models.gpt_oss.harness import eager_runner, greedy
+    from neffbuild.models.gpt_oss.sharding import unshard
+    from neffbuild.runtime import bundle as reader
+    from neffbuild.runtime.decoder import Decoder
+    from neffbuild.runtime.kv_cache import KVLayout
+    from neffbuild.runtime.parallel import ParallelLayout
+
+    root = Path(bundle_path)
+    m = reader.read_manifest(root)
+    cfg = _check_prompts(m, prompts, max_new_tokens)
+    weights = reader.mmap_safetensors(reader.safe_path(root, m["weights"]["file"]))
+    if "parallel" in m:
+        parts = {name: reader.mmap_safetensors(reader.safe_path(root, e["file"]))
+                 for name, e in m["parallel"]["pieces"].items()}
+        weights = unshard(cfg, dict(parts, shared=weights), ParallelLayout.from_json(m["parallel"]))
+    kv = m["graph_inputs"]["kv_layout"]
+    _, nb, _, bs, d = kv["buffer_shape"]
+    layout = KVLayout(kv["num_buffers"], nb, cfg.num_key_value_heads, bs, d, fp8=kv["dtype"].startswith("float8"),
+                      packed_k=kv["packed_k"])
+    gi = m["graph_inputs"]
+    spec = reader.GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]),
+                           gi["max_model_len"], gi.get("num_speculative_tokens", 0))
+    runner = eager_runner(GptOssDecode(cfg, weights, packed_k=layout.packed_k).eval())
+    decoder = Decoder(layout=layout, spec=spec, num_swa=gi["num_swa"], runner=runner)
+    return greedy(decoder, cfg, weights, prompts, max_new_tokens, packed_k=layout.packed_k)
+
+
+def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int,
+                 out_dir: str):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dp_rank = rank // (world // dp)  # ranks of one DP group are consecutive (runtime/parallel.py)
     try:
-        res = run_rank(bundle_path, prompts[rank::world], max_new_tokens, group=dist.group.WORLD)
-        res["rank"] = rank
+        res = run_rank(bundle_path, prompts[dp_rank::dp], max_new_tokens, group=dist.group.WORLD)
+        res.update(rank=rank, dp_rank=dp_rank)
     except NeffbuildError as exc:
         res = {"rank": rank, "error": str(exc)}
     finally:
@@ -73,22 +119,47 @@ def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts,
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
+def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: int) -> dict:
+    """Run ``world`` gloo processes (dp groups of world/dp ranks), prompts dealt to DP groups (``prompts[g::dp]``)."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="neffbuild-dp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="neffbuild-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_dp_worker, args=(dp, init_file, bundle_path, prompts, max_new_tokens, tmp), nprocs=dp, join=True)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(dp)]
-    errors = [r["error"] for r in ranks if "error" in r]
+        mp.spawn(_rank_worker, args=(world, dp, init_file, bundle_path, prompts, max_new_tokens, tmp), nprocs=world,
+                 join=True)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r]
     if errors:
         raise NeffbuildError("; ".join(errors))
     tokens = [None] * len(prompts)
     for r in ranks:
         for n, toks in enumerate(r["tokens"]):
-            tokens[r["rank"] + n * dp] = toks
+            if tokens[r["dp_rank"] + n * dp] not in (None, toks):
+                raise NeffbuildError(f"rank {r['rank']}: tokens differ from another TP rank of DP group {r['dp_rank']}")
+            tokens[r["dp_rank"] + n * dp] = toks
     return {"tokens": tokens, "steps": ranks[0]["steps"],
-            "ranks": [{"rank": r["rank"], "steps": r["steps"], "collectives": r["collectives"]} for r in ranks]}
+            "ranks": [{"rank": r["rank"], "dp_rank": r["dp_rank"], "steps": r["steps"], "collectives": r["collectives"]}
+                      for r in ranks]}
+
+
+def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
+    """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default 1)."""
+    from neffbuild.runtime.bundle import read_manifest
+
+    par = read_manifest(Path(bundle_path)).get("parallel")
+    if par is None:
+        return dp_flag or 1, dp_flag or 1
+    world, dp = int(par["world_size"]), int(par["dp"])
+    if dp_flag not in (None, dp):
+        raise InvalidInput(f"--dp {dp_flag}: this bundle was compiled for dp {dp} (tp {par['tp']}, ep {par['ep']}); "
+                           "drop --dp or rebuild with parallel.dp set")
+    if world > MAX_LOCAL_WORLD:
+        raise InvalidInput(f"the bundle needs {world} ranks; generate runs every rank on this host (at most "
+                           f"{MAX_LOCAL_WORLD}); serve it with the runtime API on a cluster instead")
+    return world, dp
+
+
+MAX_LOCAL_WORLD = 16
 
 
 @click.command("generate")
@@ -97,9 +168,10 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
               help="One prompt as comma-separated token ids; repeat for a batch (e.g. --prompt-ids 1,2,3 --prompt-ids 4,5).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy tokens to generate per prompt.")
-@click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
-              help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact.")
-@click.option("--check", is_flag=True, help="Also run the eager graph; exit 1 on any token mismatch.")
+@click.option("--dp", type=click.IntRange(min=1, max=8), default=None,
+              help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact. "
+                   "Default: 1, or a sharded bundle's own dp (a sharded bundle always runs its tp x dp ranks).")
+@click.option("--check", is_flag=True, help="Also run the unsharded eager model; exit 1 on any token mismatch.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"tokens", "steps"[, "ranks"]} on stdout.')
 def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
@@ -108,8 +180,9 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     shows which artifact ran. Use --check in CI to accept a bundle before shipping it.
     """
     prompts = [_parse_prompt(p) for p in prompt_ids]
-    if dp > 1:
-        out = run_dp(bundle_path, prompts, max_new_tokens, dp)
+    world, dp = world_for(bundle_path, dp)
+    if world > 1:
+        out = run_world(bundle_path, prompts, max_new_tokens, world, dp)
     else:
         out = run_rank(bundle_path, prompts, max_new_tokens)
         out.pop("collectives")
@@ -117,7 +190,7 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
         if not as_json:
             click.echo(metrics, err=True, nl=False)
     if check:
-        ref = run_rank(bundle_path, prompts, max_new_tokens, reference=True)["tokens"]
+        ref = run_reference(bundle_path, prompts, max_new_tokens)
         out["check"] = {"ok": ref == out["tokens"], "reference": ref}
     if as_json:
         click.echo(json.dumps(out))

@@ -132,3 +132,22 @@ def shard_layout(par: ParallelLayout) -> dict[str, dict]:
     if par.ep > 1:
         out.update({k: {"over": "ep", "axis": a} for k, a in EP_SPLIT.items()})
     return out
+
+
+def unshard(cfg: GptOssConfig, parts: dict[str, dict[str, torch.Tensor]], par: ParallelLayout) -> dict:
+    """The full stacked weights from every piece (the inverse of ``iter_pieces``): the unsharded reference."""
+    out = dict(parts[SHARED])
+    if par.ep > 1:
+        out.update({k: torch.cat([parts[f"ep{r}"][k] for r in range(par.ep)], dim=a) for k, a in EP_SPLIT.items()})
+    if par.tp > 1:
+        tp = [parts[f"tp{r}"] for r in range(par.tp)]
+        out["o_w"] = torch.cat([p["o_w"] for p in tp], dim=2)
+        out["sinks"] = torch.cat([p["sinks"] for p in tp], dim=1)
+        local, d = local_config(cfg, par), cfg.head_dim
+        sizes = [local.num_attention_heads * d, local.num_key_value_heads * d, local.num_key_value_heads * d]
+        for name in ("qkv_w", "qkv_b"):
+            q, k, v = zip(*(p[name].split(sizes, dim=1) for p in tp), strict=True)
+            heads = [kv_heads_of(cfg, par, r) for r in range(par.tp)]
+            keep = [r for r in range(par.tp) if r == 0 or heads[r] != heads[r - 1]]  # one copy of a replicated head
+            out[name] = torch.cat([*q, *(k[r] for r in keep), *(v[r] for r in keep)], dim=1)
+    return out
