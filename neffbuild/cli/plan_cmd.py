@@ -8,6 +8,7 @@ import click
 
 from neffbuild import grid, settings
 from neffbuild import recipe as recipe_mod
+from neffbuild.recipe import parallel_rules
 
 
 @click.command("plan")
@@ -40,7 +41,8 @@ def plan(recipe_path, as_json, check_cache, backend):
             if t.label in states:
                 row.update(states[t.label])
             rows.append(row)
-        click.echo(json.dumps({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows}))
+        click.echo(json.dumps({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows,
+                               "parallel": parallel_rules.layout_json(r)}))
         return
     from rich.console import Console
     from rich.table import Table
@@ -64,6 +66,7 @@ def plan(recipe_path, as_json, check_cache, backend):
     console = Console()
     console.print(table)
     console.print(f"NEFF count: {grid.count_formula(r)}")
+    console.print(parallel_rules.describe(r))
     if states:
         todo = [s for s in states.values() if s["cache"] == "build"]
         est = [s["estimate_s"] for s in todo if s.get("estimate_s")]

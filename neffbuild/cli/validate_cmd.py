@@ -7,6 +7,7 @@ import json
 import click
 
 from neffbuild import recipe as recipe_mod
+from neffbuild.recipe import parallel_rules
 
 
 @click.command("validate")
@@ -22,11 +23,13 @@ def validate(ctx, recipe_path, as_json):
     ctx.meta["json_errors"] = as_json
     r = recipe_mod.load(recipe_path)  # a RecipeError is printed (as JSON with --json) by cli/main.py
     if as_json:
-        click.echo(json.dumps({"valid": True, "errors": [], "warnings": list(r.warnings)}))
+        click.echo(json.dumps({"valid": True, "errors": [], "warnings": list(r.warnings),
+                               "parallel": parallel_rules.layout_json(r)}))
     else:
         for w in r.warnings:
             click.echo(f"warning: {w}", err=True)
         click.echo(f"{recipe_path}: valid ({r.name} {r.version})")
+        click.echo(parallel_rules.describe(r))
 
 
 def register(group: click.Group) -> None:

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild import grid, settings
+from neffbuild.bundle import layout
+from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
 from neffbuild.compiler.graphs import kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job
-from neffbuild.bundle import layout
-from neffbuild.bundle.writer import BundleWriter
 from neffbuild.models.gpt_oss import sharding
 from neffbuild.models.gpt_oss.weights import model_weights
 

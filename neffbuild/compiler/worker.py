@@ -52,7 +52,11 @@ def redirected_output(path: str):
 def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     """(cache key, exported graph, input signature, graph text) for one target."""
     from neffbuild.compiler.cache import cache_key
-    from neffbuild.compiler.graphs import build_graph, input_signature, placeholder_groups
+    from neffbuild.compiler.graphs import (
+        build_graph,
+        input_signature,
+        placeholder_groups,
+    )
 
     module, inputs = build_graph(graph)
     with placeholder_groups(graph.layout):
@@ -117,7 +121,7 @@ def graph_summary(graph: GraphSpec) -> dict:
 
 def warm_up() -> int:
     """Import the heavy modules once per worker so the first job does not pay for them."""
-    import torch  # noqa: F401
+    import torch
     import torch._inductor  # noqa: F401
 
     from neffbuild.models.gpt_oss import decode  # noqa: F401

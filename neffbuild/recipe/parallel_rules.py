@@ -41,8 +41,28 @@ def _backend_limits(err, tp: int, compiler: dict, lnc: int) -> None:
                                "instances)")
 
 
-def describe(tp: int, dp: int, ep: int) -> str:
-    """One line for validate/plan: the world and how attention and experts are split."""
-    combine = "none" if ep == 1 else ("all-reduce" if tp % ep == 0 else "gather + reduce-scatter")
-    return (f"parallel: tp {tp} x dp {dp} = {tp * dp} ranks; attention heads split {tp} ways; "
-            f"experts split over EP groups of {ep} (MoE combine: {combine}); one artifact per target serves every rank")
+def layout_json(recipe) -> dict:
+    """The layout as validate/plan --json report it, with what one rank holds."""
+    tp, dp, ep, cfg = recipe.tp, recipe.dp, recipe.ep, recipe.model.config
+    combine = "none" if ep == 1 else ("all_reduce" if tp % ep == 0 else "gather_reduce_scatter")
+    return {"tp": tp, "dp": dp, "ep": ep, "world_size": tp * dp, "ep_groups": tp * dp // ep, "ep_combine": combine,
+            "sharded": tp > 1 or ep > 1,
+            "per_rank": {"attention_heads": cfg.num_attention_heads // tp,
+                         "kv_heads": max(1, cfg.num_key_value_heads // tp),
+                         "kv_heads_replicated": cfg.num_key_value_heads < tp,
+                         "experts": cfg.num_local_experts // ep}}
+
+
+COMBINE_TEXT = {"none": "none", "all_reduce": "one all-reduce", "gather_reduce_scatter": "gather + reduce-scatter"}
+
+
+def describe(recipe) -> str:
+    """Lines for validate/plan: the world, how attention and experts are split, what one rank holds."""
+    d = layout_json(recipe)
+    if not d["sharded"]:
+        return f"parallel: unsharded; {d['dp']} DP rank(s), each runs the whole model"
+    r = d["per_rank"]
+    return (f"parallel: tp {d['tp']} x dp {d['dp']} = {d['world_size']} ranks; {d['ep_groups']} EP group(s) of "
+            f"{d['ep']} ranks (MoE combine: {COMBINE_TEXT[d['ep_combine']]}); one artifact per target serves every "
+            f"rank\n  each rank: {r['attention_heads']} attention heads, {r['kv_heads']} KV head(s)"
+            f"{' (replicated)' if r['kv_heads_replicated'] else ''}, {r['experts']} expert(s) per layer")
