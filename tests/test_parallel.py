@@ -68,3 +68,30 @@ def test_sharded_step_equals_unsharded(tiny_cfg, name):
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
         for got, ref in zip(kv, ref_kv, strict=True):
             torch.testing.assert_close(got, ref[:, :, heads], atol=1e-5, rtol=0)
+
+
+def test_sharded_graph_traces_without_peers_and_key_covers_layout(tiny_recipe):
+    """No process group exists in this process: tracing uses placeholders, removed afterwards. The
+    graph holds the in-graph collectives, and every distinct layout of a sharded graph has its own key."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    from neffbuild.compiler.backends import get_backend
+    from neffbuild.compiler.graphs import spec_for
+    from neffbuild.compiler.worker import key_for
+    from neffbuild.grid import Target
+    from neffbuild.runtime.parallel import TP_GROUP
+
+    backend, target = get_backend("inductor"), Target("decode", 2, 128, 1, "decode_b2_ctx128")
+    keys, texts = {}, {}
+    for lay in [(1, 1, 1), (1, 2, 1), (2, 1, 2), (2, 2, 2), (1, 2, 2)]:
+        r = tiny_recipe.replace(tp=lay[0], dp=lay[1], ep=lay[2])
+        keys[lay], _, sig, texts[lay] = key_for(spec_for(r, target), backend)
+        assert (sig[-1]["name"] == "rank") == (lay[0] > 1 or lay[2] > 1)
+    assert keys[(1, 1, 1)] == keys[(1, 2, 1)]  # an unsharded graph is the same for any dp
+    assert len({keys[k] for k in keys if k != (1, 2, 1)}) == 4  # (2,1,2) and (2,2,2) trace alike: the layout keys them
+    assert "_c10d_functional" not in texts[(1, 1, 1)]
+    L = tiny_recipe.model.config.num_hidden_layers
+    assert texts[(2, 1, 2)].count("_c10d_functional.all_reduce.default(") == 2 * L  # o-proj and MoE per layer
+    assert "all_gather_into_tensor" in texts[(1, 2, 2)] and "reduce_scatter_tensor" in texts[(1, 2, 2)]
+    with pytest.raises(RuntimeError):
+        _resolve_process_group(TP_GROUP)

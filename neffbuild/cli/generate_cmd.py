@@ -143,12 +143,14 @@ def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: in
 
 
 def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
-    """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default 1)."""
+    """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default: the recipe's dp)."""
     from neffbuild.runtime.bundle import read_manifest
 
-    par = read_manifest(Path(bundle_path)).get("parallel")
-    if par is None:
-        return dp_flag or 1, dp_flag or 1
+    m = read_manifest(Path(bundle_path))
+    par = m.get("parallel")
+    if par is None:  # unsharded: the same graph serves any number of DP ranks
+        dp = dp_flag or int(m["graph_inputs"].get("dp", 1))
+        return dp, dp
     world, dp = int(par["world_size"]), int(par["dp"])
     if dp_flag not in (None, dp):
         raise InvalidInput(f"--dp {dp_flag}: this bundle was compiled for dp {dp} (tp {par['tp']}, ep {par['ep']}); "
@@ -170,7 +172,7 @@ MAX_LOCAL_WORLD = 16
               help="Greedy tokens to generate per prompt.")
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=None,
               help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact. "
-                   "Default: 1, or a sharded bundle's own dp (a sharded bundle always runs its tp x dp ranks).")
+                   "Default: the bundle's dp (a sharded bundle always runs its own tp x dp ranks).")
 @click.option("--check", is_flag=True, help="Also run the unsharded eager model; exit 1 on any token mismatch.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"tokens", "steps"[, "ranks"]} on stdout.')
 def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
