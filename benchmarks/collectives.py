@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import machine  # noqa: E402
+from _common import machine
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "wait_tensor", "allreduce", "allgather")
 

@@ -95,3 +95,21 @@ def test_sharded_graph_traces_without_peers_and_key_covers_layout(tiny_recipe):
     assert "all_gather_into_tensor" in texts[(1, 2, 2)] and "reduce_scatter_tensor" in texts[(1, 2, 2)]
     with pytest.raises(RuntimeError):
         _resolve_process_group(TP_GROUP)
+
+
+def _subgroup_rank(rank, world):
+    import torch.distributed as dist
+
+    from kernels.collectives import all_reduce_sum
+    from neffbuild.runtime.parallel import TP_GROUP, join
+
+    sub = dist.new_group([1, 2])  # ranks 1 and 2 are the bundle's world; rank 0 stands for a prefill worker
+    if rank == 0:
+        return None
+    ctx = join(ParallelLayout(tp=2), group=sub)
+    return ctx.rank, all_reduce_sum(torch.tensor([float(rank)]), TP_GROUP).item()
+
+
+def test_join_a_subgroup_of_a_larger_job():
+    """A bundle's world may be a subgroup: rank ids are ranks in it, collectives stay inside it."""
+    assert run_ranks(_subgroup_rank, 3) == [None, (0, 3.0), (1, 3.0)]

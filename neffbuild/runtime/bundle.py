@@ -242,7 +242,8 @@ def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
     return runner
 
 
-def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False) -> Bundle:
+def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False,
+                group=None) -> Bundle:
     """Open a bundle for serving.
 
     verify: "sizes" (default: every file present with its size), "full" (also sha256),
@@ -251,8 +252,9 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
 
     A sharded bundle (manifest ``parallel``) must be opened by every rank of a
     torch.distributed world of exactly its tp x dp ranks (else IncompatibleBundle, naming
-    both); opening it creates and registers the rank's TP and EP groups and maps only the
-    rank's weight pieces.
+    both); ``group`` is that world when the job holds more processes (default: the whole
+    world). Opening it creates and registers the rank's TP and EP groups and maps only the
+    rank's weight pieces; ``bundle.group`` is then the group DP sync runs over.
     """
     if verify not in ("sizes", "full", "none"):
         raise ValueError(f"verify must be 'sizes', 'full' or 'none', got {verify!r}")
@@ -269,7 +271,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
         raise IncompatibleBundle(f"{root}: {reason}")
     rank = None
     if "parallel" in manifest:  # collective: every rank of the world opens the bundle
-        rank = parallel.join(parallel.ParallelLayout.from_json(manifest["parallel"]), what=f"bundle {root}")
+        rank = parallel.join(parallel.ParallelLayout.from_json(manifest["parallel"]), f"bundle {root}", group)
     bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:
