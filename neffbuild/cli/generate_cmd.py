@@ -1,7 +1,8 @@
 """``neffbuild generate``: the reference harness that accepts a bundle before it ships.
 
 Per-layer prefill (eager) into the KV cache, then greedy decode through the bundle's
-artifacts, one dispatch per step. ``--dp N`` runs N ranks as N processes over gloo with
+artifacts, one dispatch per step (the loop: neffbuild/serve/greedy.py). ``decode_seconds`` is
+the wall time of the decode steps only; ``tokens_per_second`` = decode-step tokens / it. ``--dp N`` runs N ranks as N processes over gloo with
 the prompts split across them (``prompts[r::N]``); a rank without work runs dummy steps
 at the synced bucket. A sharded bundle (tp or ep above 1) always runs its own tp x dp
 ranks, the prompts dealt to its DP groups. ``--check`` also runs the unsharded eager
@@ -30,77 +31,76 @@ def _parse_prompt(text: str) -> list[int]:
     return ids
 
 
-def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None):
-    """Greedy tokens and the step log for this rank's prompts through the bundle's artifacts.
+def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
+    """Greedy tokens, the step log and decode timing for this rank's prompts (bundle artifacts, or eager).
 
-    A sharded bundle joins the world here (every rank opens it) and runs this rank's shard.
+    A sharded bundle joins ``group``'s world here (every rank opens it) and runs this rank's shard.
     """
-    from neffbuild.models.gpt_oss.harness import greedy
     from neffbuild.runtime import dp_sync
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.runtime.decoder import Decoder
+    from neffbuild.serve.greedy import greedy, prometheus
+    from neffbuild.serve.session import open_session
 
-    bundle = open_bundle(bundle_path)
-    cfg = _check_prompts(bundle.manifest, prompts, max_new_tokens)
-    ctx = bundle.context
-    decoder = Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=bundle.runner(),
-                      group=bundle.group or group)
+    bundle = open_bundle(bundle_path, group=group)
+    session = open_session(bundle, reference=reference, group=group)
+    _check_prompts(session.config, bundle.spec.max_model_len, prompts, max_new_tokens)
+    if not reference:
+        for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
+            bundle.artifact(label)
     before = dp_sync.COLLECTIVES["count"]
-    tokens = greedy(decoder, cfg, bundle.weights, prompts, max_new_tokens, packed_k=bundle.kv_layout.packed_k,
-                    parallel=bundle.layout if ctx else _single(), rank=ctx.rank if ctx else 0)
-    return {"tokens": tokens, "steps": [s.to_json() for s in decoder.steps],
-            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus()}
+    gen = greedy(session.stepper, session.prefill, session.block_manager(), prompts, max_new_tokens,
+                 lockstep_group=session.lockstep_group)
+    return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans],
+            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": prometheus(gen.plans),
+            "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens}
 
 
-def _single():
-    from neffbuild.runtime.parallel import ParallelLayout
-
-    return ParallelLayout()
-
-
-def _check_prompts(manifest: dict, prompts, max_new_tokens: int):
-    from neffbuild.models.gpt_oss.config import GptOssConfig
-
-    gi = manifest["graph_inputs"]
-    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
+def _check_prompts(cfg, max_model_len: int, prompts, max_new_tokens: int) -> None:
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
         raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
     longest = max((len(p) for p in prompts), default=0)
-    if longest + max_new_tokens > gi["max_model_len"]:
+    if longest + max_new_tokens > max_model_len:
         raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
-                           f"max_model_len {gi['max_model_len']}")
-    return cfg
+                           f"max_model_len {max_model_len}")
 
 
 def run_reference(bundle_path: str, prompts, max_new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of the UNSHARDED eager model on the bundle's weights (a sharded bundle's pieces joined)."""
-    from neffbuild.models.gpt_oss.decode import GptOssDecode
-    from neffbuild.models.gpt_oss.harness import eager_runner, greedy
+    """Greedy tokens of the UNSHARDED eager model on the bundle's weights (a sharded bundle's pieces joined).
+
+    Runs in this one process, without opening the bundle for serving (a sharded bundle needs its world).
+    """
+    from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.sharding import unshard
     from neffbuild.runtime import bundle as reader
-    from neffbuild.runtime.decoder import Decoder
+    from neffbuild.runtime.dispatch import GridSpec
     from neffbuild.runtime.kv_cache import KVLayout
     from neffbuild.runtime.parallel import ParallelLayout
+    from neffbuild.serve.greedy import greedy
+    from neffbuild.serve.session import eager_artifacts, make_session
 
     root = Path(bundle_path)
     m = reader.read_manifest(root)
-    cfg = _check_prompts(m, prompts, max_new_tokens)
+    gi = m["graph_inputs"]
+    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
+    _check_prompts(cfg, gi["max_model_len"], prompts, max_new_tokens)
     weights = reader.mmap_safetensors(reader.safe_path(root, m["weights"]["file"]))
     if "parallel" in m:
         parts = {name: reader.mmap_safetensors(reader.safe_path(root, e["file"]))
                  for name, e in m["parallel"]["pieces"].items()}
         weights = unshard(cfg, dict(parts, shared=weights), ParallelLayout.from_json(m["parallel"]))
-    kv = m["graph_inputs"]["kv_layout"]
+    kv = gi["kv_layout"]
     _, nb, _, bs, d = kv["buffer_shape"]
     layout = KVLayout(kv["num_buffers"], nb, cfg.num_key_value_heads, bs, d, fp8=kv["dtype"].startswith("float8"),
-                      packed_k=kv["packed_k"])
-    gi = m["graph_inputs"]
-    spec = reader.GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]),
-                           gi["max_model_len"], gi.get("num_speculative_tokens", 0))
-    runner = eager_runner(GptOssDecode(cfg, weights, packed_k=layout.packed_k).eval())
-    decoder = Decoder(layout=layout, spec=spec, num_swa=gi["num_swa"], runner=runner)
-    return greedy(decoder, cfg, weights, prompts, max_new_tokens, packed_k=layout.packed_k)
+                      packed_k=kv["packed_k"])  # every KV head: the unsharded model
+    spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]), gi["max_model_len"],
+                    gi.get("num_speculative_tokens", 0))
+    session = make_session(cfg, weights, eager_artifacts(cfg, weights, spec, layout, gi["num_swa"]))
+    return greedy(session.stepper, session.prefill, session.block_manager(), prompts, max_new_tokens).tokens
+
+
+def _speed(seconds: float, tokens: int) -> dict:
+    return {"decode_seconds": round(seconds, 6), "tokens_per_second": round(tokens / seconds, 3) if seconds > 0 else 0.0}
 
 
 def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int,
@@ -108,7 +108,7 @@ def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: st
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    dp_rank = rank // (world // dp)  # ranks of one DP group are consecutive (runtime/parallel.py)
+    dp_rank = rank // (world // dp)  # the ranks of one DP group are consecutive (runtime/parallel.py)
     try:
         res = run_rank(bundle_path, prompts[dp_rank::dp], max_new_tokens, group=dist.group.WORLD)
         res.update(rank=rank, dp_rank=dp_rank)
@@ -120,7 +120,7 @@ def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: st
 
 
 def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: int) -> dict:
-    """Run ``world`` gloo processes (dp groups of world/dp ranks), prompts dealt to DP groups (``prompts[g::dp]``)."""
+    """``world`` gloo processes in ``dp`` DP groups of world/dp ranks; prompts dealt to DP groups (``prompts[g::dp]``)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="neffbuild-ranks-") as tmp:
@@ -137,9 +137,15 @@ def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: in
             if tokens[r["dp_rank"] + n * dp] not in (None, toks):
                 raise NeffbuildError(f"rank {r['rank']}: tokens differ from another TP rank of DP group {r['dp_rank']}")
             tokens[r["dp_rank"] + n * dp] = toks
-    return {"tokens": tokens, "steps": ranks[0]["steps"],
-            "ranks": [{"rank": r["rank"], "dp_rank": r["dp_rank"], "steps": r["steps"], "collectives": r["collectives"]}
-                      for r in ranks]}
+    # Ranks decode in lockstep: the slowest rank's decode time, every DP group's tokens once.
+    first = [r for r in ranks if r["rank"] % (world // dp) == 0]
+    speed = _speed(max(r["decode_seconds"] for r in ranks), sum(r["decode_tokens"] for r in first))
+    return {"tokens": tokens, "steps": ranks[0]["steps"], **speed,
+            "ranks": [{"rank": r["rank"], "dp_rank": r["dp_rank"], "steps": r["steps"], "collectives": r["collectives"],
+                       "decode_seconds": r["decode_seconds"]} for r in ranks]}
+
+
+MAX_LOCAL_WORLD = 16
 
 
 def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
@@ -161,9 +167,6 @@ def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
     return world, dp
 
 
-MAX_LOCAL_WORLD = 16
-
-
 @click.command("generate")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @click.option("--prompt-ids", "prompt_ids", multiple=True, required=True,
@@ -174,7 +177,8 @@ MAX_LOCAL_WORLD = 16
               help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact. "
                    "Default: the bundle's dp (a sharded bundle always runs its own tp x dp ranks).")
 @click.option("--check", is_flag=True, help="Also run the unsharded eager model; exit 1 on any token mismatch.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"tokens", "steps"[, "ranks"]} on stdout.')
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "check"]} on stdout.')
 def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
@@ -189,6 +193,7 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
         out = run_rank(bundle_path, prompts, max_new_tokens)
         out.pop("collectives")
         metrics = out.pop("metrics")
+        out.update(_speed(out["decode_seconds"], out.pop("decode_tokens")))
         if not as_json:
             click.echo(metrics, err=True, nl=False)
     if check:
@@ -199,6 +204,8 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     else:
         for n, toks in enumerate(out["tokens"]):
             click.echo(f"prompt {n}: {','.join(map(str, toks))}")
+        click.echo(f"decode: {out['decode_seconds']:.3f} s, {out['tokens_per_second']:.1f} tokens/s "
+                   f"(decode steps only: no loading, prefill or --check)")
         last = None
         for i, s in enumerate(out["steps"]):
             if s["label"] != last:

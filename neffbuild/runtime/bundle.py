@@ -195,13 +195,17 @@ class Bundle:
         return sorted(self.entries)
 
     def artifact(self, label: str):
-        """The callable for one label, loaded and bound to the shared weights on first use."""
+        """The callable for one label, loaded and bound to the shared weights on first use.
+
+        Sharded: bound to this rank's id too (the graph's last input), so callers pass the
+        same arguments as for an unsharded artifact.
+        """
         with self._lock:
             if label not in self._loaded:
                 entry = self.entries.get(label)
                 if entry is None:
                     raise ShapeNotCovered(f"{self.root.name}: no artifact {label!r}; the bundle has {self.labels}")
-                self._loaded[label] = self._load(entry)
+                self._loaded[label] = _with_rank(self._load(entry), self.context)
             return self._loaded[label]
 
     def _load(self, entry: dict):
@@ -223,12 +227,13 @@ class Bundle:
         """The group DP sync runs over (the world), or None for an unsharded bundle."""
         return self.context.world_group if self.context else None
 
-    def runner(self):
-        """A Decoder runner: StepPlan -> the artifact callable for its label (sharded: with this rank's id)."""
-        if self.context is None:
-            return lambda plan: self.artifact(plan.label)
-        rank = self.context.rank_input
-        return lambda plan: (lambda *args: self.artifact(plan.label)(*args, rank))
+
+
+def _with_rank(fn, context: parallel.RankContext | None):
+    if context is None:
+        return fn
+    rank = context.rank_input
+    return lambda *args: fn(*args, rank)
 
 
 def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
