@@ -30,7 +30,8 @@ def step_inputs(cfg, seed: int):
 
 
 def _rank_step(rank, world, cfg, stacked, layout, per_dp):
-    from neffbuild.runtime.parallel import join, rank_tensor
+    from neffbuild.runtime.parallel import rank_tensor
+    from neffbuild.runtime.world import join
 
     join(layout)
     ins, kv = per_dp[layout.dp_rank(rank)]
@@ -101,7 +102,8 @@ def _subgroup_rank(rank, world):
     import torch.distributed as dist
 
     from kernels.collectives import all_reduce_sum
-    from neffbuild.runtime.parallel import TP_GROUP, join
+    from neffbuild.runtime.parallel import TP_GROUP
+    from neffbuild.runtime.world import join
 
     sub = dist.new_group([1, 2])  # ranks 1 and 2 are the bundle's world; rank 0 stands for a prefill worker
     if rank == 0:

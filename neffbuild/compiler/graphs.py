@@ -19,7 +19,7 @@ from neffbuild.errors import BuildFailed
 from neffbuild.models.gpt_oss.config import GptOssConfig
 from neffbuild.models.gpt_oss.decode import GptOssDecode, default_aux_layers
 from neffbuild.models.gpt_oss.sharding import local_config, rank_shapes
-from neffbuild.runtime import parallel
+from neffbuild.runtime import parallel, world
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.kv_cache import KVLayout
 
@@ -85,7 +85,7 @@ def placeholder_groups(par: parallel.ParallelLayout):
     sizes = {parallel.TP_GROUP: par.tp, parallel.EP_GROUP: par.ep}
     keep = {name: ProcessGroup(0, size) for name, size in sizes.items() if size > 1}  # the registry holds weak refs
     for name, pg in keep.items():
-        parallel.register(name, pg)
+        world.register(name, pg)
     try:
         yield
     finally:

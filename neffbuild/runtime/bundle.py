@@ -16,7 +16,7 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import layout, parallel
+from neffbuild.runtime import layout, parallel, world
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
 
@@ -170,7 +170,7 @@ def toolchain_problem(toolchain: dict) -> str | None:
 class Bundle:
     """An opened bundle: manifest, grid, shared weights, and lazily loaded artifacts."""
 
-    def __init__(self, root: Path, manifest: dict, device: str, rank: parallel.RankContext | None = None):
+    def __init__(self, root: Path, manifest: dict, device: str, rank: world.RankContext | None = None):
         self.root, self.manifest, self.device = root, manifest, device
         self.context = rank  # None: an unsharded bundle, any world
         gi = manifest["graph_inputs"]
@@ -229,7 +229,7 @@ class Bundle:
 
 
 
-def _with_rank(fn, context: parallel.RankContext | None):
+def _with_rank(fn, context: world.RankContext | None):
     if context is None:
         return fn
     rank = context.rank_input
@@ -276,7 +276,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
         raise IncompatibleBundle(f"{root}: {reason}")
     rank = None
     if "parallel" in manifest:  # collective: every rank of the world opens the bundle
-        rank = parallel.join(parallel.ParallelLayout.from_json(manifest["parallel"]), f"bundle {root}", group)
+        rank = world.join(parallel.ParallelLayout.from_json(manifest["parallel"]), f"bundle {root}", group)
     bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:
