@@ -85,7 +85,8 @@ def profiled(art, args, steps: int) -> tuple[float, dict]:
         for _ in range(steps):
             art(*args)
         wall = (time.perf_counter() - t0) / steps
-    ops = {e.key: (e.count // steps, round(e.cpu_time_total / 1e3 / steps, 3), round(e.self_cpu_time_total / 1e3 / steps, 3))
+    ops = {e.key: (e.count // steps, round(e.cpu_time_total / 1e3 / steps, 3),
+                   round(e.self_cpu_time_total / 1e3 / steps, 3))
            for e in prof.key_averages() if any(op in e.key for op in COLLECTIVE_OPS)}
     return wall, ops
 

@@ -39,8 +39,8 @@ def hf_greedy(folder, prompt, n):
 
     model = transformers.GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), torch.stack([lg[0] for lg in out.logits])
 
 
@@ -96,7 +96,8 @@ def test_packed_fp8_k_equals_unpacked_fp8(tiny_recipe, tiny_cfg, stacked):
     torch.testing.assert_close(fp8, unpacked, atol=0, rtol=0)  # same bytes, another layout
     rel = ((fp8 - fp32).abs().max() / fp32.abs().max()).item()
     print(f"fp8 KV vs fp32: max |dlogit| / max |logit| = {rel:.4f}")
-    assert rel < 0.25, f"fp8 KV logits drift {rel:.4f} of the logit range (docs/benchmarks.md states the measured value)"
+    assert rel < 0.25, (f"fp8 KV logits drift {rel:.4f} of the logit range "
+                        "(docs/benchmarks.md states the measured value)")
 
 
 def test_mxfp4_dequant_known_values():

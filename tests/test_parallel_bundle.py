@@ -22,7 +22,8 @@ N_NEW = 12
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT, check=False)
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
 
 
 def _generate(bundle, prompts, *extra):
@@ -39,12 +40,13 @@ def _unsharded_tokens(checkpoint, bundle, prompts):
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.sharding import unshard
     from neffbuild.runtime import bundle as reader
+    from neffbuild.runtime import weights_file
     from neffbuild.runtime.parallel import ParallelLayout
 
     m = reader.read_manifest(Path(bundle))
     cfg = GptOssConfig.from_hf_dict(m["graph_inputs"]["model_config"])
-    parts = {n: reader.mmap_safetensors(Path(bundle) / e["file"]) for n, e in m["parallel"]["pieces"].items()}
-    parts["shared"] = reader.mmap_safetensors(Path(bundle) / m["weights"]["file"])
+    parts = {n: weights_file.load(Path(bundle) / e["file"], e["tensors"]) for n, e in m["parallel"]["pieces"].items()}
+    parts["shared"] = weights_file.load(Path(bundle) / m["weights"]["file"], m["weights"]["tensors"])
     joined = unshard(cfg, parts, ParallelLayout.from_json(m["parallel"]))
     want = W.model_weights(cfg, checkpoint, None)
     assert joined.keys() == want.keys() and all(torch.equal(joined[k], want[k]) for k in want)

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from neffbuild import registry
 from neffbuild.errors import BuildFailed
-from neffbuild.models.gpt_oss.config import GptOssConfig
-from neffbuild.models.gpt_oss.decode import GptOssDecode, default_aux_layers
-from neffbuild.models.gpt_oss.sharding import local_config, rank_shapes
 from neffbuild.runtime import parallel, world
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.kv_cache import KVLayout
@@ -43,8 +41,8 @@ class GraphSpec:
     ep: int = 1
 
     @property
-    def config(self) -> GptOssConfig:
-        return GptOssConfig.from_hf_dict(self.hf_config)
+    def config(self):
+        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
 
     @property
     def layout(self) -> parallel.ParallelLayout:
@@ -70,9 +68,10 @@ def kv_layout_for(recipe) -> KVLayout:
                       layout_for(recipe))
 
 
-def _kv_layout(cfg: GptOssConfig, num_blocks: int, block_size: int, fp8_packed_kv: bool, par) -> KVLayout:
+def _kv_layout(cfg, num_blocks: int, block_size: int, fp8_packed_kv: bool, par) -> KVLayout:
     # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout.
-    return KVLayout(cfg.num_kv_buffers, num_blocks, local_config(cfg, par).num_key_value_heads, block_size,
+    local = registry.arch_of(cfg).get("local_config")(cfg, par)  # this rank's KV heads
+    return KVLayout(cfg.num_kv_buffers, num_blocks, local.num_key_value_heads, block_size,
                     cfg.head_dim, fp8=fp8_packed_kv, packed_k=fp8_packed_kv)
 
 
@@ -96,7 +95,7 @@ def placeholder_groups(par: parallel.ParallelLayout):
 def example_inputs(spec: GraphSpec) -> tuple:
     B, q = spec.batch, spec.query_len
     layout = spec.kv_layout()
-    long = dict(dtype=torch.long)
+    long = {"dtype": torch.long}
     return (
         torch.zeros(B, q, **long),  # input_ids
         torch.zeros(B, q, **long),  # positions
@@ -127,9 +126,10 @@ def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None)
     """(module, example inputs) for one target; placeholder weights unless given."""
     if spec.family == "draft":
         raise BuildFailed(f"{spec.family}: the EAGLE3 draft graph (models/eagle3) is not implemented yet")
-    cfg, par = spec.config, spec.layout
+    cfg, arch, par = spec.config, registry.arch(spec.arch), spec.layout
     if weights is None:  # one rank's shapes: every rank runs the same graph on its own shard
-        weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in rank_shapes(cfg, par).items()}
-    aux = default_aux_layers(cfg.num_hidden_layers) if spec.family in ("target_spec", "target_nospec") else None
-    module = GptOssDecode(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
+        shapes = arch.get("rank_shapes")(cfg, par)
+        weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
+    aux = arch.get("aux_layers")(cfg.num_hidden_layers) if spec.family in ("target_spec", "target_nospec") else None
+    module = arch.get("decode")(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
     return module, example_inputs(spec)

@@ -6,14 +6,12 @@ there are fewer than tp), experts over EP groups of ``ep`` ranks taken from the 
 
 from __future__ import annotations
 
-from neffbuild.models.gpt_oss.config import GptOssConfig
-
 # Physical NeuronCores of the largest instance per target (trn1.32xlarge, trn2.48xlarge): a TP
 # group's in-graph collectives stay inside one instance, so tp x lnc must fit in it.
 NEURON_CORES_PER_INSTANCE = {"trn1": 32, "trn2": 128}
 
 
-def check(err, cfg: GptOssConfig, par: dict, compiler: dict, lnc: int) -> None:
+def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
     """Report every parallel-layout problem through ``err(path, value, rule)``."""
     tp, dp, ep = par["tp"], par["dp"], par["ep"]
     if not (tp and dp and ep):

@@ -7,6 +7,7 @@ resolves each rank's own groups. Thin: standard library and torch only.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -75,8 +76,6 @@ def register(name: str, group) -> None:
         _unregister_process_group,
     )
 
-    try:
+    with contextlib.suppress(RuntimeError, ValueError):
         _unregister_process_group(name)
-    except (RuntimeError, ValueError):
-        pass
     _register_process_group(name, group)

@@ -37,8 +37,8 @@ class Generation:
 def tables_for(blocks: BlockManager, rids: Sequence, upto: Sequence[int]) -> dict[str, torch.Tensor]:
     """{group: [R, W]} rows for the requests, W = blocks of the longest (never the pool or max_model_len)."""
     width = max((-(-n // blocks.block_size) for n in upto), default=1)
-    return {g.name: torch.tensor([blocks.row(r, g.name, width) for r in rids], dtype=torch.long).reshape(len(rids), width)
-            for g in blocks.groups}
+    return {g.name: torch.tensor([blocks.row(r, g.name, width) for r in rids], dtype=torch.long)
+            .reshape(len(rids), width) for g in blocks.groups}
 
 
 def greedy(stepper: Stepper, prefill: Prefill, blocks: BlockManager, prompts: Sequence[Sequence[int]],
@@ -102,5 +102,6 @@ def prometheus(plans: Sequence[StepPlan]) -> str:
     rows, padding = sum(p.batch for p in plans), sum(p.padding for p in plans)
     lines = ["# TYPE neffbuild_neff_execution_count counter"]
     lines += [f'neffbuild_neff_execution_count{{bucket="{k}"}} {v}' for k, v in sorted(executions.items())]
-    lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {padding / rows if rows else 0.0:.6f}"]
+    ratio = padding / rows if rows else 0.0
+    lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {ratio:.6f}"]
     return "\n".join(lines) + "\n"
