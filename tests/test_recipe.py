@@ -60,7 +60,9 @@ CASES = [
     ("serving.block_size", DELETE, "serving.block_size", "is required"),
     ("model.config.sliding_window", 256, f"{CTX}[0]", "sliding-window table width"),
     ("parallel.tp", 3, "parallel.tp", "num_attention_heads"),
-    ("parallel.tp", 4, "parallel.tp", "num_key_value_heads"),
+    ("parallel", {"tp": 2, "dp": 1, "ep": 4}, "parallel.ep", "must divide the world tp x dp = 2"),
+    ("parallel", {"tp": 1, "dp": 1, "ep": 2}, "parallel.ep", "must divide the world tp x dp = 1"),
+    ("parallel", {"tp": 4, "ep": 8}, "parallel.ep", "num_local_experts"),
     ("parallel.ep", 3, "parallel.ep", "num_local_experts"),
     ("parallel.dp", 0, "parallel.dp", "positive integer"),
     ("model.config.num_hidden_layers", 3, "model.config.num_hidden_layers", "must be even"),
@@ -144,6 +146,29 @@ def test_validation_rule(key, value, path, message):
     problems = info.value.problems
     hits = [p for p in problems if p.path == path and message in str(p)]
     assert hits, f"expected {path}: ...{message}...; got {[str(p) for p in problems]}"
+
+
+def test_tp_kv_heads_split_or_replicated():
+    """tp may divide the KV heads or be a multiple of them (replicated), not neither."""
+    raw = patched("parallel", {"tp": 4, "dp": 2, "ep": 4})  # 4 query heads, 2 KV heads: each KV head on 2 ranks
+    assert R.from_dict(raw).tp == 4
+    raw = patched("model.config.num_attention_heads", 12)
+    raw["model"]["config"]["num_key_value_heads"] = 3
+    raw["parallel"] = {"tp": 2}
+    with pytest.raises(RecipeError, match=r"parallel\.tp: got 2, must divide model\.config\.num_key_value_heads"):
+        R.from_dict(raw)
+
+
+def test_neuron_tp_must_fit_one_instance():
+    raw = patched("compiler.backend", "neuron")
+    raw["compiler"]["target"] = "trn1"
+    raw["model"]["config"].update(num_attention_heads=64, num_key_value_heads=8)
+    raw["neuron_config"]["lnc"] = 2
+    raw["parallel"] = {"tp": 32}
+    with pytest.raises(RecipeError, match=r"tp x neuron_config\.lnc \(64\) must fit the 32 NeuronCores"):
+        R.from_dict(raw)
+    raw["parallel"] = {"tp": 16}
+    assert R.from_dict(raw).tp == 16
 
 
 def test_absent_context_buckets_mean_fallback_only():

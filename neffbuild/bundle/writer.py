@@ -43,9 +43,9 @@ class BundleWriter:
     def path(self, rel: str) -> Path:
         return self.tmp / rel
 
-    def write_weights(self, tensors: dict[str, torch.Tensor]) -> dict:
-        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(self.path(layout.WEIGHTS_PATH)))
-        return {"file": layout.WEIGHTS_PATH,
+    def write_weights(self, tensors: dict[str, torch.Tensor], rel: str = layout.WEIGHTS_PATH) -> dict:
+        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(self.path(rel)))
+        return {"file": rel,
                 "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
                             for k, v in sorted(tensors.items())}}
 
@@ -69,11 +69,11 @@ class BundleWriter:
         return files
 
     def finish(self, recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict,
-               report_context: dict) -> Path:
+               report_context: dict, parallel: dict | None = None) -> Path:
         """Write the manifest and its digest, then the per-build records; publish with a rename."""
         self.write_text(layout.RECIPE_PATH, recipe.to_yaml())
         m = manifest.build(recipe, toolchain=toolchain, kv_layout=kv_layout, artifacts=artifacts, weights=weights,
-                           files=self.checksums())
+                           files=self.checksums(), parallel=parallel)
         text = manifest.dumps(m)
         self.write_text(layout.MANIFEST_PATH, text)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()

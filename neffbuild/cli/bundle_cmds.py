@@ -86,6 +86,7 @@ def inspect_(bundle_path, as_json, vllm):
     c.print(f"grid: num_seqs {gi['num_seqs_buckets']} x ctx {gi['decode_context_length_buckets']} + fallback "
             f"{gi['max_model_len']}; block_size {gi['block_size']}, num_blocks {gi['num_blocks']}, "
             f"num_swa {gi['num_swa']}, fp8_packed_kv {gi['fp8_packed_kv']}, k {gi['num_speculative_tokens']}")
+    _print_parallel(c, m)
     t = Table()
     for col in ("label", "family", "batch", "ctx", "query_len", "MB", "compile s"):
         t.add_column(col, justify="left" if col in ("label", "family") else "right", no_wrap=col == "label")
@@ -95,6 +96,23 @@ def inspect_(bundle_path, as_json, vllm):
     c.print(t)
     c.print(f"totals: {totals['artifacts']} artifacts, {totals['artifact_bytes'] / 1e6:.1f} MB of artifacts, "
             f"{totals['bundle_bytes'] / 1e6:.1f} MB in all, {totals['compile_seconds']:.0f} s of compile time")
+
+
+def _print_parallel(c, m: dict) -> None:
+    """The parallel layout and which weight pieces each rank maps (sharded bundles only)."""
+    par = m.get("parallel")
+    if par is None:
+        gi = m["graph_inputs"]
+        c.print(f"parallel: unsharded (tp {gi.get('tp', 1)}, dp {gi.get('dp', 1)}, ep {gi.get('ep', 1)}); "
+                "every rank maps the whole model")
+        return
+    c.print(f"parallel: tp {par['tp']} x dp {par['dp']} = {par['world_size']} ranks, ep {par['ep']} "
+            f"(MoE combine: {par['ep_combine']}); rank r maps {m['weights']['file']}"
+            + (" + tp{r % tp}" if par["tp"] > 1 else "") + (" + ep{r % ep}" if par["ep"] > 1 else ""))
+    sizes = {name: m["files"].get(e["file"], {}).get("bytes", 0) for name, e in par["pieces"].items()}
+    c.print("  pieces: " + ", ".join(f"{n} {sizes[n] / 1e6:.2f} MB" for n in sorted(sizes)))
+    split = ", ".join(f"{k} over {v['over']} (axis {v['axis']})" for k, v in sorted(par["shard_layout"].items()))
+    c.print(f"  split: {split}")
 
 
 def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:

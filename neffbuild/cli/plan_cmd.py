@@ -7,6 +7,7 @@ import click
 from neffbuild import grid, registry, settings
 from neffbuild import recipe as recipe_mod
 from neffbuild.cli.output import echo_json, json_option
+from neffbuild.recipe import parallel_rules
 
 
 @click.command("plan")
@@ -39,7 +40,8 @@ def plan(recipe_path, as_json, check_cache, backend):
             if t.label in states:
                 row.update(states[t.label])
             rows.append(row)
-        echo_json({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows, "warnings": list(r.warnings)})
+        echo_json({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows, "warnings": list(r.warnings),
+                   "parallel": parallel_rules.layout_json(r)})
         return
     from rich.console import Console
     from rich.table import Table
@@ -63,6 +65,7 @@ def plan(recipe_path, as_json, check_cache, backend):
     console = Console()
     console.print(table)
     console.print(f"NEFF count: {grid.count_formula(r)}")
+    console.print(parallel_rules.describe(r))
     if states:
         todo = [s for s in states.values() if s["cache"] == "build"]
         est = [s["estimate_s"] for s in todo if s.get("estimate_s")]

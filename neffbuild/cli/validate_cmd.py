@@ -6,6 +6,7 @@ import click
 
 from neffbuild import recipe as recipe_mod
 from neffbuild.cli.output import echo_json, json_option
+from neffbuild.recipe import parallel_rules
 
 
 @click.command("validate")
@@ -19,11 +20,13 @@ def validate(recipe_path, as_json):
     """
     r = recipe_mod.load(recipe_path)  # a RecipeError is printed (as JSON with --json) by cli/main.py
     if as_json:
-        echo_json({"valid": True, "errors": [], "warnings": list(r.warnings)})
+        echo_json({"valid": True, "errors": [], "warnings": list(r.warnings),
+                   "parallel": parallel_rules.layout_json(r)})
     else:
         for w in r.warnings:
             click.echo(f"warning: {w}", err=True)
         click.echo(f"{recipe_path}: valid ({r.name} {r.version})")
+        click.echo(parallel_rules.describe(r))
 
 
 def register(group: click.Group) -> None:

@@ -19,7 +19,7 @@ from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
-from neffbuild.compiler.graphs import kv_layout_for, spec_for
+from neffbuild.compiler.graphs import kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job
 from neffbuild.errors import InvalidInput
 
@@ -70,7 +70,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     try:
         progress.stage("loading weights")
         weights = _load_weights(recipe)
-        weights_entry = writer.write_weights(weights)
+        weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
                          str(writer.path(layout.log_path(t.label)))) for t in targets]
@@ -99,7 +99,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         seconds = {r["label"]: r["compile_seconds"] for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
-            weights=weights_entry,
+            weights=weights_entry, parallel=parallel,
             report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3)},
         )
@@ -108,6 +108,25 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     except BaseException:
         writer.abort()
         raise
+
+
+def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, dict | None]:
+    """Unsharded: one file. Sharded: the replicated piece plus one file per TP and per EP rank,
+    each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps."""
+    par = layout_for(recipe)
+    if not par.sharded:
+        return writer.write_weights(weights), None
+    cfg, entries, shared = recipe.model.config, {}, None
+    arch = registry.arch(recipe.model.arch)
+    for name, tensors in arch.get("iter_pieces")(cfg, weights, par):
+        if name == "shared":
+            shared = writer.write_weights(tensors)
+        else:
+            entries[name] = writer.write_weights(tensors, layout.weights_piece_path(name))
+    info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=arch.get("shard_layout")(par),
+                rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
+                kv_heads={f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
+    return shared, info
 
 
 def _load_weights(recipe) -> dict:

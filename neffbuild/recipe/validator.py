@@ -16,7 +16,7 @@ from pathlib import Path
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, NeffbuildError, Problem
-from neffbuild.recipe import config_rules
+from neffbuild.recipe import config_rules, parallel_rules
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.runtime.blocks import group_blocks, kv_groups, min_pool_blocks
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
@@ -177,6 +177,7 @@ class Validator:
         build = self.build(self.section(raw, "build", "build"))
         if cfg is not None:
             self.cross_checks(cfg, serving, parallel, ctx, gk, spec)
+            parallel_rules.check(self.err, cfg, parallel, compiler, lnc)
         if self.problems:
             return None
         return Recipe(
@@ -438,13 +439,6 @@ class Validator:
         """Rules across sections; each runs only when the values it needs are themselves valid."""
         mml, bs = serving["max_model_len"], serving["block_size"]
         nb, mns = serving["num_blocks"], serving["max_num_seqs"]
-        tp, ep = par["tp"], par["ep"]
-        if tp and cfg.num_attention_heads % tp:
-            self.err("parallel.tp", tp, f"must divide model.config.num_attention_heads ({cfg.num_attention_heads})")
-        if tp and cfg.num_key_value_heads % tp:
-            self.err("parallel.tp", tp, f"must divide model.config.num_key_value_heads ({cfg.num_key_value_heads})")
-        if ep and cfg.num_local_experts % ep:
-            self.err("parallel.ep", ep, f"must divide model.config.num_local_experts ({cfg.num_local_experts})")
         if mml and mml > cfg.max_position_embeddings:
             self.err("serving.max_model_len", mml,
                      f"must be <= model.config.max_position_embeddings ({cfg.max_position_embeddings})")

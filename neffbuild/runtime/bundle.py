@@ -17,7 +17,7 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, weights_file
+from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, parallel, weights_file, world
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.runtime.manifest_schema import Problem
@@ -120,18 +120,21 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
     problems += manifest_schema.problems(m)
     if problems:
         return problems
+    problems += _parallel_problems(m)
+    if problems:
+        return problems
     problems += _file_problems(root, m["files"], full)
-    if not problems:
+    for w in ([m["weights"]] + list(m.get("parallel", {}).get("pieces", {}).values())) if not problems else []:
         try:  # the header only: limits, dtypes, spans, overlaps, and the manifest's weights table
-            path = safe_path(root, m["weights"]["file"])
+            path = safe_path(root, w["file"])
             _, header = weights_file.read_header(path)
-            weights_file.check_table(str(path), header, m["weights"]["tensors"])
+            weights_file.check_table(str(path), header, w["tensors"])
         except BundleError as exc:
-            problems.append(Problem(m["weights"]["file"], str(exc)))
+            problems.append(Problem(w["file"], str(exc)))
     if full and not problems and m["toolchain"]["backend"] == "inductor":
         for i, entry in enumerate(m["artifacts"]):
             try:
-                check_artifact(safe_path(root, entry["file"]), entry, m["weights"]["tensors"], f"artifacts[{i}]")
+                check_artifact(safe_path(root, entry["file"]), entry, rank_table(m), f"artifacts[{i}]")
             except BundleError as exc:
                 problems.append(Problem(entry["file"], str(exc)))
     return problems
@@ -161,6 +164,44 @@ def _file_problems(root: Path, files: dict, full: bool) -> list[Problem]:
     return problems
 
 
+def _parallel_problems(m: dict) -> list[Problem]:
+    par = m.get("parallel")
+    if par is None:
+        return []
+    if not isinstance(par, dict) or not isinstance(par.get("pieces"), dict):
+        return [Problem(layout.MANIFEST_PATH, "field 'parallel' must be an object with 'pieces'")]
+    try:
+        lay = parallel.ParallelLayout.from_json(par)
+    except (TypeError, ValueError):
+        return [Problem(layout.MANIFEST_PATH, f"parallel: tp/dp/ep must be integers, got {par}")]
+    if lay.world_size != par.get("world_size") or min(lay.tp, lay.dp, lay.ep) < 1 or lay.world_size % lay.ep:
+        return [Problem(layout.MANIFEST_PATH, f"parallel: inconsistent {lay} / world_size {par.get('world_size')}")]
+    wanted = {n for r in range(lay.world_size) for n in _rank_pieces(lay, r)}
+    problems = [Problem(layout.MANIFEST_PATH, f"parallel.pieces lacks {n!r}")
+                for n in sorted(wanted - set(par["pieces"]))]
+    for name, e in par["pieces"].items():
+        if not isinstance(e, dict) or not isinstance(e.get("tensors"), dict) or e.get("file") not in m["files"]:
+            problems.append(Problem(layout.MANIFEST_PATH,
+                                    f"parallel.pieces.{name}: needs tensors and a file listed in files"))
+    return problems
+
+
+def _rank_pieces(lay: parallel.ParallelLayout, rank: int) -> list[str]:
+    """The per-rank pieces rank ``rank`` maps besides ``weights.file`` (the builder writes them)."""
+    return ([f"tp{lay.tp_rank(rank)}"] if lay.tp > 1 else []) + ([f"ep{lay.ep_rank(rank)}"] if lay.ep > 1 else [])
+
+
+def rank_table(m: dict, rank: int = 0) -> dict:
+    """The constants one rank's artifacts bind: ``weights.tensors`` plus its pieces' (same shapes on all ranks)."""
+    if "parallel" not in m:
+        return m["weights"]["tensors"]
+    lay = parallel.ParallelLayout.from_json(m["parallel"])
+    table = dict(m["weights"]["tensors"])
+    for name in _rank_pieces(lay, rank):
+        table.update(m["parallel"]["pieces"][name]["tensors"])
+    return table
+
+
 def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> None:
     """Before any native code: sha256, then the package's own input checks and constants vs the manifest."""
     if sha256_file(path) != entry["sha256"]:
@@ -175,8 +216,9 @@ def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> 
 class Bundle:
     """An opened bundle: manifest, grid, shared weights, and lazily loaded artifacts."""
 
-    def __init__(self, root: Path, manifest: dict, device: str):
+    def __init__(self, root: Path, manifest: dict, device: str, rank: world.RankContext | None = None):
         self.root, self.manifest, self.device = root, manifest, device
+        self.context = rank  # None: an unsharded bundle, any world
         gi = manifest["graph_inputs"]
         self.spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]),
                              gi["max_model_len"], gi["num_speculative_tokens"])
@@ -187,6 +229,10 @@ class Bundle:
         self.num_swa = gi["num_swa"]
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
         self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
+        if rank is not None:  # a sharded rank maps the replicated piece plus its own TP and EP pieces, nothing else
+            pieces = manifest["parallel"]["pieces"]
+            for name in _rank_pieces(rank.layout, rank.rank):
+                self.weights.update(weights_file.load(safe_path(root, pieces[name]["file"]), pieces[name]["tensors"]))
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -194,27 +240,45 @@ class Bundle:
     def labels(self) -> list[str]:
         return sorted(self.entries)
 
+    @property
+    def layout(self) -> parallel.ParallelLayout:
+        """The parallel layout the artifacts were compiled for (tp = dp = ep = 1 when unsharded)."""
+        return self.context.layout if self.context else parallel.ParallelLayout.from_json(self.manifest["graph_inputs"])
+
+    @property
+    def group(self):
+        """The group DP sync runs over (the bundle's world), or None for an unsharded bundle."""
+        return self.context.world_group if self.context else None
+
     def artifact(self, label: str):
-        """The callable for one label, checked, loaded and bound to the shared weights on first use."""
+        """The callable for one label, checked, loaded and bound to the shared weights on first use.
+
+        Sharded: bound to this rank's id too (the graph's last input), so callers pass the
+        same arguments as for an unsharded artifact.
+        """
         with self._lock:
             if label not in self._loaded:
                 entry = self.entries.get(label)
                 if entry is None:
                     raise ShapeNotCovered(f"{self.root.name}: no artifact {label!r}; the bundle has {self.labels}")
-                self._loaded[label] = self._load(entry)
+                self._loaded[label] = _with_rank(self._load(entry), self.context)
             return self._loaded[label]
 
     def _load(self, entry: dict):
         path = safe_path(self.root, entry["file"])
         if self.manifest["toolchain"]["backend"] == "inductor":
-            check_artifact(path, entry, self.manifest["weights"]["tensors"], f"artifacts[{entry['label']}]")
+            check_artifact(path, entry, rank_table(self.manifest), f"artifacts[{entry['label']}]")
         elif sha256_file(path) != entry["sha256"]:  # other backends: at least the bytes the manifest names
             raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
         return loaders.load(self.manifest["toolchain"], path, self.weights, self.device)
 
-    def runner(self):
-        """A Decoder runner: StepPlan -> the artifact callable for its label."""
-        return lambda plan: self.artifact(plan.label)
+
+
+def _with_rank(fn, context: world.RankContext | None):
+    if context is None:
+        return fn
+    rank = context.rank_input
+    return lambda *args: fn(*args, rank)
 
 
 def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
@@ -222,7 +286,8 @@ def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
     return loaders.load_inductor(path, constants, {})
 
 
-def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False) -> Bundle:
+def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False,
+                group=None) -> Bundle:
     """Open a bundle for serving.
 
     verify: "sizes" (default: the manifest digest, every file present with its size), "full"
@@ -230,6 +295,12 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     The manifest's schema is always checked. Refuses a foreign format, a newer format version,
     a path outside the bundle, and a toolchain that cannot run the artifacts, each with a
     named error. Each artifact is checked against the manifest before its first call.
+
+    A sharded bundle (manifest ``parallel``) must be opened by every rank of a
+    torch.distributed world of exactly its tp x dp ranks (else IncompatibleBundle, naming
+    both); ``group`` is that world when the job holds more processes (default: the whole
+    world). Opening it creates and registers the rank's TP and EP groups and maps only the
+    rank's weight pieces; ``bundle.group`` is then the group DP sync runs over.
     """
     if verify not in ("sizes", "full", "none"):
         raise ValueError(f"verify must be 'sizes', 'full' or 'none', got {verify!r}")
@@ -247,9 +318,12 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
         # The fallback artifact pins what the runtime allocates from before any artifact loads (KV buffers,
         # block-table widths): check it against its own package now, so a lie there fails here, not in memory.
         top = max(manifest["artifacts"], key=lambda a: (a["ctx"], a["batch"], a["label"]))
-        check_artifact(safe_path(root, top["file"]), top, manifest["weights"]["tensors"], f"artifacts[{top['label']}]")
+        check_artifact(safe_path(root, top["file"]), top, rank_table(manifest), f"artifacts[{top['label']}]")
     aoti_package.sweep_temp()
-    bundle = Bundle(root, manifest, device)
+    rank = None
+    if "parallel" in manifest:  # collective: every rank of the world opens the bundle
+        rank = world.join(parallel.ParallelLayout.from_json(manifest["parallel"]), f"bundle {root}", group)
+    bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:
             bundle.artifact(label)

@@ -33,6 +33,11 @@ def bundle_dirname(name: str, version: str) -> str:
     return f"{name}-{version}"
 
 
+def weights_piece_path(piece: str) -> str:
+    """A sharded bundle's per-rank weight piece (``tp0``, ``ep3``); the replicated piece is WEIGHTS_PATH."""
+    return f"{WEIGHTS_DIR}/{piece}.safetensors"
+
+
 def artifact_path(label: str, ext: str) -> str:
     return f"{ARTIFACTS_DIR}/{label}.{ext}"
 

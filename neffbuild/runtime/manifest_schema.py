@@ -227,6 +227,8 @@ def expected_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[d
     graph_dtype = "uint8" if kv["dtype"].startswith("float8") else kv["dtype"]
     out += [{"name": f"kv_caches[{j}]", "shape": list(kv["buffer_shape"]), "dtype": graph_dtype}
             for j in range(kv["num_buffers"])]
+    if gi.get("tp", 1) > 1 or gi.get("ep", 1) > 1:  # a sharded graph also takes the rank id (docs/bundle-format.md)
+        out.append({"name": "rank", "shape": [1], "dtype": long})
     return out
 
 
