@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kernels import apply_rope, moe, paged_attention, rms_norm, rope_cos_sin, write_kv, yarn_inv_freq
-from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
+from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.weights import STACKED_NAMES
 
 
@@ -41,11 +41,6 @@ def attention_output_and_mlp(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor
     out = moe(h.reshape(B * S, H), w["router_w"][i], w["router_b"][i], w["gate_up_w"][i], w["gate_up_b"][i],
               w["down_w"][i], w["down_b"][i], cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
     return x + out.view(B, S, H)
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """Layers whose outputs EAGLE3 drafts from: early, middle, late."""
-    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
 
 
 class GptOssDecode(nn.Module):

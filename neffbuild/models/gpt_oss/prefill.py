@@ -30,8 +30,10 @@ def prefill(
     block_row_swa: torch.Tensor,  # [max_blocks] the request's sliding-window blocks
     *,
     packed_k: bool = False,
-) -> torch.Tensor:
-    """Fill the KV cache for one prompt; return logits [N, vocab] for every prompt position."""
+    aux_layers: tuple[int, ...] = (),
+):
+    """Fill the KV cache for one prompt; return logits [N, vocab] for every prompt position
+    (and, with ``aux_layers``, those layers' outputs concatenated: [N, len(aux_layers) * H])."""
     ids = torch.as_tensor(prompt, dtype=torch.long)[None]  # [1, N]
     N = ids.shape[1]
     pos = torch.arange(N)
@@ -40,6 +42,7 @@ def prefill(
     bs = kv_caches[0].shape[3]
     slots = {True: slots_for(block_row_swa, pos, bs), False: slots_for(block_row, pos, bs)}
     x = stacked["embed"][ids]
+    hidden = []
     for i, kind in enumerate(cfg.layer_types):
         sliding = kind == SLIDING
         cache = kv_caches[i // 2]
@@ -49,4 +52,8 @@ def prefill(
         window = cfg.sliding_window if sliding else None
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn)
-    return (rms_norm(x, stacked["norm"], cfg.rms_norm_eps) @ stacked["lm_head"].t())[0]
+        hidden.append(x[0])
+    logits = (rms_norm(x, stacked["norm"], cfg.rms_norm_eps) @ stacked["lm_head"].t())[0]
+    if aux_layers:
+        return logits, torch.cat([hidden[i] for i in aux_layers], dim=-1)
+    return logits
