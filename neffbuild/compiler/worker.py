@@ -57,7 +57,7 @@ def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     module, inputs = build_graph(graph)
     exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
-    signature = input_signature(inputs)
+    signature = input_signature(inputs, graph.family)
     return cache_key(text, signature, backend.fingerprint()), exported, signature, text
 
 

@@ -148,3 +148,13 @@ def draft_weights(cfg: Eagle3Config, checkpoint: Path | None, random_seed: int |
     if checkpoint is not None:
         return to_bundle(cfg, load_checkpoint(checkpoint), str(checkpoint))
     return to_bundle(cfg, random_state_dict(cfg, random_seed or 0), f"random draft (seed {random_seed})")
+
+
+def has_own_embed(checkpoint: str | Path) -> bool:
+    """Whether a draft checkpoint brings its own token embedding (read from the headers only)."""
+    folder = Path(checkpoint)
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]:
+        with safe_open(str(f), framework="pt") as fh:
+            if any(k.removeprefix("model.") == EMBED for k in fh.keys()):  # noqa: SIM118 - not a dict
+                return True
+    return False
