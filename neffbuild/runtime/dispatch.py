@@ -68,6 +68,36 @@ def choose_family(spec: GridSpec, needed_with_drafts: int, *, all_have_drafts: b
     return TARGET_SPEC
 
 
+def must_run_without_spec(spec: GridSpec, num_computed_tokens: Sequence[int], *, all_have_drafts: bool,
+                          after_transfer: bool = False) -> bool:
+    """This rank's with-spec veto: some request lacks k drafts, came from a DI transfer, or has
+    no room (``max_position + k + 1 > max_model_len``). An idle rank vetoes nothing."""
+    if not num_computed_tokens:
+        return False
+    needed = buckets.needed_seq(num_computed_tokens, spec.num_speculative_tokens)
+    return choose_family(spec, needed, all_have_drafts=all_have_drafts, after_transfer=after_transfer) != TARGET_SPEC
+
+
+def plan_spec_step(spec: GridSpec, *, batch_count: int, needed: int, without_spec: bool, num_reqs: int) -> StepPlan:
+    """The target artifact once the ranks agreed: ``needed`` = max(num_computed) + 1 over all
+    ranks, ``without_spec`` = any rank's veto (both MAX-reduced in the step's one collective).
+    With spec the query is 1+k and needed_seq includes the drafts."""
+    k = spec.num_speculative_tokens
+    with_spec = k > 0 and not without_spec and needed + k <= spec.max_model_len
+    family = TARGET_SPEC if with_spec else (TARGET_NOSPEC if k else DECODE)
+    q = 1 + k if with_spec else 1
+    return plan_for(spec, batch_count=batch_count, needed=needed + q - 1, num_reqs=num_reqs, family=family,
+                    query_len=q)
+
+
+def plan_draft(spec: GridSpec, *, num_reqs: int, max_computed: int) -> StepPlan:
+    """The draft artifact for ``num_reqs`` requests whose largest num_computed (after acceptance)
+    is ``max_computed``: query 1+k, the context bucket of the with-spec step that follows."""
+    k = spec.num_speculative_tokens
+    return plan_for(spec, batch_count=num_reqs, needed=buckets.needed_seq(max_computed, k), num_reqs=num_reqs,
+                    family=DRAFT, query_len=1 + k)
+
+
 def plan_for(spec: GridSpec, *, batch_count: int, needed: int, num_reqs: int, family: str = DECODE,
              query_len: int = 1) -> StepPlan:
     """The artifact for ``batch_count`` rows needing ``needed`` context; ShapeNotCovered if none.

@@ -1,0 +1,1 @@
+"""Generation loops above models and runtime: greedy, EAGLE3 speculative, DI."""
