@@ -66,17 +66,23 @@ def _decoder(tiny_cfg, runner):
     return Decoder(layout=layout, spec=GRID, num_swa=8, runner=runner)
 
 
-PROMPTS = [[(i * 37) % 256 for i in range(200)], [(i * 11) % 256 for i in range(100)], [5, 6, 7]]
+CASES = {  # prompts, new tokens, the context buckets the steps must use
+    "bucket_boundary": ([[(i * 37) % 256 for i in range(110)], [(i * 11) % 256 for i in range(40)], [5, 6, 7]], 40,
+                        {128, 256}),
+    "max_model_len": ([[(i * 13) % 256 for i in range(226)]], 256 - 226, {256}),
+}
 
 
-def test_eager_spec_equals_plain_greedy(tiny_cfg, models):
-    """Random draft, up to max_model_len: the same tokens as plain greedy; the last steps go without spec."""
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
+    """Random draft: the same tokens as plain greedy; at max_model_len the last steps go without spec."""
+    prompts, n_new, ctxs = CASES[case]
     dcfg, weights, target, draft = models
-    n_new = 256 - 200
     plain = greedy(_decoder(tiny_cfg, plain_runner(GptOssDecode(tiny_cfg, weights).eval())), tiny_cfg, weights,
-                   PROMPTS, n_new)
+                   prompts, n_new)
     loop = SpecLoop(_decoder(tiny_cfg, eager_runner(target, draft)), tiny_cfg, dcfg, weights)
-    assert loop.generate(PROMPTS, n_new) == plain
+    assert loop.generate(prompts, n_new) == plain
     fams = [s["family"] for s in loop.stats.steps]
-    assert TARGET_SPEC in fams and fams[-1] == TARGET_NOSPEC
-    assert {s["ctx"] for s in loop.stats.steps} == {128, 256}
+    assert TARGET_SPEC in fams and {s["ctx"] for s in loop.stats.steps} == ctxs
+    if case == "max_model_len":
+        assert fams[-1] == TARGET_NOSPEC
