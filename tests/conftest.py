@@ -75,3 +75,18 @@ def built(tmp_path_factory, hf_checkpoint, build_cache):
     res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=build_cache)
     assert not res.failed, res.failed
     return path, res
+
+
+EAGLE3_TINY = ROOT / "recipes" / "gpt-oss-tiny-eagle3.yaml"
+
+
+@pytest.fixture(scope="session")
+def eagle3_built(tmp_path_factory, build_cache):
+    """The tiny EAGLE3 recipe compiled once per session (2 x 2 x 3 = 12 targets): (recipe path, BuildResult)."""
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp("eagle3")
+    res = compile_recipe(recipe.load(EAGLE3_TINY), folder / "out", jobs=2, cache_root=build_cache)
+    assert not res.failed, res.failed
+    return EAGLE3_TINY, res

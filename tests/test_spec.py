@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -23,6 +27,7 @@ from neffbuild.runtime.dispatch import (
 )
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.spec import SpecLoop, eager_runner
+from tests.conftest import ROOT
 
 K = 3
 GRID = GridSpec((1, 2, 4), (128,), 256, K)
@@ -86,3 +91,106 @@ def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
     assert TARGET_SPEC in fams and {s["ctx"] for s in loop.stats.steps} == ctxs
     if case == "max_model_len":
         assert fams[-1] == TARGET_NOSPEC
+
+
+# ----------------------------------------------------------------------------- compiled bundle (session fixture)
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT,
+                          check=False)
+
+
+def _prompt_args(prompts):
+    return [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
+
+
+@pytest.mark.slow
+def test_eagle3_bundle_has_three_families_and_verifies(eagle3_built):
+    bundle = eagle3_built[1].bundle
+    res = _cli("inspect", str(bundle), "--json")
+    assert res.returncode == 0, res.stderr
+    m = json.loads(res.stdout)
+    fams = sorted((a["family"], a["batch"], a["ctx"], a["query_len"]) for a in m["artifacts"])
+    assert fams == sorted((f, b, c, q) for b in (1, 2) for c in (128, 256)
+                          for f, q in (("target_spec", 4), ("target_nospec", 1), ("draft", 4)))
+    assert m["graph_inputs"]["kv_layout"]["draft"]["buffer_shape"] == [2, 128, 2, 16, 16]
+    assert "draft_fc" in m["weights"]["tensors"] and "draft_d2t" in m["weights"]["tensors"]
+    assert "draft" in _cli("inspect", str(bundle)).stdout
+    res = _cli("verify", str(bundle))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_generate_spec_equals_plain_up_to_max_model_len(eagle3_built):
+    """Random draft: --spec gives plain greedy's tokens across 128 -> 256 and up to max_model_len;
+    the last steps switch to without-spec, first as a mixed batch (one request still has room)."""
+    prompts = [[(i * 37) % 256 for i in range(100)], [(i * 11) % 256 for i in range(20)]]
+    n_new = 256 - 100
+    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    plain, spec = _cli("generate", *args), _cli("generate", *args, "--spec")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec["tokens"] == plain["tokens"]
+    assert 0.0 <= spec["acceptance_rate"] < 1.0
+    steps = spec["steps"]
+    assert all(s["family"] in (TARGET_SPEC, TARGET_NOSPEC) for s in steps)
+    assert {s["label"] for s in steps if s["family"] == TARGET_SPEC} >= {"decode_b2_s4_ctx128", "decode_b2_s4_ctx256"}
+    assert steps[-1]["family"] == TARGET_NOSPEC
+    # The long request runs out of room first; the batch goes without spec while both are live.
+    assert any(s["family"] == TARGET_NOSPEC and s["batch"] == 2 and s["needed_seq"] > 256 - K for s in steps)
+    assert [s["family"] for s in plain["steps"]] == [TARGET_NOSPEC] * (n_new - 1)
+
+
+def _oracle(reference: dict[int, list[int]], k: int):
+    """A draft that always proposes the target's own greedy continuation."""
+    def propose(plan, inputs, reqs):
+        out = torch.zeros(plan.batch, k, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            n = len(r.out)
+            out[i] = torch.tensor(reference[r.rid][n: n + k])
+        return out
+
+    return propose
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_new", [41, 43])
+def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
+    """Acceptance 1.0, and ceil((n_new - 1) / (k + 1)) target steps: every step emits k+1 tokens."""
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+    from neffbuild.runtime.bundle import open_bundle
+
+    bundle = open_bundle(eagle3_built[1].bundle)
+    gi = bundle.manifest["graph_inputs"]
+    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
+    dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], cfg)
+
+    def decoder():
+        return Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=bundle.runner())
+
+    prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
+    reference = greedy(decoder(), cfg, bundle.weights, prompts, n_new + K + 1)
+    loop = SpecLoop(decoder(), cfg, dcfg, bundle.weights, proposer=_oracle(dict(enumerate(reference)), K))
+    assert loop.generate(prompts, n_new) == [r[:n_new] for r in reference]
+    assert loop.stats.acceptance_rate == 1.0
+    assert len(loop.stats.steps) == -(-(n_new - 1) // (K + 1))
+    assert all(s["family"] == TARGET_SPEC and s["accepted"] == 2 * K for s in loop.stats.steps)
+
+
+@pytest.mark.slow
+def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
+    """Ranks with different lengths: every step is labelled, all ranks agree, tokens equal plain."""
+    prompts = [[(i * 7) % 256 for i in range(120)], [1, 2, 3], [(i * 5) % 256 for i in range(60)]]
+    n_new = 256 - 120
+    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    dp, plain = _cli("generate", *args, "--spec", "--dp", "2"), _cli("generate", *args)
+    assert dp.returncode == 0 and plain.returncode == 0, dp.stderr + plain.stderr
+    dp, plain = json.loads(dp.stdout), json.loads(plain.stdout)
+    assert dp["tokens"] == plain["tokens"]
+    r0, r1 = (r["steps"] for r in dp["ranks"])
+    assert len(r0) == len(r1) > 0
+    assert [(s["family"], s["label"]) for s in r0] == [(s["family"], s["label"]) for s in r1]
+    fams = {s["family"] for s in r0}
+    assert fams == {TARGET_SPEC, TARGET_NOSPEC}
+    assert all(r["collectives"] >= len(r0) for r in dp["ranks"])
+    assert "acceptance_rate" in dp

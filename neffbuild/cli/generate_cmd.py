@@ -28,8 +28,9 @@ def _parse_prompt(text: str) -> list[int]:
     return ids
 
 
-def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
-    """Greedy tokens and the step log for this rank's prompts (bundle artifacts, or eager)."""
+def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False,
+             spec=False):
+    """Greedy tokens and the step log for this rank's prompts (bundle artifacts, or eager; --spec: EAGLE3)."""
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.decode import GptOssDecode
     from neffbuild.models.gpt_oss.harness import eager_runner, greedy
@@ -54,17 +55,37 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
         runner = bundle.runner()
     decoder = Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=runner, group=group)
     before = dp_sync.COLLECTIVES["count"]
+    if spec:
+        return _run_spec(bundle, cfg, decoder, prompts, max_new_tokens, before)
     tokens = greedy(decoder, cfg, bundle.weights, prompts, max_new_tokens, packed_k=bundle.kv_layout.packed_k)
     return {"tokens": tokens, "steps": [s.to_json() for s in decoder.steps],
             "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus()}
 
 
-def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str):
+def _run_spec(bundle, cfg, decoder, prompts, max_new_tokens: int, collectives_before: int) -> dict:
+    from neffbuild.models.eagle3.config import Eagle3Config
+    from neffbuild.runtime import dp_sync
+    from neffbuild.serve.spec import SpecLoop
+
+    gi = bundle.manifest["graph_inputs"]
+    if not bundle.spec.num_speculative_tokens or "draft_config" not in gi:
+        raise InvalidInput(f"--spec: bundle {bundle.root.name} was built without speculative decoding; drop --spec "
+                           f"or build a recipe with a speculative: section")
+    loop = SpecLoop(decoder, cfg, Eagle3Config.from_hf_dict(gi["draft_config"], cfg), bundle.weights)
+    tokens = loop.generate(prompts, max_new_tokens)
+    st = loop.stats
+    return {"tokens": tokens, "steps": st.steps, "acceptance_rate": round(st.acceptance_rate, 6),
+            "proposed": st.proposed, "accepted": st.accepted, "draft_calls": st.draft_calls,
+            "collectives": dp_sync.COLLECTIVES["count"] - collectives_before, "metrics": decoder.prometheus()}
+
+
+def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str,
+               spec: bool = False):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        res = run_rank(bundle_path, prompts[rank::world], max_new_tokens, group=dist.group.WORLD)
+        res = run_rank(bundle_path, prompts[rank::world], max_new_tokens, group=dist.group.WORLD, spec=spec)
         res["rank"] = rank
     except NeffbuildError as exc:
         res = {"rank": rank, "error": str(exc)}
@@ -73,12 +94,13 @@ def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts,
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
+def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int, spec: bool = False) -> dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="neffbuild-dp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_dp_worker, args=(dp, init_file, bundle_path, prompts, max_new_tokens, tmp), nprocs=dp, join=True)
+        mp.spawn(_dp_worker, args=(dp, init_file, bundle_path, prompts, max_new_tokens, tmp, spec), nprocs=dp,
+                 join=True)
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(dp)]
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
@@ -87,8 +109,14 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
     for r in ranks:
         for n, toks in enumerate(r["tokens"]):
             tokens[r["rank"] + n * dp] = toks
-    return {"tokens": tokens, "steps": ranks[0]["steps"],
-            "ranks": [{"rank": r["rank"], "steps": r["steps"], "collectives": r["collectives"]} for r in ranks]}
+    out = {"tokens": tokens, "steps": ranks[0]["steps"],
+           "ranks": [{"rank": r["rank"], "steps": r["steps"], "collectives": r["collectives"]} for r in ranks]}
+    if spec:
+        proposed = sum(r["proposed"] for r in ranks)
+        out["acceptance_rate"] = round(sum(r["accepted"] for r in ranks) / proposed, 6) if proposed else 0.0
+        for o, r in zip(out["ranks"], ranks, strict=True):
+            o.update(draft_calls=r["draft_calls"], acceptance_rate=r["acceptance_rate"])
+    return out
 
 
 @click.command("generate")
@@ -99,19 +127,26 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
               help="Greedy tokens to generate per prompt.")
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact.")
-@click.option("--check", is_flag=True, help="Also run the eager graph; exit 1 on any token mismatch.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"tokens", "steps"[, "ranks"]} on stdout.')
-def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
+@click.option("--spec", is_flag=True,
+              help="EAGLE3 speculative decoding through the bundle's three families (greedy, lossless); "
+                   "the step log labels each step's family.")
+@click.option("--check", is_flag=True, help="Also run the eager graph (plain greedy); exit 1 on any token mismatch.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"tokens", "steps"[, "ranks"]} on stdout; --spec adds "acceptance_rate" and each step\'s '
+                   '"family".')
+def generate(bundle_path, prompt_ids, max_new_tokens, dp, spec, check, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that fits; the step log
-    shows which artifact ran. Use --check in CI to accept a bundle before shipping it.
+    shows which artifact ran. With --spec each step verifies the draft's k tokens
+    (with-spec) or runs one token (without-spec: no drafts, or no room before
+    max_model_len). Use --check in CI to accept a bundle before shipping it.
     """
     prompts = [_parse_prompt(p) for p in prompt_ids]
     if dp > 1:
-        out = run_dp(bundle_path, prompts, max_new_tokens, dp)
+        out = run_dp(bundle_path, prompts, max_new_tokens, dp, spec)
     else:
-        out = run_rank(bundle_path, prompts, max_new_tokens)
+        out = run_rank(bundle_path, prompts, max_new_tokens, spec=spec)
         out.pop("collectives")
         metrics = out.pop("metrics")
         if not as_json:
@@ -129,6 +164,8 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
             if s["label"] != last:
                 click.echo(f"step {i}: {s['label']} (needed_seq {s['needed_seq']})", err=True)
                 last = s["label"]
+        if spec:
+            click.echo(f"acceptance rate: {out['acceptance_rate']:.3f} over {len(out['steps'])} target steps", err=True)
     if check and not out["check"]["ok"]:
         bad = [n for n, (a, b) in enumerate(zip(out["tokens"], out["check"]["reference"], strict=False)) if a != b]
         raise NeffbuildError(f"--check: tokens differ from the eager reference for prompts {bad}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neffbuild.runtime import attn_metadata, buckets, dp_sync
-from neffbuild.runtime.dispatch import GridSpec, StepPlan, plan_for
+from neffbuild.runtime.dispatch import DECODE, TARGET_NOSPEC, GridSpec, StepPlan, plan_for
 from neffbuild.runtime.kv_cache import NULL_BLOCK, BlockAllocator, KVLayout, allocate
 
 Runner = Callable[[StepPlan], Callable[..., torch.Tensor]]
@@ -73,7 +73,8 @@ class Decoder:
             padded = buckets.bucket_for(len(rids), self.spec.num_seqs_buckets)
             needed = buckets.needed_seq([self.requests[r].num_computed for r in rids])
         padded, needed = dp_sync.sync_step(padded, needed, self.group)
-        return plan_for(self.spec, batch_count=padded, needed=needed, num_reqs=len(rids))
+        family = TARGET_NOSPEC if self.spec.num_speculative_tokens else DECODE  # EAGLE3 bundles: plain = without-spec
+        return plan_for(self.spec, batch_count=padded, needed=needed, num_reqs=len(rids), family=family)
 
     def step(self, tokens: dict[int, int]) -> tuple[StepPlan, torch.Tensor]:
         """Run one decode step for {request id: its next input token}; logits [R, vocab]."""
