@@ -125,7 +125,7 @@ class SpecLoop:
                                      num_swa=dec.num_swa)
         logits, aux = dec.runner(plan)(*inputs.as_args(dec.kv_caches))
         accepted = self._accept(active, computed, logits[: len(active)].argmax(-1), aux, q)
-        self.stats.steps.append(dict(plan.to_json(), query_len=q, accepted=accepted))
+        self.stats.steps.append(dict(plan.to_json(), query_len=q, num_reqs=len(active), accepted=accepted))
         dec.executions[plan.label] += 1
         dec.padding_rows += plan.padding
         dec.total_rows += plan.batch
