@@ -192,11 +192,11 @@ def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
 
 @pytest.mark.slow
 def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
-    """Ranks with different lengths: every step is labelled, all ranks agree, tokens equal plain."""
+    """Ranks with different lengths: every step is labelled, all ranks agree, tokens equal plain (--dp 2)."""
     prompts = [[(i * 7) % 256 for i in range(120)], [1, 2, 3], [(i * 5) % 256 for i in range(60)]]
     n_new = 256 - 120
     args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
-    dp, plain = _cli("generate", *args, "--spec", "--dp", "2"), _cli("generate", *args)
+    dp, plain = _cli("generate", *args, "--spec", "--dp", "2"), _cli("generate", *args, "--dp", "2")
     assert dp.returncode == 0 and plain.returncode == 0, dp.stderr + plain.stderr
     dp, plain = json.loads(dp.stdout), json.loads(plain.stdout)
     assert dp["tokens"] == plain["tokens"]
@@ -207,3 +207,32 @@ def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
     assert fams == {TARGET_SPEC, TARGET_NOSPEC}
     assert all(r["collectives"] >= len(r0) for r in dp["ranks"])
     assert "acceptance_rate" in dp
+
+
+@pytest.mark.slow
+def test_compiled_draft_matches_eager(eagle3_built):
+    """The draft artifact proposes the eager graph's tokens and writes the same draft KV in place."""
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.kv_cache import allocate_draft
+    from neffbuild.runtime.spec_inputs import build_draft
+
+    bundle = open_bundle(eagle3_built[1].bundle)
+    gi = bundle.manifest["graph_inputs"]
+    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
+    dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], cfg)
+    g = torch.Generator().manual_seed(0)
+    rows = [([7, 8], torch.randn(2, 3 * cfg.hidden_size, generator=g), 40),
+            ([1, 2, 3, 4], torch.randn(4, 3 * cfg.hidden_size, generator=g), 100)]
+    table = torch.tensor([[1, 2, 3, 4, 5, 0, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11, 12, 13, 0, 0]])
+    inputs = build_draft(rows, table, batch=2, ctx=128, query_len=1 + K, block_size=16,
+                         hidden_size=3 * cfg.hidden_size)
+    caches = [allocate_draft(bundle.kv_layout) for _ in range(2)]
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(1)))
+    eager = Eagle3Draft(dcfg, bundle.weights, num_speculative_tokens=K).eval()
+    with torch.no_grad():
+        want = eager(*inputs.as_args(caches[0]))
+    got = bundle.artifact("draft_b2_ctx128")(*inputs.as_args(caches[1]))
+    assert got.tolist() == want.tolist()
+    torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
