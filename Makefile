@@ -1,12 +1,13 @@
 # Two entry points do all the set-up on a fresh machine:
 #   make demo   compile the tiny recipe to artifacts/ with the embedded backend and inspect it
 #   make test   run the test suite
+#   make lint   ruff over every Python file in the tree (rules in pyproject.toml)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test lint venv clean bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +30,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python build_pipeline.py && ../$(BIN)/python dispatch_overhead.py ../artifacts/gpt-oss-tiny-0.1.0

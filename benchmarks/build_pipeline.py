@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import yaml
-
 from _common import machine
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,7 +30,9 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path}: got {self.value!r}, {self.message}" if self.value is not _NO_VALUE else f"{self.path}: {self.message}"
+        if self.value is _NO_VALUE:
+            return f"{self.path}: {self.message}"
+        return f"{self.path}: got {self.value!r}, {self.message}"
 
     def to_json(self) -> dict:
         value = None if self.value is _NO_VALUE else self.value
@@ -65,6 +67,14 @@ class BackendUnavailable(NeffbuildError):
     """The requested compiler backend cannot run on this machine."""
 
 
+class KVTransferError(NeffbuildError):
+    """A disaggregated-inference KV transfer failed: handshake refused, pull failed or timed out."""
+
+
+class NixlUnavailable(KVTransferError):
+    """NIXL is not installed here; the message names the extra to install."""
+
+
 class BuildFailed(NeffbuildError):
     """One or more targets failed to compile; the message lists them."""
 
@@ -75,3 +85,16 @@ class BundleError(NeffbuildError):
 
 class IncompatibleBundle(BundleError):
     """A bundle is well formed but was built for another format or toolchain."""
+
+
+class KVPoolExhausted(NeffbuildError):
+    """The KV block pool has fewer free blocks than a request needs (engines queue or preempt)."""
+
+    def __init__(self, needed: int, free: int, what: str = ""):
+        self.needed, self.free = needed, free
+        super().__init__(f"KV pool exhausted{' ' + what if what else ''}: needed {needed} blocks, {free} free; "
+                         f"raise serving.num_blocks or serve fewer/shorter requests at once")
+
+
+class StepInputError(NeffbuildError):
+    """An engine handed the step API a malformed step (raised on every DP rank together)."""

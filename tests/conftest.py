@@ -77,6 +77,53 @@ def built(tmp_path_factory, hf_checkpoint, build_cache):
     return path, res
 
 
+@pytest.fixture(scope="session")
+def built_fp8(tmp_path_factory, hf_checkpoint, build_cache):
+    """A packed-FP8-K bundle of one target (b4, fallback context 512): the BuildResult."""
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp("build_fp8")
+    path = write_recipe(folder, hf_checkpoint, name="fp8", num_seqs_buckets=[4], ctx_buckets=[512],
+                        neuron_config__fp8_packed_kv=True)
+    res = compile_recipe(recipe.load(path), folder / "out", jobs=1, cache_root=build_cache)
+    assert not res.failed, res.failed
+    return res
+
+
+# The Neuron SDK stand-in (tests/sdk_standin): on the path only where a test asks for it.
+STANDIN = ROOT / "tests" / "sdk_standin"
+
+
+def standin_env(cache: Path, **extra) -> dict:
+    """Environment for a subprocess that sees the stand-in SDK as if it were installed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(STANDIN)]), NEFFBUILD_CACHE_DIR=str(cache))
+    env.pop("NEURON_LOGICAL_NC_CONFIG", None)
+    return {**env, **extra}
+
+
+def neuron_recipe(folder: Path, checkpoint: Path, name: str, num_seqs_buckets=(1, 2), ctx_buckets=(128,)) -> Path:
+    """A backend: neuron recipe for trn2 with LNC 2 (the stand-in host's default)."""
+    return write_recipe(folder, checkpoint, name=name, num_seqs_buckets=list(num_seqs_buckets),
+                        ctx_buckets=list(ctx_buckets), serving__max_num_seqs=num_seqs_buckets[-1],
+                        compiler__backend="neuron", neuron_config__lnc=2)
+
+
+@pytest.fixture(scope="session")
+def neuron_bundle(tmp_path_factory, hf_checkpoint):
+    """`neffbuild compile` of a backend: neuron recipe through the stand-in SDK: (bundle path, env)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("neuron")
+    env = standin_env(folder / "cache")
+    path = neuron_recipe(folder, hf_checkpoint, "gpt-oss-neuron")
+    out = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(folder / "out"),
+                          "--jobs", "2"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    return folder / "out" / "gpt-oss-neuron-0.1.0", env
+
+
 EAGLE3_TINY = ROOT / "recipes" / "gpt-oss-tiny-eagle3.yaml"
 
 

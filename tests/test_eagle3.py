@@ -82,7 +82,7 @@ def test_checkpoint_roundtrip_in_common_layout(tmp_path, tiny_cfg):
 def test_checkpoint_errors_name_the_tensor(tmp_path, tiny_cfg, dcfg):
     sd = dw.random_state_dict(dcfg, 1)
     del sd["midlayer.hidden_norm.weight"]
-    with pytest.raises(InvalidInput, match="midlayer.hidden_norm.weight"):
+    with pytest.raises(InvalidInput, match=r"midlayer\.hidden_norm\.weight"):
         dw.draft_weights(dcfg, dw.save_checkpoint(sd, tmp_path / "a", dcfg), None)
     sd = dw.random_state_dict(dcfg, 1)
     sd["d2t"] = sd["d2t"] + 10_000

@@ -13,20 +13,13 @@ from neffbuild.models.eagle3 import weights as dw
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.models.gpt_oss.harness import eager_runner as plain_runner
-from neffbuild.models.gpt_oss.harness import greedy
 from neffbuild.models.gpt_oss.weights import random_state_dict, stack
-from neffbuild.runtime.decoder import Decoder
-from neffbuild.runtime.dispatch import (
-    TARGET_NOSPEC,
-    TARGET_SPEC,
-    GridSpec,
-    must_run_without_spec,
-    plan_draft,
-    plan_spec_step,
-)
+from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, GridSpec, needs_nospec, plan_draft, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout
-from neffbuild.serve.spec import SpecLoop, eager_runner
+from neffbuild.serve.eager import EagerArtifacts
+from neffbuild.serve.greedy import greedy
+from neffbuild.serve.session import make_session
+from neffbuild.serve.spec import EagerSpecArtifacts, SpecLoop
 from tests.conftest import ROOT
 
 K = 3
@@ -38,21 +31,20 @@ GRID = GridSpec((1, 2, 4), (128,), 256, K)
     ([10, 20], False, True),  # a request without drafts
     ([10, 256 - K - 1], True, False),  # max_position + k + 1 == max_model_len: room
     ([10, 256 - K], True, True),  # no room for drafts
-    ([], False, False),  # an idle rank vetoes nothing
 ])
 def test_family_veto(computed, drafts, veto):
-    assert must_run_without_spec(GRID, computed, all_have_drafts=drafts) is veto
+    assert needs_nospec(GRID, max(computed) + 1, all_have_drafts=drafts) is veto
 
 
 def test_spec_plan_includes_drafts_and_shares_the_draft_bucket():
-    p = plan_spec_step(GRID, batch_count=2, needed=125, without_spec=False, num_reqs=2)
+    p = plan_synced(GRID, batch_count=2, needed_base=125, nospec=False, num_reqs=2)
     assert (p.family, p.query_len, p.needed_seq, p.ctx, p.label) == (TARGET_SPEC, 4, 128, 128, "decode_b2_s4_ctx128")
-    p = plan_spec_step(GRID, batch_count=2, needed=126, without_spec=False, num_reqs=2)
+    p = plan_synced(GRID, batch_count=2, needed_base=126, nospec=False, num_reqs=2)
     assert (p.needed_seq, p.ctx) == (129, 256)  # the drafts push it over the bucket boundary
-    p = plan_spec_step(GRID, batch_count=1, needed=126, without_spec=True, num_reqs=1)
+    p = plan_synced(GRID, batch_count=1, needed_base=126, nospec=True, num_reqs=1)
     assert (p.family, p.query_len, p.ctx, p.label) == (TARGET_NOSPEC, 1, 128, "decode_b1_s1_ctx128")
     d = plan_draft(GRID, num_reqs=2, max_computed=124)
-    assert (d.label, d.query_len) == ("draft_b2_ctx128", 4)
+    assert (d.label, d.query_len, d.ctx) == ("draft_b2_ctx128", 4, 128)  # the next with-spec step's bucket
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +57,9 @@ def models(tiny_cfg):
     return dcfg, weights, target, draft
 
 
-def _decoder(tiny_cfg, runner):
-    layout = KVLayout(tiny_cfg.num_kv_buffers, 128, tiny_cfg.num_key_value_heads, 16, tiny_cfg.head_dim,
-                      draft_kv_heads=tiny_cfg.num_key_value_heads, draft_head_dim=tiny_cfg.head_dim)
-    return Decoder(layout=layout, spec=GRID, num_swa=8, runner=runner)
+def _layout(cfg):
+    return KVLayout(cfg.num_kv_buffers, 128, cfg.num_key_value_heads, 16, cfg.head_dim,
+                    draft_kv_heads=cfg.num_key_value_heads, draft_head_dim=cfg.head_dim)
 
 
 CASES = {  # prompts, new tokens, the context buckets the steps must use
@@ -83,9 +74,11 @@ def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
     """Random draft: the same tokens as plain greedy; at max_model_len the last steps go without spec."""
     prompts, n_new, ctxs = CASES[case]
     dcfg, weights, target, draft = models
-    plain = greedy(_decoder(tiny_cfg, plain_runner(GptOssDecode(tiny_cfg, weights).eval())), tiny_cfg, weights,
-                   prompts, n_new)
-    loop = SpecLoop(_decoder(tiny_cfg, eager_runner(target, draft)), tiny_cfg, dcfg, weights)
+    layout = _layout(tiny_cfg)
+    s = make_session(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
+    plain = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new).tokens
+    s = make_session(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
+    loop = SpecLoop(s.stepper, s.block_manager(), tiny_cfg, dcfg, weights)
     assert loop.generate(prompts, n_new) == plain
     fams = [s["family"] for s in loop.stats.steps]
     assert TARGET_SPEC in fams and {s["ctx"] for s in loop.stats.steps} == ctxs
@@ -156,7 +149,7 @@ def test_generate_spec_mixed_batch_near_the_end(eagle3_built):
 
 def _oracle(reference: dict[int, list[int]], k: int):
     """A draft that always proposes the target's own greedy continuation."""
-    def propose(plan, inputs, reqs):
+    def propose(plan, reqs):
         out = torch.zeros(plan.batch, k, dtype=torch.long)
         for i, r in enumerate(reqs):
             n = len(r.out)
@@ -170,20 +163,17 @@ def _oracle(reference: dict[int, list[int]], k: int):
 @pytest.mark.parametrize("n_new", [41, 43])
 def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     """Acceptance 1.0, and ceil((n_new - 1) / (k + 1)) target steps: every step emits k+1 tokens."""
-    from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.session import open_session
 
     bundle = open_bundle(eagle3_built[1].bundle)
-    gi = bundle.manifest["graph_inputs"]
-    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
-    dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], cfg)
-
-    def decoder():
-        return Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=bundle.runner())
-
+    s = open_session(bundle)
+    dcfg = Eagle3Config.from_hf_dict(bundle.manifest["graph_inputs"]["draft_config"], s.config)
     prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
-    reference = greedy(decoder(), cfg, bundle.weights, prompts, n_new + K + 1)
-    loop = SpecLoop(decoder(), cfg, dcfg, bundle.weights, proposer=_oracle(dict(enumerate(reference)), K))
+    reference = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new + K + 1).tokens
+    s = open_session(bundle)  # fresh KV
+    loop = SpecLoop(s.stepper, s.block_manager(), s.config, dcfg, bundle.weights,
+                    proposer=_oracle(dict(enumerate(reference)), K))
     assert loop.generate(prompts, n_new) == [r[:n_new] for r in reference]
     assert loop.stats.acceptance_rate == 1.0
     assert len(loop.stats.steps) == -(-(n_new - 1) // (K + 1))

@@ -20,9 +20,16 @@ def _console():
 @click.command("inspect")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest plus totals as one JSON document.")
-def inspect_(bundle_path, as_json):
+@click.option("--vllm-config", "vllm", is_flag=True,
+              help="Print the JSON for vLLM's --additional-config (the compiled neuron_config grid); the other "
+                   "vLLM flags that must match go to stderr. With --json: one document with the additional config, "
+                   "the speculative config and the engine arguments.")
+def inspect_(bundle_path, as_json, vllm):
     """Show what BUNDLE holds: header, toolchain, the grid with sizes and compile times, totals."""
     m = reader.read_manifest(Path(bundle_path))
+    if vllm:
+        _print_vllm_config(Path(bundle_path), m, as_json)
+        return
     totals = {"artifacts": len(m["artifacts"]), "artifact_bytes": sum(a["bytes"] for a in m["artifacts"]),
               "compile_seconds": round(sum(a["compile_seconds"] for a in m["artifacts"]), 3),
               "bundle_bytes": sum(f["bytes"] for f in m["files"].values())}
@@ -50,6 +57,21 @@ def inspect_(bundle_path, as_json):
             f"{totals['bundle_bytes'] / 1e6:.1f} MB in all, {totals['compile_seconds']:.0f} s of compile time")
 
 
+def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
+    import yaml
+
+    from neffbuild.bundle import handoff, layout
+
+    recipe_file = reader.safe_path(root, layout.RECIPE_PATH)
+    recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
+    config = handoff.vllm_config(manifest, recipe if isinstance(recipe, dict) else {})
+    if as_json:
+        click.echo(json.dumps(config, sort_keys=True))
+        return
+    click.echo(json.dumps(config["additional_config"]))
+    click.echo(f"vLLM flags for this bundle: {handoff.vllm_flags(config)}", err=True)
+
+
 @click.command("verify")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @click.option("--json", "as_json", is_flag=True, help='Print {"ok": bool, "problems": [{"path", "message"}]}.')
@@ -57,7 +79,8 @@ def verify(bundle_path, as_json):
     """Check every checksum and the manifest schema of BUNDLE. Exit 1 naming each bad file."""
     problems = reader.check(Path(bundle_path), full=True)
     if as_json:
-        click.echo(json.dumps({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]}))
+        listed = [{"path": p.path, "message": p.message} for p in problems]
+        click.echo(json.dumps({"ok": not problems, "problems": listed}))
     if problems:
         raise BundleError(f"{bundle_path}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
     if not as_json:

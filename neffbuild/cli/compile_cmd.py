@@ -8,6 +8,7 @@ import time
 import click
 
 from neffbuild import recipe as recipe_mod
+from neffbuild import registry
 from neffbuild.compiler.builder import Progress, compile_recipe
 from neffbuild.errors import BuildFailed
 
@@ -17,7 +18,8 @@ class RichProgress(Progress):
 
     def __init__(self):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
 
         self.console = Console(stderr=True)
         self.bar = Bar(TextColumn("[bold]compile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -43,7 +45,8 @@ class RichProgress(Progress):
         if label in self.active:
             self.active.remove(label)
         if result["status"] == "ok":
-            state = "[green]cache hit[/green]" if result["hit"] else f"[yellow]compiled[/yellow] {result['compile_seconds']:.1f}s"
+            state = ("[green]cache hit[/green]" if result["hit"]
+                     else f"[yellow]compiled[/yellow] {result['compile_seconds']:.1f}s")
         else:
             state = f"[red]FAILED[/red] ({result.get('kind')}): {result.get('error', '')[:200]}"
         self.bar.console.print(f"  {label}: {state}")
@@ -74,10 +77,11 @@ def summary_table(res):
               help="Folder that receives <name>-<version>/.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
               help="Parallel compile workers (default: build.jobs from the recipe, else the CPU count).")
-@click.option("--backend", type=click.Choice(["auto", "inductor", "neuron"]), default=None,
+@click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend (auto: neuron when the Neuron SDK imports, else inductor).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Compile cache folder (default: build.cache_dir, else $NEFFBUILD_CACHE_DIR, else ~/.cache/neffbuild).")
+              help="Compile cache folder (default: build.cache_dir, else $NEFFBUILD_CACHE_DIR, "
+                   "else ~/.cache/neffbuild).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=None,
               help="Give up on one target after this many seconds (classified as a timeout).")
 @click.option("--json", "as_json", is_flag=True,

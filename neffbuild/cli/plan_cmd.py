@@ -6,7 +6,7 @@ import json
 
 import click
 
-from neffbuild import grid, settings
+from neffbuild import grid, registry, settings
 from neffbuild import recipe as recipe_mod
 
 
@@ -15,7 +15,7 @@ from neffbuild import recipe as recipe_mod
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document {count, targets} on stdout.")
 @click.option("--cache/--no-cache", "check_cache", default=True, show_default=True,
               help="Look each target up in the compile cache (traces the graph; needs torch).")
-@click.option("--backend", type=click.Choice(["auto", "inductor", "neuron"]), default=None,
+@click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend for the cache lookup.")
 def plan(recipe_path, as_json, check_cache, backend):
     """Show every graph RECIPE compiles: label, family, batch, ctx, query_len.
@@ -70,7 +70,8 @@ def plan(recipe_path, as_json, check_cache, backend):
         jobs = r.jobs or settings.default_jobs()
         line = f"to build: {len(todo)} of {len(tgts)}"
         if est:
-            line += f", about {sum(est) / max(1, min(jobs, len(todo))) / 60:.1f} min with {jobs} jobs (from past compiles)"
+            minutes = sum(est) / max(1, min(jobs, len(todo))) / 60
+            line += f", about {minutes:.1f} min with {jobs} jobs (from past compiles)"
         console.print(line)
 
 

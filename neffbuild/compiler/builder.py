@@ -13,16 +13,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neffbuild import grid, settings
+from neffbuild import grid, registry, settings
+from neffbuild.bundle import layout
+from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
 from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, spec_for
 from neffbuild.compiler.worker import Job
-from neffbuild.bundle import layout
-from neffbuild.bundle.writer import BundleWriter
 from neffbuild.models.eagle3.weights import draft_weights
-from neffbuild.models.gpt_oss.weights import model_weights
 
 
 @dataclass
@@ -57,7 +56,7 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
-                   timeout_s: float | None = None) -> BuildResult:
+                   timeout_s: float | None = None, executor=None) -> BuildResult:
     progress = progress or Progress()
     started = time.monotonic()
     bk = backend_kwargs(recipe, backend_name)
@@ -70,6 +69,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
+        model_weights = registry.arch(recipe.model.arch).get("weights")
         weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
         if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
             s = recipe.speculative
@@ -80,7 +80,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
                          str(writer.path(layout.log_path(t.label)))) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        executor = LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
+        executor = executor or LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
         for res in executor.run(jobs_list, on_start=lambda j: progress.running(j.label)):
             result.results.append(res)
             if res["status"] == "ok":
@@ -97,7 +97,8 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             writer.abort()
             return result
         progress.stage("writing bundle")
-        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in sorted(result.results, key=lambda r: r["label"])]
+        ordered = sorted(result.results, key=lambda r: r["label"])
+        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
         hits = {r["label"]: r["hit"] for r in result.results}
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,

@@ -62,7 +62,7 @@ class Cache:
         self.tmp_dir = self.base / "tmp"
         self.locks_dir = self.base / "locks"
 
-    def ensure(self) -> "Cache":
+    def ensure(self) -> Cache:
         for d in (self.entries_dir, self.tmp_dir, self.locks_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
@@ -74,7 +74,8 @@ class Cache:
         try:
             meta = json.loads((folder / META).read_text())
             artifact = folder / meta["file"]
-            if meta.get("key") != key or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
+            if (meta.get("key") != key or artifact.stat().st_size != meta["bytes"]
+                    or sha256_file(artifact) != meta["sha256"]):
                 raise ValueError("mismatch")
         except FileNotFoundError:
             return None

@@ -11,12 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from neffbuild import registry
 from neffbuild.models.eagle3 import weights as draft_weights
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
-from neffbuild.models.gpt_oss.config import GptOssConfig
-from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.models.gpt_oss.weights import stacked_shapes
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
 from neffbuild.runtime.kv_cache import KVLayout
@@ -41,8 +39,8 @@ class GraphSpec:
     draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
 
     @property
-    def config(self) -> GptOssConfig:
-        return GptOssConfig.from_hf_dict(self.hf_config)
+    def config(self):
+        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
 
     @property
     def draft_config(self) -> Eagle3Config | None:
@@ -70,8 +68,7 @@ def kv_layout_for(recipe) -> KVLayout:
                       recipe.fp8_packed_kv)
 
 
-def _kv_layout(cfg: GptOssConfig, dcfg: Eagle3Config | None, num_blocks: int, block_size: int,
-               fp8_packed_kv: bool) -> KVLayout:
+def _kv_layout(cfg, dcfg: Eagle3Config | None, num_blocks: int, block_size: int, fp8_packed_kv: bool) -> KVLayout:
     # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too).
     return KVLayout(cfg.num_kv_buffers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim,
                     fp8=fp8_packed_kv, packed_k=fp8_packed_kv,
@@ -97,7 +94,7 @@ def example_inputs(spec: GraphSpec) -> tuple:
         return draft_example_inputs(spec)
     B, q = spec.batch, spec.query_len
     layout = spec.kv_layout()
-    long = dict(dtype=torch.long)
+    long = {"dtype": torch.long}
     return (
         torch.zeros(B, q, **long),  # input_ids
         torch.zeros(B, q, **long),  # positions
@@ -128,13 +125,15 @@ def input_signature(inputs: tuple, family: str | None = None) -> list[dict]:
 
 def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None):
     """(module, example inputs) for one target; placeholder weights unless given."""
-    cfg = spec.config
     if spec.family == DRAFT:
         return _draft_graph(spec, weights)
+    cfg, arch = spec.config, registry.arch(spec.arch)
     if weights is None:
-        weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in stacked_shapes(cfg).items()}
+        shapes = arch.get("placeholder_shapes")(cfg)
+        weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
+    # EAGLE3 target families output the layers the draft fuses (the draft config's, default from the arch).
     aux = spec.draft_config.aux_layers if spec.family in (TARGET_SPEC, TARGET_NOSPEC) else None
-    module = GptOssDecode(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux).eval()
+    module = arch.get("decode")(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux).eval()
     return module, example_inputs(spec)
 
 
@@ -142,7 +141,7 @@ def _draft_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None):
     dcfg = spec.draft_config
     if weights is None:
         weights = draft_weights.placeholders(dcfg)
-        embed = torch.empty(stacked_shapes(spec.config)["embed"])
+        embed = torch.empty(registry.arch(spec.arch).get("placeholder_shapes")(spec.config)["embed"])
         weights[draft_weights.DRAFT_EMBED if spec.draft_own_embed else "embed"] = embed
     module = Eagle3Draft(dcfg, weights, num_speculative_tokens=spec.num_speculative_tokens,
                          packed_k=spec.fp8_packed_kv).eval()

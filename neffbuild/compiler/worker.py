@@ -95,7 +95,7 @@ def run_job(job: Job) -> dict:
                       compile_seconds=entry.meta["compile_seconds"], ext=entry.meta["ext"])
     except (BackendUnavailable, ImportError) as exc:
         result.update(kind=ENVIRONMENT, error=str(exc))
-    except (InvalidInput, Exception) as exc:  # noqa: BLE001 - classified and reported, never cached
+    except (InvalidInput, Exception) as exc:
         result.update(kind=COMPILER_ERROR, error=f"{type(exc).__name__}: {exc}".strip()[:2000])
         with contextlib.suppress(OSError), open(job.log_path, "a") as log:
             log.write(traceback.format_exc())
@@ -111,9 +111,11 @@ def graph_summary(graph: GraphSpec) -> dict:
 
 def warm_up() -> int:
     """Import the heavy modules once per worker so the first job does not pay for them."""
-    import torch  # noqa: F401
+    import torch
     import torch._inductor  # noqa: F401
 
-    from neffbuild.models.gpt_oss import decode  # noqa: F401
+    from neffbuild import registry
 
+    for arch in registry.ARCHITECTURES.values():
+        arch.get("decode")
     return os.getpid()

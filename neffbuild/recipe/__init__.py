@@ -16,7 +16,7 @@ from neffbuild.errors import InvalidInput, RecipeError
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.recipe.validator import Validator
 
-__all__ = ["ModelSpec", "Recipe", "Speculative", "load", "from_dict", "parse_yaml"]
+__all__ = ["ModelSpec", "Recipe", "Speculative", "from_dict", "load", "parse_yaml"]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -41,7 +41,7 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def parse_yaml(text: str, source: str) -> object:
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"

@@ -3,7 +3,8 @@
 Types are strict: ``"1024"`` is not an int and ``true`` is not a number. Unknown keys get
 a "did you mean". The only project modules used are ``errors``, the pure bucket math, the
 grid (for ``compiler.target_flags`` labels) and the architecture's config dataclass (a
-leaf module), so config defaults and bucket formulas exist once.
+leaf module, found through ``registry``), so config defaults and bucket formulas exist once.
+Backend and architecture choices come from ``registry``.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import json
 import re
 from pathlib import Path
 
+from neffbuild import registry
 from neffbuild.errors import NO_VALUE, Problem
-from neffbuild.models import KNOWN_ARCHS
-from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
+from neffbuild.runtime.blocks import group_blocks, kv_groups, min_pool_blocks
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SEMVER_RE = re.compile(r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
-BACKENDS = ("auto", "inductor", "neuron")
+BACKENDS = registry.backend_choices()
+KNOWN_ARCHS = tuple(registry.ARCHITECTURES)
 TARGETS = ("trn1", "trn2")
 SPEC_METHODS = ("eagle3",)
 
@@ -69,7 +71,8 @@ class Validator:
             if key not in allowed:
                 path = f"{schema_key}.{key}" if schema_key else str(key)
                 hint = difflib.get_close_matches(str(key), sorted(allowed), n=1)
-                rule = f"unknown key; did you mean {hint[0]!r}?" if hint else f"unknown key; allowed: {', '.join(sorted(allowed))}"
+                rule = (f"unknown key; did you mean {hint[0]!r}?" if hint
+                        else f"unknown key; allowed: {', '.join(sorted(allowed))}")
                 self.err(path, NO_VALUE, rule)
 
     def integer(self, mapping: dict, key: str, path: str, *, default=NO_VALUE, minimum: int | None = 1):
@@ -221,7 +224,8 @@ class Validator:
         return tuple(sorted(out))
 
     def serving(self, s: dict) -> dict:
-        return {k: self.integer(s, k, f"serving.{k}") for k in ("max_model_len", "max_num_seqs", "block_size", "num_blocks")}
+        keys = ("max_model_len", "max_num_seqs", "block_size", "num_blocks")
+        return {k: self.integer(s, k, f"serving.{k}") for k in keys}
 
     def model(self, m: dict):
         arch = m.get("arch", NO_VALUE)
@@ -242,8 +246,9 @@ class Validator:
         hf = self.hf_config(m.get("config"), "model.config", checkpoint)
         if hf is None:
             return None, None
-        cfg = self.arch_config(hf, "model.config")
-        return ModelSpec(arch=arch if isinstance(arch, str) else "", hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
+        arch = arch if isinstance(arch, str) else ""
+        cfg = self.arch_config(hf, "model.config", arch)
+        return ModelSpec(arch=arch, hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
 
     def hf_config(self, value, path: str, checkpoint: Path | None) -> dict | None:
         if value is None:
@@ -278,9 +283,14 @@ class Validator:
             return None
         return data
 
-    def arch_config(self, hf: dict, path: str) -> GptOssConfig | None:
+    def arch_config(self, hf: dict, path: str, arch: str):
+        """The architecture's config from Hugging Face keys (None: unknown architecture or bad keys)."""
+        if arch not in registry.ARCHITECTURES:
+            return None
+        config_cls = registry.arch(arch).get("config")
+        SLIDING, FULL = config_cls.SLIDING, config_cls.FULL
         ok = True
-        for key in GptOssConfig.INT_FIELDS:
+        for key in config_cls.INT_FIELDS:
             if key in hf and self.check_int(hf[key], f"{path}.{key}") is None:
                 ok = False
         sw = hf.get("sliding_window")
@@ -292,9 +302,10 @@ class Validator:
             ok = False
         if not ok:
             return None
-        cfg = GptOssConfig.from_hf_dict(hf)
+        cfg = config_cls.from_hf_dict(hf)
         if len(cfg.layer_types) != cfg.num_hidden_layers:
-            self.err(f"{path}.layer_types", len(cfg.layer_types), f"must have num_hidden_layers ({cfg.num_hidden_layers}) entries")
+            self.err(f"{path}.layer_types", len(cfg.layer_types),
+                     f"must have num_hidden_layers ({cfg.num_hidden_layers}) entries")
             return None
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             self.err(f"{path}.num_attention_heads", cfg.num_attention_heads,
@@ -335,12 +346,14 @@ class Validator:
         if "num_seqs_buckets" in nc:
             num_seqs = self.int_list(nc["num_seqs_buckets"], path)
             if num_seqs and mns is not None and num_seqs[-1] != mns:
-                self.err(f"{path}[{len(num_seqs) - 1}]", num_seqs[-1], f"the last bucket must equal serving.max_num_seqs ({mns})")
+                self.err(f"{path}[{len(num_seqs) - 1}]", num_seqs[-1],
+                         f"the last bucket must equal serving.max_num_seqs ({mns})")
         else:
             num_seqs = default_num_seqs_buckets(mns) if mns else None
         path = "neuron_config.decode_context_length_buckets"
         if "decode_context_length_buckets" not in nc:
-            self.err(path, NO_VALUE, f"is required (a list of multiples of {P_MAX}; [max_model_len] means fallback only)")
+            self.err(path, NO_VALUE,
+                     f"is required (a list of multiples of {P_MAX}; [max_model_len] means fallback only)")
             return num_seqs, None
         ctx = self.int_list(nc["decode_context_length_buckets"], path)
         if ctx is None:
@@ -358,13 +371,14 @@ class Validator:
         for c in ctx:
             if c & (c - 1):
                 self.warnings.append(
-                    f"{path}: {c} is not a power of two; non-power-of-two buckets measured up to 1.87x slower (1920 vs 2048)"
+                    f"{path}: {c} is not a power of two; "
+                    "non-power-of-two buckets measured up to 1.87x slower (1920 vs 2048)"
                 )
         if mml is not None and ctx and ctx[-1] == mml:
             ctx = ctx[:-1]  # folded into the always-compiled fallback
         return num_seqs, ctx
 
-    def speculative(self, raw: dict, cfg: GptOssConfig | None) -> Speculative | None:
+    def speculative(self, raw: dict, cfg) -> Speculative | None:
         s = self.section(raw, "speculative", "speculative")
         if not s:
             return None
@@ -383,7 +397,7 @@ class Validator:
             draft_cfg = self._read_json(ck / "config.json", "speculative.draft.config")
         if draft_cfg is None and cfg is not None:
             # Derived from the target: same widths and heads, one layer.
-            draft_cfg = dict(cfg.to_hf_dict(), num_hidden_layers=1, layer_types=[FULL])
+            draft_cfg = dict(cfg.to_hf_dict(), num_hidden_layers=1, layer_types=[cfg.FULL])
         if draft_cfg is not None and not isinstance(draft_cfg, dict):
             self.err("speculative.draft.config", draft_cfg, "must be a mapping of Hugging Face config keys")
             draft_cfg = None
@@ -391,9 +405,10 @@ class Validator:
             return None
         return Speculative(method, k, ck, seed, draft_cfg or {})
 
-    def cross_checks(self, cfg: GptOssConfig, serving: dict, par: dict, ctx, gk: bool, spec) -> None:
+    def cross_checks(self, cfg, serving: dict, par: dict, ctx, gk: bool, spec) -> None:
         """Rules across sections; each runs only when the values it needs are themselves valid."""
-        mml, bs, nb, mns = serving["max_model_len"], serving["block_size"], serving["num_blocks"], serving["max_num_seqs"]
+        mml, bs = serving["max_model_len"], serving["block_size"]
+        nb, mns = serving["num_blocks"], serving["max_num_seqs"]
         tp, ep = par["tp"], par["ep"]
         if tp and cfg.num_attention_heads % tp:
             self.err("parallel.tp", tp, f"must divide model.config.num_attention_heads ({cfg.num_attention_heads})")
@@ -405,21 +420,15 @@ class Validator:
             self.err("serving.max_model_len", mml,
                      f"must be <= model.config.max_position_embeddings ({cfg.max_position_embeddings})")
         if mml and bs and nb:
-            if nb * bs < mml:
-                self.err("serving.num_blocks", nb,
-                         f"num_blocks * block_size ({nb * bs}) must hold one full-length sequence (max_model_len {mml})")
-            elif mns and nb * bs < mns * mml:
-                self.warnings.append(
-                    f"serving.num_blocks: {nb} blocks of {bs} hold {nb * bs} tokens, fewer than max_num_seqs x "
-                    f"max_model_len ({mns * mml}); long requests will queue"
-                )
+            self.pool_size(cfg, mml, bs, nb, mns, 1 + (spec.num_speculative_tokens if spec else 0))
         if gk:
             self.gk_layout(cfg)
         if cfg.has_sliding_layers and bs:
             if bs > P_MAX:
                 self.err("serving.block_size", bs, f"must be <= {P_MAX} for models with sliding-window layers")
             elif ctx and mml:
-                width = num_swa_blocks(cfg.sliding_window, bs, mml) * bs
+                query_len = 1 + (spec.num_speculative_tokens if spec else 0)
+                width = num_swa_blocks(cfg.sliding_window, bs, mml, query_len) * bs
                 for i, c in enumerate(ctx):
                     if c < width:
                         self.err(f"neuron_config.decode_context_length_buckets[{i}]", c,
@@ -433,11 +442,26 @@ class Validator:
             self.err("speculative.num_speculative_tokens", spec.num_speculative_tokens,
                      f"leaves no room in max_model_len ({mml})")
 
-    def gk_layout(self, cfg: GptOssConfig) -> None:
+    def pool_size(self, cfg, mml: int, bs: int, nb: int, mns: int | None, query_len: int) -> None:
+        """The block manager's formula (runtime/blocks.py): whatever validates can serve."""
+        groups = kv_groups(cfg.sliding_window if cfg.has_sliding_layers else None)
+        one = min_pool_blocks(mml, bs, groups, query_len)
+        what = " + ".join(f"{group_blocks(mml, bs, g.window, query_len)} {g.name}" for g in groups) + " + 1 null block"
+        if nb < one:
+            self.err("serving.num_blocks", nb, f"must be >= {one} to hold one max_model_len ({mml}) sequence "
+                                               f"({what}; docs/recipe.md)")
+        elif mns and nb < min_pool_blocks(mml, bs, groups, query_len, mns):
+            self.warnings.append(
+                f"serving.num_blocks: {nb} blocks hold {(nb - 1) // (one - 1)} max_model_len sequences at once, fewer "
+                f"than max_num_seqs ({mns}; that needs {min_pool_blocks(mml, bs, groups, query_len, mns)}); "
+                f"long requests will queue")
+
+    def gk_layout(self, cfg) -> None:
         L = cfg.num_hidden_layers
         if L % 2:
             self.err("model.config.num_hidden_layers", L, "must be even for gk_decode (layers pair up on KV buffers)")
         for i, t in enumerate(cfg.layer_types):
-            want = SLIDING if i % 2 == 0 else FULL
+            want = cfg.SLIDING if i % 2 == 0 else cfg.FULL
             if t != want:
-                self.err(f"model.config.layer_types[{i}]", t, f"must be {want!r} for gk_decode (even layers sliding, odd full)")
+                self.err(f"model.config.layer_types[{i}]", t,
+                         f"must be {want!r} for gk_decode (even layers sliding, odd full)")

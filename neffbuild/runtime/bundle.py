@@ -1,5 +1,7 @@
 """Open and verify a bundle, memory-map its weights once, load artifacts lazily.
 
+Artifacts load through ``runtime/loaders.py``, the one loading path per backend.
+
 Thin: standard library, torch, the bundle layout constants and the base file helpers only. Reads JSON and
 safetensors; never unpickles anything from a bundle. The format is docs/bundle-format.md.
 """
@@ -16,7 +18,7 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import layout
+from neffbuild.runtime import layout, loaders
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
 
@@ -100,7 +102,8 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
         if not p.is_file():
             problems.append(Problem(rel, "missing"))
         elif not isinstance(info, dict) or p.stat().st_size != info.get("bytes"):
-            problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {info.get('bytes') if isinstance(info, dict) else info}"))
+            listed = info.get("bytes") if isinstance(info, dict) else info
+            problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {listed}"))
         elif full and sha256_file(p) != info.get("sha256"):
             problems.append(Problem(rel, "sha256 mismatch (corrupt or modified)"))
     return problems
@@ -123,26 +126,6 @@ def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
         dtype = _DTYPES[info["dtype"]]
         out[name] = raw[base + begin: base + end].view(dtype).view(info["shape"])
     return out
-
-
-def toolchain_problem(toolchain: dict) -> str | None:
-    """Why the running toolchain cannot run these artifacts, or None."""
-    backend = toolchain.get("backend")
-    if backend == "inductor":
-        built = str(toolchain.get("torch", "")).split("+")[0]
-        here = torch.__version__.split("+")[0]
-        if built != here:
-            return (f"artifacts were compiled by torch {toolchain.get('torch')} and this process runs torch "
-                    f"{torch.__version__}; AOTInductor artifacts only load in the torch that built them. "
-                    f"Install torch=={built} or rebuild the bundle")
-        return None
-    if backend == "neuron":
-        import importlib.util
-
-        if importlib.util.find_spec("torch_neuronx") is None:
-            return "artifacts are NEFFs; this host has no torch-neuronx (the Neuron SDK)"
-        return None
-    return f"unknown backend {backend!r} in the manifest"
 
 
 class Bundle:
@@ -179,13 +162,8 @@ class Bundle:
             return self._loaded[label]
 
     def _load(self, entry: dict):
-        path = safe_path(self.root, entry["file"])
-        backend = self.manifest["toolchain"]["backend"]
-        if backend == "inductor":
-            return load_aoti(path, self.weights)
-        import torch_neuronx  # noqa: F401  - Neuron hosts only
-
-        return torch.jit.load(str(path))
+        return loaders.load(self.manifest["toolchain"], safe_path(self.root, entry["file"]), self.weights,
+                            self.device)
 
     def runner(self):
         """A Decoder runner: StepPlan -> the artifact callable for its label."""
@@ -193,14 +171,8 @@ class Bundle:
 
 
 def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
-    """Load an AOTInductor package and bind user-managed constants (shared, never copied)."""
-    runner = torch._inductor.aoti_load_package(str(path))
-    wanted = runner.get_constant_fqns()
-    missing = [n for n in wanted if n not in constants]
-    if missing:
-        raise BundleError(f"{path}: the bundle's weights lack constants {missing[:5]}")
-    runner.load_constants({n: constants[n] for n in wanted}, check_full_update=True, user_managed=True)
-    return runner
+    """An AOTInductor package bound to shared constants (kept for callers; see loaders.load_inductor)."""
+    return loaders.load_inductor(path, constants, {})
 
 
 def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False) -> Bundle:
@@ -220,7 +192,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
         problems = check(root, full=verify == "full")
         if problems:
             raise BundleError(f"{root}: " + "; ".join(map(str, problems)))
-    reason = toolchain_problem(manifest.get("toolchain", {}))
+    reason = loaders.toolchain_problem(manifest.get("toolchain", {}))
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
     bundle = Bundle(root, manifest, device)

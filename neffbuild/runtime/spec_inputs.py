@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neffbuild.runtime.attn_metadata import PAD_SLOT, head_trim
+from neffbuild.runtime.attn_metadata import PAD_SLOT, head_trim, widen
 from neffbuild.runtime.kv_cache import NULL_BLOCK, graph_view
 
 
@@ -54,6 +54,7 @@ def build_draft(
         hidden[r, :n] = aux
         start[r], num_valid[r] = first, n
     positions = start[:, None] + torch.arange(q)  # [B, q]
+    full_table = widen(full_table, -(-ctx // block_size))
     table = torch.full((B, full_table.shape[1]), NULL_BLOCK, dtype=torch.long)
     table[: len(rows)] = full_table
     blk = (positions // block_size).clamp(max=table.shape[1] - 1)

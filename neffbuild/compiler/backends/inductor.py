@@ -34,6 +34,10 @@ def parse_flags(flags) -> dict:
     return out
 
 
+def available() -> bool:
+    return True  # embedded: torch is always here
+
+
 class InductorBackend(Backend):
     name = "inductor"
     ext = "pt2"
@@ -41,6 +45,10 @@ class InductorBackend(Backend):
     def __init__(self, flags: tuple[str, ...] = (), device: str = "cpu"):
         self.flags = tuple(flags)
         self.device = device
+
+    @classmethod
+    def create(cls, *, target, optlevel, lnc, flags, device):
+        return cls(flags=flags, device=device)
 
     def export(self, module, example_inputs):
         with torch.no_grad():
@@ -58,9 +66,9 @@ class InductorBackend(Backend):
         return path
 
     def load(self, path: Path, constants: dict[str, torch.Tensor], device: str = "cpu"):
-        from neffbuild.runtime.bundle import load_aoti
+        from neffbuild.runtime.loaders import load_inductor
 
-        return load_aoti(Path(path), constants)
+        return load_inductor(Path(path), constants, self.fingerprint(), device)
 
     def fingerprint(self) -> dict:
         return {

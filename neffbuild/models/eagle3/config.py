@@ -67,9 +67,11 @@ class Eagle3Config:
             raise InvalidInput(f"{where}.hidden_size: got {self.hidden_size}, must equal the target's "
                                f"{target.hidden_size} (the draft reads the target's token embedding)")
         if self.vocab_size != target.vocab_size:
-            raise InvalidInput(f"{where}.vocab_size: got {self.vocab_size}, must equal the target's {target.vocab_size}")
+            raise InvalidInput(f"{where}.vocab_size: got {self.vocab_size}, must equal the target's "
+                               f"{target.vocab_size}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise InvalidInput(f"{where}.draft_vocab_size: got {self.draft_vocab_size}, must be in [1, {self.vocab_size}]")
+            raise InvalidInput(f"{where}.draft_vocab_size: got {self.draft_vocab_size}, must be in "
+                               f"[1, {self.vocab_size}]")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidInput(f"{where}.num_attention_heads: {self.num_attention_heads} is not a multiple of "
                                f"num_key_value_heads {self.num_key_value_heads}")

@@ -111,7 +111,8 @@ def load_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_bundle(cfg: Eagle3Config, sd: dict[str, torch.Tensor], source: str = "draft checkpoint") -> dict[str, torch.Tensor]:
+def to_bundle(cfg: Eagle3Config, sd: dict[str, torch.Tensor],
+              source: str = "draft checkpoint") -> dict[str, torch.Tensor]:
     """Common-layout state dict -> the bundle's ``draft_*`` tensors, checked against ``cfg``."""
     def get(name: str) -> torch.Tensor:
         if name not in sd:

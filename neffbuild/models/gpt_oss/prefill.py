@@ -13,11 +13,29 @@ import torch
 from kernels import rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
 from neffbuild.models.gpt_oss.config import SLIDING, GptOssConfig
 from neffbuild.models.gpt_oss.decode import attention_inputs, attention_output_and_mlp
+from neffbuild.runtime.blocks import NULL_BLOCK  # a plain layout constant (models import no runtime logic)
 
 
 def slots_for(block_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of absolute positions through one request's (untrimmed) block table row."""
-    return block_row[positions // block_size] * block_size + positions % block_size
+    """Cache slots of absolute positions through one request's (untrimmed) block table row.
+
+    Positions whose block is the null block get slot -1 (not written): a sliding-window row
+    holds only the blocks later queries read, the older entries are the null block.
+    """
+    blocks = block_row[positions // block_size]
+    return torch.where(blocks == NULL_BLOCK, -1, blocks * block_size + positions % block_size)
+
+
+def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the cache's element type (FP8: e4m3), back in ``x``'s dtype.
+
+    Prefill attends over K and V at the precision decode reads them from the cache, so the
+    logits of the last prompt position equal what a decode step at that position computes
+    (a DI decode worker recomputes that position from the transferred FP8 KV).
+    """
+    if cache.dtype in (torch.float8_e4m3fn, torch.uint8):  # uint8: FP8 bytes (kv_cache.graph_view)
+        return x.to(torch.float8_e4m3fn).to(x.dtype)
+    return x
 
 
 @torch.no_grad()
@@ -49,6 +67,7 @@ def prefill(
         q, k, v = attention_inputs(cfg, stacked, i, x, cos, sin)
         write_kv(cache[0], slots[sliding], k[0], packed_k)
         write_kv(cache[1], slots[sliding], v[0], False)
+        k, v = _as_stored(k, cache), _as_stored(v, cache)
         window = cfg.sliding_window if sliding else None
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn)

@@ -100,7 +100,7 @@ def load_checkpoint(folder: str | Path, dtype=torch.float32) -> dict[str, torch.
     raw: dict[str, torch.Tensor] = {}
     for f in _checkpoint_files(Path(folder)):
         with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
+            for k in fh.keys():  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
                 raw[k] = fh.get_tensor(k)
     out = {}
     for k, t in raw.items():
@@ -157,8 +157,9 @@ def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         return sd[name]
 
     out = {k: get(v).contiguous() for k, v in GLOBAL_KEYS.items()}
-    out["qkv_w"] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.weight") for n in QKV]) for i in range(L)])
-    out["qkv_b"] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.bias") for n in QKV]) for i in range(L)])
+    for kind, suffix in (("qkv_w", "weight"), ("qkv_b", "bias")):
+        out[kind] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.{suffix}") for n in QKV])
+                                 for i in range(L)])
     for key, pattern in LAYER_KEYS.items():
         out[key] = torch.stack([get(pattern.format(i=i)) for i in range(L)]).contiguous()
     return out
