@@ -183,8 +183,8 @@ def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
 @pytest.mark.slow
 def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
     """Ranks with different lengths: every step is labelled, all ranks agree, tokens equal plain (--dp 2)."""
-    prompts = [[(i * 7) % 256 for i in range(120)], [1, 2, 3], [(i * 5) % 256 for i in range(60)]]
-    n_new = 256 - 120
+    prompts = [[(i * 7) % 256 for i in range(236)], [1, 2, 3], [(i * 5) % 256 for i in range(60)]]
+    n_new = 256 - 236
     args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
     dp, plain = _cli("generate", *args, "--spec", "--dp", "2"), _cli("generate", *args, "--dp", "2")
     assert dp.returncode == 0 and plain.returncode == 0, dp.stderr + plain.stderr
