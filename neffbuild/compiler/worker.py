@@ -52,19 +52,28 @@ def redirected_output(path: str):
 def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     """(cache key, exported graph, input signature, graph text) for one target."""
     from neffbuild.compiler.cache import cache_key
-    from neffbuild.compiler.graphs import build_graph, input_signature
+    from neffbuild.compiler.graphs import (
+        build_graph,
+        input_signature,
+        placeholder_groups,
+    )
 
     module, inputs = build_graph(graph)
-    exported = backend.export(module, inputs)
+    with placeholder_groups(graph.layout):
+        exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
     signature = input_signature(inputs, graph.family)
-    return cache_key(text, signature, backend.fingerprint()), exported, signature, text
+    fingerprint = backend.fingerprint()
+    if graph.layout.sharded:  # the layout is part of a sharded graph's key (an unsharded graph ignores dp)
+        fingerprint = dict(fingerprint, parallel=graph.layout.to_json())
+    return cache_key(text, signature, fingerprint), exported, signature, text
 
 
 def run_job(job: Job) -> dict:
     """Build one target through the cache. Never raises: failures come back classified."""
     from neffbuild.compiler.backends import get_backend
     from neffbuild.compiler.cache import Cache
+    from neffbuild.compiler.graphs import placeholder_groups
     from neffbuild.errors import BackendUnavailable, InvalidInput
 
     result = {"label": job.label, "status": "failed", "hit": False, "log": job.log_path, "pid": os.getpid()}
@@ -81,7 +90,8 @@ def run_job(job: Job) -> dict:
                 if entry is None:
                     tmp = cache.new_tmp(key)
                     t0 = time.monotonic()
-                    artifact = backend.compile(exported, tmp)
+                    with placeholder_groups(job.graph.layout):
+                        artifact = backend.compile(exported, tmp)
                     seconds = time.monotonic() - t0
                     entry = cache.publish(key, tmp, artifact, {
                         "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
@@ -106,7 +116,7 @@ def run_job(job: Job) -> dict:
 def graph_summary(graph: GraphSpec) -> dict:
     return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
             "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
-            "fp8_packed_kv": graph.fp8_packed_kv}
+            "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}
 
 
 def warm_up() -> int:
