@@ -19,9 +19,10 @@ from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
-from neffbuild.compiler.graphs import kv_layout_for, layout_for, spec_for
+from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job
 from neffbuild.errors import InvalidInput
+from neffbuild.models.eagle3.weights import draft_weights
 
 
 @dataclass
@@ -70,6 +71,9 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     try:
         progress.stage("loading weights")
         weights = _load_weights(recipe)
+        if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
+            s = recipe.speculative
+            weights.update(draft_weights(draft_config_for(recipe), s.draft_checkpoint, s.draft_random_seed))
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),

@@ -62,7 +62,7 @@ def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     with placeholder_groups(graph.layout):
         exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
-    signature = input_signature(inputs)
+    signature = input_signature(inputs, graph.family)
     fingerprint = backend.fingerprint()
     if graph.layout.sharded:  # the layout is part of a sharded graph's key (an unsharded graph ignores dp)
         fingerprint = dict(fingerprint, parallel=graph.layout.to_json())

@@ -224,8 +224,9 @@ class Bundle:
                              gi["max_model_len"], gi["num_speculative_tokens"])
         kv = gi["kv_layout"]
         _, nb, h, bs, d = kv["buffer_shape"]
+        draft = kv.get("draft", {}).get("buffer_shape", (0, 0, 0, 0, 0))
         self.kv_layout = KVLayout(kv["num_buffers"], nb, h, bs, d, fp8=kv["dtype"].startswith("float8"),
-                                  packed_k=kv["packed_k"])
+                                  packed_k=kv["packed_k"], draft_kv_heads=draft[2], draft_head_dim=draft[4])
         self.num_swa = gi["num_swa"]
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
         self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
