@@ -56,7 +56,9 @@ AUTO = "auto"  # the first available backend, in the order above
 # Architecture parts: config (dataclass with from_hf_dict), weights (config, checkpoint,
 # seed -> stacked weights), placeholder_shapes (config -> {name: shape}), decode (the decode
 # graph module), aux_layers (num_layers -> EAGLE3 aux layer ids), prefill (eager prompt
-# pass that fills the paged KV; serve/ uses it).
+# pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
+# -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of
+# (the bundle's weight pieces), unshard (pieces -> the full weights, the --check reference).
 ARCHITECTURES = {
     "gpt_oss": Entry("gpt_oss", {
         "config": "neffbuild.models.gpt_oss.config:GptOssConfig",
@@ -65,6 +67,12 @@ ARCHITECTURES = {
         "decode": "neffbuild.models.gpt_oss.decode:GptOssDecode",
         "aux_layers": "neffbuild.models.gpt_oss.decode:default_aux_layers",
         "prefill": "neffbuild.models.gpt_oss.prefill:prefill",
+        "rank_shapes": "neffbuild.models.gpt_oss.sharding:rank_shapes",
+        "local_config": "neffbuild.models.gpt_oss.sharding:local_config",
+        "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
+        "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
+        "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",
+        "unshard": "neffbuild.models.gpt_oss.sharding:unshard",
     }),
 }
 

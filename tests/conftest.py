@@ -124,6 +124,45 @@ def neuron_bundle(tmp_path_factory, hf_checkpoint):
     return folder / "out" / "gpt-oss-neuron-0.1.0", env
 
 
+def _build_parallel(tmp_path_factory, checkpoint, cache, name: str, parallel: dict, ctx_buckets: list[int]):
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp(name)
+    path = write_recipe(folder, checkpoint, name=name, num_seqs_buckets=[4], ctx_buckets=ctx_buckets,
+                        **{f"parallel__{k}": v for k, v in parallel.items()})
+    res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=cache)
+    assert not res.failed, res.failed
+    return res.bundle
+
+
+@pytest.fixture(scope="session")
+def built_tp2(tmp_path_factory, hf_checkpoint, build_cache):
+    """A tp 2 / ep 2 bundle of the test recipe: 2 targets (one context bucket and the fallback)."""
+    return _build_parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-tp2", {"tp": 2, "ep": 2}, [128])
+
+
+@pytest.fixture(scope="session")
+def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache):
+    """A dp 2 / ep 2 bundle (experts across DP ranks: the gather combine): 1 target (the fallback only)."""
+    return _build_parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-dp2-ep2", {"dp": 2, "ep": 2}, [512])
+
+
+EAGLE3_TINY = ROOT / "recipes" / "gpt-oss-tiny-eagle3.yaml"
+
+
+@pytest.fixture(scope="session")
+def eagle3_built(tmp_path_factory, build_cache):
+    """The tiny EAGLE3 recipe compiled once per session (2 x 2 x 3 = 12 targets): (recipe path, BuildResult)."""
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp("eagle3")
+    res = compile_recipe(recipe.load(EAGLE3_TINY), folder / "out", jobs=2, cache_root=build_cache)
+    assert not res.failed, res.failed
+    return EAGLE3_TINY, res
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance per session (2 CPUs, this machine); yields its address for CLI drivers."""

@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 W, BS = 32, 16  # the tiny model's sliding window and the test bundles' block size
 # N % 16 in {0, 1, 15} and others; shorter than, equal to and longer than the window; 47 and 63 are the
 # lengths where (N - W + 1) % BS == 0: without the rule the oldest window block is never transferred.
-LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 100]
+LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 49, 63, 100]  # three batches of the largest bucket (4)
 
 
 # -- the rule itself
@@ -98,7 +98,7 @@ def _single_process(session, prompts, new):
     return greedy(session.stepper, session.prefill, session.block_manager(), prompts, new).tokens
 
 
-def _di_vs_single(bundle_path, lengths, new=6):
+def _di_vs_single(bundle_path, lengths, new=4):
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.di import PrefillWorker, generate_di
     from neffbuild.serve.session import open_session
@@ -131,7 +131,8 @@ def test_generate_di_equals_single_process_packed_fp8(built_fp8):
 
 @pytest.mark.slow
 def test_n_minus_1_rule_is_needed(built):
-    """Rule off on both sides: the first step reads a block never transferred (checked), or, unchecked, tokens differ."""
+    """Rule off on both sides: the first step reads a block never transferred (checked),
+    or, unchecked, tokens differ."""
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.di import PrefillWorker, generate_di
     from neffbuild.serve.session import open_session
@@ -142,7 +143,7 @@ def test_n_minus_1_rule_is_needed(built):
     prompts = _prompts(lengths)
     ref = _single_process(session, prompts, 6)
     with PrefillWorker(path, _n_minus_1=False) as worker:
-        with pytest.raises(KVTransferError, match=r"position 46 reads sliding-group logical blocks \[0\] that were never"):
+        with pytest.raises(KVTransferError, match=r"position 46 reads sliding-group logical blocks \[0\]"):
             generate_di(session, worker.port, prompts, 6, _n_minus_1=False)
         gen = generate_di(session, worker.port, prompts, 6, _n_minus_1=False, check_reads=False)
     differ = [n for n, di, r in zip(lengths, gen.tokens, ref, strict=True) if di != r]
@@ -151,20 +152,20 @@ def test_n_minus_1_rule_is_needed(built):
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], check=False, capture_output=True, text=True,
-                          cwd=ROOT, **kw)
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], check=False, capture_output=True,
+                          text=True, cwd=ROOT, **kw)
 
 
 @pytest.mark.slow
 def test_generate_di_cli_matches_generate(built):
-    args = ["generate", str(built[1].bundle), "--max-new-tokens", "5", "--json"]
-    for p in _prompts([47, 16, 3]):
+    args = ["generate", str(built[1].bundle), "--max-new-tokens", "3", "--json"]
+    for p in _prompts([47, 3]):
         args += ["--prompt-ids", ",".join(map(str, p))]
     plain, di = _cli(*args), _cli(*args, "--di")
     assert plain.returncode == 0 and di.returncode == 0, di.stderr
     out = json.loads(di.stdout)
     assert out["tokens"] == json.loads(plain.stdout)["tokens"]
-    assert [t["kv_len"] for t in out["transfers"]] == [46, 15, 2]
+    assert [t["kv_len"] for t in out["transfers"]] == [46, 2]
 
 
 def test_generate_di_without_nixl_names_the_extra(tmp_path):

@@ -153,13 +153,20 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_cfg):
 
 
 def test_shard_slices_heads_and_experts(tiny_cfg):
+    from neffbuild.models.gpt_oss import sharding
+    from neffbuild.runtime.parallel import ParallelLayout
+
     st = W.stack(tiny_cfg, W.random_state_dict(tiny_cfg, 0))
-    parts = [W.shard(tiny_cfg, st, tp=2, ep=2, tp_rank=r, ep_rank=r) for r in (0, 1)]
-    d = tiny_cfg.head_dim
-    assert parts[0]["qkv_w"].shape[1] == (tiny_cfg.num_attention_heads + 2 * tiny_cfg.num_key_value_heads) * d // 2
+    par = ParallelLayout(tp=2, ep=2)
+    parts = [sharding.shard(tiny_cfg, st, par, r) for r in (0, 1)]
+    d, Hq, Hk = tiny_cfg.head_dim, tiny_cfg.num_attention_heads, tiny_cfg.num_key_value_heads
+    assert parts[0]["qkv_w"].shape[1] == (Hq + 2 * Hk) * d // 2
+    assert torch.equal(parts[1]["qkv_w"][:, : Hq * d // 2], st["qkv_w"][:, Hq * d // 2: Hq * d])  # rank 1's q heads
     assert parts[1]["gate_up_w"].shape[1] == tiny_cfg.num_local_experts // 2
     assert torch.equal(torch.cat([p["o_w"] for p in parts], dim=2), st["o_w"])
     assert torch.equal(parts[1]["gate_up_w"], st["gate_up_w"][:, 2:])
+    assert torch.equal(parts[1]["o_b"], st["o_b"])  # replicated: added once, after the all-reduce
+    assert {k: tuple(v.shape) for k, v in parts[0].items()} == sharding.rank_shapes(tiny_cfg, par)
 
 
 def test_layer_plan_is_decided_in_init(tiny_cfg, stacked):

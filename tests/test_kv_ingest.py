@@ -72,7 +72,7 @@ def test_partial_prefix_pull_reads_the_last_remote_blocks():
 def test_bad_buffer_is_refused():
     with pytest.raises(KVTransferError, match="layer 0"):
         register_regions([torch.zeros(8, 2, 4, 3)])
-    with pytest.raises(KVTransferError, match="layer 1.*differs"):
+    with pytest.raises(KVTransferError, match=r"layer 1.*differs"):
         register_regions([torch.zeros(2, 8, 2, 4, 3), torch.zeros(2, 9, 2, 4, 3)])
 
 

@@ -26,11 +26,14 @@ def graph_inputs(recipe, kv_layout) -> dict:
         "kv_layout": kv_layout.to_json(),
         "arch": recipe.model.arch,
         "model_config": recipe.model.config.to_hf_dict(),
+        # EAGLE3: the draft's config keys as the recipe gave them (the reader derives the rest from model_config)
+        **({"draft_config": recipe.speculative.draft_hf_config} if recipe.speculative else {}),
     }
 
 
-def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict, files: dict) -> dict:
-    return {
+def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict, files: dict,
+          parallel: dict | None = None) -> dict:
+    out = {
         "format": layout.BUNDLE_FORMAT,
         "format_version": layout.BUNDLE_FORMAT_VERSION,
         "name": recipe.name,
@@ -42,3 +45,6 @@ def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights:
         "weights": weights,
         "files": dict(sorted(files.items())),
     }
+    if parallel is not None:  # sharded bundles only (docs/bundle-format.md, "parallel")
+        out["parallel"] = parallel
+    return out

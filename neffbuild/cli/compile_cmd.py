@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import click
 
 from neffbuild import recipe as recipe_mod
 from neffbuild import registry
+from neffbuild.cli.output import echo_json, json_option
 from neffbuild.compiler.builder import Progress, compile_recipe
 from neffbuild.errors import BuildFailed, InvalidInput
 
@@ -72,6 +72,7 @@ def summary_table(res):
 
 
 @click.command("compile")
+@click.pass_context
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out_dir", default="artifacts", show_default=True, type=click.Path(file_okay=False),
               help="Folder that receives <name>-<version>/.")
@@ -92,9 +93,9 @@ def summary_table(res):
 @click.option("--shared-cache", is_flag=True,
               help="With --executor ray: the cache folder is mounted at the same path on every node, so tasks "
                    "read and publish it directly instead of returning artifacts through Ray's object store.")
-@click.option("--json", "as_json", is_flag=True,
-              help='Print {"bundle", "built", "cached", "failed"} on stdout; progress still goes to stderr.')
-def compile_(recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor, address, shared_cache, as_json):
+@json_option('Print {"bundle", "built", "cached", "failed"} on stdout (errors too); progress goes to stderr.')
+def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor, address, shared_cache,
+             as_json):
     """Compile every graph of RECIPE into a versioned bundle under OUT.
 
     Targets build largest first on a pool of warm workers, through a content-addressed
@@ -116,7 +117,8 @@ def compile_(recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor
     finally:
         progress.close()
     if as_json:
-        click.echo(json.dumps(res.to_json()))
+        echo_json(res.to_json())
+        ctx.meta["json_printed"] = True
     else:
         progress.console.print(summary_table(res))
     if res.failed:

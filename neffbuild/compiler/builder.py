@@ -19,8 +19,10 @@ from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
-from neffbuild.compiler.graphs import kv_layout_for, spec_for
+from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job
+from neffbuild.errors import InvalidInput
+from neffbuild.models.eagle3.weights import draft_weights
 
 
 @dataclass
@@ -78,9 +80,11 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
-        model_weights = registry.arch(recipe.model.arch).get("weights")
-        weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
-        weights_entry = writer.write_weights(weights)
+        weights = _load_weights(recipe)
+        if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
+            s = recipe.speculative
+            weights.update(draft_weights(draft_config_for(recipe), s.draft_checkpoint, s.draft_random_seed))
+        weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
                          str(writer.path(layout.log_path(t.label)))) for t in targets]
@@ -105,10 +109,11 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         ordered = sorted(result.results, key=lambda r: r["label"])
         artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
         hits = {r["label"]: r["hit"] for r in result.results}
+        seconds = {r["label"]: r["compile_seconds"] for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
-            weights=weights_entry,
-            report_context={"hits": hits, "built": result.built, "cached": result.cached,
+            weights=weights_entry, parallel=parallel,
+            report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3), **_placement(runner, result.results)},
         )
         result.wall_s = time.monotonic() - started
@@ -118,12 +123,43 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         raise
 
 
+def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, dict | None]:
+    """Unsharded: one file. Sharded: the replicated piece plus one file per TP and per EP rank,
+    each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps."""
+    par = layout_for(recipe)
+    if not par.sharded:
+        return writer.write_weights(weights), None
+    cfg, entries, shared = recipe.model.config, {}, None
+    arch = registry.arch(recipe.model.arch)
+    for name, tensors in arch.get("iter_pieces")(cfg, weights, par):
+        if name == "shared":
+            shared = writer.write_weights(tensors)
+        else:
+            entries[name] = writer.write_weights(tensors, layout.weights_piece_path(name))
+    info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=arch.get("shard_layout")(par),
+                rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
+                kv_heads={f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
+    return shared, info
+
+
+def _load_weights(recipe) -> dict:
+    """The checkpoint's stacked weights; an unreadable checkpoint is the user's input (exit 2), not a crash."""
+    from safetensors import SafetensorError
+
+    model_weights = registry.arch(recipe.model.arch).get("weights")
+    try:
+        return model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+    except (SafetensorError, OSError) as exc:
+        raise InvalidInput(f"model.checkpoint {recipe.model.checkpoint}: unreadable safetensors checkpoint "
+                           f"({str(exc)[:200]})") from None
+
+
 def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
     """Copy one built artifact into the bundle; its manifest entry."""
     rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
     return {
         "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
-        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
+        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"],
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }

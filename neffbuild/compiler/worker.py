@@ -53,13 +53,21 @@ def redirected_output(path: str):
 def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     """(cache key, exported graph, input signature, graph text) for one target."""
     from neffbuild.compiler.cache import cache_key
-    from neffbuild.compiler.graphs import build_graph, input_signature
+    from neffbuild.compiler.graphs import (
+        build_graph,
+        input_signature,
+        placeholder_groups,
+    )
 
     module, inputs = build_graph(graph)
-    exported = backend.export(module, inputs)
+    with placeholder_groups(graph.layout):
+        exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
-    signature = input_signature(inputs)
-    return cache_key(text, signature, backend.fingerprint()), exported, signature, text
+    signature = input_signature(inputs, graph.family)
+    fingerprint = backend.fingerprint()
+    if graph.layout.sharded:  # the layout is part of a sharded graph's key (an unsharded graph ignores dp)
+        fingerprint = dict(fingerprint, parallel=graph.layout.to_json())
+    return cache_key(text, signature, fingerprint), exported, signature, text
 
 
 def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> dict:
@@ -102,6 +110,7 @@ def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> dic
 def _through_cache(job: Job, backend, key: str, exported, signature) -> tuple:
     """(cache entry, hit): the cached artifact, or compile it and publish under the key's lock."""
     from neffbuild.compiler.cache import Cache
+    from neffbuild.compiler.graphs import placeholder_groups
 
     cache = Cache(job.cache_root)
     with cache.lock(key):
@@ -111,7 +120,8 @@ def _through_cache(job: Job, backend, key: str, exported, signature) -> tuple:
             return entry, True
         tmp = cache.new_tmp(key)
         t0 = time.monotonic()
-        artifact = backend.compile(exported, tmp)
+        with placeholder_groups(job.graph.layout):
+            artifact = backend.compile(exported, tmp)
         seconds = time.monotonic() - t0
         entry = cache.publish(key, tmp, artifact, {
             "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
@@ -132,7 +142,7 @@ def peak_rss_bytes() -> int:
 def graph_summary(graph: GraphSpec) -> dict:
     return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
             "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
-            "fp8_packed_kv": graph.fp8_packed_kv}
+            "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}
 
 
 def warm_up() -> int:

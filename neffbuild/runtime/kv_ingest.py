@@ -279,7 +279,7 @@ class KVAgent:
                 try:
                     handler = self._handlers.get(op)
                     reply = handler(msg) if handler else {"error": f"unknown side-channel op {op!r}"}
-                except Exception as exc:  # noqa: BLE001 -- the peer gets the message; this worker keeps serving
+                except Exception as exc:
                     reply = {"error": f"{type(exc).__name__}: {exc}"}
                 send_msg(conn, reply)
 

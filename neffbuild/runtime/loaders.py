@@ -28,11 +28,16 @@ NEURON_WEIGHT_PREFIX = "model."  # the traced wrapper holds the decode module as
 
 def load_inductor(path: Path, weights: dict[str, torch.Tensor], toolchain: dict, device: str = "cpu"):
     """An AOTInductor package with the shared weights bound as user-managed constants (never copied)."""
-    runner = torch._inductor.aoti_load_package(str(path))
+    from neffbuild.runtime.aoti_package import load_package
+
+    runner = load_package(path)  # extracts into a temp folder of ours, removed if loading fails
     wanted = runner.get_constant_fqns()
     missing = [n for n in wanted if n not in weights]
     if missing:
         raise BundleError(f"{path}: the bundle's weights lack constants {missing[:5]}")
+    for n in wanted:
+        if not weights[n].is_contiguous():
+            raise BundleError(f"{path}: weight {n!r} is not contiguous")
     runner.load_constants({n: weights[n] for n in wanted}, check_full_update=True, user_managed=True)
     return runner
 
@@ -59,6 +64,12 @@ def load_neuron(path: Path, weights: dict[str, torch.Tensor], toolchain: dict, d
     core = int(device.split(":", 1)[1]) if device.startswith("neuron:") else 0
     torch_neuronx.move_trace_to_device(module, core)
     return NeuronStep(module)
+
+
+def reads_package_signature(toolchain: dict) -> bool:
+    """Whether this backend's artifacts declare their inputs and constants in a form the runtime reads
+    before loading them (AOTInductor: the generated wrapper; see runtime/aoti_package.py)."""
+    return toolchain.get("backend") == "inductor"
 
 
 def inductor_problem(toolchain: dict) -> str | None:

@@ -76,7 +76,7 @@ def _worker_main(bundle_path: str, ready, stop, n_minus_1: bool) -> None:
     try:
         producer = _Producer(bundle_path, n_minus_1)
         port = producer.agent.serve({"prefill": producer.prefill})
-    except Exception as exc:  # noqa: BLE001 -- reported to the parent, which raises it
+    except Exception as exc:
         ready.put(("error", f"{type(exc).__name__}: {exc}"))
         return
     ready.put(("ready", port))
@@ -101,7 +101,7 @@ class PrefillWorker:
         while self.port is None:
             try:
                 kind, value = self._ready.get(timeout=1.0)
-            except Exception:  # noqa: BLE001 -- queue.Empty: check the process is still alive
+            except Exception:
                 if not self.process.is_alive() or time.monotonic() > deadline:
                     self.__exit__(None, None, None)
                     raise KVTransferError(f"prefill worker did not start (exit code {self.process.exitcode})") from None
@@ -150,8 +150,8 @@ def _check_first_reads(blocks, rids, positions, window) -> None:
             missing = unwritten_reads(blocks.tables[rid][g.name], pos, blocks.block_size,
                                       window if g.name == SLIDING_GROUP else None)
             if missing:
-                raise KVTransferError(f"request {rid}: the first decode step at position {pos} reads {g.name}-group logical blocks "
-                                      f"{missing} that were never transferred (null block {NULL_BLOCK})")
+                raise KVTransferError(f"request {rid}: the first decode step at position {pos} reads {g.name}-group "
+                                      f"logical blocks {missing} that were never transferred (null block {NULL_BLOCK})")
 
 
 def generate_di(session, port: int, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

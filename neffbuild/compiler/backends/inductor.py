@@ -63,6 +63,9 @@ class InductorBackend(Backend):
         path = Path(workdir) / f"artifact.{self.ext}"
         with torch.no_grad():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
+        from neffbuild.compiler.reproducible import normalize_pt2
+
+        normalize_pt2(path)  # same graph, same bytes: two cold builds give one manifest
         return path
 
     def load(self, path: Path, constants: dict[str, torch.Tensor], device: str = "cpu"):
