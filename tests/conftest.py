@@ -161,3 +161,15 @@ def eagle3_built(tmp_path_factory, build_cache):
     res = compile_recipe(recipe.load(EAGLE3_TINY), folder / "out", jobs=2, cache_root=build_cache)
     assert not res.failed, res.failed
     return EAGLE3_TINY, res
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance per session (2 CPUs, this machine); yields its address for CLI drivers."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20,
+             _system_config={"worker_niceness": 0})  # compile at the test's priority, not Ray's background one
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -25,6 +25,7 @@ import click
 
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import BundleError, InvalidInput, NeffbuildError
+from neffbuild.runtime.histogram import NeededSeqHistogram
 
 PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
 
@@ -75,13 +76,15 @@ def run_di_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int)
     load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     bundle = open_bundle(bundle_path)
     check_bundle(bundle)
-    session = open_session(bundle)
+    hist = NeededSeqHistogram(bundle.spec.max_model_len)
+    session = open_session(bundle, on_plan=lambda plan: hist.record(plan.needed_seq))
     _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
     for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
         bundle.artifact(label)
     with PrefillWorker(bundle_path) as worker:
         gen = generate_di(session, worker.port, prompts, max_new_tokens)
-    return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans], "metrics": prometheus(gen.plans),
+    return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans],
+            "metrics": prometheus(gen.plans) + hist.to_prometheus(), "histogram": hist.rows(),
             "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens, "transfers": gen.transfers}
 
 
@@ -96,19 +99,22 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
 
     bundle = open_bundle(bundle_path, group=group)  # a sharded bundle joins the world here (every rank opens it)
     check_bundle(bundle)
-    session = open_session(bundle, reference=reference, group=group)
+    hist = NeededSeqHistogram(bundle.spec.max_model_len)
+    session = open_session(bundle, reference=reference, group=group,
+                           on_plan=lambda plan: hist.record(plan.needed_seq))
     _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
     if not reference:
         for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
             bundle.artifact(label)
     before = dp_sync.COLLECTIVES["count"]
     if spec:
-        return _run_spec(bundle, session, prompts, max_new_tokens, before)
+        return dict(_run_spec(bundle, session, prompts, max_new_tokens, before), histogram=hist.rows())
     gen = greedy(session.stepper, session.prefill, session.block_manager(), prompts, max_new_tokens,
                  lockstep_group=session.lockstep_group)
     return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans],
-            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": prometheus(gen.plans),
-            "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens}
+            "collectives": dp_sync.COLLECTIVES["count"] - before,
+            "metrics": prometheus(gen.plans) + hist.to_prometheus(),
+            "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens, "histogram": hist.rows()}
 
 
 def _run_spec(bundle, session, prompts, max_new_tokens: int, collectives_before: int) -> dict:
@@ -232,7 +238,8 @@ def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: in
     # Ranks decode in lockstep: the slowest rank's decode time, every DP group's tokens once.
     first = [r for r in ranks if r["rank"] % (world // dp) == 0]
     speed = _speed(max(r["decode_seconds"] for r in ranks), sum(r["decode_tokens"] for r in first))
-    out = {"tokens": tokens, "steps": ranks[0]["steps"], **speed,
+    # Every rank records the synced needed_seq, so rank 0's histogram is the run's.
+    out = {"tokens": tokens, "steps": ranks[0]["steps"], **speed, "histogram": ranks[0].get("histogram", []),
            "ranks": [{"rank": r["rank"], "dp_rank": r["dp_rank"], "steps": r["steps"], "collectives": r["collectives"],
                       "decode_seconds": r["decode_seconds"]} for r in ranks]}
     if spec:
@@ -283,9 +290,12 @@ def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
               help="EAGLE3 speculative decoding through the bundle's three families (greedy, lossless: the tokens "
                    "of a plain run); each step verifies the draft's k tokens or, without room or drafts, runs one.")
 @click.option("--check", is_flag=True, help="Also run the unsharded eager model; exit 1 on any token mismatch.")
+@click.option("--histogram", "histogram_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the needed_seq of every decode step as CSV (needed_seq,count), "
+                   "the input of `neffbuild recommend`.")
 @json_option('Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", "check"]} '
              'on stdout (errors too); --spec adds "acceptance_rate" and each step\'s "family".')
-def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, as_json):
+def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, histogram_path, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that fits; the step log
@@ -314,6 +324,9 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, as_js
         out.update(_speed(out["decode_seconds"], out.pop("decode_tokens")))
         if not as_json:
             click.echo(metrics, err=True, nl=False)
+    rows = out.pop("histogram", [])
+    if histogram_path:
+        _write_histogram(histogram_path, rows)
     if check:
         ref = run_reference(bundle_path, prompts, max_new_tokens)
         out["check"] = {"ok": ref == out["tokens"], "reference": ref}
@@ -340,6 +353,14 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, as_js
         raise NeffbuildError(f"--check: tokens differ from the eager reference for prompts {bad}")
     if check and not as_json:
         click.echo("check: tokens equal the eager reference", err=True)
+
+
+def _write_histogram(path: str, rows) -> None:
+    try:
+        NeededSeqHistogram(counts=rows).write_csv(path)
+    except OSError as exc:
+        raise InvalidInput(f"--histogram {path}: cannot write ({exc.strerror or exc})") from None
+    click.echo(f"histogram: {path} ({sum(n for _, n in rows)} decode steps)", err=True)
 
 
 def register(group: click.Group) -> None:

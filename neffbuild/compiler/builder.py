@@ -18,7 +18,7 @@ from neffbuild.bundle import layout
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
-from neffbuild.compiler.executor import LocalExecutor
+from neffbuild.compiler.executor import make_executor
 from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job
 from neffbuild.errors import InvalidInput
@@ -57,7 +57,13 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
-                   timeout_s: float | None = None, executor=None) -> BuildResult:
+                   timeout_s: float | None = None, executor="local", address: str | None = None,
+                   shared_cache: bool = False) -> BuildResult:
+    """Build every target of ``recipe`` into a bundle under ``out_dir``.
+
+    ``executor``: "local" (a pool of ``jobs`` workers), "ray" (``address``, ``shared_cache``:
+    see compiler/ray_executor.py) or an executor object with ``run(jobs, on_start)``.
+    """
     progress = progress or Progress()
     started = time.monotonic()
     bk = backend_kwargs(recipe, backend_name)
@@ -66,6 +72,10 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir()).ensure()
     cache.sweep()
     targets = grid.build_order(grid.targets(recipe))
+    runner = executor
+    if isinstance(executor, str):  # fails fast without Ray
+        runner = make_executor(executor, jobs=jobs or recipe.jobs or settings.default_jobs(), cache_root=cache.root,
+                               timeout_s=timeout_s, address=address, shared_cache=shared_cache)
     writer = BundleWriter(out_dir, recipe.name, recipe.version)
     result = BuildResult(bundle=None)
     try:
@@ -80,8 +90,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
                          str(writer.path(layout.log_path(t.label)))) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        executor = executor or LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
-        for res in executor.run(jobs_list, on_start=lambda j: progress.running(j.label)):
+        for res in runner.run(jobs_list, on_start=lambda j: progress.running(j.label)):
             result.results.append(res)
             if res["status"] == "ok":
                 result.cached += res["hit"]
@@ -105,7 +114,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry, parallel=parallel,
             report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
-                             "wall_s": round(time.monotonic() - started, 3)},
+                             "wall_s": round(time.monotonic() - started, 3), **_placement(runner, result.results)},
         )
         result.wall_s = time.monotonic() - started
         return result
@@ -154,6 +163,13 @@ def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
+
+
+def _placement(runner, results: list[dict]) -> dict:
+    """Where each target was built: a per-build record (build-info.json), never the manifest."""
+    nodes = {r["label"]: r["node"] for r in results if r.get("node")}
+    record = {"executor": getattr(runner, "name", type(runner).__name__)}
+    return dict(record, built_on=dict(sorted(nodes.items()))) if nodes else record
 
 
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:

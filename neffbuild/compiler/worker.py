@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +70,13 @@ def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     return cache_key(text, signature, fingerprint), exported, signature, text
 
 
-def run_job(job: Job) -> dict:
-    """Build one target through the cache. Never raises: failures come back classified."""
+def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> dict:
+    """Build one target through the cache. Never raises: failures come back classified.
+
+    ``lookup(key)`` (Ray without a shared cache) asks the driver's cache first: on a hit
+    the result carries the entry's meta and no local artifact path.
+    """
     from neffbuild.compiler.backends import get_backend
-    from neffbuild.compiler.cache import Cache
-    from neffbuild.compiler.graphs import placeholder_groups
     from neffbuild.errors import BackendUnavailable, InvalidInput
 
     result = {"label": job.label, "status": "failed", "hit": False, "log": job.log_path, "pid": os.getpid()}
@@ -84,25 +87,16 @@ def run_job(job: Job) -> dict:
             backend = get_backend(**job.backend)
             key, exported, signature, _ = key_for(job.graph, backend)
             result.update(cache_key=key, input_signature=signature)
-            cache = Cache(job.cache_root)
-            with cache.lock(key):
-                entry = cache.get(key)
-                if entry is None:
-                    tmp = cache.new_tmp(key)
-                    t0 = time.monotonic()
-                    with placeholder_groups(job.graph.layout):
-                        artifact = backend.compile(exported, tmp)
-                    seconds = time.monotonic() - t0
-                    entry = cache.publish(key, tmp, artifact, {
-                        "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
-                        "graph": graph_summary(job.graph), "input_signature": signature, "ext": backend.ext,
-                    })
-                    print(f"== compiled in {seconds:.1f}s -> {entry.path}", flush=True)
-                else:
-                    result["hit"] = True
-                    print(f"== cache hit {key}", flush=True)
-        result.update(status="ok", artifact=str(entry.path), sha256=entry.meta["sha256"], bytes=entry.meta["bytes"],
-                      compile_seconds=entry.meta["compile_seconds"], ext=entry.meta["ext"])
+            meta = lookup(key) if lookup else None
+            if meta is not None:
+                result.update(hit=True, artifact=None)
+                print(f"== cache hit {key} (driver's cache)", flush=True)
+            else:
+                entry, hit = _through_cache(job, backend, key, exported, signature)
+                meta = entry.meta
+                result.update(hit=hit, artifact=str(entry.path))
+        result.update(status="ok", sha256=meta["sha256"], bytes=meta["bytes"],
+                      compile_seconds=meta["compile_seconds"], ext=meta["ext"])
     except (BackendUnavailable, ImportError) as exc:
         result.update(kind=ENVIRONMENT, error=str(exc))
     except (InvalidInput, Exception) as exc:
@@ -111,6 +105,38 @@ def run_job(job: Job) -> dict:
             log.write(traceback.format_exc())
     result["seconds"] = round(time.monotonic() - started, 3)
     return result
+
+
+def _through_cache(job: Job, backend, key: str, exported, signature) -> tuple:
+    """(cache entry, hit): the cached artifact, or compile it and publish under the key's lock."""
+    from neffbuild.compiler.cache import Cache
+    from neffbuild.compiler.graphs import placeholder_groups
+
+    cache = Cache(job.cache_root)
+    with cache.lock(key):
+        entry = cache.get(key)
+        if entry is not None:
+            print(f"== cache hit {key}", flush=True)
+            return entry, True
+        tmp = cache.new_tmp(key)
+        t0 = time.monotonic()
+        with placeholder_groups(job.graph.layout):
+            artifact = backend.compile(exported, tmp)
+        seconds = time.monotonic() - t0
+        entry = cache.publish(key, tmp, artifact, {
+            "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
+            "graph": graph_summary(job.graph), "input_signature": signature, "ext": backend.ext,
+            "peak_rss_bytes": peak_rss_bytes(),
+        })
+        print(f"== compiled in {seconds:.1f}s -> {entry.path}", flush=True)
+        return entry, False
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (a warm worker's includes earlier jobs: an upper bound)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def graph_summary(graph: GraphSpec) -> dict:
