@@ -170,7 +170,9 @@ def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None)
         shapes = arch.get("rank_shapes")(cfg, par)
         weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
     # EAGLE3 target families output the layers the draft fuses (the draft config's, default from the arch).
-    aux = spec.draft_config.aux_layers if spec.family in (TARGET_SPEC, TARGET_NOSPEC) else None
+    aux = None
+    if spec.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
+        aux = spec.draft_config.aux_layers if spec.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
     module = arch.get("decode")(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
     return module, example_inputs(spec)
 
