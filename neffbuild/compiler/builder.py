@@ -1,7 +1,10 @@
 """Targets -> jobs -> bundle: the main job of ``neffbuild compile``.
 
 Every target is built (or found in the cache) by a worker; the weights are loaded once
-here and stored once in the bundle. One failing target does not stop the others, but a
+here and stored once in the bundle. Targets whose pre-key is cached are resolved here
+without tracing and without starting workers (a warm rebuild). Every artifact is loaded
+with the bundle's weights and run once on zeroed inputs before the bundle is published
+(a ``load_error`` otherwise). One failing target does not stop the others, but a
 build with any failure publishes no bundle: its logs are kept in
 ``<out>/<name>-<version>.failed-logs/`` and the error lists each failure, classified.
 """
@@ -14,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild import grid, settings
+from neffbuild.bundle import layout
+from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
 from neffbuild.compiler.graphs import kv_layout_for, spec_for
-from neffbuild.compiler.worker import Job
-from neffbuild.bundle import layout
-from neffbuild.bundle.writer import BundleWriter
+from neffbuild.compiler.worker import Job, cached_result
 from neffbuild.models.gpt_oss.weights import model_weights
 
 
@@ -72,12 +75,12 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
         weights_entry = writer.write_weights(weights)
         del weights
+        weights_path = str(writer.path(layout.WEIGHTS_PATH))
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
-                         str(writer.path(layout.log_path(t.label)))) for t in targets]
+                         str(writer.path(layout.log_path(t.label))), weights_path) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        executor = LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
-        for res in executor.run(jobs_list, on_start=lambda j: progress.running(j.label)):
+        for res in _run(jobs_list, jobs or recipe.jobs or settings.default_jobs(), timeout_s, progress):
             result.results.append(res)
             if res["status"] == "ok":
                 result.cached += res["hit"]
@@ -106,6 +109,20 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     except BaseException:
         writer.abort()
         raise
+
+
+def _run(jobs_list: list[Job], jobs: int, timeout_s: float | None, progress: Progress):
+    """Pre-key hits here, in this process (no tracing, no worker pool); the rest on the executor."""
+    rest = []
+    for job in jobs_list:
+        res = cached_result(job)
+        if res is None:
+            rest.append(job)
+        else:
+            progress.running(job.label)
+            yield res
+    if rest:
+        yield from LocalExecutor(jobs, timeout_s=timeout_s).run(rest, on_start=lambda j: progress.running(j.label))
 
 
 def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:

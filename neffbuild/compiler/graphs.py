@@ -57,7 +57,8 @@ def _kv_layout(cfg: GptOssConfig, num_blocks: int, block_size: int, fp8_packed_k
                     fp8=fp8_packed_kv, packed_k=fp8_packed_kv)
 
 
-def example_inputs(spec: GraphSpec) -> tuple:
+def example_inputs(spec: GraphSpec, *, caches: bool = True) -> tuple:
+    """Zeroed inputs of the target's shapes (pad write slots); ``caches=False`` leaves the KV caches out."""
     B, q = spec.batch, spec.query_len
     layout = spec.kv_layout()
     long = dict(dtype=torch.long)
@@ -69,7 +70,8 @@ def example_inputs(spec: GraphSpec) -> tuple:
         torch.zeros(B, **long),  # swa_kv_pos_offset
         torch.full((B * q,), -1, **long),  # slot_mapping
         torch.full((B * q,), -1, **long),  # slot_mapping_swa
-        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers)),
+        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers))
+        if caches else None,
     )
 
 

@@ -1,13 +1,18 @@
-"""What one worker does for one target: trace, key, then cache hit or compile + publish.
+"""What one worker does for one target: trace, key, then cache hit or compile + publish,
+then a smoke run of the artifact bound to the bundle's weights (compiler/smoke.py).
 
 Runs inside a long-lived worker process (a warm worker compiles ~3x faster than a fresh
 one). Everything the compiler prints goes to the target's log file (fds 1 and 2 are
-redirected for the duration), and the result is a plain dict.
+redirected for the duration), and the result is a plain dict. ``cached_result`` is the
+cheap path the builder tries first, in its own process: a pre-key hit needs no tracing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import hashlib
 import os
 import sys
 import time
@@ -18,6 +23,11 @@ from pathlib import Path
 from neffbuild.compiler.graphs import GraphSpec
 
 COMPILER_ERROR, KILLED, TIMEOUT, ENVIRONMENT = "compiler_error", "killed_or_oom", "timeout", "environment"
+LOAD_ERROR = "load_error"
+# The source that shapes a traced graph: the kernels, the models (which import only models,
+# kernels and runtime layout types), the runtime, and how a Target becomes a graph and is traced.
+_GRAPH_SOURCES = ("kernels", "neffbuild/models", "neffbuild/runtime", "neffbuild/compiler/graphs.py",
+                  "neffbuild/compiler/backends")
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,27 @@ class Job:
     backend: dict  # get_backend kwargs: name, target, optlevel, lnc, flags
     cache_root: str
     log_path: str
+    weights_path: str | None = None  # the bundle's weights, for the smoke run (None: skip it)
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over the source of the packages that define the graphs (part of the pre-key)."""
+    import kernels
+
+    root = Path(kernels.__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _GRAPH_SOURCES:
+        path = root / rel
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def pre_key_for(graph: GraphSpec, backend) -> str:
+    from neffbuild.compiler.cache import pre_key
+
+    return pre_key(dataclasses.asdict(graph), backend.fingerprint(), source_digest())
 
 
 @contextlib.contextmanager
@@ -61,11 +92,92 @@ def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     return cache_key(text, signature, backend.fingerprint()), exported, signature, text
 
 
-def run_job(job: Job) -> dict:
-    """Build one target through the cache. Never raises: failures come back classified."""
+def _ok(result: dict, entry, hit: bool) -> dict:
+    return dict(result, status="ok", hit=hit, cache_key=entry.key, input_signature=entry.meta["input_signature"],
+                artifact=str(entry.path), sha256=entry.meta["sha256"], bytes=entry.meta["bytes"],
+                compile_seconds=entry.meta["compile_seconds"], ext=entry.meta["ext"])
+
+
+def _smoke(job: Job, backend, entry) -> None:
+    if job.weights_path is None:
+        return
+    from neffbuild.compiler.smoke import smoke_run
+    from neffbuild.runtime.bundle import mmap_safetensors
+
+    t0 = time.monotonic()
+    smoke_run(backend, entry.path, job.graph, mmap_safetensors(Path(job.weights_path)))
+    print(f"== smoke run ok in {time.monotonic() - t0:.2f}s", flush=True)
+
+
+def _classified(result: dict, exc: BaseException, job: Job) -> dict:
+    from neffbuild.compiler.smoke import LoadFailed
+    from neffbuild.errors import BackendUnavailable
+
+    if isinstance(exc, LoadFailed):
+        kind, error = LOAD_ERROR, f"{job.label}: the artifact does not load or run with the bundle's weights: {exc}"
+    elif isinstance(exc, (BackendUnavailable, ImportError)):
+        kind, error = ENVIRONMENT, str(exc)
+    else:
+        kind, error = COMPILER_ERROR, f"{type(exc).__name__}: {exc}".strip()
+    with contextlib.suppress(OSError), open(job.log_path, "a") as log:
+        log.write(traceback.format_exc() if kind != ENVIRONMENT else f"== {kind}: {error}\n")
+    return dict(result, status="failed", kind=kind, error=error[:2000])
+
+
+def cached_result(job: Job) -> dict | None:
+    """The result of a pre-key hit (smoke run included), or None when the target must be traced."""
     from neffbuild.compiler.backends import get_backend
     from neffbuild.compiler.cache import Cache
-    from neffbuild.errors import BackendUnavailable, InvalidInput
+
+    started = time.monotonic()
+    try:
+        backend = get_backend(**job.backend)
+        entry = Cache(job.cache_root).get_pre(pre_key_for(job.graph, backend))
+    except Exception:  # noqa: BLE001 - the full path in run_job reports it, classified
+        return None
+    if entry is None:
+        return None
+    result = {"label": job.label, "log": job.log_path, "pid": os.getpid()}
+    try:
+        with redirected_output(job.log_path):
+            print(f"== {job.label}: cache hit {entry.key} (pre-key, not traced)", flush=True)
+            _smoke(job, backend, entry)
+        result = _ok(result, entry, hit=True)
+    except Exception as exc:  # noqa: BLE001 - classified and reported
+        result = _classified(result, exc, job)
+    result["seconds"] = round(time.monotonic() - started, 3)
+    return result
+
+
+def _build(job: Job, backend, result: dict):
+    """Trace, key, then the cache entry (compiled and published on a miss); records the pre-key."""
+    from neffbuild.compiler.cache import Cache
+
+    key, exported, signature, _ = key_for(job.graph, backend)
+    result.update(cache_key=key, input_signature=signature)
+    cache = Cache(job.cache_root)
+    with cache.lock(key):
+        entry = cache.get(key)
+        hit = entry is not None
+        if entry is None:
+            tmp = cache.new_tmp(key)
+            t0 = time.monotonic()
+            artifact = backend.compile(exported, tmp)
+            seconds = time.monotonic() - t0
+            entry = cache.publish(key, tmp, artifact, {
+                "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
+                "graph": graph_summary(job.graph), "input_signature": signature, "ext": backend.ext,
+            })
+            print(f"== compiled in {seconds:.1f}s -> {entry.path}", flush=True)
+        else:
+            print(f"== cache hit {key}", flush=True)
+    cache.put_pre(pre_key_for(job.graph, backend), key)
+    return entry, hit
+
+
+def run_job(job: Job) -> dict:
+    """Build one target through the cache and smoke-run it. Never raises: failures come back classified."""
+    from neffbuild.compiler.backends import get_backend
 
     result = {"label": job.label, "status": "failed", "hit": False, "log": job.log_path, "pid": os.getpid()}
     started = time.monotonic()
@@ -73,32 +185,11 @@ def run_job(job: Job) -> dict:
         with redirected_output(job.log_path):
             print(f"== {job.label}: {job.backend}", flush=True)
             backend = get_backend(**job.backend)
-            key, exported, signature, _ = key_for(job.graph, backend)
-            result.update(cache_key=key, input_signature=signature)
-            cache = Cache(job.cache_root)
-            with cache.lock(key):
-                entry = cache.get(key)
-                if entry is None:
-                    tmp = cache.new_tmp(key)
-                    t0 = time.monotonic()
-                    artifact = backend.compile(exported, tmp)
-                    seconds = time.monotonic() - t0
-                    entry = cache.publish(key, tmp, artifact, {
-                        "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
-                        "graph": graph_summary(job.graph), "input_signature": signature, "ext": backend.ext,
-                    })
-                    print(f"== compiled in {seconds:.1f}s -> {entry.path}", flush=True)
-                else:
-                    result["hit"] = True
-                    print(f"== cache hit {key}", flush=True)
-        result.update(status="ok", artifact=str(entry.path), sha256=entry.meta["sha256"], bytes=entry.meta["bytes"],
-                      compile_seconds=entry.meta["compile_seconds"], ext=entry.meta["ext"])
-    except (BackendUnavailable, ImportError) as exc:
-        result.update(kind=ENVIRONMENT, error=str(exc))
-    except (InvalidInput, Exception) as exc:  # noqa: BLE001 - classified and reported, never cached
-        result.update(kind=COMPILER_ERROR, error=f"{type(exc).__name__}: {exc}".strip()[:2000])
-        with contextlib.suppress(OSError), open(job.log_path, "a") as log:
-            log.write(traceback.format_exc())
+            entry, hit = _build(job, backend, result)
+            _smoke(job, backend, entry)
+        result = _ok(result, entry, hit)
+    except Exception as exc:  # noqa: BLE001 - classified and reported, never cached
+        result = _classified(result, exc, job)
     result["seconds"] = round(time.monotonic() - started, 3)
     return result
 
