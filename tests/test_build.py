@@ -84,8 +84,9 @@ def test_second_compile_is_all_cache_hits_and_manifest_is_identical(built, build
     res = compile_recipe(R.load(path), tmp_path / "again", jobs=2, cache_root=build_cache)
     wall = time.monotonic() - t0
     assert (res.built, res.cached, res.failed) == (0, 6, [])
+    assert res.traced == 0  # pre-key hits: nothing traced, no worker started
     assert (res.bundle / "manifest.json").read_bytes() == manifest_1
-    print(f"second compile: {wall:.1f}s, 0 compiler invocations")
+    print(f"second compile: {wall:.1f}s, 0 compiler invocations, 0 traces")
 
 
 def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(built, build_cache, hf_checkpoint,

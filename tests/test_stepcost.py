@@ -104,3 +104,24 @@ def test_4x_pool_changes_step_time_by_less_than_1_2x(tiny_recipe, tmp_path):
     small, big = (statistics.median(samples[nb]) for nb in runs)
     print(f"bucketed step: {small * 1e3:.3f} ms (pool 4099) vs {big * 1e3:.3f} ms (pool 16396): x{big / small:.3f}")
     assert big / small < 1.2
+
+
+@pytest.mark.slow
+def test_bench_cli_reports_every_context_and_plots(built, tmp_path):
+    """`neffbuild bench --json --plot`: four contexts, bucketed never reads more than the fallback, a PNG."""
+    png = tmp_path / "steps.png"
+    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "bench", str(built[1].bundle), "--json",
+                          "--plot", str(png), "--repeat", "3", "--no-dynamic", "--no-startup", "--no-dp"],
+                         capture_output=True, text=True, cwd=ROOT, check=False)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    rows = doc["steps"]["rows"]
+    assert [r["context"] for r in rows] == [16, 64, 256, 512]  # 1/32, 1/8, 1/2, 1 of max_model_len
+    assert [r["ctx_bucket"] for r in rows] == [128, 128, 256, 512]
+    for r in rows:
+        assert r["bucketed"]["median_ms"] > 0 and r["fallback"]["p90_ms"] >= r["fallback"]["median_ms"]
+        assert r["bytes"]["bucketed"] <= r["bytes"]["fallback"] and 0 < r["fraction_of_bound"]
+        assert "eager" in r and "dynamic" not in r
+    assert rows[-1]["bytes"]["bucketed"] == rows[-1]["bytes"]["fallback"]
+    assert doc["copy_bandwidth_gbs"] > 0 and doc["plan"]["plan_plus_metadata_us"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -14,10 +15,11 @@ from neffbuild.bench import overhead, steps
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{torch.get_num_threads()} torch thread(s) on {__import__('os').cpu_count()} cores ({cpu}), torch {torch.__version__}"
+    return f"{torch.get_num_threads()} torch thread(s) on {os.cpu_count()} cores ({cpu}), torch {torch.__version__}"
 
 
 def run(bundle_path: str | Path, *, repeat: int = 20, dynamic: bool = True, eager: bool = True,

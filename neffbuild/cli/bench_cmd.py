@@ -11,9 +11,9 @@ import click
 def _render(result: dict) -> str:
     from neffbuild.bench.report import table
 
-    lines = [f"machine: {result['machine']}; copy bandwidth {result['copy_bandwidth_gbs']} GB/s; "
-             f"num_blocks {result['num_blocks']}, max_model_len {result['max_model_len']}, "
-             f"batch bucket {result['steps']['batch']}", table(result)]
+    lines = [(f"machine: {result['machine']}; copy bandwidth {result['copy_bandwidth_gbs']} GB/s; "
+              f"num_blocks {result['num_blocks']}, max_model_len {result['max_model_len']}, "
+              f"batch bucket {result['steps']['batch']}"), table(result)]
     if result["steps"]["dynamic_compile_s"] is not None:
         lines.append(f"dynamic-width artifact compiled in {result['steps']['dynamic_compile_s']:.1f} s")
     lines.append(f"plan + metadata per step: {result['plan']['plan_plus_metadata_us']} us")
@@ -58,7 +58,7 @@ def bench(bundle_path, as_json, plot_path, repeat, threads, extra_contexts, no_d
     if plot_path:
         from neffbuild.bench.report import plot
 
-        result["plot"] = str(plot(result, plot_path, f"{Path(bundle_path).name}: {result['machine']}"))
+        result["plot"] = str(plot(result, plot_path, f"{Path(bundle_path).name}\n{result['machine']}"))
     click.echo(json.dumps(result, sort_keys=True) if as_json else _render(result))
 
 

@@ -32,6 +32,7 @@ class BuildResult:
     bundle: Path | None
     built: int = 0
     cached: int = 0
+    traced: int = 0  # targets traced to compute their key (a warm rebuild traces none)
     failed: list[dict] = field(default_factory=list)
     results: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
@@ -39,7 +40,7 @@ class BuildResult:
 
     def to_json(self) -> dict:
         return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
-                "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
+                "traced": self.traced, "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
                 "wall_s": round(self.wall_s, 3)}
 
 
@@ -82,6 +83,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         progress.start(len(jobs_list))
         for res in _run(jobs_list, jobs or recipe.jobs or settings.default_jobs(), timeout_s, progress):
             result.results.append(res)
+            result.traced += bool(res.get("traced"))
             if res["status"] == "ok":
                 result.cached += res["hit"]
                 result.built += not res["hit"]

@@ -137,7 +137,7 @@ def cached_result(job: Job) -> dict | None:
         return None
     if entry is None:
         return None
-    result = {"label": job.label, "log": job.log_path, "pid": os.getpid()}
+    result = {"label": job.label, "log": job.log_path, "pid": os.getpid(), "traced": False}
     try:
         with redirected_output(job.log_path):
             print(f"== {job.label}: cache hit {entry.key} (pre-key, not traced)", flush=True)
@@ -179,7 +179,8 @@ def run_job(job: Job) -> dict:
     """Build one target through the cache and smoke-run it. Never raises: failures come back classified."""
     from neffbuild.compiler.backends import get_backend
 
-    result = {"label": job.label, "status": "failed", "hit": False, "log": job.log_path, "pid": os.getpid()}
+    result = {"label": job.label, "status": "failed", "hit": False, "log": job.log_path, "pid": os.getpid(),
+              "traced": True}
     started = time.monotonic()
     try:
         with redirected_output(job.log_path):
@@ -201,10 +202,18 @@ def graph_summary(graph: GraphSpec) -> dict:
 
 
 def warm_up() -> int:
-    """Import the heavy modules once per worker so the first job does not pay for them."""
+    """Import the heavy modules once per worker so the first job does not pay for them.
+
+    Inductor's own compile pool is switched off: an AOTInductor CPU artifact is one C++
+    translation unit per kind (wrapper, kernels), so the pool only adds processes (one per
+    core, in every worker) that compete with the workers themselves for the same cores.
+    """
     import torch  # noqa: F401
-    import torch._inductor  # noqa: F401
+    import torch._inductor
+    import torch._inductor.config
 
     from neffbuild.models.gpt_oss import decode  # noqa: F401
+
+    torch._inductor.config.compile_threads = 1
 
     return os.getpid()
