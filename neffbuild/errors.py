@@ -75,3 +75,16 @@ class BundleError(NeffbuildError):
 
 class IncompatibleBundle(BundleError):
     """A bundle is well formed but was built for another format or toolchain."""
+
+
+class KVPoolExhausted(NeffbuildError):
+    """The KV block pool has fewer free blocks than a request needs (engines queue or preempt)."""
+
+    def __init__(self, needed: int, free: int, what: str = ""):
+        self.needed, self.free = needed, free
+        super().__init__(f"KV pool exhausted{' ' + what if what else ''}: needed {needed} blocks, {free} free; "
+                         f"raise serving.num_blocks or serve fewer/shorter requests at once")
+
+
+class StepInputError(NeffbuildError):
+    """An engine handed the step API a malformed step (raised on every DP rank together)."""

@@ -28,11 +28,13 @@ def test_default_num_seqs(mns, expected):
     assert B.default_num_seqs_buckets(mns) == expected
 
 
-@pytest.mark.parametrize("window,bs,mml,expected", [
-    (128, 128, 131072, 2), (128, 16, 128, 8), (4096, 32, 131072, 132), (128, 16, 1048576, 16),
+@pytest.mark.parametrize("window,bs,mml,q,expected", [
+    (128, 128, 131072, 1, 2), (128, 16, 128, 1, 8), (4096, 32, 131072, 1, 132), (128, 16, 1048576, 1, 16),
+    (128, 128, 131072, 4, 3),  # EAGLE3 k=3: keys from n-127 to n+3 can touch 3 blocks of 128
+    (130, 128, 131072, 1, 3),  # a window that is not a multiple of the block: 130 positions, 3 blocks
 ])
-def test_num_swa_blocks(window, bs, mml, expected):
-    assert B.num_swa_blocks(window, bs, mml) == expected
+def test_num_swa_blocks(window, bs, mml, q, expected):
+    assert B.num_swa_blocks(window, bs, mml, q) == expected
 
 
 def test_needed_seq_and_ctx_bucket():

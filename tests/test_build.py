@@ -18,10 +18,11 @@ from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.graphs import build_graph, spec_for
 from neffbuild.errors import BundleError, IncompatibleBundle
 from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.models.gpt_oss.harness import greedy
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.bundle import check, open_bundle
-from neffbuild.runtime.decoder import Decoder
+from neffbuild.runtime.step import StepBatch
+from neffbuild.serve.greedy import prometheus, tables_for
+from neffbuild.serve.session import open_session
 from tests.conftest import ROOT, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -37,22 +38,31 @@ def test_artifacts_match_eager_on_prefilled_cache(built):
     b = open_bundle(res.bundle, verify="full")
     cfg = R.load(built[0]).model.config
     eager = GptOssDecode(cfg, b.weights).eval()
-    dec = Decoder(layout=b.kv_layout, spec=b.spec, num_swa=b.num_swa, runner=b.runner())
+    session = open_session(b)
+    blocks, kv = session.block_manager(), session.stepper.kv_caches
     prompts = [list(range(5, 100)), [3, 4, 5], [(i * 11) % 256 for i in range(60)]]
-    greedy(dec, cfg, b.weights, prompts, 2)  # prefill + one compiled step
-    assert 'neffbuild_neff_execution_count{bucket="decode_b4"} 1' in dec.prometheus()
-    assert "neffbuild_batch_padding_ratio 0.250000" in dec.prometheus()  # 3 live rows of 4
-    rows = [dec.table_rows(r) for r in range(3)]
-    computed = torch.tensor([dec.requests[r].num_computed for r in range(3)])
+    for rid, p in enumerate(prompts):  # prefill, then one compiled step
+        blocks.reserve(rid, len(p), len(p))
+        session.prefill(p, kv, {g: t[0] for g, t in tables_for(blocks, [rid], [len(p)]).items()})
+    computed = torch.tensor([len(p) for p in prompts])
+    for rid, c in enumerate(computed.tolist()):
+        blocks.reserve(rid, c + 1, c)
+    out = session.stepper.step(StepBatch([[1], [2], [3]], computed.tolist(), tables_for(blocks, range(3), computed + 1)))
+    assert 'neffbuild_neff_execution_count{bucket="decode_b4"} 1' in prometheus([out.plan])
+    assert "neffbuild_batch_padding_ratio 0.250000" in prometheus([out.plan])  # 3 live rows of 4
+    computed += 1
+    for rid, c in enumerate(computed.tolist()):
+        blocks.reserve(rid, c + 1, c)
+    tables = tables_for(blocks, range(3), computed + 1)
     checked = 0
     for label, entry in b.entries.items():
         if entry["batch"] < 3 or entry["ctx"] < int(computed.max()) + 1:
             continue
-        inputs = attn_metadata.build(torch.tensor([[7], [8], [9]]), computed, torch.stack([a for a, _ in rows]),
-                                     torch.stack([s for _, s in rows]), batch=entry["batch"], ctx=entry["ctx"],
-                                     block_size=b.kv_layout.block_size, num_swa=b.num_swa)
-        kv_a = [t.clone() for t in dec.kv_caches]
-        kv_b = [t.clone() for t in dec.kv_caches]
+        inputs = attn_metadata.build(torch.tensor([[7], [8], [9]]), computed, tables["full"], tables["sliding"],
+                                     batch=entry["batch"], ctx=entry["ctx"], block_size=b.kv_layout.block_size,
+                                     num_swa=b.num_swa)
+        kv_a = [t.clone() for t in kv]
+        kv_b = [t.clone() for t in kv]
         with torch.no_grad():
             want = eager(*inputs.as_args(kv_a))
         got = b.artifact(label)(*inputs.as_args(kv_b))

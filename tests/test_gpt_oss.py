@@ -5,22 +5,28 @@ import torch
 
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.models.gpt_oss.harness import eager_runner, greedy
 from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.decoder import Decoder
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.serve.greedy import greedy as run_greedy
+from neffbuild.serve.greedy import tables_for
+from neffbuild.serve.session import eager_artifacts
+from neffbuild.serve.session import make_session as _make_session
 
 PROMPTS = [list(range(3, 3 + 45)), [7, 1, 9, 200, 13], [(i * 37) % 256 for i in range(70)]]
 
 
-def make_decoder(recipe, module, *, fp8=False, packed=False, ctx_buckets=None):
+def make_session(recipe, stacked, *, fp8=False, packed=False):
+    """The eager graph behind the step API, with the recipe's pool and buckets."""
     cfg = recipe.model.config
     layout = KVLayout(cfg.num_kv_buffers, recipe.num_blocks, cfg.num_key_value_heads, recipe.block_size,
                       cfg.head_dim, fp8=fp8, packed_k=packed)
-    spec = GridSpec(recipe.num_seqs_buckets, tuple(ctx_buckets if ctx_buckets is not None
-                                                  else recipe.decode_context_length_buckets), recipe.max_model_len)
-    return Decoder(layout=layout, spec=spec, num_swa=recipe.num_swa, runner=eager_runner(module))
+    spec = GridSpec(recipe.num_seqs_buckets, recipe.decode_context_length_buckets, recipe.max_model_len)
+    return _make_session(cfg, stacked, eager_artifacts(cfg, stacked, spec, layout, recipe.num_swa))
+
+
+def greedy(session, prompts, n, **kw):
+    return run_greedy(session.stepper, session.prefill, session.block_manager(), prompts, n, **kw).tokens
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +47,9 @@ def hf_greedy(folder, prompt, n):
 def test_oracle_matches_transformers(tiny_recipe, tiny_cfg, stacked, hf_checkpoint):
     """Prefill + 32 greedy steps, batched with different lengths, equal HF token for token."""
     assert max(map(len, PROMPTS)) > tiny_cfg.sliding_window
-    module = GptOssDecode(tiny_cfg, stacked)
-    dec = make_decoder(tiny_recipe, module)
+    session = make_session(tiny_recipe, stacked)
     step_logits = []
-    ours = greedy(dec, tiny_cfg, stacked, PROMPTS, 33, on_step=lambda plan, lg: step_logits.append(lg.clone()))
+    ours = greedy(session, PROMPTS, 33, on_step=lambda plan, lg: step_logits.append(lg.clone()))
     for n, prompt in enumerate(PROMPTS):
         ref_tokens, ref_logits = hf_greedy(hf_checkpoint, prompt, 33)
         assert ours[n] == ref_tokens, f"prompt {n}"
@@ -54,15 +59,19 @@ def test_oracle_matches_transformers(tiny_recipe, tiny_cfg, stacked, hf_checkpoi
 
 
 def _one_step(tiny_recipe, module, stacked, prompt, ctx, packed=False, fp8=False, trim_swa=True):
-    cfg = tiny_recipe.model.config
-    dec = make_decoder(tiny_recipe, module, fp8=fp8, packed=packed)
-    greedy(dec, cfg, stacked, [prompt], 1, packed_k=packed)
-    full, swa = dec.table_rows(0)
-    inputs = attn_metadata.build(torch.tensor([[5]]), torch.tensor([len(prompt)]), full[None], swa[None], batch=1,
-                                 ctx=ctx, block_size=tiny_recipe.block_size,
-                                 num_swa=tiny_recipe.num_swa if trim_swa else full.shape[0])
+    """Prefill ``prompt`` (block manager tables), then one step of ``module`` at context bucket ``ctx``."""
+    session = make_session(tiny_recipe, stacked, fp8=fp8, packed=packed)
+    blocks, N = session.block_manager(), len(prompt)
+    blocks.reserve(0, N, N)
+    session.prefill(prompt, session.stepper.kv_caches, {g: t[0] for g, t in tables_for(blocks, [0], [N]).items()})
+    blocks.reserve(0, N + 1, N)
+    tables = tables_for(blocks, [0], [tiny_recipe.max_model_len])
+    full, swa = tables["full"], tables["sliding"]
+    inputs = attn_metadata.build(torch.tensor([[5]]), torch.tensor([N]), full, swa, batch=1, ctx=ctx,
+                                 block_size=tiny_recipe.block_size,
+                                 num_swa=tiny_recipe.num_swa if trim_swa else full.shape[1])
     with torch.no_grad():
-        return module(*inputs.as_args(dec.kv_caches))
+        return module(*inputs.as_args(session.stepper.kv_caches))
 
 
 def test_bucket_invariance(tiny_recipe, tiny_cfg, stacked):
@@ -78,9 +87,7 @@ def test_bucket_invariance(tiny_recipe, tiny_cfg, stacked):
 def test_packed_fp8_k_equals_unpacked_fp8(tiny_recipe, tiny_cfg, stacked):
     toks = {}
     for packed in (False, True):
-        module = GptOssDecode(tiny_cfg, stacked, packed_k=packed)
-        dec = make_decoder(tiny_recipe, module, fp8=True, packed=packed)
-        toks[packed] = greedy(dec, tiny_cfg, stacked, PROMPTS[:2], 16, packed_k=packed)
+        toks[packed] = greedy(make_session(tiny_recipe, stacked, fp8=True, packed=packed), PROMPTS[:2], 16)
     assert toks[True] == toks[False]
     fp32 = _one_step(tiny_recipe, GptOssDecode(tiny_cfg, stacked), stacked, PROMPTS[0], 128)
     fp8 = _one_step(tiny_recipe, GptOssDecode(tiny_cfg, stacked, packed_k=True), stacked, PROMPTS[0], 128,

@@ -91,13 +91,35 @@ def test_head_trim_is_fresh_and_padding_rows_write_nothing():
 
 
 def test_import_runtime_is_cheap():
-    code = ("import sys, neffbuild.runtime, neffbuild.runtime.bundle, neffbuild.runtime.decoder, "
-            "neffbuild.runtime.dp_sync, neffbuild.runtime.attn_metadata; "
-            "bad = [m for m in ('click', 'yaml', 'rich', 'jinja2', 'neffbuild.compiler', 'neffbuild.cli', "
-            "'neffbuild.recipe', 'neffbuild.models', 'transformers') if m in sys.modules]; print(bad)")
+    code = ("import sys, neffbuild.runtime as rt, neffbuild.runtime.bundle, neffbuild.runtime.step, "
+            "neffbuild.runtime.blocks, neffbuild.runtime.dp_sync, neffbuild.runtime.attn_metadata; "
+            "[getattr(rt, n) for n in rt.__all__]; "
+            "bad = [m for m in ('click', 'yaml', 'rich', 'jinja2', 'neffbuild.compiler', 'neffbuild.build', "
+            "'neffbuild.bundle', 'neffbuild.grid', 'neffbuild.cli', 'neffbuild.recipe', 'neffbuild.models', "
+            "'neffbuild.serve', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_public_api():
+    import neffbuild.runtime as rt
+
+    assert rt.open_bundle.__module__ == "neffbuild.runtime.bundle"
+    assert issubclass(rt.ShapeNotCovered, rt.NeffbuildError) and issubclass(rt.KVPoolExhausted, rt.NeffbuildError)
+    assert {"Stepper", "StepBatch", "StepOutput", "BlockManager", "blocks_needed"} <= set(dir(rt))
+    with pytest.raises(AttributeError, match="no attribute 'Decoder'"):
+        rt.Decoder  # noqa: B018
+
+
+def test_models_import_no_runtime_logic():
+    """models/ may import plain layout constants from the runtime, nothing else (STYLE.md #11)."""
+    import ast
+
+    for path in (ROOT / "neffbuild" / "models").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("neffbuild.runtime"):
+                assert node.module == "neffbuild.runtime.blocks" and {a.name for a in node.names} <= {"NULL_BLOCK"}, path
 
 
 @pytest.mark.slow
@@ -111,6 +133,8 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, hf_checkpo
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["check"]["ok"]
+    assert out["decode_seconds"] > 0  # decode steps only: 3 prompts x (n_new - 1) step tokens
+    assert out["tokens_per_second"] == pytest.approx(3 * (n_new - 1) / out["decode_seconds"], rel=1e-3)
     model = transformers.GptOssForCausalLM.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
     for n, p in enumerate(prompts):
         ids = torch.tensor([p])
@@ -125,6 +149,14 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, hf_checkpo
         if i and s["ctx"] != steps[i - 1]["ctx"]:
             assert steps[i - 1]["needed_seq"] == steps[i - 1]["ctx"]  # switched on the first step past the bucket
             assert s["needed_seq"] == steps[i - 1]["ctx"] + 1
+
+
+@pytest.mark.slow
+def test_generate_human_output_reports_speed(built):
+    res = _cli("generate", str(built[1].bundle), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
+    assert res.returncode == 0, res.stderr
+    line = [x for x in res.stdout.splitlines() if x.startswith("decode:")]
+    assert line and " s, " in line[0] and "tokens/s" in line[0], res.stdout
 
 
 @pytest.mark.slow
@@ -146,23 +178,32 @@ def test_dp2_ranks_agree_every_step(built, case):
     assert [s["label"] for s in r0["steps"]] == [s["label"] for s in r1["steps"]]
     assert r0["collectives"] == r1["collectives"] == n_new - 1  # exactly one all-reduce per step
     assert dp["tokens"] == single["tokens"]
+    assert dp["decode_seconds"] == pytest.approx(max(r["decode_seconds"] for r in dp["ranks"]), abs=1e-6)
+    assert dp["tokens_per_second"] > 0
     if case == "uneven":  # rank 1 holds one request but runs rank 0's batch-4 bucket
         assert {s["batch"] for s in r1["steps"]} == {4}
 
 
-def test_decoder_fails_closed_before_running_anything():
-    from neffbuild.runtime.decoder import Decoder
+def test_stepper_fails_closed_before_running_anything():
+    from neffbuild.errors import StepInputError
     from neffbuild.runtime.kv_cache import KVLayout
+    from neffbuild.runtime.step import StepBatch, Stepper
+    from neffbuild.serve.eager import EagerArtifacts
 
     ran = []
-    dec = Decoder(layout=KVLayout(1, 64, 1, 16, 4), spec=GridSpec((1, 2), (128,), 256), num_swa=8,
-                  runner=lambda plan: ran.append(plan))
-    for rid in range(3):
-        dec.add_request(rid, 5)
-    with pytest.raises(ShapeNotCovered, match="above the largest bucket 2"):
-        dec.step({0: 1, 1: 1, 2: 1})
-    dec.finish(2)
-    dec.requests[0].num_computed = 256
+
+    class Recording(EagerArtifacts):
+        def artifact(self, label):
+            ran.append(label)
+
+    step = Stepper(Recording(GridSpec((1, 2), (128,), 256), KVLayout(1, 64, 1, 16, 4), 8, None))
+    table = torch.zeros((3, 16), dtype=torch.long)
+    with pytest.raises(ShapeNotCovered, match="batch of 3 requests is above the largest num_seqs bucket 2"):
+        step.step(StepBatch([[1]] * 3, [5] * 3, {"full": table}))
     with pytest.raises(ShapeNotCovered, match="needed context 257 is above max_model_len 256"):
-        dec.step({0: 1, 1: 1})
+        step.step(StepBatch([[1], [1]], [256, 3], {"full": table[:2]}))
+    with pytest.raises(StepInputError, match=r"rows \[1\] run 2 tokens; must be 1 or 1\+k \(1\)"):
+        step.step(StepBatch([[1], [1, 2]], [5, 5], {"full": table[:2]}))
+    with pytest.raises(StepInputError, match="must be \\[R=2, W\\]"):
+        step.step(StepBatch([[1], [1]], [5, 5], {"full": table}))
     assert ran == []

@@ -1,7 +1,8 @@
 """``neffbuild generate``: the reference harness that accepts a bundle before it ships.
 
 Per-layer prefill (eager) into the KV cache, then greedy decode through the bundle's
-artifacts, one dispatch per step. ``--dp N`` runs N ranks as N processes over gloo with
+artifacts, one dispatch per step (the loop: neffbuild/serve/greedy.py). ``decode_seconds`` is
+the wall time of the decode steps only; ``tokens_per_second`` = decode-step tokens / it. ``--dp N`` runs N ranks as N processes over gloo with
 the prompts split across them (``prompts[r::N]``); a rank without work runs dummy steps
 at the synced bucket. ``--check`` also runs the eager graph and fails on any mismatch.
 """
@@ -29,18 +30,15 @@ def _parse_prompt(text: str) -> list[int]:
 
 
 def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
-    """Greedy tokens and the step log for this rank's prompts (bundle artifacts, or eager)."""
-    from neffbuild.models.gpt_oss.config import GptOssConfig
-    from neffbuild.models.gpt_oss.decode import GptOssDecode
-    from neffbuild.models.gpt_oss.harness import eager_runner, greedy
+    """Greedy tokens, the step log and decode timing for this rank's prompts (bundle artifacts, or eager)."""
     from neffbuild.runtime import dp_sync
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.runtime.decoder import Decoder
+    from neffbuild.serve.greedy import greedy, prometheus
+    from neffbuild.serve.session import open_session
 
     bundle = open_bundle(bundle_path)
-    gi = bundle.manifest["graph_inputs"]
-    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
-    vocab = cfg.vocab_size
+    session = open_session(bundle, reference=reference, group=group)
+    vocab = session.config.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= t < vocab]
     if bad:
         raise InvalidInput(f"--prompt-ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -48,15 +46,18 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
     if longest + max_new_tokens > bundle.spec.max_model_len:
         raise InvalidInput(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the bundle's "
                            f"max_model_len {bundle.spec.max_model_len}")
-    if reference:
-        runner = eager_runner(GptOssDecode(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval())
-    else:
-        runner = bundle.runner()
-    decoder = Decoder(layout=bundle.kv_layout, spec=bundle.spec, num_swa=bundle.num_swa, runner=runner, group=group)
+    if not reference:
+        for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
+            bundle.artifact(label)
     before = dp_sync.COLLECTIVES["count"]
-    tokens = greedy(decoder, cfg, bundle.weights, prompts, max_new_tokens, packed_k=bundle.kv_layout.packed_k)
-    return {"tokens": tokens, "steps": [s.to_json() for s in decoder.steps],
-            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": decoder.prometheus()}
+    gen = greedy(session.stepper, session.prefill, session.block_manager(), prompts, max_new_tokens)
+    return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans],
+            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": prometheus(gen.plans),
+            "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens}
+
+
+def _speed(seconds: float, tokens: int) -> dict:
+    return {"decode_seconds": round(seconds, 6), "tokens_per_second": round(tokens / seconds, 3) if seconds > 0 else 0.0}
 
 
 def _dp_worker(rank: int, world: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int, out_dir: str):
@@ -87,8 +88,11 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
     for r in ranks:
         for n, toks in enumerate(r["tokens"]):
             tokens[r["rank"] + n * dp] = toks
-    return {"tokens": tokens, "steps": ranks[0]["steps"],
-            "ranks": [{"rank": r["rank"], "steps": r["steps"], "collectives": r["collectives"]} for r in ranks]}
+    # Ranks decode in lockstep: the slowest rank's decode time, every rank's tokens.
+    speed = _speed(max(r["decode_seconds"] for r in ranks), sum(r["decode_tokens"] for r in ranks))
+    return {"tokens": tokens, "steps": ranks[0]["steps"], **speed,
+            "ranks": [{"rank": r["rank"], "steps": r["steps"], "collectives": r["collectives"],
+                       "decode_seconds": r["decode_seconds"]} for r in ranks]}
 
 
 @click.command("generate")
@@ -100,7 +104,8 @@ def run_dp(bundle_path: str, prompts, max_new_tokens: int, dp: int) -> dict:
 @click.option("--dp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Data-parallel ranks, run as processes over gloo; every step all ranks run the same artifact.")
 @click.option("--check", is_flag=True, help="Also run the eager graph; exit 1 on any token mismatch.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"tokens", "steps"[, "ranks"]} on stdout.')
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "check"]} on stdout.')
 def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
@@ -114,6 +119,7 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
         out = run_rank(bundle_path, prompts, max_new_tokens)
         out.pop("collectives")
         metrics = out.pop("metrics")
+        out.update(_speed(out["decode_seconds"], out.pop("decode_tokens")))
         if not as_json:
             click.echo(metrics, err=True, nl=False)
     if check:
@@ -124,6 +130,8 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, check, as_json):
     else:
         for n, toks in enumerate(out["tokens"]):
             click.echo(f"prompt {n}: {','.join(map(str, toks))}")
+        click.echo(f"decode: {out['decode_seconds']:.3f} s, {out['tokens_per_second']:.1f} tokens/s "
+                   f"(decode steps only: no loading, prefill or --check)")
         last = None
         for i, s in enumerate(out["steps"]):
             if s["label"] != last:

@@ -153,7 +153,9 @@ def _build(job: Job, backend, result: dict):
     """Trace, key, then the cache entry (compiled and published on a miss); records the pre-key."""
     from neffbuild.compiler.cache import Cache
 
+    t0 = time.monotonic()
     key, exported, signature, _ = key_for(job.graph, backend)
+    trace_s = time.monotonic() - t0
     result.update(cache_key=key, input_signature=signature)
     cache = Cache(job.cache_root)
     with cache.lock(key):
@@ -169,6 +171,8 @@ def _build(job: Job, backend, result: dict):
                 "graph": graph_summary(job.graph), "input_signature": signature, "ext": backend.ext,
             })
             print(f"== compiled in {seconds:.1f}s -> {entry.path}", flush=True)
+            if getattr(backend, "profile", None):
+                print(f"== compile profile: trace {trace_s:.1f}s, {backend.profile}", flush=True)
         else:
             print(f"== cache hit {key}", flush=True)
     cache.put_pre(pre_key_for(job.graph, backend), key)

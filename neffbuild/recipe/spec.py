@@ -72,7 +72,7 @@ class Recipe:
         cfg = self.model.config
         if not cfg.has_sliding_layers:
             return 0
-        return num_swa_blocks(cfg.sliding_window, self.block_size, self.max_model_len)
+        return num_swa_blocks(cfg.sliding_window, self.block_size, self.max_model_len, 1 + self.num_speculative_tokens)
 
     def to_dict(self) -> dict:
         """Normalised recipe: every default filled in; paths as given (absolute)."""

@@ -17,6 +17,7 @@ from neffbuild.errors import NO_VALUE, Problem
 from neffbuild.models import KNOWN_ARCHS
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
+from neffbuild.runtime.blocks import group_blocks, kv_groups, min_pool_blocks
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -405,21 +406,14 @@ class Validator:
             self.err("serving.max_model_len", mml,
                      f"must be <= model.config.max_position_embeddings ({cfg.max_position_embeddings})")
         if mml and bs and nb:
-            if nb * bs < mml:
-                self.err("serving.num_blocks", nb,
-                         f"num_blocks * block_size ({nb * bs}) must hold one full-length sequence (max_model_len {mml})")
-            elif mns and nb * bs < mns * mml:
-                self.warnings.append(
-                    f"serving.num_blocks: {nb} blocks of {bs} hold {nb * bs} tokens, fewer than max_num_seqs x "
-                    f"max_model_len ({mns * mml}); long requests will queue"
-                )
+            self.pool_size(cfg, mml, bs, nb, mns, 1 + (spec.num_speculative_tokens if spec else 0))
         if gk:
             self.gk_layout(cfg)
         if cfg.has_sliding_layers and bs:
             if bs > P_MAX:
                 self.err("serving.block_size", bs, f"must be <= {P_MAX} for models with sliding-window layers")
             elif ctx and mml:
-                width = num_swa_blocks(cfg.sliding_window, bs, mml) * bs
+                width = num_swa_blocks(cfg.sliding_window, bs, mml, 1 + (spec.num_speculative_tokens if spec else 0)) * bs
                 for i, c in enumerate(ctx):
                     if c < width:
                         self.err(f"neuron_config.decode_context_length_buckets[{i}]", c,
@@ -432,6 +426,20 @@ class Validator:
         if spec is not None and mml and mml <= spec.num_speculative_tokens + 1:
             self.err("speculative.num_speculative_tokens", spec.num_speculative_tokens,
                      f"leaves no room in max_model_len ({mml})")
+
+    def pool_size(self, cfg: GptOssConfig, mml: int, bs: int, nb: int, mns: int | None, query_len: int) -> None:
+        """The block manager's formula (runtime/blocks.py): whatever validates can serve."""
+        groups = kv_groups(cfg.sliding_window if cfg.has_sliding_layers else None)
+        one = min_pool_blocks(mml, bs, groups, query_len)
+        what = " + ".join(f"{group_blocks(mml, bs, g.window, query_len)} {g.name}" for g in groups) + " + 1 null block"
+        if nb < one:
+            self.err("serving.num_blocks", nb, f"must be >= {one} to hold one max_model_len ({mml}) sequence "
+                                               f"({what}; docs/recipe.md)")
+        elif mns and nb < min_pool_blocks(mml, bs, groups, query_len, mns):
+            self.warnings.append(
+                f"serving.num_blocks: {nb} blocks hold {(nb - 1) // (one - 1)} max_model_len sequences at once, fewer "
+                f"than max_num_seqs ({mns}; that needs {min_pool_blocks(mml, bs, groups, query_len, mns)}); "
+                f"long requests will queue")
 
     def gk_layout(self, cfg: GptOssConfig) -> None:
         L = cfg.num_hidden_layers

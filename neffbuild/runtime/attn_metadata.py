@@ -49,11 +49,18 @@ def tail_trim(table: torch.Tensor, ctx_len: torch.Tensor, block_size: int, num_s
     return torch.gather(table, 1, cols), start * block_size
 
 
+def widen(table: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad an engine table with null-block columns up to ``width`` (engines may pass rows only as
+    wide as their requests; the graph reads ``ctx / block_size`` columns)."""
+    short = width - table.shape[1]
+    return torch.cat([table, table.new_full((table.shape[0], short), NULL_BLOCK)], 1) if short > 0 else table
+
+
 def build(
     tokens: torch.Tensor,  # [R, q] tokens to run this step
     num_computed: torch.Tensor,  # [R] tokens already in the cache per request
-    full_table: torch.Tensor,  # [R, max_blocks] engine block table, full-attention group
-    swa_table: torch.Tensor,  # [R, max_blocks] engine block table, sliding-window group
+    full_table: torch.Tensor,  # [R, W] engine block table, full-attention group (any W; widened to ctx/bs)
+    swa_table: torch.Tensor,  # [R, W'] engine block table, sliding-window group
     *,
     batch: int,
     ctx: int,
@@ -63,6 +70,8 @@ def build(
     """Inputs for one step at batch bucket ``batch`` and context bucket ``ctx``."""
     R, q = tokens.shape
     pad = batch - R
+    width = -(-ctx // block_size)
+    full_table, swa_table = widen(full_table.long(), width), widen(swa_table.long(), max(width, num_swa))
     positions = num_computed[:, None] + torch.arange(q)  # [R, q]
     blk_idx, offs = positions // block_size, positions % block_size
     slots = torch.gather(full_table, 1, blk_idx) * block_size + offs

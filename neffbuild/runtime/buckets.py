@@ -60,11 +60,16 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def num_swa_blocks(window: int, block_size: int, max_model_len: int) -> int:
+def num_swa_blocks(window: int, block_size: int, max_model_len: int, query_len: int = 1) -> int:
     """Columns of the tail-trimmed sliding-window table.
 
-    window // block_size + 1 blocks cover any window, rounded up to a whole attention tile
-    (128 // block_size blocks), but never more than a full-length sequence has.
+    The most blocks a step can read in a sliding layer: keys from the first query's
+    ``position - window + 1`` to the last position written (``query_len - 1`` later), a run
+    of ``window + query_len - 1`` positions, which touches at most
+    ``(window + query_len - 1 + block_size - 2) // block_size + 1`` blocks (runtime/blocks.py
+    holds the same blocks). Rounded up to a whole attention tile (128 // block_size blocks),
+    but never more than a full-length sequence has.
     """
     tile_blocks = max(1, P_MAX // block_size)
-    return min(round_up(window // block_size + 1, tile_blocks), math.ceil(max_model_len / block_size))
+    span = window + query_len - 1
+    return min(round_up((span + block_size - 2) // block_size + 1, tile_blocks), math.ceil(max_model_len / block_size))

@@ -58,14 +58,20 @@ def label(family: str, batch: int, ctx: int, query_len: int) -> str:
     raise ValueError(f"unknown family {family!r}")
 
 
-def choose_family(spec: GridSpec, needed_with_drafts: int, *, all_have_drafts: bool, after_transfer: bool) -> str:
-    """With EAGLE3: with-spec normally; without-spec near max_model_len, right after a DI
-    transfer (no aux hidden states yet), or when any request has no drafts."""
-    if spec.num_speculative_tokens == 0:
-        return DECODE
-    if needed_with_drafts > spec.max_model_len or after_transfer or not all_have_drafts:
-        return TARGET_NOSPEC
-    return TARGET_SPEC
+def needs_nospec(spec: GridSpec, needed_base: int, *, all_have_drafts: bool) -> bool:
+    """With EAGLE3, whether this rank must run without speculation: some request has no k drafts
+    (none proposed, or right after a DI transfer: no aux hidden states yet), or there is no room for
+    them (``max_position + k + 1 > max_model_len``). Synced across DP ranks with MAX."""
+    k = spec.num_speculative_tokens
+    return k > 0 and (not all_have_drafts or needed_base + k > spec.max_model_len)
+
+
+def family_for(spec: GridSpec, nospec: bool) -> tuple[str, int]:
+    """(family, query_len) of a step: decode without EAGLE3, else target_spec (1+k) or target_nospec (1)."""
+    k = spec.num_speculative_tokens
+    if k == 0:
+        return DECODE, 1
+    return (TARGET_NOSPEC, 1) if nospec else (TARGET_SPEC, 1 + k)
 
 
 def plan_for(spec: GridSpec, *, batch_count: int, needed: int, num_reqs: int, family: str = DECODE,
@@ -89,6 +95,13 @@ def plan_for(spec: GridSpec, *, batch_count: int, needed: int, num_reqs: int, fa
     return StepPlan(batch, num_reqs, needed, ctx, family, query_len, label(family, batch, ctx, query_len))
 
 
+def plan_synced(spec: GridSpec, *, batch_count: int, needed_base: int, nospec: bool, num_reqs: int) -> StepPlan:
+    """The plan from (DP-synced) values: the family first, then needed_seq = needed_base + drafts run."""
+    family, q = family_for(spec, nospec)
+    return plan_for(spec, batch_count=batch_count, needed=needed_base + q - 1, num_reqs=num_reqs, family=family,
+                    query_len=q)
+
+
 def plan_step(
     num_computed_tokens: Sequence[int],
     num_reqs: int,
@@ -98,10 +111,7 @@ def plan_step(
     all_have_drafts: bool = True,
     after_transfer: bool = False,
 ) -> StepPlan:
-    """The artifact for one decode step of ``num_reqs`` requests."""
-    k = spec.num_speculative_tokens
-    family = choose_family(spec, buckets.needed_seq(num_computed_tokens, k),
-                           all_have_drafts=all_have_drafts and num_draft_tokens > 0, after_transfer=after_transfer)
-    q = 1 + k if family == TARGET_SPEC else 1
-    needed = buckets.needed_seq(num_computed_tokens, q - 1)  # drafts ride along only in the with-spec family
-    return plan_for(spec, batch_count=num_reqs, needed=needed, num_reqs=num_reqs, family=family, query_len=q)
+    """The artifact for one decode step of ``num_reqs`` requests on one rank (no DP sync)."""
+    base = buckets.needed_seq(num_computed_tokens)
+    nospec = needs_nospec(spec, base, all_have_drafts=all_have_drafts and num_draft_tokens > 0 and not after_transfer)
+    return plan_synced(spec, batch_count=num_reqs, needed_base=base, nospec=nospec, num_reqs=num_reqs)

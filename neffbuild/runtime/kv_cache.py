@@ -4,7 +4,8 @@ G = num_layers / 2 buffers, each ``[2, num_blocks, kv_heads, block_size, head_di
 then V half). Layer pair (2j, 2j+1) shares buffer j through two block tables. With packed
 FP8 K the K half is also viewed as ``[num_blocks, kv_heads, block_size // 2, head_dim, 2]``
 (logical token t of a block at ``[t // 2, :, t % 2]``); V is never packed.
-Block 0 is the null block: never handed to a request, it absorbs padding rows' reads.
+Block 0 is the null block: never handed to a request, it absorbs padding rows' reads
+(block allocation: runtime/blocks.py).
 FP8 buffers are passed to compiled graphs as their uint8 bytes (``graph_view``).
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-NULL_BLOCK = 0
+from neffbuild.runtime.blocks import NULL_BLOCK  # noqa: F401  (re-exported: block 0 is the null block)
 
 
 @dataclass(frozen=True)
@@ -57,18 +58,3 @@ def graph_view(buffer: torch.Tensor) -> torch.Tensor:
 def packed_k_view(buffer: torch.Tensor) -> torch.Tensor:
     _, nb, h, bs, d = buffer.shape
     return buffer[0].view(nb, h, bs // 2, d, 2)
-
-
-class BlockAllocator:
-    """Hands out block ids 1..num_blocks-1 (0 is the null block)."""
-
-    def __init__(self, num_blocks: int):
-        self.free = list(range(num_blocks - 1, NULL_BLOCK, -1))
-
-    def take(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(f"KV pool exhausted: need {n} blocks, {len(self.free)} free")
-        return [self.free.pop() for _ in range(n)]
-
-    def give_back(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))

@@ -13,11 +13,17 @@ import torch
 from kernels import rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
 from neffbuild.models.gpt_oss.config import SLIDING, GptOssConfig
 from neffbuild.models.gpt_oss.decode import attention_inputs, attention_output_and_mlp
+from neffbuild.runtime.blocks import NULL_BLOCK  # a plain layout constant (models import no runtime logic)
 
 
 def slots_for(block_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of absolute positions through one request's (untrimmed) block table row."""
-    return block_row[positions // block_size] * block_size + positions % block_size
+    """Cache slots of absolute positions through one request's (untrimmed) block table row.
+
+    Positions whose block is the null block get slot -1 (not written): a sliding-window row
+    holds only the blocks later queries read, the older entries are the null block.
+    """
+    blocks = block_row[positions // block_size]
+    return torch.where(blocks == NULL_BLOCK, -1, blocks * block_size + positions % block_size)
 
 
 @torch.no_grad()

@@ -1,0 +1,45 @@
+"""neffbuild's thin serving runtime: open a bundle, run decode steps over engine-owned block tables.
+
+    from neffbuild.runtime import open_bundle, Stepper, StepBatch
+    step = Stepper(open_bundle("artifacts/gpt-oss-tiny-0.1.0"))
+    out = step.step(StepBatch(tokens=[[tok]], num_computed=[n], block_tables={"full": rows, "sliding": swa_rows}))
+
+Imports only the standard library, torch and safetensors (nixl lazily) and the base modules
+(errors, fsutil). Names resolve lazily, so ``neffbuild.runtime.buckets`` (imported by the recipe
+validator and the grid) stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "open_bundle": "bundle", "Bundle": "bundle",
+    "Stepper": "step", "StepBatch": "step", "StepOutput": "step", "Artifacts": "step",
+    "StepPlan": "dispatch", "GridSpec": "dispatch", "plan_step": "dispatch", "label": "dispatch",
+    "BlockManager": "blocks", "KVGroup": "blocks", "kv_groups": "blocks", "blocks_needed": "blocks",
+    "min_pool_blocks": "blocks", "FULL_GROUP": "blocks", "SLIDING_GROUP": "blocks", "NULL_BLOCK": "blocks",
+    "KVLayout": "kv_cache", "allocate": "kv_cache",
+}
+_ERRORS = ("NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted",
+           "StepInputError")
+
+__all__ = [  # noqa: RUF022 - grouped as above: runtime names, then errors
+    "open_bundle", "Bundle", "Stepper", "StepBatch", "StepOutput", "Artifacts", "StepPlan", "GridSpec", "plan_step",
+    "label", "BlockManager", "KVGroup", "kv_groups", "blocks_needed", "min_pool_blocks", "FULL_GROUP",
+    "SLIDING_GROUP", "NULL_BLOCK", "KVLayout", "allocate",
+    "NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted", "StepInputError",
+]
+assert set(__all__) == set(_EXPORTS) | set(_ERRORS)
+
+
+def __getattr__(name: str):
+    if name in _ERRORS:
+        return getattr(importlib.import_module("neffbuild.errors"), name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"neffbuild.runtime.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'neffbuild.runtime' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,148 @@
+"""KV block accounting (the one formula) and an optional per-group block manager.
+
+Pure Python (no torch): the recipe validator imports the formula, so what validates is
+exactly what the block manager can serve.
+
+KV groups share one pool of ``num_blocks`` block ids (block 0 is the null block, never
+handed out). A full-attention group holds every block of a sequence; a sliding-window
+group holds only the blocks a future query can still read: a step that runs positions
+``[n, n+q)`` reads keys from ``n - window + 1`` on, so older blocks go back to the pool
+and their table entries become the null block (the kernels mask those positions anyway).
+
+Blocks one sequence of ``L`` tokens needs at its peak, with at most ``q`` tokens per step:
+
+    full(L)    = ceil(L / block_size)
+    sliding(L) = min(ceil(L / block_size), (window + q - 1 + block_size - 2) // block_size + 1)
+    need(L)    = full(L) + sliding(L)            (summed over the model's groups)
+    pool       >= num_seqs * need(max_model_len) + 1   (the null block)
+
+``(T + block_size - 2) // block_size + 1`` is the most blocks a run of ``T`` consecutive
+positions can touch (``T = window + q - 1``: the oldest key the first query reads to the
+last position written).
+
+What this module leaves out: engines with their own allocator (vLLM) keep using it; the
+step API (runtime/step.py) takes whatever block tables it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from neffbuild.errors import KVPoolExhausted
+
+NULL_BLOCK = 0  # the same constant as kv_cache.NULL_BLOCK (that module imports torch)
+FULL_GROUP, SLIDING_GROUP = "full", "sliding"
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One block table per request: ``window`` tokens for sliding-window layers, None for full attention."""
+
+    name: str
+    window: int | None = None
+
+
+def kv_groups(sliding_window: int | None) -> tuple[KVGroup, ...]:
+    """The target model's groups: full attention, plus sliding window when the model has such layers."""
+    return (KVGroup(FULL_GROUP),) + ((KVGroup(SLIDING_GROUP, sliding_window),) if sliding_window else ())
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_blocks(num_tokens: int, block_size: int, window: int | None = None, query_len: int = 1) -> int:
+    """Peak blocks one group holds for a sequence of ``num_tokens`` tokens."""
+    full = _ceil_div(num_tokens, block_size)
+    if window is None:
+        return full
+    span = window + query_len - 1
+    return min(full, (span + block_size - 2) // block_size + 1)
+
+
+def blocks_needed(num_tokens: int, block_size: int, groups: Iterable[KVGroup], query_len: int = 1) -> int:
+    """Peak blocks one sequence of ``num_tokens`` tokens holds over all groups (null block not included)."""
+    return sum(group_blocks(num_tokens, block_size, g.window, query_len) for g in groups)
+
+
+def min_pool_blocks(max_model_len: int, block_size: int, groups: Iterable[KVGroup], query_len: int = 1,
+                    num_seqs: int = 1) -> int:
+    """Smallest ``num_blocks`` that serves ``num_seqs`` sequences of ``max_model_len`` tokens at once."""
+    return num_seqs * blocks_needed(max_model_len, block_size, groups, query_len) + 1
+
+
+def live_blocks(group: KVGroup, block_size: int, upto: int, next_query: int) -> range:
+    """Logical block indices a group must hold: positions below ``upto`` a query at ``next_query`` or later reads."""
+    hi = _ceil_div(upto, block_size)
+    if group.window is None:
+        return range(hi)
+    return range(min(max(0, next_query - group.window + 1) // block_size, hi), hi)
+
+
+class BlockManager:
+    """Per-request, per-group block tables over one shared pool (a convenience; engines may own their own).
+
+    Tables are lists indexed by logical block (position // block_size); entries a group no
+    longer needs hold ``NULL_BLOCK``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, groups: Sequence[KVGroup]):
+        self.block_size, self.groups = block_size, tuple(groups)
+        self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out 1, 2, 3, ...
+        self.tables: dict[object, dict[str, list[int]]] = {}
+        # First held index per request and group: entries below it are NULL_BLOCK, entries from
+        # it to the end are held, so a step touches only the blocks that change (never O(length)).
+        self._start: dict[object, dict[str, int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def reserve(self, rid, upto: int, next_query: int | None = None) -> None:
+        """Hold blocks for positions ``< upto`` that a query at ``next_query`` (default ``upto - 1``) or later reads.
+
+        A decode step running positions ``[n, n+q)`` calls ``reserve(rid, n + q, n)``; prefill of
+        ``N`` tokens (which reads no cache) calls ``reserve(rid, N, N)``. Sliding-window blocks
+        that fell out of the window return to the pool first. All or nothing: raises
+        KVPoolExhausted (needed vs free) and changes nothing when the pool is short.
+        """
+        nq = upto - 1 if next_query is None else next_query
+        tables = self.tables.get(rid) or {g.name: [] for g in self.groups}
+        starts = self._start.get(rid) or {g.name: 0 for g in self.groups}
+        plan, n_release, n_want = [], 0, 0
+        for g in self.groups:
+            table, start = tables[g.name], starts[g.name]
+            live = live_blocks(g, self.block_size, upto, nq)
+            new_start = max(start, live.start)
+            release = range(start, min(new_start, len(table)))
+            want = range(max(new_start, len(table)), live.stop)
+            plan.append((g.name, new_start, release, want))
+            n_release, n_want = n_release + len(release), n_want + len(want)
+        if n_want > len(self._free) + n_release:
+            raise KVPoolExhausted(n_want, len(self._free) + n_release, f"for request {rid!r}")
+        self.tables[rid], self._start[rid] = tables, starts
+        for name, new_start, release, _ in plan:
+            for i in release:
+                self._free.append(tables[name][i])
+                tables[name][i] = NULL_BLOCK
+            starts[name] = new_start
+        for name, new_start, _, want in plan:
+            table = tables[name]
+            table.extend([NULL_BLOCK] * (max(new_start, len(table)) - len(table)))
+            table.extend(self._free.pop() for _ in want)
+
+    def release(self, rid) -> None:
+        """Return every block of a finished request to the pool."""
+        self._start.pop(rid, None)
+        for table in self.tables.pop(rid, {}).values():
+            self._free.extend(b for b in reversed(table) if b != NULL_BLOCK)
+
+    def row(self, rid, group: str, width: int) -> list[int]:
+        """One group's table row for a request, padded with the null block to ``width`` entries."""
+        table = self.tables[rid][group]
+        return table[:width] + [NULL_BLOCK] * (width - len(table))
+
+    def held(self, rid) -> int:
+        """Blocks a request holds over all groups."""
+        return sum(b != NULL_BLOCK for t in self.tables.get(rid, {}).values() for b in t)

@@ -1,0 +1,122 @@
+"""The per-step API serving engines call: plan -> DP sync -> trimmed metadata -> artifact.
+
+An engine hands over its view of one step (per request: tokens already computed, the
+tokens to run now, its block-table row per KV group) and gets back the plan, the logits
+of the rows it ran and, for EAGLE3 target families, the auxiliary hidden states. The
+``Stepper`` keeps no per-request state between steps (engines own block tables); it holds
+only what does not change per step: the artifacts, the KV buffers, the DP group, a hook.
+
+DP: every rank calls ``step`` once per engine step, idle ranks with an empty batch. One
+MAX all-reduce carries ``(num_reqs, needed_base, nospec, bad_input)``; local problems (a
+batch above every bucket, a context above ``max_model_len``, malformed input) therefore
+reach every rank in the same collective and all ranks raise together: a DP job never hangs.
+
+Not here: block allocation (runtime/blocks.py, optional), sampling and prefill (serve/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from neffbuild.errors import StepInputError
+from neffbuild.runtime import attn_metadata, buckets, dp_sync
+from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
+from neffbuild.runtime.dispatch import GridSpec, StepPlan, needs_nospec, plan_synced
+from neffbuild.runtime.kv_cache import KVLayout, allocate
+
+
+class Artifacts(Protocol):
+    """What a Stepper runs: a Bundle satisfies it; serve.eager wraps an eager graph the same way."""
+
+    spec: GridSpec
+    kv_layout: KVLayout
+    num_swa: int
+
+    def artifact(self, label: str) -> Callable[..., object]: ...
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The engine's view of one step; row r of every field is request r (output rows follow it)."""
+
+    tokens: Sequence[Sequence[int]]  # per request: its next token, then its k drafts if it has them (1 or 1+k)
+    num_computed: Sequence[int]  # per request: tokens already in the KV cache (= position of tokens[r][0])
+    block_tables: Mapping[str, torch.Tensor]  # KV group ("full", "sliding") -> [R, W] block ids, any W
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    plan: StepPlan  # label, family, batch bucket, ctx bucket, needed_seq (DP-synced)
+    logits: torch.Tensor  # [R, plan.query_len, vocab]; query_len 1 when the step ran without drafts
+    aux_hidden: torch.Tensor | None  # [R, plan.query_len, A] for EAGLE3 target families, else None
+
+
+def _problem(batch: StepBatch, k: int) -> str | None:
+    """Why a step is malformed, or None (checked before the collective so every rank learns of it)."""
+    R = len(batch.tokens)
+    if len(batch.num_computed) != R:
+        return f"step: {len(batch.num_computed)} num_computed values for {R} token rows"
+    bad = [r for r, t in enumerate(batch.tokens) if len(t) not in (1, 1 + k)]
+    if bad:
+        return f"step: rows {bad[:5]} run {len(batch.tokens[bad[0]])} tokens; must be 1 or 1+k ({1 + k})"
+    if any(int(n) < 0 for n in batch.num_computed):
+        return "step: num_computed must be >= 0"
+    if R and FULL_GROUP not in batch.block_tables:
+        return f"step: block_tables lacks the {FULL_GROUP!r} group (got {sorted(batch.block_tables)})"
+    shapes = {g: tuple(t.shape) for g, t in batch.block_tables.items()}
+    if R and any(len(s) != 2 or s[0] != R for s in shapes.values()):
+        return f"step: block tables must be [R={R}, W], got {shapes}"
+    return None
+
+
+class Stepper:
+    """Runs one decode step per call for the rows an engine hands it; stateless about requests.
+
+    ``kv_caches`` are the engine's KV buffers (allocated here from the bundle's layout when
+    not given). ``group``: a torch.distributed process group of the DP ranks (gloo), or None.
+    ``on_plan``: called with each step's synced plan (``plan.needed_seq``: the histogram hook).
+    """
+
+    def __init__(self, artifacts: Artifacts, *, kv_caches: Sequence[torch.Tensor] | None = None, group=None,
+                 on_plan: Callable[[StepPlan], None] | None = None, device: str = "cpu"):
+        self.artifacts, self.group, self.on_plan = artifacts, group, on_plan
+        self.spec, self.layout, self.num_swa = artifacts.spec, artifacts.kv_layout, artifacts.num_swa
+        self.kv_caches = list(kv_caches) if kv_caches is not None else allocate(self.layout, device)
+
+    def plan(self, batch: StepBatch) -> StepPlan:
+        """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike."""
+        k, R = self.spec.num_speculative_tokens, len(batch.tokens)
+        problem = _problem(batch, k)
+        base = buckets.needed_seq([int(n) for n in batch.num_computed]) if R and not problem else 0
+        nospec = R > 0 and not problem and needs_nospec(
+            self.spec, base, all_have_drafts=all(len(t) == 1 + k for t in batch.tokens))
+        count, base, nospec, bad = dp_sync.sync_step(R, base, self.group, spec_flags=(nospec, problem is not None))
+        if bad:
+            raise StepInputError(problem or "another DP rank was handed a malformed step (see its error)")
+        plan = plan_synced(self.spec, batch_count=count, needed_base=base, nospec=bool(nospec), num_reqs=R)
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        return plan
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        """Plan, sync, build the trimmed inputs, run the artifact (KV written in place)."""
+        plan = self.plan(batch)
+        R, q = len(batch.tokens), plan.query_len
+        tokens = torch.tensor([list(t)[:q] for t in batch.tokens], dtype=torch.long).reshape(R, q)
+        empty = torch.zeros((R, 1), dtype=torch.long)
+        full = batch.block_tables.get(FULL_GROUP, empty)
+        inputs = attn_metadata.build(
+            tokens, torch.tensor([int(n) for n in batch.num_computed], dtype=torch.long), full,
+            batch.block_tables.get(SLIDING_GROUP, full), batch=plan.batch, ctx=plan.ctx,
+            block_size=self.layout.block_size, num_swa=self.num_swa)
+        out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.kv_caches))
+        logits, aux = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) > 1 else (_first(out), None)
+        return StepOutput(plan, logits[:R], aux[:R] if aux is not None else None)
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -1,0 +1,23 @@
+"""The eager decode graph behind the runtime's ``Artifacts`` protocol (the ``--check`` reference)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from neffbuild.runtime.dispatch import GridSpec
+from neffbuild.runtime.kv_cache import KVLayout
+
+
+@dataclass
+class EagerArtifacts:
+    """Every label runs the same eager module (it takes any shape): the oracle for compiled steps."""
+
+    spec: GridSpec
+    kv_layout: KVLayout
+    num_swa: int
+    module: torch.nn.Module
+
+    def artifact(self, label: str):
+        return torch.no_grad()(self.module.forward)
