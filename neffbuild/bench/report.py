@@ -51,7 +51,7 @@ def plot(result: dict, path: str | Path, title: str) -> Path:
     ax.set_ylabel("decode step, ms (median; bar to p90)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
