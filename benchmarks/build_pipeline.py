@@ -53,7 +53,8 @@ labels = b.labels[:1] if mode == "one" else b.labels
 for lb in labels:
     if mode == "all_copied":  # the counterfactual: every artifact gets its own copy of the weights
         own = {k: v.clone() for k, v in b.weights.items()}
-        r = torch._inductor.aoti_load_package(str(b.root / b.entries[lb]["file"]))
+        from neffbuild.runtime.bundle import AOTIArtifact
+        r = AOTIArtifact(b.root / b.entries[lb]["file"])
         r.load_constants({n: own[n] for n in r.get_constant_fqns()}, check_full_update=True, user_managed=True)
         b._loaded[lb] = (r, own)
     else:

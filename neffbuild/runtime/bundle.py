@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import torch
+import torch.utils._pytree as pytree
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
@@ -191,9 +192,33 @@ class Bundle:
         return lambda plan: self.artifact(plan.label)
 
 
+class AOTIArtifact:
+    """An AOTInductor package run through torch's C++ package loader alone.
+
+    ``torch._inductor.aoti_load_package`` returns the same loader wrapped in a class whose
+    import pulls in inductor and dynamo (seconds per process, most of a cold start); the
+    calling convention is only: flatten the tensors in order, run, unflatten the outputs.
+    """
+
+    def __init__(self, path: str | Path):
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        self._out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
+
+    def __call__(self, *args):
+        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        return pytree.tree_unflatten(self.loader.boxed_run(flat), self._out_spec)
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(self, constants: dict[str, torch.Tensor], *, check_full_update: bool,
+                       user_managed: bool = False) -> None:
+        self.loader.load_constants(constants, False, check_full_update, user_managed, False)
+
+
 def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
     """Load an AOTInductor package and bind user-managed constants (shared, never copied)."""
-    runner = torch._inductor.aoti_load_package(str(path))
+    runner = AOTIArtifact(path)
     wanted = runner.get_constant_fqns()
     missing = [n for n in wanted if n not in constants]
     if missing:
