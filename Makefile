@@ -1,13 +1,14 @@
 # Two entry points do all the set-up on a fresh machine:
 #   make demo   compile the tiny recipe to artifacts/ with the embedded backend and inspect it
 #   make test   run the test suite (everything but the timing benchmarks)
+#   make lint   ruff over every Python file in the tree (rules in pyproject.toml)
 #   make bench  the timing benchmarks (docs/benchmarks.md), from a fresh clone
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test lint venv clean bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +36,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not bench" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # Timing on a shared host is noisy: run it alone, or under `nice -n -5` (see docs/benchmarks.md).
 bench: $(BENCH_STAMP)

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import yaml
-
 from _common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +52,7 @@ labels = b.labels[:1] if mode == "one" else b.labels
 for lb in labels:
     if mode == "all_copied":  # the counterfactual: every artifact gets its own copy of the weights
         own = {k: v.clone() for k, v in b.weights.items()}
-        from neffbuild.runtime.bundle import AOTIArtifact
+        from neffbuild.runtime.aoti_package import AOTIArtifact
         r = AOTIArtifact(b.root / b.entries[lb]["file"])
         r.load_constants({n: own[n] for n in r.get_constant_fqns()}, check_full_update=True, user_managed=True)
         b._loaded[lb] = (r, own)

@@ -15,8 +15,8 @@ import json
 import sys
 
 import torch
-
 from _common import machine, median_us
+
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.dispatch import GridSpec, plan_step
 

@@ -85,7 +85,8 @@ def report(bench: dict, pools: dict, nb: int) -> str:
                      f"{s['compile_at_startup']['compile_and_first_step_s']} s")
     lines.append(f"plan + metadata {bench['plan']['plan_plus_metadata_us']} us/step")
     if "dp" in bench:
-        lines.append(f"DP sync {bench['dp']['dp_sync_us']} us vs bare gloo all-reduce {bench['dp']['bare_allreduce_us']} us")
+        dp = bench["dp"]
+        lines.append(f"DP sync {dp['dp_sync_us']} us vs bare gloo all-reduce {dp['bare_allreduce_us']} us")
     return "\n".join(lines)
 
 

@@ -11,6 +11,15 @@ from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, yarn_inv_freq
 
 __all__ = [
-    "paged_attention", "sdpa_with_sinks", "gather_blocks", "pack_k_fp8_view", "write_kv",
-    "moe", "swiglu", "rms_norm", "apply_rope", "rope_cos_sin", "yarn_inv_freq",
+    "apply_rope",
+    "gather_blocks",
+    "moe",
+    "pack_k_fp8_view",
+    "paged_attention",
+    "rms_norm",
+    "rope_cos_sin",
+    "sdpa_with_sinks",
+    "swiglu",
+    "write_kv",
+    "yarn_inv_freq",
 ]

@@ -1,4 +1,8 @@
-"""GPT-OSS mixture of experts: top-k router with bias, softmax over the chosen, clamped SwiGLU."""
+"""GPT-OSS mixture of experts: top-k router with bias, softmax over the chosen, clamped SwiGLU.
+
+An expert-parallel rank holds a slice of the experts; the combine across ranks is the
+caller's (models/gpt_oss/decode.py).
+"""
 
 import torch
 
@@ -22,10 +26,19 @@ def moe(
     top_k: int,
     alpha: float,
     limit: float,
+    first_expert: torch.Tensor | None = None,  # [1] global id of gate_up_w[0] when it holds a slice
 ) -> torch.Tensor:
+    """Routes over all E experts (router_w); applies the experts it holds. With ``first_expert``
+    the expert weights are one EP rank's slice and the other experts' terms are zero (the EP
+    combine sums them across ranks)."""
     logits = x @ router_w.t() + router_b  # [N, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [N, k]
     weights = torch.softmax(top_val, dim=-1)  # [N, k]
+    if first_expert is not None:
+        local = top_idx - first_expert  # [N, k]
+        held = (local >= 0) & (local < gate_up_w.shape[0])
+        top_idx = local.clamp(0, gate_up_w.shape[0] - 1)
+        weights = weights * held
     h = torch.einsum("nh,nkhi->nki", x, gate_up_w[top_idx]) + gate_up_b[top_idx]  # [N, k, 2I]
     h = swiglu(h, alpha, limit)  # [N, k, I]
     out = torch.einsum("nki,nkih->nkh", h, down_w[top_idx]) + down_b[top_idx]  # [N, k, H]

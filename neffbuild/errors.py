@@ -30,11 +30,34 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path}: got {self.value!r}, {self.message}" if self.value is not _NO_VALUE else f"{self.path}: {self.message}"
+        if self.value is _NO_VALUE:
+            return f"{self.path}: {self.message}"
+        return f"{self.path}: got {short_repr(self.value)}, {self.message}"
 
     def to_json(self) -> dict:
+        """Plain JSON: a short scalar value as itself, anything else as its shortened text."""
         value = None if self.value is _NO_VALUE else self.value
+        simple = value is None or isinstance(value, (bool, str, int, float))
+        if not simple or len(short_repr(value)) != len(_safe_repr(value)) or _non_finite(value):
+            value = short_repr(value)
         return {"path": self.path, "value": value, "message": self.message}
+
+
+def _non_finite(value) -> bool:
+    return isinstance(value, float) and (value in (float("inf"), float("-inf")) or value != value)
+
+
+def _safe_repr(value) -> str:
+    try:
+        return repr(value)
+    except (ValueError, RecursionError):  # ints over 4300 digits, self-referencing containers
+        return f"<{type(value).__name__}>"
+
+
+def short_repr(value, limit: int = 80) -> str:
+    """repr of a value cut to a readable length (a whole file echoed back helps nobody)."""
+    text = _safe_repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
 
 
 class _NoValue:
@@ -63,6 +86,14 @@ class ShapeNotCovered(NeffbuildError):
 
 class BackendUnavailable(NeffbuildError):
     """The requested compiler backend cannot run on this machine."""
+
+
+class KVTransferError(NeffbuildError):
+    """A disaggregated-inference KV transfer failed: handshake refused, pull failed or timed out."""
+
+
+class NixlUnavailable(KVTransferError):
+    """NIXL is not installed here; the message names the extra to install."""
 
 
 class BuildFailed(NeffbuildError):

@@ -35,7 +35,8 @@ def families(num_speculative_tokens: int) -> list[tuple[str, int]]:
     return [(TARGET_SPEC, 1 + k), (TARGET_NOSPEC, 1), (DRAFT, 1 + k)]
 
 
-def enumerate_targets(num_seqs_buckets, ctx_buckets, max_model_len: int, num_speculative_tokens: int = 0) -> list[Target]:
+def enumerate_targets(num_seqs_buckets, ctx_buckets, max_model_len: int,
+                      num_speculative_tokens: int = 0) -> list[Target]:
     out = []
     for batch in num_seqs_buckets:
         for ctx in ctx_buckets_with_fallback(ctx_buckets, max_model_len):

@@ -3,6 +3,9 @@
 NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
+UCX_TLS              UCX transports for NIXL (DI); `tcp` is always kept (default: tcp,sm,self)
+NEURON_LOGICAL_NC_CONFIG  the Neuron runtime's logical NeuronCore config (read to refuse a
+                     bundle compiled for another LNC; the SDK's own variable)
 """
 
 from __future__ import annotations
@@ -28,3 +31,24 @@ def default_jobs() -> int:
 
 def log_level() -> str:
     return os.environ.get("NEFFBUILD_LOG", "WARNING").upper()
+
+
+def export_ucx_tls() -> str:
+    """Set UCX_TLS for NIXL's UCX backend, keeping ``tcp`` so two processes on one host connect.
+
+    Unset: ``tcp,sm,self`` (shared memory is 3-4x faster between two processes on one host,
+    benchmarks/kv_ingest.py). A user value without ``tcp`` (and not ``all``) gets ``tcp`` appended.
+    """
+    value = os.environ.get("UCX_TLS", "").strip()
+    parts = [p for p in value.split(",") if p]
+    if not parts:
+        parts = ["tcp", "sm", "self"]
+    elif "tcp" not in parts and "all" not in parts:
+        parts.append("tcp")
+    os.environ["UCX_TLS"] = ",".join(parts)
+    return os.environ["UCX_TLS"]
+
+
+def neuron_logical_nc_config() -> int | None:
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
+    return int(value) if value.isdigit() else None

@@ -93,3 +93,66 @@ def fp8_built(tmp_path_factory, hf_checkpoint, build_cache):
     res = compile_recipe(recipe.load(path), folder / "out", jobs=1, cache_root=build_cache)
     assert not res.failed, res.failed
     return path, res
+
+
+@pytest.fixture(scope="session")
+def built_fp8(fp8_built):
+    """The same packed-FP8-K bundle (b4, fallback context 512): the BuildResult."""
+    return fp8_built[1]
+
+
+# The Neuron SDK stand-in (tests/sdk_standin): on the path only where a test asks for it.
+STANDIN = ROOT / "tests" / "sdk_standin"
+
+
+def standin_env(cache: Path, **extra) -> dict:
+    """Environment for a subprocess that sees the stand-in SDK as if it were installed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(STANDIN)]), NEFFBUILD_CACHE_DIR=str(cache))
+    env.pop("NEURON_LOGICAL_NC_CONFIG", None)
+    return {**env, **extra}
+
+
+def neuron_recipe(folder: Path, checkpoint: Path, name: str, num_seqs_buckets=(1, 2), ctx_buckets=(128,)) -> Path:
+    """A backend: neuron recipe for trn2 with LNC 2 (the stand-in host's default)."""
+    return write_recipe(folder, checkpoint, name=name, num_seqs_buckets=list(num_seqs_buckets),
+                        ctx_buckets=list(ctx_buckets), serving__max_num_seqs=num_seqs_buckets[-1],
+                        compiler__backend="neuron", neuron_config__lnc=2)
+
+
+@pytest.fixture(scope="session")
+def neuron_bundle(tmp_path_factory, hf_checkpoint):
+    """`neffbuild compile` of a backend: neuron recipe through the stand-in SDK: (bundle path, env)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("neuron")
+    env = standin_env(folder / "cache")
+    path = neuron_recipe(folder, hf_checkpoint, "gpt-oss-neuron")
+    out = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(folder / "out"),
+                          "--jobs", "2"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    return folder / "out" / "gpt-oss-neuron-0.1.0", env
+
+
+def _build_parallel(tmp_path_factory, checkpoint, cache, name: str, parallel: dict, ctx_buckets: list[int]):
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp(name)
+    path = write_recipe(folder, checkpoint, name=name, num_seqs_buckets=[4], ctx_buckets=ctx_buckets,
+                        **{f"parallel__{k}": v for k, v in parallel.items()})
+    res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=cache)
+    assert not res.failed, res.failed
+    return res.bundle
+
+
+@pytest.fixture(scope="session")
+def built_tp2(tmp_path_factory, hf_checkpoint, build_cache):
+    """A tp 2 / ep 2 bundle of the test recipe: 2 targets (one context bucket and the fallback)."""
+    return _build_parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-tp2", {"tp": 2, "ep": 2}, [128])
+
+
+@pytest.fixture(scope="session")
+def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache):
+    """A dp 2 / ep 2 bundle (experts across DP ranks: the gather combine): 1 target (the fallback only)."""
+    return _build_parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-dp2-ep2", {"dp": 2, "ep": 2}, [512])

@@ -39,8 +39,8 @@ def hf_greedy(folder, prompt, n):
 
     model = transformers.GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), torch.stack([lg[0] for lg in out.logits])
 
 
@@ -96,7 +96,8 @@ def test_packed_fp8_k_equals_unpacked_fp8(tiny_recipe, tiny_cfg, stacked):
     torch.testing.assert_close(fp8, unpacked, atol=0, rtol=0)  # same bytes, another layout
     rel = ((fp8 - fp32).abs().max() / fp32.abs().max()).item()
     print(f"fp8 KV vs fp32: max |dlogit| / max |logit| = {rel:.4f}")
-    assert rel < 0.25, f"fp8 KV logits drift {rel:.4f} of the logit range (docs/benchmarks.md states the measured value)"
+    assert rel < 0.25, (f"fp8 KV logits drift {rel:.4f} of the logit range "
+                        "(docs/benchmarks.md states the measured value)")
 
 
 def test_mxfp4_dequant_known_values():
@@ -152,13 +153,20 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_cfg):
 
 
 def test_shard_slices_heads_and_experts(tiny_cfg):
+    from neffbuild.models.gpt_oss import sharding
+    from neffbuild.runtime.parallel import ParallelLayout
+
     st = W.stack(tiny_cfg, W.random_state_dict(tiny_cfg, 0))
-    parts = [W.shard(tiny_cfg, st, tp=2, ep=2, tp_rank=r, ep_rank=r) for r in (0, 1)]
-    d = tiny_cfg.head_dim
-    assert parts[0]["qkv_w"].shape[1] == (tiny_cfg.num_attention_heads + 2 * tiny_cfg.num_key_value_heads) * d // 2
+    par = ParallelLayout(tp=2, ep=2)
+    parts = [sharding.shard(tiny_cfg, st, par, r) for r in (0, 1)]
+    d, Hq, Hk = tiny_cfg.head_dim, tiny_cfg.num_attention_heads, tiny_cfg.num_key_value_heads
+    assert parts[0]["qkv_w"].shape[1] == (Hq + 2 * Hk) * d // 2
+    assert torch.equal(parts[1]["qkv_w"][:, : Hq * d // 2], st["qkv_w"][:, Hq * d // 2: Hq * d])  # rank 1's q heads
     assert parts[1]["gate_up_w"].shape[1] == tiny_cfg.num_local_experts // 2
     assert torch.equal(torch.cat([p["o_w"] for p in parts], dim=2), st["o_w"])
     assert torch.equal(parts[1]["gate_up_w"], st["gate_up_w"][:, 2:])
+    assert torch.equal(parts[1]["o_b"], st["o_b"])  # replicated: added once, after the all-reduce
+    assert {k: tuple(v.shape) for k, v in parts[0].items()} == sharding.rank_shapes(tiny_cfg, par)
 
 
 def test_layer_plan_is_decided_in_init(tiny_cfg, stacked):
@@ -204,5 +212,6 @@ def test_exported_graph_needs_only_the_bundles_weights(recipe_name):
     target = min(grid.targets(r), key=lambda t: (t.batch, t.ctx))
     module, inputs = build_graph(spec_for(r, target))
     ep = torch.export.export(module, inputs, strict=False)
-    lifted = {s.target for s in ep.graph_signature.input_specs if s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")}
+    kinds = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+    lifted = {s.target for s in ep.graph_signature.input_specs if s.kind.name in kinds}
     assert lifted == set(W.STACKED_NAMES), lifted ^ set(W.STACKED_NAMES)

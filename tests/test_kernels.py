@@ -22,7 +22,8 @@ def ref_attention(q, k, v, sinks, scale, q_pos, k_pos, window):
     for s in range(S):
         for head in range(H):
             kv = head // (H // h)
-            ok = [t for t in range(k.shape[0]) if k_pos[t] <= q_pos[s] and (window is None or k_pos[t] > q_pos[s] - window)]
+            ok = [t for t in range(k.shape[0])
+                  if k_pos[t] <= q_pos[s] and (window is None or k_pos[t] > q_pos[s] - window)]
             logits = torch.stack([q[s, head] @ k[t, kv] * scale for t in ok] + [sinks[head]])
             p = torch.softmax(logits, 0)[:-1]
             out[s, head] = sum(p[i] * v[t, kv] for i, t in enumerate(ok)) if ok else 0

@@ -8,9 +8,11 @@ from neffbuild.errors import BackendUnavailable
 
 def test_compiler_args():
     args = neuron.compiler_args(target="trn2", optlevel=2, lnc=1, flags=["--verbose=info"])
-    assert args[:3] == ["--target=trn2", "--lnc=1", "-O2"] and args[-1] == "--verbose=info"
-    assert "--model-type=transformer" in args
-    assert neuron.compiler_args(target="trn1", optlevel=3, lnc=2)[:3] == ["--target=trn1", "--lnc=2", "-O3"]
+    assert args[:3] == ["--target=trn2", "--logical-nc-config=1", "--optlevel=2"] and args[-1] == "--verbose=info"
+    assert "--model-type=transformer" in args and "--enable-saturate-infinity" not in args
+    trn1 = neuron.compiler_args(target="trn1", optlevel=3, lnc=1)
+    assert trn1[:2] == ["--target=trn1", "--optlevel=3"]  # trn1 has no logical NeuronCore config
+    assert "--enable-saturate-infinity" in trn1
 
 
 def test_instruction_limit_advice():
@@ -30,7 +32,7 @@ def test_neuron_backend_unavailable_is_a_clear_error():
 @pytest.mark.skipif(not neuron.available(), reason="needs the Neuron SDK (torch-neuronx, neuronx-cc): not installable "
                     "from public indexes, run on a Trainium host")
 def test_neuron_compiles_tiny_decode(tmp_path):
-    from neffbuild import recipe, grid
+    from neffbuild import grid, recipe
     from neffbuild.compiler.graphs import build_graph, spec_for
     from tests.conftest import TINY
 

@@ -45,7 +45,6 @@ CASES = [
     (CTX, [128, 128], f"{CTX}[1]", "strictly ascending"),
     (CTX, [128, 300], f"{CTX}[1]", "divisible by 128"),
     (CTX, [128, 1024], f"{CTX}[1]", "<= serving.max_model_len"),
-    (CTX, DELETE, CTX, "is required"),
     (NS, [], NS, "must not be empty"),
     (NS, [1, 2, 3], f"{NS}[2]", "must equal serving.max_num_seqs"),
     (NS, [0, 4], f"{NS}[0]", "must be > 0"),
@@ -61,12 +60,16 @@ CASES = [
     ("serving.block_size", DELETE, "serving.block_size", "is required"),
     ("model.config.sliding_window", 256, f"{CTX}[0]", "sliding-window table width"),
     ("parallel.tp", 3, "parallel.tp", "num_attention_heads"),
-    ("parallel.tp", 4, "parallel.tp", "num_key_value_heads"),
+    ("parallel", {"tp": 2, "dp": 1, "ep": 4}, "parallel.ep", "must divide the world tp x dp = 2"),
+    ("parallel", {"tp": 1, "dp": 1, "ep": 2}, "parallel.ep", "must divide the world tp x dp = 1"),
+    ("parallel", {"tp": 4, "ep": 8}, "parallel.ep", "num_local_experts"),
     ("parallel.ep", 3, "parallel.ep", "num_local_experts"),
     ("parallel.dp", 0, "parallel.dp", "positive integer"),
     ("model.config.num_hidden_layers", 3, "model.config.num_hidden_layers", "must be even"),
-    ("model.config.layer_types", ["sliding_attention", "full_attention"], "model.config.layer_types", "num_hidden_layers"),
-    ("model.config.layer_types", ["full_attention", "sliding_attention"] * 2, "model.config.layer_types[0]", "gk_decode"),
+    ("model.config.layer_types", ["sliding_attention", "full_attention"], "model.config.layer_types",
+     "num_hidden_layers"),
+    ("model.config.layer_types", ["full_attention", "sliding_attention"] * 2, "model.config.layer_types[0]",
+     "gk_decode"),
     ("model.config.layer_types", ["sliding_attention", "nope"], "model.config.layer_types", "must be a list of"),
     ("model.config.num_attention_heads", 3, "model.config.num_attention_heads", "multiple of num_key_value_heads"),
     ("model.config.hidden_size", -1, "model.config.hidden_size", "positive integer"),
@@ -105,8 +108,34 @@ CASES = [
     ("model.config", "missing/config.json", "model.config", "does not exist"),
     ("model.config", [1], "model.config", "must be a mapping"),
     ("speculative", {"method": "eagle3", "num_speculative_tokens": 600, "draft": {"random_seed": 1}},
-     "speculative.num_speculative_tokens", "leaves no room"),
+     "speculative.num_speculative_tokens", "must be <= 64"),
     ("compiler.target_flags", ["x"], "compiler.target_flags", "must be a mapping"),
+    # hostile values (issue 16): strict types, bounded sizes, nested blocks checked like the rest
+    ("name", "gpt-oss-tiny\n", "name", "must match"),
+    ("version", "0.1.0\n", "version", "semantic version"),
+    ("neuron_config.lnc", 1.0, "neuron_config.lnc", "must be 1 or 2"),
+    ("compiler.optlevel", 2.0, "compiler.optlevel", "must be 1, 2 or 3"),
+    ("parallel.tp", 1.0, "parallel.tp", "not a float"),
+    ("model.config.num_hidden_layers", 10**30, "model.config.num_hidden_layers", "must be <= 1024"),
+    ("serving.max_model_len", 10**400, "serving.max_model_len", "must be <="),
+    ("serving.num_blocks", 10**30, "serving.num_blocks", "must be <="),
+    (CTX, [128, 10**30], f"{CTX}[1]", "must be > 0 and <="),
+    ("model.random_seed", 2**64, "model.random_seed", "must be <="),
+    ("model.config.rope_parameters", "abc", "model.config.rope_parameters", "must be a mapping"),
+    ("model.config.rope_parameters.factor", "x", "model.config.rope_parameters.factor", "finite number"),
+    ("model.config.rope_parameters.factr", 2.0, "model.config.rope_parameters.factr", "did you mean 'factor'"),
+    ("model.config.rope_parameters.truncate", "no", "model.config.rope_parameters.truncate", "true or false"),
+    ("model.config.rope_parameters.rope_type", "xx", "model.config.rope_parameters.rope_type", "one of"),
+    ("model.config.rms_norm_eps", "abc", "model.config.rms_norm_eps", "finite number"),
+    ("model.config.rms_norm_eps", float("nan"), "model.config.rms_norm_eps", "finite number"),
+    ("model.config.swiglu_limit", float("inf"), "model.config.swiglu_limit", "finite number"),
+    ("model.config.layer_types", ["sliding_attention"] * 5000, "model.config.layer_types", "at most 1024"),
+    ("speculative", {}, "speculative", "is empty"),
+    ("speculative", {"method": "eagle3", "num_speculative_tokens": 2,
+                     "draft": {"random_seed": 1, "config": {"hidden_size": "abc"}}},
+     "speculative.draft.config.hidden_size", "must be an integer"),
+    ("model.config", "~nosuchuser-neffbuild/config.json", "model.config", "unknown user"),
+    ("build.cache_dir", "~nosuchuser-neffbuild/c", "build.cache_dir", "unknown user"),
 ]
 
 
@@ -117,6 +146,52 @@ def test_validation_rule(key, value, path, message):
     problems = info.value.problems
     hits = [p for p in problems if p.path == path and message in str(p)]
     assert hits, f"expected {path}: ...{message}...; got {[str(p) for p in problems]}"
+
+
+def test_tp_kv_heads_split_or_replicated():
+    """tp may divide the KV heads or be a multiple of them (replicated), not neither."""
+    raw = patched("parallel", {"tp": 4, "dp": 2, "ep": 4})  # 4 query heads, 2 KV heads: each KV head on 2 ranks
+    assert R.from_dict(raw).tp == 4
+    raw = patched("model.config.num_attention_heads", 12)
+    raw["model"]["config"]["num_key_value_heads"] = 3
+    raw["parallel"] = {"tp": 2}
+    with pytest.raises(RecipeError, match=r"parallel\.tp: got 2, must divide model\.config\.num_key_value_heads"):
+        R.from_dict(raw)
+
+
+def test_neuron_tp_must_fit_one_instance():
+    raw = patched("compiler.backend", "neuron")
+    raw["compiler"]["target"] = "trn1"
+    raw["model"]["config"].update(num_attention_heads=64, num_key_value_heads=8)
+    raw["neuron_config"]["lnc"] = 2
+    raw["parallel"] = {"tp": 32}
+    with pytest.raises(RecipeError, match=r"tp x neuron_config\.lnc \(64\) must fit the 32 NeuronCores"):
+        R.from_dict(raw)
+    raw["parallel"] = {"tp": 16}
+    assert R.from_dict(raw).tp == 16
+
+
+def test_absent_context_buckets_mean_fallback_only():
+    r = R.from_dict(patched(CTX, DELETE))
+    assert r.decode_context_length_buckets == ()
+    assert any("no context buckets are compiled" in w for w in r.warnings)
+
+
+def test_plan_of_fallback_only_recipe_lists_num_seqs_targets(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(patched(CTX, DELETE)))
+    res = _cli("plan", str(p), "--json", "--no-cache")
+    doc = json.loads(res.stdout)
+    assert res.returncode == 0 and doc["count"] == len(BASE["neuron_config"]["num_seqs_buckets"]) == 3
+    assert {t["ctx"] for t in doc["targets"]} == {BASE["serving"]["max_model_len"]}
+    assert any("no context buckets" in w for w in doc["warnings"])
+
+
+def test_long_values_are_shortened_in_errors():
+    with pytest.raises(RecipeError) as info:
+        R.from_dict("x" * 100_000)
+    assert len(str(info.value)) < 400 and "100002 characters" in str(info.value)
+    assert len(json.dumps(info.value.problems[0].to_json())) < 400
 
 
 def test_error_text_names_path_value_and_rule():
@@ -166,6 +241,13 @@ def test_few_blocks_warns():
     assert any("num_blocks" in w for w in r.warnings)
 
 
+def test_checkpoint_folder_without_safetensors_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BASE["model"]["config"]))
+    raw = patched("model", {"arch": "gpt_oss", "checkpoint": str(tmp_path)})
+    with pytest.raises(RecipeError, match=r"holds no \*\.safetensors files"):
+        R.from_dict(raw)
+
+
 def test_yaml_syntax_error_names_line_and_column(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("name: x\nserving: {max_model_len: 5\nversion: 1\n")
@@ -184,6 +266,7 @@ def test_relative_paths_resolve_against_recipe_folder(tmp_path):
     (tmp_path / "ck").mkdir()
     cfg = dict(BASE["model"]["config"])
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"")
     raw = copy.deepcopy(BASE)
     raw["model"] = {"arch": "gpt_oss", "checkpoint": "ck"}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))

@@ -30,7 +30,8 @@ def _hf_tokens(folder, prompts_and_counts):
     out = []
     for prompt, n in prompts_and_counts:
         ids = torch.tensor([prompt])
-        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
         out.append(seq[0, len(prompt):].tolist())
     return out
 

@@ -76,7 +76,7 @@ def test_artifact_that_cannot_load_is_a_load_error_and_no_bundle_appears(built, 
 
 @pytest.mark.bench
 def test_4x_pool_changes_step_time_by_less_than_1_2x(tiny_recipe, tmp_path):
-    """The same decode graph compiled for a pool and a 4x pool: the bucketed step costs the same (interleaved timing)."""
+    """The same decode graph compiled for a pool and a 4x pool: the bucketed step costs the same (interleaved)."""
     import statistics
     import time
 
@@ -120,7 +120,7 @@ def test_bench_cli_reports_every_context_and_plots(built, tmp_path):
     assert [r["ctx_bucket"] for r in rows] == [128, 128, 256, 512]
     for r in rows:
         assert r["bucketed"]["median_ms"] > 0 and r["fallback"]["p90_ms"] >= r["fallback"]["median_ms"]
-        assert r["bytes"]["bucketed"] <= r["bytes"]["fallback"] and 0 < r["fraction_of_bound"]
+        assert r["bytes"]["bucketed"] <= r["bytes"]["fallback"] and r["fraction_of_bound"] > 0
         assert "eager" in r and "dynamic" not in r
     assert rows[-1]["bytes"]["bucketed"] == rows[-1]["bytes"]["fallback"]
     assert doc["copy_bandwidth_gbs"] > 0 and doc["plan"]["plan_plus_metadata_us"] > 0

@@ -29,8 +29,9 @@ def graph_inputs(recipe, kv_layout) -> dict:
     }
 
 
-def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict, files: dict) -> dict:
-    return {
+def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict, files: dict,
+          parallel: dict | None = None) -> dict:
+    out = {
         "format": layout.BUNDLE_FORMAT,
         "format_version": layout.BUNDLE_FORMAT_VERSION,
         "name": recipe.name,
@@ -42,3 +43,6 @@ def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights:
         "weights": weights,
         "files": dict(sorted(files.items())),
     }
+    if parallel is not None:  # sharded bundles only (docs/bundle-format.md, "parallel")
+        out["parallel"] = parallel
+    return out

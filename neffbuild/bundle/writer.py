@@ -6,6 +6,7 @@ a ``.<name>-<version>.tmp-<pid>`` folder, swept by the next build.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from neffbuild.bundle import layout, manifest
+from neffbuild.errors import InvalidInput
 from neffbuild.fsutil import pid_alive, sha256_file
 
 TMP_MARK = ".tmp-"
@@ -27,19 +29,23 @@ class BundleWriter:
     def __init__(self, out_dir: str | Path, name: str, version: str):
         self.out_dir = Path(out_dir)
         self.final = self.out_dir / layout.bundle_dirname(name, version)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        sweep(self.out_dir)
-        self.tmp = self.out_dir / f".{self.final.name}{TMP_MARK}{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        for d in (layout.WEIGHTS_DIR, layout.ARTIFACTS_DIR, layout.LOGS_DIR, layout.METRICS_DIR):
-            (self.tmp / d).mkdir(parents=True)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            sweep(self.out_dir)
+            self.tmp = self.out_dir / f".{self.final.name}{TMP_MARK}{os.getpid()}"
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            for d in (layout.WEIGHTS_DIR, layout.ARTIFACTS_DIR, layout.LOGS_DIR, layout.METRICS_DIR):
+                (self.tmp / d).mkdir(parents=True)
+        except OSError as exc:
+            raise InvalidInput(f"--out {out_dir}: cannot create the bundle folder there ({exc.strerror or exc}); "
+                               "give a folder path") from None
 
     def path(self, rel: str) -> Path:
         return self.tmp / rel
 
-    def write_weights(self, tensors: dict[str, torch.Tensor]) -> dict:
-        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(self.path(layout.WEIGHTS_PATH)))
-        return {"file": layout.WEIGHTS_PATH,
+    def write_weights(self, tensors: dict[str, torch.Tensor], rel: str = layout.WEIGHTS_PATH) -> dict:
+        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(self.path(rel)))
+        return {"file": rel,
                 "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
                             for k, v in sorted(tensors.items())}}
 
@@ -63,16 +69,22 @@ class BundleWriter:
         return files
 
     def finish(self, recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict,
-               report_context: dict) -> Path:
-        """Write the metrics, manifest, report and build info; publish with a rename."""
+               report_context: dict, parallel: dict | None = None) -> Path:
+        """Write the manifest and its digest, then the per-build records; publish with a rename."""
         self.write_text(layout.RECIPE_PATH, recipe.to_yaml())
-        self.write_text(layout.COMPILE_METRICS_PATH, compile_metrics(artifacts))
         m = manifest.build(recipe, toolchain=toolchain, kv_layout=kv_layout, artifacts=artifacts, weights=weights,
-                           files=self.checksums())
-        self.write_text(layout.MANIFEST_PATH, manifest.dumps(m))
+                           files=self.checksums(), parallel=parallel)
+        text = manifest.dumps(m)
+        self.write_text(layout.MANIFEST_PATH, text)
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self.write_text(layout.MANIFEST_DIGEST_PATH, f"{digest}  {layout.MANIFEST_PATH}\n")
+        seconds = report_context.get("seconds", {})
+        self.write_text(layout.COMPILE_METRICS_PATH, compile_metrics(seconds))
         self.write_text(layout.REPORT_PATH, render_report(m, **report_context))
         info = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
-                "python": platform.python_version(), **{k: v for k, v in report_context.items() if k != "hits"},
+                "python": platform.python_version(),
+                **{k: v for k, v in report_context.items() if k not in ("hits", "seconds")},
+                "compile_seconds": dict(sorted(seconds.items())),
                 "cache_hits": sorted(k for k, v in report_context.get("hits", {}).items() if v)}
         self.write_text(layout.BUILD_INFO_PATH, json.dumps(info, sort_keys=True, indent=1) + "\n")
         return self.publish()
@@ -103,17 +115,23 @@ def sweep(out_dir: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def compile_metrics(seconds: dict[str, float]) -> str:
+    """Prometheus text of each artifact's compile time: through prometheus_client when installed."""
+    name, doc = "neffbuild_compilation_time_seconds", "Compile time of one artifact."
+    try:
+        from prometheus_client import CollectorRegistry, Gauge, generate_latest
+    except ImportError:
+        lines = [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{bucket="{label}"}} {float(s)}' for label, s in sorted(seconds.items())]
+        return "\n".join(lines) + "\n"
+    registry = CollectorRegistry()
+    gauge = Gauge(name, doc, ["bucket"], registry=registry)
+    for label, s in sorted(seconds.items()):
+        gauge.labels(bucket=label).set(s)
+    return generate_latest(registry).decode()
 
 
-def compile_metrics(artifacts: list[dict]) -> str:
-    lines = ["# HELP neffbuild_compilation_time_seconds Compile time of one artifact.",
-             "# TYPE neffbuild_compilation_time_seconds gauge"]
-    for a in sorted(artifacts, key=lambda a: a["label"]):
-        lines.append(f'neffbuild_compilation_time_seconds{{bucket="{a["compile_label"]}"}} {a["compile_seconds"]}')
-    return "\n".join(lines) + "\n"
-
-
-def render_report(m: dict, *, hits: dict, built: int, cached: int, wall_s: float) -> str:
+def render_report(m: dict, *, hits: dict, seconds: dict, built: int, cached: int, wall_s: float) -> str:
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("neffbuild.bundle", "templates"),
@@ -121,5 +139,6 @@ def render_report(m: dict, *, hits: dict, built: int, cached: int, wall_s: float
     weights_mb = m["files"].get(layout.WEIGHTS_PATH, {}).get("bytes", 0) / 1e6
     total_mb = sum(a["bytes"] for a in m["artifacts"]) / 1e6
     return env.get_template("report.html.j2").render(
-        m=m, hits=hits, built=built, cached=cached, wall_s=wall_s, weights_mb=weights_mb, total_mb=total_mb,
+        m=m, hits=hits, seconds=seconds, built=built, cached=cached, wall_s=wall_s, weights_mb=weights_mb,
+        total_mb=total_mb,
         graph_inputs=json.dumps(m["graph_inputs"], indent=1, sort_keys=True))

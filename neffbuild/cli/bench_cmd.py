@@ -31,12 +31,14 @@ def _render(result: dict) -> str:
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as one JSON document on stdout.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write step time vs context as a PNG.")
-@click.option("--repeat", default=20, show_default=True, type=click.IntRange(3), help="Timed steps per variant and context.")
+@click.option("--repeat", default=20, show_default=True, type=click.IntRange(3),
+              help="Timed steps per variant and context.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1), help="torch threads for the steps.")
 @click.option("--context", "extra_contexts", multiple=True, type=click.IntRange(1),
               help="Also measure at this context (tokens needed); repeatable.")
 @click.option("--no-dynamic", is_flag=True, help="Skip the dynamic-width variant (it compiles an artifact: ~1 min).")
-@click.option("--no-startup", is_flag=True, help="Skip cold start vs compile at start-up (compiles in a fresh process).")
+@click.option("--no-startup", is_flag=True,
+              help="Skip cold start vs compile at start-up (compiles in a fresh process).")
 @click.option("--no-dp", is_flag=True, help="Skip DP sync vs a bare gloo all-reduce (starts 2 processes).")
 def bench(bundle_path, as_json, plot_path, repeat, threads, extra_contexts, no_dynamic, no_startup, no_dp):
     """Measure what a decode step of BUNDLE costs, side by side in one run.

@@ -3,12 +3,51 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
 
+from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
 from neffbuild.runtime import bundle as reader
+from neffbuild.runtime import layout
+from neffbuild.runtime.manifest_schema import problems as schema_problems
+
+
+def _manifest(path: str) -> dict:
+    """The manifest of a bundle whose schema holds (what every read command may rely on)."""
+    m = reader.read_manifest(Path(path))
+    found = schema_problems(m)
+    if found:
+        raise BundleError(f"{path}: {len(found)} manifest problem(s)\n" + "\n".join(f"  - {p}" for p in found[:20]))
+    return m
+
+
+def _diffable(path: str) -> dict:
+    """A manifest with the fields diff reads well typed (diff may compare a bundle that fails verify)."""
+    m = reader.read_manifest(Path(path))
+    ok = (all(isinstance(m.get(k), dict) for k in ("graph_inputs", "toolchain", "files", "weights"))
+          and isinstance(m.get("artifacts"), list)
+          and all(isinstance(a, dict) and isinstance(a.get("label"), str) for a in m["artifacts"]))
+    if not ok:
+        raise BundleError(f"{path}: manifest lacks the fields diff compares (graph_inputs, toolchain, files, weights, "
+                          "artifacts with labels); run `neffbuild verify` on it")
+    return m
+
+
+def _compile_seconds(path: str) -> dict[str, float]:
+    """Per-label compile times from build-info.json (a per-build record; empty when absent or odd)."""
+    info = Path(path) / layout.BUILD_INFO_PATH
+    try:
+        if not info.is_file() or info.stat().st_size > 16 * 1024 * 1024:
+            return {}
+        doc = json.loads(info.read_text(encoding="utf-8"))
+        seconds = doc.get("compile_seconds", {}) if isinstance(doc, dict) else {}
+        return {k: float(v) for k, v in seconds.items()
+                if isinstance(v, (int, float)) and math.isfinite(v) and abs(v) < 1e12}
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return {}
 
 
 def _console():
@@ -19,15 +58,23 @@ def _console():
 
 @click.command("inspect")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest plus totals as one JSON document.")
-def inspect_(bundle_path, as_json):
+@json_option("Print the manifest plus totals (and build-info compile times) as one JSON document.")
+@click.option("--vllm-config", "vllm", is_flag=True,
+              help="Print the JSON for vLLM's --additional-config (the compiled neuron_config grid); the other "
+                   "vLLM flags that must match go to stderr. With --json: one document with the additional config, "
+                   "the speculative config and the engine arguments.")
+def inspect_(bundle_path, as_json, vllm):
     """Show what BUNDLE holds: header, toolchain, the grid with sizes and compile times, totals."""
-    m = reader.read_manifest(Path(bundle_path))
+    m = _manifest(bundle_path)
+    if vllm:
+        _print_vllm_config(Path(bundle_path), m, as_json)
+        return
+    seconds = _compile_seconds(bundle_path)
     totals = {"artifacts": len(m["artifacts"]), "artifact_bytes": sum(a["bytes"] for a in m["artifacts"]),
-              "compile_seconds": round(sum(a["compile_seconds"] for a in m["artifacts"]), 3),
+              "compile_seconds": round(sum(seconds.values()), 3),
               "bundle_bytes": sum(f["bytes"] for f in m["files"].values())}
     if as_json:
-        click.echo(json.dumps(dict(m, totals=totals), sort_keys=True))
+        echo_json(dict(m, totals=totals, compile_seconds=seconds))
         return
     from rich.table import Table
 
@@ -39,25 +86,63 @@ def inspect_(bundle_path, as_json):
     c.print(f"grid: num_seqs {gi['num_seqs_buckets']} x ctx {gi['decode_context_length_buckets']} + fallback "
             f"{gi['max_model_len']}; block_size {gi['block_size']}, num_blocks {gi['num_blocks']}, "
             f"num_swa {gi['num_swa']}, fp8_packed_kv {gi['fp8_packed_kv']}, k {gi['num_speculative_tokens']}")
+    _print_parallel(c, m)
     t = Table()
     for col in ("label", "family", "batch", "ctx", "query_len", "MB", "compile s"):
         t.add_column(col, justify="left" if col in ("label", "family") else "right", no_wrap=col == "label")
     for a in m["artifacts"]:
         t.add_row(a["label"], a["family"], str(a["batch"]), str(a["ctx"]), str(a["query_len"]),
-                  f"{a['bytes'] / 1e6:.2f}", f"{a['compile_seconds']:.1f}")
+                  f"{a['bytes'] / 1e6:.2f}", f"{seconds[a['label']]:.1f}" if a["label"] in seconds else "-")
     c.print(t)
     c.print(f"totals: {totals['artifacts']} artifacts, {totals['artifact_bytes'] / 1e6:.1f} MB of artifacts, "
             f"{totals['bundle_bytes'] / 1e6:.1f} MB in all, {totals['compile_seconds']:.0f} s of compile time")
 
 
+def _print_parallel(c, m: dict) -> None:
+    """The parallel layout and which weight pieces each rank maps (sharded bundles only)."""
+    par = m.get("parallel")
+    if par is None:
+        gi = m["graph_inputs"]
+        c.print(f"parallel: unsharded (tp {gi.get('tp', 1)}, dp {gi.get('dp', 1)}, ep {gi.get('ep', 1)}); "
+                "every rank maps the whole model")
+        return
+    c.print(f"parallel: tp {par['tp']} x dp {par['dp']} = {par['world_size']} ranks, ep {par['ep']} "
+            f"(MoE combine: {par['ep_combine']}); rank r maps {m['weights']['file']}"
+            + (" + tp{r % tp}" if par["tp"] > 1 else "") + (" + ep{r % ep}" if par["ep"] > 1 else ""))
+    sizes = {name: m["files"].get(e["file"], {}).get("bytes", 0) for name, e in par["pieces"].items()}
+    c.print("  pieces: " + ", ".join(f"{n} {sizes[n] / 1e6:.2f} MB" for n in sorted(sizes)))
+    split = ", ".join(f"{k} over {v['over']} (axis {v['axis']})" for k, v in sorted(par["shard_layout"].items()))
+    c.print(f"  split: {split}")
+
+
+def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
+    import yaml
+
+    from neffbuild.bundle import handoff, layout
+
+    recipe_file = reader.safe_path(root, layout.RECIPE_PATH)
+    recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
+    config = handoff.vllm_config(manifest, recipe if isinstance(recipe, dict) else {})
+    if as_json:
+        click.echo(json.dumps(config, sort_keys=True))
+        return
+    click.echo(json.dumps(config["additional_config"]))
+    click.echo(f"vLLM flags for this bundle: {handoff.vllm_flags(config)}", err=True)
+
+
 @click.command("verify")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
-@click.option("--json", "as_json", is_flag=True, help='Print {"ok": bool, "problems": [{"path", "message"}]}.')
-def verify(bundle_path, as_json):
-    """Check every checksum and the manifest schema of BUNDLE. Exit 1 naming each bad file."""
+@json_option('Print {"ok": bool, "problems": [{"path", "message"}]}.')
+@click.pass_context
+def verify(ctx, bundle_path, as_json):
+    """Check the manifest digest and schema, every checksum and each artifact's declared inputs.
+
+    Exit 1 naming each bad file or field.
+    """
     problems = reader.check(Path(bundle_path), full=True)
     if as_json:
-        click.echo(json.dumps({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]}))
+        echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})
+        ctx.meta["json_printed"] = True
     if problems:
         raise BundleError(f"{bundle_path}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
     if not as_json:
@@ -74,22 +159,23 @@ def diff_manifests(a: dict, b: dict) -> dict:
     return {
         "added": sorted(set(lb) - set(la)),
         "removed": sorted(set(la) - set(lb)),
-        "changed": sorted(k for k in set(la) & set(lb) if la[k]["sha256"] != lb[k]["sha256"]),
-        "unchanged": sorted(k for k in set(la) & set(lb) if la[k]["sha256"] == lb[k]["sha256"]),
+        "changed": sorted(k for k in set(la) & set(lb) if la[k].get("sha256") != lb[k].get("sha256")),
+        "unchanged": sorted(k for k in set(la) & set(lb) if la[k].get("sha256") == lb[k].get("sha256")),
         "config": config,
-        "weights_changed": a["files"].get(a["weights"]["file"]) != b["files"].get(b["weights"]["file"]),
+        "weights_changed": (a["files"].get(str(a["weights"].get("file")))
+                            != b["files"].get(str(b["weights"].get("file")))),
     }
 
 
 @click.command("diff")
 @click.argument("a", type=click.Path(file_okay=False, exists=True))
 @click.argument("b", type=click.Path(file_okay=False, exists=True))
-@click.option("--json", "as_json", is_flag=True, help="Print the difference as one JSON document.")
+@json_option("Print the difference as one JSON document.")
 def diff(a, b, as_json):
     """What changed from bundle A to bundle B: targets added/removed, artifacts changed, config."""
-    d = diff_manifests(reader.read_manifest(Path(a)), reader.read_manifest(Path(b)))
+    d = diff_manifests(_diffable(a), _diffable(b))
     if as_json:
-        click.echo(json.dumps(d, sort_keys=True))
+        echo_json(d)
         return
     for key in ("added", "removed", "changed"):
         click.echo(f"{key} ({len(d[key])}): {', '.join(d[key]) or '-'}")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from neffbuild import settings
+from neffbuild.cli.output import echo_json, json_option
 from neffbuild.compiler.cache import Cache
 
 _dir = click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
@@ -31,12 +30,12 @@ def path(cache_dir):
 
 @cache.command("ls")
 @_dir
-@click.option("--json", "as_json", is_flag=True, help="Print the entries as one JSON list.")
+@json_option("Print the entries as one JSON list.")
 def ls(cache_dir, as_json):
-    """List valid cache entries: key, target label, compile time, size."""
+    """List valid cache entries: key, target label, compile time, size. Changes nothing."""
     entries = _cache(cache_dir).list()
     if as_json:
-        click.echo(json.dumps(entries, sort_keys=True))
+        echo_json(entries)
         return
     for e in entries:
         click.echo(f"{e['key'][:16]}  {e.get('label', '?'):<28} {e.get('compile_seconds', 0):7.1f}s  "

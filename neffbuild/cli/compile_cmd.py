@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import click
 
 from neffbuild import recipe as recipe_mod
+from neffbuild import registry
+from neffbuild.cli.output import echo_json, json_option
 from neffbuild.compiler.builder import Progress, compile_recipe
 from neffbuild.errors import BuildFailed
 
@@ -17,7 +18,8 @@ class RichProgress(Progress):
 
     def __init__(self):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
 
         self.console = Console(stderr=True)
         self.bar = Bar(TextColumn("[bold]compile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -43,7 +45,8 @@ class RichProgress(Progress):
         if label in self.active:
             self.active.remove(label)
         if result["status"] == "ok":
-            state = "[green]cache hit[/green]" if result["hit"] else f"[yellow]compiled[/yellow] {result['compile_seconds']:.1f}s"
+            state = ("[green]cache hit[/green]" if result["hit"]
+                     else f"[yellow]compiled[/yellow] {result['compile_seconds']:.1f}s")
         else:
             state = f"[red]FAILED[/red] ({result.get('kind')}): {result.get('error', '')[:200]}"
         self.bar.console.print(f"  {label}: {state}")
@@ -69,20 +72,21 @@ def summary_table(res):
 
 
 @click.command("compile")
+@click.pass_context
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out_dir", default="artifacts", show_default=True, type=click.Path(file_okay=False),
               help="Folder that receives <name>-<version>/.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
               help="Parallel compile workers (default: build.jobs from the recipe, else the CPU count).")
-@click.option("--backend", type=click.Choice(["auto", "inductor", "neuron"]), default=None,
+@click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend (auto: neuron when the Neuron SDK imports, else inductor).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Compile cache folder (default: build.cache_dir, else $NEFFBUILD_CACHE_DIR, else ~/.cache/neffbuild).")
+              help="Compile cache folder (default: build.cache_dir, else $NEFFBUILD_CACHE_DIR, "
+                   "else ~/.cache/neffbuild).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=None,
               help="Give up on one target after this many seconds (classified as a timeout).")
-@click.option("--json", "as_json", is_flag=True,
-              help='Print {"bundle", "built", "cached", "failed"} on stdout; progress still goes to stderr.')
-def compile_(recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, as_json):
+@json_option('Print {"bundle", "built", "cached", "failed"} on stdout (errors too); progress goes to stderr.')
+def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, as_json):
     """Compile every graph of RECIPE into a versioned bundle under OUT.
 
     Targets build largest first on a pool of warm workers, through a content-addressed
@@ -100,7 +104,8 @@ def compile_(recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, as_json)
     finally:
         progress.close()
     if as_json:
-        click.echo(json.dumps(res.to_json()))
+        echo_json(res.to_json())
+        ctx.meta["json_printed"] = True
     else:
         progress.console.print(summary_table(res))
     if res.failed:

@@ -6,32 +6,41 @@ prints a traceback; an unexpected exception does (it is a bug worth reporting).
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
 import click
 
 from neffbuild import __version__, settings
-from neffbuild.errors import NeffbuildError, RecipeError
+from neffbuild.cli import output
+from neffbuild.errors import NeffbuildError
 
 
 class _Group(click.Group):
     def invoke(self, ctx):
+        wants_json = "--json" in [*getattr(ctx, "_protected_args", []), *ctx.args]
         try:
             return super().invoke(ctx)
-        except RecipeError as exc:
-            if ctx.meta.get("json_errors"):
-                click.echo(json.dumps({"valid": False, "errors": [p.to_json() for p in exc.problems],
-                                       "warnings": exc.warnings}, default=str))
-            click.echo(f"error: {exc}", err=True)
-            ctx.exit(exc.exit_code)
         except NeffbuildError as exc:
-            click.echo(f"error: {exc}", err=True)
-            ctx.exit(exc.exit_code)
+            _report(ctx, exc, exc.exit_code, wants_json)
+        except click.exceptions.Exit:
+            raise
+        except click.ClickException as exc:  # usage errors: bad option, missing argument, bad path
+            if not (wants_json or ctx.meta.get("json_errors")):
+                raise
+            _report(ctx, exc, exc.exit_code, True)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
+
+
+def _report(ctx, exc: Exception, code: int, wants_json: bool) -> None:
+    """Every error: one line (or block) on stderr, and with --json one JSON document on stdout."""
+    if (wants_json or ctx.meta.get("json_errors")) and not ctx.meta.get("json_printed"):
+        click.echo(output.dumps(output.error_doc(exc, code)))
+    message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+    click.echo(f"error: {message}", err=True)
+    ctx.exit(code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from neffbuild import grid, settings
+from neffbuild import grid, registry, settings
 from neffbuild import recipe as recipe_mod
+from neffbuild.cli.output import echo_json, json_option
+from neffbuild.recipe import parallel_rules
 
 
 @click.command("plan")
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document {count, targets} on stdout.")
+@json_option("Print one JSON document {count, formula, targets, warnings} on stdout (errors too).")
 @click.option("--cache/--no-cache", "check_cache", default=True, show_default=True,
               help="Look each target up in the compile cache (traces the graph; needs torch).")
-@click.option("--backend", type=click.Choice(["auto", "inductor", "neuron"]), default=None,
+@click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend for the cache lookup.")
 def plan(recipe_path, as_json, check_cache, backend):
     """Show every graph RECIPE compiles: label, family, batch, ctx, query_len.
@@ -40,7 +40,8 @@ def plan(recipe_path, as_json, check_cache, backend):
             if t.label in states:
                 row.update(states[t.label])
             rows.append(row)
-        click.echo(json.dumps({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows}))
+        echo_json({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows, "warnings": list(r.warnings),
+                   "parallel": parallel_rules.layout_json(r)})
         return
     from rich.console import Console
     from rich.table import Table
@@ -64,13 +65,15 @@ def plan(recipe_path, as_json, check_cache, backend):
     console = Console()
     console.print(table)
     console.print(f"NEFF count: {grid.count_formula(r)}")
+    console.print(parallel_rules.describe(r))
     if states:
         todo = [s for s in states.values() if s["cache"] == "build"]
         est = [s["estimate_s"] for s in todo if s.get("estimate_s")]
         jobs = r.jobs or settings.default_jobs()
         line = f"to build: {len(todo)} of {len(tgts)}"
         if est:
-            line += f", about {sum(est) / max(1, min(jobs, len(todo))) / 60:.1f} min with {jobs} jobs (from past compiles)"
+            minutes = sum(est) / max(1, min(jobs, len(todo))) / 60
+            line += f", about {minutes:.1f} min with {jobs} jobs (from past compiles)"
         console.print(line)
 
 

@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from neffbuild import recipe as recipe_mod
+from neffbuild.cli.output import echo_json, json_option
+from neffbuild.recipe import parallel_rules
 
 
 @click.command("validate")
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document {valid, errors, warnings} on stdout.")
-@click.pass_context
-def validate(ctx, recipe_path, as_json):
+@json_option("Print one JSON document {valid, errors, warnings} on stdout (errors too).")
+def validate(recipe_path, as_json):
     """Validate RECIPE (YAML). Exit 0 when valid, 2 when not.
 
     Every problem is reported, each with its dotted path, the value and the rule.
     No compiler is needed: a recipe for the neuron backend validates on any machine.
     """
-    ctx.meta["json_errors"] = as_json
     r = recipe_mod.load(recipe_path)  # a RecipeError is printed (as JSON with --json) by cli/main.py
     if as_json:
-        click.echo(json.dumps({"valid": True, "errors": [], "warnings": list(r.warnings)}))
+        echo_json({"valid": True, "errors": [], "warnings": list(r.warnings),
+                   "parallel": parallel_rules.layout_json(r)})
     else:
         for w in r.warnings:
             click.echo(f"warning: {w}", err=True)
         click.echo(f"{recipe_path}: valid ({r.name} {r.version})")
+        click.echo(parallel_rules.describe(r))
 
 
 def register(group: click.Group) -> None:

@@ -16,15 +16,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neffbuild import grid, settings
+from neffbuild import grid, registry, settings
 from neffbuild.bundle import layout
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import LocalExecutor
-from neffbuild.compiler.graphs import kv_layout_for, spec_for
+from neffbuild.compiler.graphs import kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job, cached_result
-from neffbuild.models.gpt_oss.weights import model_weights
+from neffbuild.errors import InvalidInput
 
 
 @dataclass
@@ -40,7 +40,8 @@ class BuildResult:
 
     def to_json(self) -> dict:
         return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
-                "traced": self.traced, "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
+                "traced": self.traced,
+                "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
                 "wall_s": round(self.wall_s, 3)}
 
 
@@ -60,7 +61,7 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
-                   timeout_s: float | None = None) -> BuildResult:
+                   timeout_s: float | None = None, executor=None) -> BuildResult:
     progress = progress or Progress()
     started = time.monotonic()
     bk = backend_kwargs(recipe, backend_name)
@@ -73,15 +74,17 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
-        weights = model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
-        weights_entry = writer.write_weights(weights)
+        weights = _load_weights(recipe)
+        weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
-        weights_path = str(writer.path(layout.WEIGHTS_PATH))
+        # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
+        weights_path = None if parallel else str(writer.path(layout.WEIGHTS_PATH))
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
                          str(writer.path(layout.log_path(t.label))), weights_path) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        for res in _run(jobs_list, jobs or recipe.jobs or settings.default_jobs(), timeout_s, progress):
+        executor = executor or LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
+        for res in _run(jobs_list, executor, progress):
             result.results.append(res)
             result.traced += bool(res.get("traced"))
             if res["status"] == "ok":
@@ -98,12 +101,14 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             writer.abort()
             return result
         progress.stage("writing bundle")
-        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in sorted(result.results, key=lambda r: r["label"])]
+        ordered = sorted(result.results, key=lambda r: r["label"])
+        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
         hits = {r["label"]: r["hit"] for r in result.results}
+        seconds = {r["label"]: r["compile_seconds"] for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
-            weights=weights_entry,
-            report_context={"hits": hits, "built": result.built, "cached": result.cached,
+            weights=weights_entry, parallel=parallel,
+            report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3)},
         )
         result.wall_s = time.monotonic() - started
@@ -113,7 +118,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         raise
 
 
-def _run(jobs_list: list[Job], jobs: int, timeout_s: float | None, progress: Progress):
+def _run(jobs_list: list[Job], executor, progress: Progress):
     """Pre-key hits here, in this process (no tracing, no worker pool); the rest on the executor."""
     rest = []
     for job in jobs_list:
@@ -124,7 +129,38 @@ def _run(jobs_list: list[Job], jobs: int, timeout_s: float | None, progress: Pro
             progress.running(job.label)
             yield res
     if rest:
-        yield from LocalExecutor(jobs, timeout_s=timeout_s).run(rest, on_start=lambda j: progress.running(j.label))
+        yield from executor.run(rest, on_start=lambda j: progress.running(j.label))
+
+
+def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, dict | None]:
+    """Unsharded: one file. Sharded: the replicated piece plus one file per TP and per EP rank,
+    each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps."""
+    par = layout_for(recipe)
+    if not par.sharded:
+        return writer.write_weights(weights), None
+    cfg, entries, shared = recipe.model.config, {}, None
+    arch = registry.arch(recipe.model.arch)
+    for name, tensors in arch.get("iter_pieces")(cfg, weights, par):
+        if name == "shared":
+            shared = writer.write_weights(tensors)
+        else:
+            entries[name] = writer.write_weights(tensors, layout.weights_piece_path(name))
+    info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=arch.get("shard_layout")(par),
+                rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
+                kv_heads={f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
+    return shared, info
+
+
+def _load_weights(recipe) -> dict:
+    """The checkpoint's stacked weights; an unreadable checkpoint is the user's input (exit 2), not a crash."""
+    from safetensors import SafetensorError
+
+    model_weights = registry.arch(recipe.model.arch).get("weights")
+    try:
+        return model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+    except (SafetensorError, OSError) as exc:
+        raise InvalidInput(f"model.checkpoint {recipe.model.checkpoint}: unreadable safetensors checkpoint "
+                           f"({str(exc)[:200]})") from None
 
 
 def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
@@ -132,7 +168,7 @@ def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
     rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
     return {
         "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
-        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"], "compile_seconds": res["compile_seconds"],
+        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"],
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }

@@ -59,6 +59,15 @@ def pre_key(graph: dict, fingerprint: dict, source_digest: str) -> str:
                                      "source": source_digest})).hexdigest()
 
 
+def _meta_ok(meta) -> bool:
+    """The fields readers use have the types they expect (a meta.json may be hand-edited or corrupt)."""
+    return (isinstance(meta, dict) and isinstance(meta.get("file"), str) and "/" not in meta["file"]
+            and meta["file"] not in ("", ".", "..") and isinstance(meta.get("bytes"), int)
+            and isinstance(meta.get("sha256"), str) and isinstance(meta.get("label", ""), str)
+            and isinstance(meta.get("compile_seconds", 0.0), (int, float))
+            and isinstance(meta.get("fingerprint", {}), dict))
+
+
 @dataclass(frozen=True)
 class Entry:
     key: str
@@ -75,24 +84,31 @@ class Cache:
         self.locks_dir = self.base / "locks"
         self.prekeys_dir = self.base / "prekeys"
 
-    def ensure(self) -> "Cache":
+    def ensure(self) -> Cache:
         for d in (self.entries_dir, self.tmp_dir, self.locks_dir, self.prekeys_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
     # -- read
-    def get(self, key: str) -> Entry | None:
-        """The entry for key if it is complete and its artifact matches its recorded sha256."""
+    def get(self, key: str, *, discard: bool = True) -> Entry | None:
+        """The entry for key if it is complete and its artifact matches its recorded sha256.
+
+        A corrupt entry is a miss; it is removed unless ``discard`` is false (read-only callers).
+        """
         folder = self.entries_dir / key
         try:
-            meta = json.loads((folder / META).read_text())
+            meta = json.loads((folder / META).read_text(encoding="utf-8"))
+            if not _meta_ok(meta):
+                raise ValueError("malformed meta")
             artifact = folder / meta["file"]
-            if meta.get("key") != key or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
+            if (meta.get("key") != key or artifact.stat().st_size != meta["bytes"]
+                    or sha256_file(artifact) != meta["sha256"]):
                 raise ValueError("mismatch")
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError):
-            self._discard(folder)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            if discard:
+                self._discard(folder)
             return None
         return Entry(key, artifact, meta)
 
@@ -112,11 +128,12 @@ class Cache:
         os.replace(tmp, self.prekeys_dir / f"{pre}.json")
 
     def list(self) -> list[dict]:
+        """Valid entries; never changes the cache (a corrupt entry is skipped, not removed)."""
         out = []
         if not self.entries_dir.is_dir():
             return out
         for folder in sorted(self.entries_dir.iterdir()):
-            entry = self.get(folder.name)
+            entry = self.get(folder.name, discard=False)
             if entry:
                 out.append(dict(entry.meta, path=str(entry.path)))
         return out

@@ -10,6 +10,7 @@ behind the same ``run`` interface; it is not part of this release.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -37,10 +38,8 @@ class LocalExecutor:
             return
         procs = list(getattr(self.pool, "_processes", {}).values())
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError, AttributeError):
                 os.kill(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, AttributeError):
-                pass
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.pool = None
 
@@ -81,6 +80,18 @@ class LocalExecutor:
             self.pool = None
         finally:
             self._kill()
+
+
+class InlineExecutor:
+    """Runs every job in the calling process, one after another (debugging, tests that patch a backend)."""
+
+    jobs = 1
+
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
+        for job in jobs:
+            if on_start:
+                on_start(job)
+            yield run_job(job)
 
 
 def _failure(job: Job, kind: str, message: str) -> dict:

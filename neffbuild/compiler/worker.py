@@ -55,9 +55,18 @@ def source_digest() -> str:
 
 
 def pre_key_for(graph: GraphSpec, backend) -> str:
+    """The key a warm rebuild looks up before tracing: the graph's spec, the backend, the source.
+
+    Like the cache key, it covers a sharded graph's parallel layout and ignores dp for an unsharded one.
+    """
     from neffbuild.compiler.cache import pre_key
 
-    return pre_key(dataclasses.asdict(graph), backend.fingerprint(), source_digest())
+    spec = dataclasses.asdict(graph)
+    if graph.layout.sharded:
+        spec["parallel"] = graph.layout.to_json()
+    else:
+        spec = {k: v for k, v in spec.items() if k not in ("tp", "dp", "ep")}
+    return pre_key(spec, backend.fingerprint(), source_digest())
 
 
 @contextlib.contextmanager
@@ -83,13 +92,21 @@ def redirected_output(path: str):
 def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     """(cache key, exported graph, input signature, graph text) for one target."""
     from neffbuild.compiler.cache import cache_key
-    from neffbuild.compiler.graphs import build_graph, input_signature
+    from neffbuild.compiler.graphs import (
+        build_graph,
+        input_signature,
+        placeholder_groups,
+    )
 
     module, inputs = build_graph(graph)
-    exported = backend.export(module, inputs)
+    with placeholder_groups(graph.layout):
+        exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
     signature = input_signature(inputs)
-    return cache_key(text, signature, backend.fingerprint()), exported, signature, text
+    fingerprint = backend.fingerprint()
+    if graph.layout.sharded:  # the layout is part of a sharded graph's key (an unsharded graph ignores dp)
+        fingerprint = dict(fingerprint, parallel=graph.layout.to_json())
+    return cache_key(text, signature, fingerprint), exported, signature, text
 
 
 def _ok(result: dict, entry, hit: bool) -> dict:
@@ -99,13 +116,14 @@ def _ok(result: dict, entry, hit: bool) -> dict:
 
 
 def _smoke(job: Job, backend, entry) -> None:
-    if job.weights_path is None:
+    """Load + one zero step; skipped without weights and for sharded graphs (their collectives need peers)."""
+    if job.weights_path is None or job.graph.layout.sharded:
         return
     from neffbuild.compiler.smoke import smoke_run
-    from neffbuild.runtime.bundle import mmap_safetensors
+    from neffbuild.runtime import weights_file
 
     t0 = time.monotonic()
-    smoke_run(backend, entry.path, job.graph, mmap_safetensors(Path(job.weights_path)))
+    smoke_run(backend, entry.path, job.graph, weights_file.load(Path(job.weights_path)))
     print(f"== smoke run ok in {time.monotonic() - t0:.2f}s", flush=True)
 
 
@@ -133,7 +151,7 @@ def cached_result(job: Job) -> dict | None:
     try:
         backend = get_backend(**job.backend)
         entry = Cache(job.cache_root).get_pre(pre_key_for(job.graph, backend))
-    except Exception:  # noqa: BLE001 - the full path in run_job reports it, classified
+    except Exception:
         return None
     if entry is None:
         return None
@@ -143,7 +161,7 @@ def cached_result(job: Job) -> dict | None:
             print(f"== {job.label}: cache hit {entry.key} (pre-key, not traced)", flush=True)
             _smoke(job, backend, entry)
         result = _ok(result, entry, hit=True)
-    except Exception as exc:  # noqa: BLE001 - classified and reported
+    except Exception as exc:
         result = _classified(result, exc, job)
     result["seconds"] = round(time.monotonic() - started, 3)
     return result
@@ -152,6 +170,7 @@ def cached_result(job: Job) -> dict | None:
 def _build(job: Job, backend, result: dict):
     """Trace, key, then the cache entry (compiled and published on a miss); records the pre-key."""
     from neffbuild.compiler.cache import Cache
+    from neffbuild.compiler.graphs import placeholder_groups
 
     t0 = time.monotonic()
     key, exported, signature, _ = key_for(job.graph, backend)
@@ -164,7 +183,8 @@ def _build(job: Job, backend, result: dict):
         if entry is None:
             tmp = cache.new_tmp(key)
             t0 = time.monotonic()
-            artifact = backend.compile(exported, tmp)
+            with placeholder_groups(job.graph.layout):  # a sharded graph's group names resolve while compiling
+                artifact = backend.compile(exported, tmp)
             seconds = time.monotonic() - t0
             entry = cache.publish(key, tmp, artifact, {
                 "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
@@ -193,7 +213,7 @@ def run_job(job: Job) -> dict:
             entry, hit = _build(job, backend, result)
             _smoke(job, backend, entry)
         result = _ok(result, entry, hit)
-    except Exception as exc:  # noqa: BLE001 - classified and reported, never cached
+    except Exception as exc:
         result = _classified(result, exc, job)
     result["seconds"] = round(time.monotonic() - started, 3)
     return result
@@ -202,7 +222,7 @@ def run_job(job: Job) -> dict:
 def graph_summary(graph: GraphSpec) -> dict:
     return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
             "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
-            "fp8_packed_kv": graph.fp8_packed_kv}
+            "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}
 
 
 def warm_up() -> int:
@@ -212,12 +232,12 @@ def warm_up() -> int:
     translation unit per kind (wrapper, kernels), so the pool only adds processes (one per
     core, in every worker) that compete with the workers themselves for the same cores.
     """
-    import torch  # noqa: F401
     import torch._inductor
     import torch._inductor.config
 
-    from neffbuild.models.gpt_oss import decode  # noqa: F401
+    from neffbuild import registry
 
     torch._inductor.config.compile_threads = 1
-
+    for arch in registry.ARCHITECTURES.values():
+        arch.get("decode")
     return os.getpid()

@@ -1,3 +1,1 @@
-"""Graph definitions, one package per architecture."""
-
-KNOWN_ARCHS = ("gpt_oss",)
+"""Graph definitions, one package per architecture (each named once, in neffbuild/registry.py)."""

@@ -1,4 +1,4 @@
-"""The frozen recipe types. Imports nothing of the project but the model config."""
+"""The frozen recipe types. Imports nothing of the project but the registry and the bucket math."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from neffbuild.models.gpt_oss.config import GptOssConfig
+from neffbuild import registry
 from neffbuild.runtime.buckets import num_swa_blocks
 
 
@@ -22,8 +22,9 @@ class ModelSpec:
     random_seed: int | None
 
     @property
-    def config(self) -> GptOssConfig:
-        return GptOssConfig.from_hf_dict(self.hf_config)
+    def config(self):
+        """The architecture's config dataclass (from the registry)."""
+        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class Recipe:
         if self.speculative:
             s = self.speculative
             draft = {"config": s.draft_hf_config}
-            draft.update({"checkpoint": str(s.draft_checkpoint)} if s.draft_checkpoint else {"random_seed": s.draft_random_seed})
+            draft.update({"checkpoint": str(s.draft_checkpoint)} if s.draft_checkpoint
+                         else {"random_seed": s.draft_random_seed})
             spec = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens, "draft": draft}
         model = {"arch": self.model.arch, "config": self.model.hf_config}
         if self.model.checkpoint:
@@ -105,7 +107,8 @@ class Recipe:
                 "lnc": self.lnc,
             },
             "parallel": {"tp": self.tp, "dp": self.dp, "ep": self.ep},
-            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel, "flags": list(self.flags),
+            "compiler": {"backend": self.backend, "target": self.target, "optlevel": self.optlevel,
+                         "flags": list(self.flags),
                          "target_flags": {label: list(f) for label, f in self.target_flags}},
             "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
         }
@@ -123,6 +126,6 @@ class Recipe:
         """Compiler flags for one target: the recipe's flags, then that target's own."""
         return self.flags + dict(self.target_flags).get(label, ())
 
-    def replace(self, **changes) -> "Recipe":
+    def replace(self, **changes) -> Recipe:
 
         return dataclasses.replace(self, **changes)

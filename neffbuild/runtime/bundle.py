@@ -1,43 +1,37 @@
 """Open and verify a bundle, memory-map its weights once, load artifacts lazily.
 
+Artifacts load through ``runtime/loaders.py``, the one loading path per backend.
+
 Thin: standard library, torch, the bundle layout constants and the base file helpers only. Reads JSON and
 safetensors; never unpickles anything from a bundle. The format is docs/bundle-format.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import struct
 import threading
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import torch
-import torch.utils._pytree as pytree
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import layout
+from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, parallel, weights_file, world
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime.manifest_schema import Problem
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-           "I32": torch.int32, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_DEPTH = 32
 
-
-@dataclass(frozen=True)
-class Problem:
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
+__all__ = ["Bundle", "Problem", "check", "open_bundle", "read_manifest", "safe_path"]
 
 
 def safe_path(root: Path, rel: object) -> Path:
     """Resolve a manifest path inside the bundle, refusing escapes and symlinks."""
     if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
-        raise BundleError(f"{root}: manifest path {rel!r} is not a relative POSIX path")
+        raise BundleError(f"{root}: manifest path {manifest_schema.short(rel)} is not a relative POSIX path")
     pure = PurePosixPath(rel)
     if pure.is_absolute() or ".." in pure.parts:
         raise BundleError(f"{root}: manifest path {rel!r} points outside the bundle")
@@ -49,118 +43,196 @@ def safe_path(root: Path, rel: object) -> Path:
     return p
 
 
-def read_manifest(root: Path) -> dict:
+def _no_duplicate_keys(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k[:80]!r}")
+        out[k] = v
+    return out
+
+
+def _manifest_bytes(root: Path) -> bytes:
     mpath = root / layout.MANIFEST_PATH
-    if not mpath.is_file():
-        raise BundleError(f"{root}: no {layout.MANIFEST_PATH}; not a neffbuild bundle")
+    if not mpath.is_file() or mpath.is_symlink():
+        raise BundleError(f"{root}: no {layout.MANIFEST_PATH} (a regular file); not a neffbuild bundle")
     try:
-        m = json.loads(mpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{mpath}: unreadable manifest ({exc})") from None
+        size = mpath.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise BundleError(f"{mpath}: {size} bytes is over the {MAX_MANIFEST_BYTES}-byte manifest limit")
+        return mpath.read_bytes()
+    except OSError as exc:
+        raise BundleError(f"{mpath}: unreadable manifest ({exc.strerror or exc})") from None
+
+
+def read_manifest(root: Path) -> dict:
+    """The parsed manifest: bounded size and depth, no duplicate keys, this format and a supported version."""
+    mpath = root / layout.MANIFEST_PATH
+    raw = _manifest_bytes(root)
+    try:
+        text = raw.decode("utf-8")
+        if not weights_file.json_depth_ok(text, MAX_MANIFEST_DEPTH):
+            raise ValueError(f"nested deeper than {MAX_MANIFEST_DEPTH} levels")
+        m = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BundleError(f"{mpath}: unreadable manifest ({manifest_schema.short(str(exc), 160)})") from None
     if not isinstance(m, dict) or m.get("format") != layout.BUNDLE_FORMAT:
-        raise IncompatibleBundle(f"{mpath}: format is {m.get('format') if isinstance(m, dict) else None!r}, "
-                                 f"expected {layout.BUNDLE_FORMAT!r}")
+        got = manifest_schema.short(m.get("format") if isinstance(m, dict) else None)
+        raise IncompatibleBundle(f"{mpath}: format is {got}, expected {layout.BUNDLE_FORMAT!r}")
     v = m.get("format_version")
     if not isinstance(v, int) or isinstance(v, bool) or v not in layout.SUPPORTED_FORMAT_VERSIONS:
-        raise IncompatibleBundle(f"{mpath}: format_version {v!r} is not supported by this reader "
-                                 f"(supported: {list(layout.SUPPORTED_FORMAT_VERSIONS)}); upgrade neffbuild")
+        raise IncompatibleBundle(f"{mpath}: format_version {manifest_schema.short(v)} is not supported by this "
+                                 f"reader (supported: {list(layout.SUPPORTED_FORMAT_VERSIONS)}); rebuild the bundle "
+                                 "or use the neffbuild that built it")
     return m
 
 
-SCHEMA = {"name": str, "version": str, "recipe_sha256": str, "toolchain": dict, "graph_inputs": dict,
-          "artifacts": list, "weights": dict, "files": dict}
-ARTIFACT_KEYS = ("label", "family", "batch", "ctx", "query_len", "file", "sha256", "bytes", "compile_seconds",
-                 "cache_key", "input_signature", "compile_label")
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not standard JSON")
+
+
+def digest_problem(root: Path) -> Problem | None:
+    """Whether manifest.sha256 holds the sha256 of manifest.json's bytes."""
+    dpath = root / layout.MANIFEST_DIGEST_PATH
+    try:
+        line = dpath.read_text(encoding="ascii")[:200] if dpath.is_file() and not dpath.is_symlink() else None
+    except (OSError, UnicodeDecodeError):
+        line = None
+    if line is None:
+        return Problem(layout.MANIFEST_DIGEST_PATH, "missing or unreadable; the manifest is not covered by a digest")
+    digest = hashlib.sha256(_manifest_bytes(root)).hexdigest()
+    if line.split(" ")[0].strip() != digest:
+        return Problem(layout.MANIFEST_PATH, f"sha256 {digest} differs from {layout.MANIFEST_DIGEST_PATH} "
+                       "(the manifest was modified or corrupted)")
+    return None
 
 
 def check(root: str | Path, *, full: bool = True) -> list[Problem]:
-    """Every problem with a bundle: schema, paths, missing files, sizes, and (full) sha256."""
+    """Every problem with a bundle: digest, schema, paths, missing or unlisted files, sizes, (full) sha256
+    and (full) each artifact against its own declared inputs and constants."""
     root = Path(root)
     try:
         m = read_manifest(root)
+        digest = digest_problem(root)
     except BundleError as exc:
         return [Problem(layout.MANIFEST_PATH, str(exc))]
-    problems = [Problem(layout.MANIFEST_PATH, f"field {k!r} missing or not a {t.__name__}")
-                for k, t in SCHEMA.items() if not isinstance(m.get(k), t)]
+    problems = [digest] if digest else []
+    problems += manifest_schema.problems(m)
     if problems:
         return problems
-    for i, a in enumerate(m["artifacts"]):
-        missing = [k for k in ARTIFACT_KEYS if not isinstance(a, dict) or k not in a]
-        if missing:
-            problems.append(Problem(layout.MANIFEST_PATH, f"artifacts[{i}] lacks {missing}"))
-        elif a["file"] not in m["files"]:
-            problems.append(Problem(str(a["file"]), "artifact not listed in files"))
-    if m["weights"].get("file") not in m["files"]:
-        problems.append(Problem(str(m["weights"].get("file")), "weights file not listed in files"))
-    for rel, info in m["files"].items():
+    problems += _parallel_problems(m)
+    if problems:
+        return problems
+    problems += _file_problems(root, m["files"], full)
+    for w in ([m["weights"]] + list(m.get("parallel", {}).get("pieces", {}).values())) if not problems else []:
+        try:  # the header only: limits, dtypes, spans, overlaps, and the manifest's weights table
+            path = safe_path(root, w["file"])
+            _, header = weights_file.read_header(path)
+            weights_file.check_table(str(path), header, w["tensors"])
+        except BundleError as exc:
+            problems.append(Problem(w["file"], str(exc)))
+    if full and not problems and m["toolchain"]["backend"] == "inductor":
+        for i, entry in enumerate(m["artifacts"]):
+            try:
+                check_artifact(safe_path(root, entry["file"]), entry, rank_table(m), f"artifacts[{i}]")
+            except BundleError as exc:
+                problems.append(Problem(entry["file"], str(exc)))
+    return problems
+
+
+def _file_problems(root: Path, files: dict, full: bool) -> list[Problem]:
+    problems = []
+    for rel, info in files.items():
         try:
             p = safe_path(root, rel)
         except BundleError as exc:
             problems.append(Problem(str(rel), str(exc)))
             continue
         if not p.is_file():
-            problems.append(Problem(rel, "missing"))
-        elif not isinstance(info, dict) or p.stat().st_size != info.get("bytes"):
-            problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {info.get('bytes') if isinstance(info, dict) else info}"))
-        elif full and sha256_file(p) != info.get("sha256"):
+            problems.append(Problem(rel, "missing (or not a regular file)"))
+        elif p.stat().st_size != info["bytes"]:
+            problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {info['bytes']}"))
+        elif full and sha256_file(p) != info["sha256"]:
             problems.append(Problem(rel, "sha256 mismatch (corrupt or modified)"))
+    for d in (layout.ARTIFACTS_DIR, layout.WEIGHTS_DIR):
+        folder = root / d
+        if folder.is_dir() and not folder.is_symlink():
+            for p in sorted(folder.rglob("*")):
+                rel = p.relative_to(root).as_posix()
+                if rel not in files and not p.is_dir():
+                    problems.append(Problem(rel, "not listed in the manifest's files (an unexpected file)"))
     return problems
 
 
-def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file as views of ONE private memory map (no copy, no pickle)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-    raw = torch.empty(0, dtype=torch.uint8)
-    raw.set_(storage)
-    base, out = 8 + n, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = _DTYPES[info["dtype"]]
-        out[name] = raw[base + begin: base + end].view(dtype).view(info["shape"])
-    return out
+def _parallel_problems(m: dict) -> list[Problem]:
+    par = m.get("parallel")
+    if par is None:
+        return []
+    if not isinstance(par, dict) or not isinstance(par.get("pieces"), dict):
+        return [Problem(layout.MANIFEST_PATH, "field 'parallel' must be an object with 'pieces'")]
+    try:
+        lay = parallel.ParallelLayout.from_json(par)
+    except (TypeError, ValueError):
+        return [Problem(layout.MANIFEST_PATH, f"parallel: tp/dp/ep must be integers, got {par}")]
+    if lay.world_size != par.get("world_size") or min(lay.tp, lay.dp, lay.ep) < 1 or lay.world_size % lay.ep:
+        return [Problem(layout.MANIFEST_PATH, f"parallel: inconsistent {lay} / world_size {par.get('world_size')}")]
+    wanted = {n for r in range(lay.world_size) for n in _rank_pieces(lay, r)}
+    problems = [Problem(layout.MANIFEST_PATH, f"parallel.pieces lacks {n!r}")
+                for n in sorted(wanted - set(par["pieces"]))]
+    for name, e in par["pieces"].items():
+        if not isinstance(e, dict) or not isinstance(e.get("tensors"), dict) or e.get("file") not in m["files"]:
+            problems.append(Problem(layout.MANIFEST_PATH,
+                                    f"parallel.pieces.{name}: needs tensors and a file listed in files"))
+    return problems
 
 
-def toolchain_problem(toolchain: dict) -> str | None:
-    """Why the running toolchain cannot run these artifacts, or None."""
-    backend = toolchain.get("backend")
-    if backend == "inductor":
-        built = str(toolchain.get("torch", "")).split("+")[0]
-        here = torch.__version__.split("+")[0]
-        if built != here:
-            return (f"artifacts were compiled by torch {toolchain.get('torch')} and this process runs torch "
-                    f"{torch.__version__}; AOTInductor artifacts only load in the torch that built them. "
-                    f"Install torch=={built} or rebuild the bundle")
-        return None
-    if backend == "neuron":
-        import importlib.util
+def _rank_pieces(lay: parallel.ParallelLayout, rank: int) -> list[str]:
+    """The per-rank pieces rank ``rank`` maps besides ``weights.file`` (the builder writes them)."""
+    return ([f"tp{lay.tp_rank(rank)}"] if lay.tp > 1 else []) + ([f"ep{lay.ep_rank(rank)}"] if lay.ep > 1 else [])
 
-        if importlib.util.find_spec("torch_neuronx") is None:
-            return "artifacts are NEFFs; this host has no torch-neuronx (the Neuron SDK)"
-        return None
-    return f"unknown backend {backend!r} in the manifest"
+
+def rank_table(m: dict, rank: int = 0) -> dict:
+    """The constants one rank's artifacts bind: ``weights.tensors`` plus its pieces' (same shapes on all ranks)."""
+    if "parallel" not in m:
+        return m["weights"]["tensors"]
+    lay = parallel.ParallelLayout.from_json(m["parallel"])
+    table = dict(m["weights"]["tensors"])
+    for name in _rank_pieces(lay, rank):
+        table.update(m["parallel"]["pieces"][name]["tensors"])
+    return table
+
+
+def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> None:
+    """Before any native code: sha256, then the package's own input checks and constants vs the manifest."""
+    if sha256_file(path) != entry["sha256"]:
+        raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
+    reported, consts = aoti_package.describe(path)
+    why = manifest_schema.compare_with_artifact(where, entry["input_signature"], reported) or \
+        manifest_schema.compare_constants(where, weights_table, consts)
+    if why:
+        raise BundleError(f"{path}: {why}")
 
 
 class Bundle:
     """An opened bundle: manifest, grid, shared weights, and lazily loaded artifacts."""
 
-    def __init__(self, root: Path, manifest: dict, device: str):
+    def __init__(self, root: Path, manifest: dict, device: str, rank: world.RankContext | None = None):
         self.root, self.manifest, self.device = root, manifest, device
+        self.context = rank  # None: an unsharded bundle, any world
         gi = manifest["graph_inputs"]
         self.spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]),
-                             gi["max_model_len"], gi.get("num_speculative_tokens", 0))
+                             gi["max_model_len"], gi["num_speculative_tokens"])
         kv = gi["kv_layout"]
         _, nb, h, bs, d = kv["buffer_shape"]
         self.kv_layout = KVLayout(kv["num_buffers"], nb, h, bs, d, fp8=kv["dtype"].startswith("float8"),
                                   packed_k=kv["packed_k"])
         self.num_swa = gi["num_swa"]
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
-        self.weights = mmap_safetensors(safe_path(root, manifest["weights"]["file"]))
+        self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
+        if rank is not None:  # a sharded rank maps the replicated piece plus its own TP and EP pieces, nothing else
+            pieces = manifest["parallel"]["pieces"]
+            for name in _rank_pieces(rank.layout, rank.rank):
+                self.weights.update(weights_file.load(safe_path(root, pieces[name]["file"]), pieces[name]["tensors"]))
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -168,71 +240,67 @@ class Bundle:
     def labels(self) -> list[str]:
         return sorted(self.entries)
 
+    @property
+    def layout(self) -> parallel.ParallelLayout:
+        """The parallel layout the artifacts were compiled for (tp = dp = ep = 1 when unsharded)."""
+        return self.context.layout if self.context else parallel.ParallelLayout.from_json(self.manifest["graph_inputs"])
+
+    @property
+    def group(self):
+        """The group DP sync runs over (the bundle's world), or None for an unsharded bundle."""
+        return self.context.world_group if self.context else None
+
     def artifact(self, label: str):
-        """The callable for one label, loaded and bound to the shared weights on first use."""
+        """The callable for one label, checked, loaded and bound to the shared weights on first use.
+
+        Sharded: bound to this rank's id too (the graph's last input), so callers pass the
+        same arguments as for an unsharded artifact.
+        """
         with self._lock:
             if label not in self._loaded:
                 entry = self.entries.get(label)
                 if entry is None:
                     raise ShapeNotCovered(f"{self.root.name}: no artifact {label!r}; the bundle has {self.labels}")
-                self._loaded[label] = self._load(entry)
+                self._loaded[label] = _with_rank(self._load(entry), self.context)
             return self._loaded[label]
 
     def _load(self, entry: dict):
         path = safe_path(self.root, entry["file"])
-        backend = self.manifest["toolchain"]["backend"]
-        if backend == "inductor":
-            return load_aoti(path, self.weights)
-        import torch_neuronx  # noqa: F401  - Neuron hosts only
-
-        return torch.jit.load(str(path))
-
-    def runner(self):
-        """A Decoder runner: StepPlan -> the artifact callable for its label."""
-        return lambda plan: self.artifact(plan.label)
+        if self.manifest["toolchain"]["backend"] == "inductor":
+            check_artifact(path, entry, rank_table(self.manifest), f"artifacts[{entry['label']}]")
+        elif sha256_file(path) != entry["sha256"]:  # other backends: at least the bytes the manifest names
+            raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
+        return loaders.load(self.manifest["toolchain"], path, self.weights, self.device)
 
 
-class AOTIArtifact:
-    """An AOTInductor package run through torch's C++ package loader alone.
 
-    ``torch._inductor.aoti_load_package`` returns the same loader wrapped in a class whose
-    import pulls in inductor and dynamo (seconds per process, most of a cold start); the
-    calling convention is only: flatten the tensors in order, run, unflatten the outputs.
-    """
-
-    def __init__(self, path: str | Path):
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        self._out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
-
-    def __call__(self, *args):
-        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        return pytree.tree_unflatten(self.loader.boxed_run(flat), self._out_spec)
-
-    def get_constant_fqns(self) -> list[str]:
-        return self.loader.get_constant_fqns()
-
-    def load_constants(self, constants: dict[str, torch.Tensor], *, check_full_update: bool,
-                       user_managed: bool = False) -> None:
-        self.loader.load_constants(constants, False, check_full_update, user_managed, False)
+def _with_rank(fn, context: world.RankContext | None):
+    if context is None:
+        return fn
+    rank = context.rank_input
+    return lambda *args: fn(*args, rank)
 
 
 def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
-    """Load an AOTInductor package and bind user-managed constants (shared, never copied)."""
-    runner = AOTIArtifact(path)
-    wanted = runner.get_constant_fqns()
-    missing = [n for n in wanted if n not in constants]
-    if missing:
-        raise BundleError(f"{path}: the bundle's weights lack constants {missing[:5]}")
-    runner.load_constants({n: constants[n] for n in wanted}, check_full_update=True, user_managed=True)
-    return runner
+    """An AOTInductor package bound to shared constants (kept for callers; see loaders.load_inductor)."""
+    return loaders.load_inductor(path, constants, {})
 
 
-def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False) -> Bundle:
+def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False,
+                group=None) -> Bundle:
     """Open a bundle for serving.
 
-    verify: "sizes" (default: every file present with its size), "full" (also sha256),
-    or "none". Refuses a foreign format, a newer format version, a path outside the
-    bundle, and a toolchain that cannot run the artifacts, each with a named error.
+    verify: "sizes" (default: the manifest digest, every file present with its size), "full"
+    (also every sha256 and every artifact's declared inputs), or "none" (files unchecked).
+    The manifest's schema is always checked. Refuses a foreign format, a newer format version,
+    a path outside the bundle, and a toolchain that cannot run the artifacts, each with a
+    named error. Each artifact is checked against the manifest before its first call.
+
+    A sharded bundle (manifest ``parallel``) must be opened by every rank of a
+    torch.distributed world of exactly its tp x dp ranks (else IncompatibleBundle, naming
+    both); ``group`` is that world when the job holds more processes (default: the whole
+    world). Opening it creates and registers the rank's TP and EP groups and maps only the
+    rank's weight pieces; ``bundle.group`` is then the group DP sync runs over.
     """
     if verify not in ("sizes", "full", "none"):
         raise ValueError(f"verify must be 'sizes', 'full' or 'none', got {verify!r}")
@@ -240,14 +308,22 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     if not root.is_dir():
         raise BundleError(f"{root}: not a bundle directory")
     manifest = read_manifest(root)
-    if verify != "none":
-        problems = check(root, full=verify == "full")
-        if problems:
-            raise BundleError(f"{root}: " + "; ".join(map(str, problems)))
-    reason = toolchain_problem(manifest.get("toolchain", {}))
+    problems = check(root, full=verify == "full") if verify != "none" else manifest_schema.problems(manifest)
+    if problems:
+        raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
+    reason = loaders.toolchain_problem(manifest["toolchain"])
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
-    bundle = Bundle(root, manifest, device)
+    if manifest["toolchain"]["backend"] == "inductor" and verify != "full":
+        # The fallback artifact pins what the runtime allocates from before any artifact loads (KV buffers,
+        # block-table widths): check it against its own package now, so a lie there fails here, not in memory.
+        top = max(manifest["artifacts"], key=lambda a: (a["ctx"], a["batch"], a["label"]))
+        check_artifact(safe_path(root, top["file"]), top, rank_table(manifest), f"artifacts[{top['label']}]")
+    aoti_package.sweep_temp()
+    rank = None
+    if "parallel" in manifest:  # collective: every rank of the world opens the bundle
+        rank = world.join(parallel.ParallelLayout.from_json(manifest["parallel"]), f"bundle {root}", group)
+    bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:
             bundle.artifact(label)

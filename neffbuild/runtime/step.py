@@ -27,6 +27,7 @@ from neffbuild.runtime import attn_metadata, buckets, dp_sync
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 from neffbuild.runtime.dispatch import GridSpec, StepPlan, needs_nospec, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout, allocate
+from neffbuild.runtime.metrics import StepMetrics
 
 
 class Artifacts(Protocol):
@@ -79,11 +80,14 @@ class Stepper:
     ``kv_caches`` are the engine's KV buffers (allocated here from the bundle's layout when
     not given). ``group``: a torch.distributed process group of the DP ranks (gloo), or None.
     ``on_plan``: called with each step's synced plan (``plan.needed_seq``: the histogram hook).
+    ``registry``: the engine's prometheus_client registry for the step counters (default: the
+    library's global one; nothing is registered without prometheus_client, see runtime/metrics.py).
     """
 
     def __init__(self, artifacts: Artifacts, *, kv_caches: Sequence[torch.Tensor] | None = None, group=None,
-                 on_plan: Callable[[StepPlan], None] | None = None, device: str = "cpu"):
+                 on_plan: Callable[[StepPlan], None] | None = None, device: str = "cpu", registry=None):
         self.artifacts, self.group, self.on_plan = artifacts, group, on_plan
+        self.metrics = StepMetrics(registry)
         self.spec, self.layout, self.num_swa = artifacts.spec, artifacts.kv_layout, artifacts.num_swa
         self.kv_caches = list(kv_caches) if kv_caches is not None else allocate(self.layout, device)
 
@@ -114,6 +118,7 @@ class Stepper:
             batch.block_tables.get(SLIDING_GROUP, full), batch=plan.batch, ctx=plan.ctx,
             block_size=self.layout.block_size, num_swa=self.num_swa)
         out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.kv_caches))
+        self.metrics.record(f"decode_b{plan.batch}", plan.batch, plan.padding)
         logits, aux = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) > 1 else (_first(out), None)
         return StepOutput(plan, logits[:R], aux[:R] if aux is not None else None)
 

@@ -37,22 +37,32 @@ class Generation:
 def tables_for(blocks: BlockManager, rids: Sequence, upto: Sequence[int]) -> dict[str, torch.Tensor]:
     """{group: [R, W]} rows for the requests, W = blocks of the longest (never the pool or max_model_len)."""
     width = max((-(-n // blocks.block_size) for n in upto), default=1)
-    return {g.name: torch.tensor([blocks.row(r, g.name, width) for r in rids], dtype=torch.long).reshape(len(rids), width)
-            for g in blocks.groups}
+    return {g.name: torch.tensor([blocks.row(r, g.name, width) for r in rids], dtype=torch.long)
+            .reshape(len(rids), width) for g in blocks.groups}
 
 
 def greedy(stepper: Stepper, prefill: Prefill, blocks: BlockManager, prompts: Sequence[Sequence[int]],
-           max_new_tokens: int, *, on_step: Callable[[StepPlan, torch.Tensor], None] | None = None) -> Generation:
+           max_new_tokens: int, *, on_step: Callable[[StepPlan, torch.Tensor], None] | None = None,
+           lockstep_group=None) -> Generation:
     """Greedy tokens per prompt: prompts are prefilled one by one, then decoded as one batch.
 
     Every DP rank runs ``max_new_tokens - 1`` steps (a rank without prompts runs empty ones).
+    ``lockstep_group``: ranks whose prefill has collectives across DP groups (a sharded MoE
+    that gathers tokens) prefill together, padded to the same length (``Session.lockstep_group``).
     """
     rids = list(range(len(prompts)))
     computed, nxt = [len(p) for p in prompts], []
-    for rid, prompt in enumerate(prompts):
+    pads = _lockstep(prompts, lockstep_group) if lockstep_group is not None else [0] * len(prompts)
+    for rid, pad_to in enumerate(pads):
+        if rid >= len(prompts):  # no rid-th prompt here: take part in the prefill's collectives only
+            none = torch.zeros(1, dtype=torch.long)
+            prefill([], stepper.kv_caches, {g.name: none for g in blocks.groups}, pad_to=pad_to)
+            continue
+        prompt = prompts[rid]
         blocks.reserve(rid, len(prompt), len(prompt))  # prefill reads no cache: keep only what decode reads
         rows = {g: t[0] for g, t in tables_for(blocks, [rid], [len(prompt)]).items()}
-        nxt.append(int(prefill(prompt, stepper.kv_caches, rows)[-1].argmax()))
+        kw = {"pad_to": pad_to} if lockstep_group is not None else {}
+        nxt.append(int(prefill(prompt, stepper.kv_caches, rows, **kw)[-1].argmax()))
     gen = Generation([[t] for t in nxt])
     start = time.perf_counter()
     for _ in range(max_new_tokens - 1):
@@ -74,11 +84,24 @@ def greedy(stepper: Stepper, prefill: Prefill, blocks: BlockManager, prompts: Se
     return gen
 
 
+def _lockstep(prompts: Sequence[Sequence[int]], group) -> list[int]:
+    """The padded length of every prefill all ranks run together: MAX over ranks of the count and the lengths."""
+    import torch.distributed as dist
+
+    count = torch.tensor([len(prompts)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    lengths = torch.zeros(int(count), dtype=torch.long)
+    lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
+    return lengths.tolist()
+
+
 def prometheus(plans: Sequence[StepPlan]) -> str:
     """Executions per batch bucket and the batch padding ratio, Prometheus text format."""
     executions = Counter(f"decode_b{p.batch}" for p in plans)
     rows, padding = sum(p.batch for p in plans), sum(p.padding for p in plans)
     lines = ["# TYPE neffbuild_neff_execution_count counter"]
     lines += [f'neffbuild_neff_execution_count{{bucket="{k}"}} {v}' for k, v in sorted(executions.items())]
-    lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {padding / rows if rows else 0.0:.6f}"]
+    ratio = padding / rows if rows else 0.0
+    lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {ratio:.6f}"]
     return "\n".join(lines) + "\n"

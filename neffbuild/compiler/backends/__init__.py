@@ -1,26 +1,24 @@
-"""Compiler backends behind one interface; ``get_backend`` resolves ``auto``."""
+"""Compiler backends behind one interface; ``get_backend`` resolves ``auto`` (registry order)."""
 
 from __future__ import annotations
 
+from neffbuild import registry
 from neffbuild.compiler.backends.base import Backend
-from neffbuild.errors import BackendUnavailable, InvalidInput
+from neffbuild.errors import BackendUnavailable
 
-NAMES = ("inductor", "neuron")
+NAMES = tuple(registry.BACKENDS)
 
 
-def get_backend(name: str, *, target: str = "trn2", optlevel: int = 2, lnc: int = 1, flags=(), device: str = "cpu") -> Backend:
-    """``auto`` picks neuron when the Neuron SDK imports, else inductor."""
-    from neffbuild.compiler.backends import inductor, neuron
-
-    if name == "auto":
-        name = "neuron" if neuron.available() else "inductor"
-    if name == "inductor":
-        return inductor.InductorBackend(flags=tuple(flags), device=device)
-    if name == "neuron":
-        if not neuron.available():
-            raise BackendUnavailable(
-                "backend 'neuron' needs the Neuron SDK (torch-neuronx, neuronx-cc), which is not importable here; "
-                "run on a Trainium/Inferentia host with the SDK, or use --backend inductor"
-            )
-        return neuron.NeuronBackend(target=target, optlevel=optlevel, lnc=lnc, flags=tuple(flags))
-    raise InvalidInput(f"unknown backend {name!r}; choose one of auto, {', '.join(NAMES)}")
+def get_backend(name: str, *, target: str = "trn2", optlevel: int = 2, lnc: int = 1, flags=(),
+                device: str = "cpu") -> Backend:
+    """``auto`` picks the first available backend in the registry (neuron where the Neuron SDK imports)."""
+    if name == registry.AUTO:
+        name = next(n for n, e in registry.BACKENDS.items() if e.get("available")())
+    entry = registry.backend(name)
+    if not entry.get("available")():
+        raise BackendUnavailable(
+            f"backend {name!r} needs the Neuron SDK (torch-neuronx, neuronx-cc), which is not importable here; "
+            "run on a Trainium/Inferentia host with the SDK, or use --backend inductor"
+        )
+    return entry.get("compile_side").create(target=target, optlevel=optlevel, lnc=lnc, flags=tuple(flags),
+                                            device=device)

@@ -12,6 +12,11 @@ class Backend(ABC):
     name: str
     ext: str  # artifact file extension, without the dot
 
+    @classmethod
+    @abstractmethod
+    def create(cls, *, target: str, optlevel: int, lnc: int, flags: tuple, device: str) -> Backend:
+        """The backend for a recipe's compiler settings (each takes what it uses)."""
+
     @abstractmethod
     def export(self, module: torch.nn.Module, example_inputs: tuple):
         """Trace the module; the result's text is part of the cache key."""

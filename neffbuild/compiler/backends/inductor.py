@@ -36,6 +36,10 @@ def parse_flags(flags) -> dict:
     return out
 
 
+def available() -> bool:
+    return True  # embedded: torch is always here
+
+
 class InductorBackend(Backend):
     name = "inductor"
     ext = "pt2"
@@ -43,6 +47,10 @@ class InductorBackend(Backend):
     def __init__(self, flags: tuple[str, ...] = (), device: str = "cpu"):
         self.flags = tuple(flags)
         self.device = device
+
+    @classmethod
+    def create(cls, *, target, optlevel, lnc, flags, device):
+        return cls(flags=flags, device=device)
 
     def export(self, module, example_inputs):
         with torch.no_grad():
@@ -64,12 +72,15 @@ class InductorBackend(Backend):
         self.profile = {"total_s": round(total, 2), "cpp_s": round(sum(s for _, s in cpp), 2),
                         "lowering_s": round(total - sum(s for _, s in cpp), 2),
                         "cpp_builds": [(name, round(s, 2)) for name, s in cpp]}
+        from neffbuild.compiler.reproducible import normalize_pt2
+
+        normalize_pt2(path)  # same graph, same bytes: two cold builds give one manifest
         return path
 
     def load(self, path: Path, constants: dict[str, torch.Tensor], device: str = "cpu"):
-        from neffbuild.runtime.bundle import load_aoti
+        from neffbuild.runtime.loaders import load_inductor
 
-        return load_aoti(Path(path), constants)
+        return load_inductor(Path(path), constants, self.fingerprint(), device)
 
     def fingerprint(self) -> dict:
         return {

@@ -45,6 +45,9 @@ class GptOssConfig:
     layer_types: tuple[str, ...] = ()
     rope: dict = field(default_factory=_default_rope)
 
+    SLIDING = SLIDING  # layer kinds, reachable from the class the registry names
+    FULL = FULL
+
     INT_FIELDS = (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
@@ -52,7 +55,7 @@ class GptOssConfig:
     )
 
     @classmethod
-    def from_hf_dict(cls, hf: dict) -> "GptOssConfig":
+    def from_hf_dict(cls, hf: dict) -> GptOssConfig:
         """Map Hugging Face keys onto the dataclass; unknown HF keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in hf.items() if k in names and k not in ("rope", "layer_types")}

@@ -10,6 +10,10 @@ backend leaves out of the artifact and binds at load time.
 KV reaches the caller by in-place mutation of the cache inputs: ``torch.export`` records
 the write as an input mutation and the AOTInductor artifact performs it on the caller's
 tensor (checked in tests/test_gpt_oss.py::test_aoti_matches_eager), so no KV is copied.
+
+Sharded (runtime/parallel.py): with tp > 1 the graph holds one rank's heads and all-reduces
+the o-proj over the TP group; with ep > 1 one rank's experts and an EP combine. The
+collectives are ``_c10d_functional`` ops inside the graph; the rank id is the last input.
 """
 
 from __future__ import annotations
@@ -17,9 +21,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import apply_rope, moe, paged_attention, rms_norm, rope_cos_sin, write_kv, yarn_inv_freq
+from kernels import (
+    apply_rope,
+    moe,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+    write_kv,
+    yarn_inv_freq,
+)
+from kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
+from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.models.gpt_oss.weights import STACKED_NAMES
+from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout
+
+SINGLE = ParallelLayout()
 
 
 def attention_inputs(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, cos, sin):
@@ -33,14 +50,33 @@ def attention_inputs(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, cos, s
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def attention_output_and_mlp(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """o-proj + residual, then the MoE block + residual. x [B, S, H]; attn [B, S, Hq*d]."""
-    x = x + attn @ w["o_w"][i].t() + w["o_b"][i]
+def attention_output_and_mlp(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, attn: torch.Tensor,
+                             par: ParallelLayout = SINGLE, rank: torch.Tensor | None = None) -> torch.Tensor:
+    """o-proj + residual, then the MoE block + residual. x [B, S, H]; attn [B, S, heads*d] (this rank's heads).
+
+    With tp > 1 the o-proj partial sums are all-reduced over the TP group before the bias.
+    """
+    y = attn @ w["o_w"][i].t()  # [B, S, H], this rank's heads' share
+    if par.tp > 1:
+        y = all_reduce_sum(y, TP_GROUP)
+    x = x + y + w["o_b"][i]
     h = rms_norm(x, w["ln_mlp"][i], cfg.rms_norm_eps)
     B, S, H = h.shape
-    out = moe(h.reshape(B * S, H), w["router_w"][i], w["router_b"][i], w["gate_up_w"][i], w["gate_up_b"][i],
-              w["down_w"][i], w["down_b"][i], cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
-    return x + out.view(B, S, H)
+    return x + expert_block(cfg, w, i, h.reshape(B * S, H), par, rank).view(B, S, H)
+
+
+def expert_block(cfg: GptOssConfig, w: dict, i: int, h: torch.Tensor, par: ParallelLayout, rank) -> torch.Tensor:
+    """The MoE over h [N, H]. With ep > 1 this rank holds a slice of the experts and the EP group
+    combines: one all-reduce when its ranks hold the same tokens, else gather, apply, reduce-scatter."""
+    args = (w["router_w"][i], w["router_b"][i], w["gate_up_w"][i], w["gate_up_b"][i], w["down_w"][i], w["down_b"][i],
+            cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
+    if par.ep == 1:
+        return moe(h, *args)
+    first = (rank % par.ep) * w["gate_up_w"].shape[1]  # [1] global id of this rank's first expert
+    if not par.ep_gathers:
+        return all_reduce_sum(moe(h, *args, first_expert=first), EP_GROUP)
+    every = all_gather_rows(h, par.ep, EP_GROUP)  # [ep*N, H]: the EP group's tokens, in group-rank order
+    return reduce_scatter_rows(moe(every, *args, first_expert=first), par.ep, EP_GROUP)  # [N, H]
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -52,9 +88,10 @@ class GptOssDecode(nn.Module):
     """One decode step over all layers; KV written in place into ``kv_caches``."""
 
     def __init__(self, cfg: GptOssConfig, stacked: dict[str, torch.Tensor], *, packed_k: bool = False,
-                 aux_layers: tuple[int, ...] | None = None):
+                 aux_layers: tuple[int, ...] | None = None, parallel: ParallelLayout = SINGLE):
         super().__init__()
-        self.cfg = cfg
+        self.par = parallel
+        self.cfg = local_config(cfg, parallel)  # this rank's heads; the stacked weights are its shard
         self.packed_k = packed_k
         self.aux_layers = tuple(aux_layers) if aux_layers else ()
         self.window = cfg.sliding_window
@@ -76,6 +113,7 @@ class GptOssDecode(nn.Module):
         slot_mapping: torch.Tensor,  # [B*q] full-group write slots (-1 = pad, skipped)
         slot_mapping_swa: torch.Tensor,  # [B*q] sliding-group write slots
         kv_caches: tuple[torch.Tensor, ...],  # G x [2, num_blocks, kv_heads, block_size, head_dim]
+        rank: torch.Tensor | None = None,  # [1] this rank's id; sharded graphs only (picks its experts)
     ):
         cfg, w = self.cfg, self.weights()
         B, S = input_ids.shape
@@ -97,7 +135,7 @@ class GptOssDecode(nn.Module):
             write_kv(cache, 1, slots, v.reshape(B * S, *v.shape[2:]), False)
             attn = paged_attention(q, cache, table, positions, offset, w["sinks"][i],
                                    cfg.attention_scale, window, self.packed_k)
-            x = attention_output_and_mlp(cfg, w, i, x, attn)
+            x = attention_output_and_mlp(cfg, w, i, x, attn, self.par, rank)
             hidden.append(x)
         logits = rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()  # [B, q, V]
         if self.aux_layers:

@@ -4,6 +4,10 @@ It runs one prompt at a time with dense causal attention over the prompt itself 
 implementation independent of the paged decode kernels), and writes every position's K
 and V into the per-buffer paged cache through the request's full and sliding-window
 block tables, in the same layout the decode graph reads.
+
+On a sharded rank it runs that rank's shard with the same collectives as the decode graph,
+eagerly; ranks whose MoE gathers tokens across DP groups must call it in lockstep with the
+same ``pad_to`` length (positions past the prompt are computed and never written).
 """
 
 from __future__ import annotations
@@ -12,8 +16,16 @@ import torch
 
 from kernels import rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
 from neffbuild.models.gpt_oss.config import SLIDING, GptOssConfig
-from neffbuild.models.gpt_oss.decode import attention_inputs, attention_output_and_mlp
-from neffbuild.runtime.blocks import NULL_BLOCK  # a plain layout constant (models import no runtime logic)
+from neffbuild.models.gpt_oss.decode import (
+    SINGLE,
+    attention_inputs,
+    attention_output_and_mlp,
+)
+from neffbuild.models.gpt_oss.sharding import local_config
+from neffbuild.runtime.blocks import (
+    NULL_BLOCK,  # a plain layout constant (models import no runtime logic)
+)
+from neffbuild.runtime.parallel import ParallelLayout, rank_tensor
 
 
 def slots_for(block_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -26,6 +38,18 @@ def slots_for(block_row: torch.Tensor, positions: torch.Tensor, block_size: int)
     return torch.where(blocks == NULL_BLOCK, -1, blocks * block_size + positions % block_size)
 
 
+def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the cache's element type (FP8: e4m3), back in ``x``'s dtype.
+
+    Prefill attends over K and V at the precision decode reads them from the cache, so the
+    logits of the last prompt position equal what a decode step at that position computes
+    (a DI decode worker recomputes that position from the transferred FP8 KV).
+    """
+    if cache.dtype in (torch.float8_e4m3fn, torch.uint8):  # uint8: FP8 bytes (kv_cache.graph_view)
+        return x.to(torch.float8_e4m3fn).to(x.dtype)
+    return x
+
+
 @torch.no_grad()
 def prefill(
     cfg: GptOssConfig,
@@ -36,23 +60,31 @@ def prefill(
     block_row_swa: torch.Tensor,  # [max_blocks] the request's sliding-window blocks
     *,
     packed_k: bool = False,
+    parallel: ParallelLayout = SINGLE,
+    rank: int = 0,
+    pad_to: int = 0,
 ) -> torch.Tensor:
     """Fill the KV cache for one prompt; return logits [N, vocab] for every prompt position."""
-    ids = torch.as_tensor(prompt, dtype=torch.long)[None]  # [1, N]
-    N = ids.shape[1]
-    pos = torch.arange(N)
+    prompt = torch.as_tensor(prompt, dtype=torch.long)
+    N = prompt.shape[0]
+    ids = torch.cat([prompt, prompt.new_zeros(max(0, pad_to - N))])[None]  # [1, max(N, pad_to)]
+    pos = torch.arange(ids.shape[1])
     inv_freq, scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
     cos, sin = rope_cos_sin(pos[None], inv_freq, scale)
     bs = kv_caches[0].shape[3]
-    slots = {True: slots_for(block_row_swa, pos, bs), False: slots_for(block_row, pos, bs)}
+    real = pos < N
+    slots = {True: torch.where(real, slots_for(block_row_swa, pos.clamp(max=N - 1), bs), -1),
+             False: torch.where(real, slots_for(block_row, pos.clamp(max=N - 1), bs), -1)}
+    local, rank_t = local_config(cfg, parallel), rank_tensor(rank)
     x = stacked["embed"][ids]
     for i, kind in enumerate(cfg.layer_types):
         sliding = kind == SLIDING
         cache = kv_caches[i // 2]
-        q, k, v = attention_inputs(cfg, stacked, i, x, cos, sin)
+        q, k, v = attention_inputs(local, stacked, i, x, cos, sin)
         write_kv(cache, 0, slots[sliding], k[0], packed_k)
         write_kv(cache, 1, slots[sliding], v[0], False)
+        k, v = _as_stored(k, cache), _as_stored(v, cache)
         window = cfg.sliding_window if sliding else None
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
-        x = attention_output_and_mlp(cfg, stacked, i, x, attn)
-    return (rms_norm(x, stacked["norm"], cfg.rms_norm_eps) @ stacked["lm_head"].t())[0]
+        x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
+    return (rms_norm(x, stacked["norm"], cfg.rms_norm_eps) @ stacked["lm_head"].t())[0, :N]

@@ -1,4 +1,4 @@
-"""GPT-OSS weights: checkpoint names, MXFP4 dequantisation, random init, GK stacking, sharding.
+"""GPT-OSS weights: checkpoint names, MXFP4 dequantisation, random init, GK stacking.
 
 Every checkpoint name lives here. The GK decode graph sees only the stacked layout: one
 tensor per kind with a leading ``[num_layers, ...]`` axis, built once on the host.
@@ -100,7 +100,7 @@ def load_checkpoint(folder: str | Path, dtype=torch.float32) -> dict[str, torch.
     raw: dict[str, torch.Tensor] = {}
     for f in _checkpoint_files(Path(folder)):
         with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
+            for k in fh.keys():  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
                 raw[k] = fh.get_tensor(k)
     out = {}
     for k, t in raw.items():
@@ -157,36 +157,12 @@ def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         return sd[name]
 
     out = {k: get(v).contiguous() for k, v in GLOBAL_KEYS.items()}
-    out["qkv_w"] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.weight") for n in QKV]) for i in range(L)])
-    out["qkv_b"] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.bias") for n in QKV]) for i in range(L)])
+    for kind, suffix in (("qkv_w", "weight"), ("qkv_b", "bias")):
+        out[kind] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.{suffix}") for n in QKV])
+                                 for i in range(L)])
     for key, pattern in LAYER_KEYS.items():
         out[key] = torch.stack([get(pattern.format(i=i)) for i in range(L)]).contiguous()
     return out
-
-
-def shard(cfg: GptOssConfig, stacked: dict[str, torch.Tensor], *, tp: int, ep: int, tp_rank: int, ep_rank: int):
-    """The slice of the stacked weights one (tp_rank, ep_rank) holds.
-
-    Attention is split by heads (q, k, v rows; o-proj columns; sinks); experts by ep.
-    The o-proj bias stays on tp rank 0 so the all-reduce adds it once.
-    """
-    d, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    q_per, k_per, e_per = Hq // tp, Hk // tp, cfg.num_local_experts // ep
-    qs = slice(tp_rank * q_per * d, (tp_rank + 1) * q_per * d)
-    ks = slice(Hq * d + tp_rank * k_per * d, Hq * d + (tp_rank + 1) * k_per * d)
-    vs = slice((Hq + Hk) * d + tp_rank * k_per * d, (Hq + Hk) * d + (tp_rank + 1) * k_per * d)
-    es = slice(ep_rank * e_per, (ep_rank + 1) * e_per)
-    out = dict(stacked)
-    out["qkv_w"] = torch.cat([stacked["qkv_w"][:, s] for s in (qs, ks, vs)], dim=1)
-    out["qkv_b"] = torch.cat([stacked["qkv_b"][:, s] for s in (qs, ks, vs)], dim=1)
-    out["o_w"] = stacked["o_w"][:, :, qs]
-    out["o_b"] = stacked["o_b"] if tp_rank == 0 else torch.zeros_like(stacked["o_b"])
-    out["sinks"] = stacked["sinks"][:, tp_rank * q_per:(tp_rank + 1) * q_per]
-    for key in ("router_w", "router_b"):
-        out[key] = stacked[key]  # every rank routes over all experts
-    for key in ("gate_up_w", "gate_up_b", "down_w", "down_b"):
-        out[key] = stacked[key][:, es]
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def model_weights(cfg: GptOssConfig, checkpoint: Path | None, random_seed: int | None) -> dict[str, torch.Tensor]:

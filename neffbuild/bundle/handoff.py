@@ -1,0 +1,60 @@
+"""What a bundle tells a serving engine: vLLM's settings for exactly the compiled grid.
+
+vLLM Neuron reads its bucket grid from ``--additional-config '{"neuron_config": {...}}'``
+(keys ``num_seqs_buckets``, ``decode_context_length_buckets``, ``gk_decode``,
+``fp8_packed_kv``, ``lnc``) and EAGLE3 from ``--speculative-config``; the serving shape
+(``--max-model-len``, ``--max-num-seqs``, ``--block-size``, the KV pool size, parallel
+degrees) must equal what the graphs were compiled for. A missing
+``decode_context_length_buckets`` means "fallback only" to vLLM, so a bundle without
+context buckets leaves the key out.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+
+def neuron_config(manifest: dict, recipe: dict) -> dict:
+    gi = manifest["graph_inputs"]
+    out = {"num_seqs_buckets": list(gi["num_seqs_buckets"])}
+    if gi["decode_context_length_buckets"]:
+        out["decode_context_length_buckets"] = list(gi["decode_context_length_buckets"])
+    out["gk_decode"] = bool(recipe.get("neuron_config", {}).get("gk_decode", True))
+    out["fp8_packed_kv"] = bool(gi["fp8_packed_kv"])
+    out["lnc"] = gi["lnc"]
+    return out
+
+
+def speculative_config(manifest: dict, recipe: dict) -> dict | None:
+    k = manifest["graph_inputs"].get("num_speculative_tokens", 0)
+    if not k:
+        return None
+    spec = recipe.get("speculative") or {}
+    out = {"method": spec.get("method", "eagle3"), "num_speculative_tokens": k}
+    draft = (spec.get("draft") or {}).get("checkpoint")
+    if draft:
+        out["model"] = draft
+    return out
+
+
+def engine_args(manifest: dict) -> dict:
+    gi = manifest["graph_inputs"]
+    return {"max_model_len": gi["max_model_len"], "max_num_seqs": gi["num_seqs_buckets"][-1],
+            "block_size": gi["block_size"], "num_gpu_blocks_override": gi["num_blocks"],
+            "tensor_parallel_size": gi["tp"], "data_parallel_size": gi["dp"]}
+
+
+def vllm_config(manifest: dict, recipe: dict) -> dict:
+    """{additional_config, speculative_config, engine_args} for the compiled grid."""
+    return {"additional_config": {"neuron_config": neuron_config(manifest, recipe)},
+            "speculative_config": speculative_config(manifest, recipe), "engine_args": engine_args(manifest)}
+
+
+def vllm_flags(config: dict) -> str:
+    """The vLLM command-line flags that must accompany ``--additional-config``."""
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in config["engine_args"].items()]
+    if config["speculative_config"]:
+        flags.append(f"--speculative-config {shlex.quote(json.dumps(config['speculative_config']))}")
+    flags.append(f"--additional-config {shlex.quote(json.dumps(config['additional_config']))}")
+    return " ".join(flags)

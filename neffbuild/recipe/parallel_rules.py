@@ -1,0 +1,66 @@
+"""Validation rules for the ``parallel`` section (tp, dp, ep) and what each backend can build.
+
+World = tp x dp ranks; attention heads split over TP (KV heads split, or replicated when
+there are fewer than tp), experts over EP groups of ``ep`` ranks taken from the world.
+"""
+
+from __future__ import annotations
+
+# Physical NeuronCores of the largest instance per target (trn1.32xlarge, trn2.48xlarge): a TP
+# group's in-graph collectives stay inside one instance, so tp x lnc must fit in it.
+NEURON_CORES_PER_INSTANCE = {"trn1": 32, "trn2": 128}
+
+
+def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
+    """Report every parallel-layout problem through ``err(path, value, rule)``."""
+    tp, dp, ep = par["tp"], par["dp"], par["ep"]
+    if not (tp and dp and ep):
+        return  # a non-positive degree is already reported
+    Hq, Hk, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts
+    if Hq % tp:
+        err("parallel.tp", tp, f"must divide model.config.num_attention_heads ({Hq})")
+    if Hk % tp and tp % Hk:
+        err("parallel.tp", tp, f"must divide model.config.num_key_value_heads ({Hk}) or be a multiple of it "
+                               "(KV heads are then replicated over the TP ranks that share them)")
+    if E % ep:
+        err("parallel.ep", ep, f"must divide model.config.num_local_experts ({E})")
+    if (tp * dp) % ep:
+        err("parallel.ep", ep, f"must divide the world tp x dp = {tp * dp} (EP groups are made of the world's ranks)")
+    _backend_limits(err, tp, compiler, lnc)
+
+
+def _backend_limits(err, tp: int, compiler: dict, lnc: int) -> None:
+    if compiler.get("backend") != "neuron":
+        return  # inductor builds any valid layout (collectives over gloo on CPU, NCCL on CUDA)
+    cores = NEURON_CORES_PER_INSTANCE.get(compiler.get("target"))
+    if cores and tp * lnc > cores:
+        err("parallel.tp", tp, f"tp x neuron_config.lnc ({tp * lnc}) must fit the {cores} NeuronCores of one "
+                               f"{compiler.get('target')} instance (the neuron backend cannot build a TP group across "
+                               "instances)")
+
+
+def layout_json(recipe) -> dict:
+    """The layout as validate/plan --json report it, with what one rank holds."""
+    tp, dp, ep, cfg = recipe.tp, recipe.dp, recipe.ep, recipe.model.config
+    combine = "none" if ep == 1 else ("all_reduce" if tp % ep == 0 else "gather_reduce_scatter")
+    return {"tp": tp, "dp": dp, "ep": ep, "world_size": tp * dp, "ep_groups": tp * dp // ep, "ep_combine": combine,
+            "sharded": tp > 1 or ep > 1,
+            "per_rank": {"attention_heads": cfg.num_attention_heads // tp,
+                         "kv_heads": max(1, cfg.num_key_value_heads // tp),
+                         "kv_heads_replicated": cfg.num_key_value_heads < tp,
+                         "experts": cfg.num_local_experts // ep}}
+
+
+COMBINE_TEXT = {"none": "none", "all_reduce": "one all-reduce", "gather_reduce_scatter": "gather + reduce-scatter"}
+
+
+def describe(recipe) -> str:
+    """Lines for validate/plan: the world, how attention and experts are split, what one rank holds."""
+    d = layout_json(recipe)
+    if not d["sharded"]:
+        return f"parallel: unsharded; {d['dp']} DP rank(s), each runs the whole model"
+    r = d["per_rank"]
+    return (f"parallel: tp {d['tp']} x dp {d['dp']} = {d['world_size']} ranks; {d['ep_groups']} EP group(s) of "
+            f"{d['ep']} ranks (MoE combine: {COMBINE_TEXT[d['ep_combine']]}); one artifact per target serves every "
+            f"rank\n  each rank: {r['attention_heads']} attention heads, {r['kv_heads']} KV head(s)"
+            f"{' (replicated)' if r['kv_heads_replicated'] else ''}, {r['experts']} expert(s) per layer")

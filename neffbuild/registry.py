@@ -1,0 +1,106 @@
+"""The one place that names each compiler backend and each model architecture.
+
+Entries are ``"module:attribute"`` strings, imported only when a part is asked for, so
+this base module imports nothing of the project but ``errors``: the thin runtime reads a
+backend's loader from here without importing the compile side, and the recipe validator
+takes its choices from here without importing torch.
+
+Adding a backend or an architecture = one new module plus one entry below.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+
+from neffbuild.errors import InvalidInput
+
+
+def resolve(ref: str):
+    """``"package.module:attr"`` -> the object."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Named parts; ``entry.get(part)`` imports one."""
+
+    name: str
+    parts: dict[str, str]
+
+    def get(self, part: str):
+        return resolve(self.parts[part])
+
+
+# Backend parts: compile_side (a compiler/backends Backend class, build side only), loader
+# (runtime: path, weights, toolchain, device -> step callable), host_problem (runtime:
+# toolchain -> why this host cannot run the artifacts, or None), available (-> bool).
+BACKENDS = {
+    "neuron": Entry("neuron", {
+        "compile_side": "neffbuild.compiler.backends.neuron:NeuronBackend",
+        "loader": "neffbuild.runtime.loaders:load_neuron",
+        "host_problem": "neffbuild.runtime.loaders:neuron_problem",
+        "available": "neffbuild.compiler.backends.neuron:available",
+    }),
+    "inductor": Entry("inductor", {
+        "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",
+        "loader": "neffbuild.runtime.loaders:load_inductor",
+        "host_problem": "neffbuild.runtime.loaders:inductor_problem",
+        "available": "neffbuild.compiler.backends.inductor:available",
+    }),
+}
+AUTO = "auto"  # the first available backend, in the order above
+
+# Architecture parts: config (dataclass with from_hf_dict), weights (config, checkpoint,
+# seed -> stacked weights), placeholder_shapes (config -> {name: shape}), decode (the decode
+# graph module), aux_layers (num_layers -> EAGLE3 aux layer ids), prefill (eager prompt
+# pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
+# -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of
+# (the bundle's weight pieces), unshard (pieces -> the full weights, the --check reference).
+ARCHITECTURES = {
+    "gpt_oss": Entry("gpt_oss", {
+        "config": "neffbuild.models.gpt_oss.config:GptOssConfig",
+        "weights": "neffbuild.models.gpt_oss.weights:model_weights",
+        "placeholder_shapes": "neffbuild.models.gpt_oss.weights:stacked_shapes",
+        "decode": "neffbuild.models.gpt_oss.decode:GptOssDecode",
+        "aux_layers": "neffbuild.models.gpt_oss.decode:default_aux_layers",
+        "prefill": "neffbuild.models.gpt_oss.prefill:prefill",
+        "rank_shapes": "neffbuild.models.gpt_oss.sharding:rank_shapes",
+        "local_config": "neffbuild.models.gpt_oss.sharding:local_config",
+        "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
+        "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
+        "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",
+        "unshard": "neffbuild.models.gpt_oss.sharding:unshard",
+    }),
+}
+
+
+def _lookup(table: dict[str, Entry], name: str, what: str, path: str) -> Entry:
+    if name in table:
+        return table[name]
+    hint = difflib.get_close_matches(str(name), list(table), n=1)
+    raise InvalidInput(f"{path}: unknown {what} {name!r}; known: {', '.join(table)}"
+                       + (f"; did you mean {hint[0]!r}?" if hint else ""))
+
+
+def backend(name: str) -> Entry:
+    return _lookup(BACKENDS, name, "backend", "compiler.backend")
+
+
+def arch(name: str) -> Entry:
+    return _lookup(ARCHITECTURES, name, "architecture", "model.arch")
+
+
+def arch_of(config) -> Entry:
+    """The architecture whose config class ``config`` is an instance of."""
+    for entry in ARCHITECTURES.values():
+        if isinstance(config, entry.get("config")):
+            return entry
+    raise InvalidInput(f"no registered architecture has the config class {type(config).__name__}")
+
+
+def backend_choices() -> tuple[str, ...]:
+    """What a recipe or ``--backend`` may name."""
+    return (AUTO, *BACKENDS)

@@ -1,0 +1,210 @@
+"""Fuzzing (hypothesis, bounded, derandomised for CI) over recipes, manifests and weight headers.
+
+Each property is what issue 16 asks of every input: a clean result or a clean error (exit code
+in {0, 1, 2}, a NeffbuildError in-process), never a traceback or a signal, and with ``--json``
+one standard JSON document. The whole module runs in well under two minutes on 2 cores.
+"""
+
+import contextlib
+import copy
+import hashlib
+import json
+import math
+import struct
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from neffbuild import recipe as R
+from neffbuild.errors import BundleError, NeffbuildError, RecipeError
+from neffbuild.runtime import manifest_schema, weights_file
+from tests.conftest import TINY
+from tests.test_hostile import run_cli, strict_json
+
+BASE = yaml.safe_load(TINY.read_text())
+def fuzz(n: int):
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([0, 1, -1, 128, 512, 10**30, 2**63]),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
+    st.sampled_from(["", "\n", "abc", "1.0", "~nosuchuser/x", "/dev/null", "sliding_attention", "yarn", "x" * 500]),
+)
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                      max_leaves=12)
+
+
+def paths(node, prefix=()):
+    """Every key path of a nested dict/list document."""
+    out = [prefix]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += paths(v, (*prefix, i))
+    return out
+
+
+RECIPE_PATHS = [p for p in paths(BASE) if p] + [("speculative",), ("speculative", "draft", "config", "hidden_size"),
+                                                 ("model", "config", "rope_parameters", "x")]
+
+
+def mutate(doc, path, value, delete):
+    doc = copy.deepcopy(doc)
+    node = doc
+    for key in path[:-1]:
+        if isinstance(node, dict):
+            node = node.setdefault(key, {})
+        elif isinstance(node, list) and isinstance(key, int) and key < len(node):
+            node = node[key]
+        else:
+            return doc
+    if not isinstance(node, (dict, list)):
+        return doc
+    if isinstance(node, list) and not (isinstance(path[-1], int) and path[-1] < len(node)):
+        return doc
+    if delete and isinstance(node, dict):
+        node.pop(path[-1], None)
+    else:
+        node[path[-1]] = value
+    return doc
+
+
+@fuzz(200)
+@given(st.lists(st.tuples(st.sampled_from(RECIPE_PATHS), values, st.booleans()), min_size=1, max_size=3))
+def test_fuzz_recipe_values(edits):
+    raw = BASE
+    for path, value, delete in edits:
+        raw = mutate(raw, path, value, delete)
+    try:
+        r = R.from_dict(raw)
+    except RecipeError as exc:
+        assert exc.problems
+        for p in exc.problems:
+            strict_json(json.dumps(p.to_json(), allow_nan=False))
+            assert len(str(p)) < 1000
+        return
+    assert r.max_model_len <= 2**24 and r.num_blocks <= 2**24
+
+
+@fuzz(40)
+@given(st.lists(st.tuples(st.sampled_from(RECIPE_PATHS), values, st.booleans()), min_size=1, max_size=2),
+       st.sampled_from(["validate", "plan"]))
+def test_fuzz_recipe_cli_json(tmp_path_factory, edits, command):
+    raw = BASE
+    for path, value, delete in edits:
+        raw = mutate(raw, path, value, delete)
+    p = tmp_path_factory.mktemp("r") / "r.yaml"
+    p.write_text(yaml.safe_dump(raw, allow_unicode=True))
+    code, out, err, unhandled = run_cli(command, str(p), "--json", *(["--no-cache"] if command == "plan" else []))
+    assert unhandled is None, err
+    assert code in (0, 2), err
+    doc = strict_json(out)
+    assert (code == 0) == (doc.get("ok", True) is not False)
+
+
+yaml_text = st.one_of(
+    st.text(max_size=200),
+    st.lists(st.sampled_from(["a:", " b", "- ", "&x", "*x", "<<:", "!!float", "!!binary", "? ", "[", "]", "{", "}",
+                              ",", "\n", "  ", "1e400", ".nan", "~", "'", '"', "|", ">", "%YAML 1.1\n", "---\n",
+                              "!!python/object:os.system", "\t", "\x00", "name: x\n"]),
+             max_size=40).map("".join),
+)
+
+
+@fuzz(100)
+@given(yaml_text)
+def test_fuzz_recipe_yaml_text(tmp_path_factory, text):
+    p = tmp_path_factory.mktemp("y") / "r.yaml"
+    p.write_bytes(text.encode("utf-8", errors="surrogatepass"))
+    code, out, err, unhandled = run_cli("validate", str(p), "--json")
+    assert unhandled is None, err
+    assert code in (0, 2)
+    strict_json(out)
+
+
+# -- weight headers
+
+dtypes = st.sampled_from([*weights_file.ITEMSIZE, "F128", "", "f32"])
+entries = st.fixed_dictionaries({
+    "dtype": st.one_of(dtypes, values),
+    "shape": st.one_of(st.lists(st.integers(-2, 2**40), max_size=4), values),
+    "data_offsets": st.one_of(st.lists(st.integers(-64, 2**20), min_size=2, max_size=2), values),
+})
+
+
+@fuzz(200)
+@given(st.dictionaries(st.text(max_size=6), st.one_of(entries, values), max_size=4), st.integers(0, 256),
+       st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+def test_fuzz_weight_headers(tmp_path_factory, header, nbytes, length):
+    raw = json.dumps(header, allow_nan=True).encode()
+    p = tmp_path_factory.mktemp("w") / "w.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + bytes(nbytes))
+    try:
+        tensors = weights_file.load(p)
+    except BundleError:
+        return
+    for name, t in tensors.items():
+        assert t.nbytes == math.prod(header[name]["shape"]) * weights_file.ITEMSIZE[header[name]["dtype"]]
+
+
+# -- manifests: the schema never raises, whatever the values
+
+def golden():
+    from tests.test_manifest_golden import golden_text
+
+    return json.loads(golden_text())
+
+
+GOLDEN = None
+
+
+@fuzz(200)
+@given(st.data())
+def test_fuzz_manifest_schema(data):
+    global GOLDEN
+    GOLDEN = GOLDEN or golden()
+    m = GOLDEN
+    candidates = [p for p in paths(m) if p]
+    for _ in range(data.draw(st.integers(1, 3))):
+        m = mutate(m, data.draw(st.sampled_from(candidates)), data.draw(values), data.draw(st.booleans()))
+    found = manifest_schema.problems(m)
+    assert isinstance(found, list)
+
+
+# -- real bundle: tampered manifests (digest rewritten) open, load and run, or are refused cleanly
+
+@pytest.mark.slow
+@fuzz(25)
+@given(st.data())
+def test_fuzz_bundle_manifest(built, tmp_path_factory, data):
+    import shutil
+
+    from neffbuild.bundle import manifest
+    from neffbuild.cli.generate_cmd import run_rank
+
+    src = built[1].bundle
+    m = json.loads((src / "manifest.json").read_text())
+    candidates = [p for p in paths(m) if p and p[0] in ("graph_inputs", "artifacts", "weights", "files", "toolchain")]
+    for _ in range(data.draw(st.integers(1, 2))):
+        m = mutate(m, data.draw(st.sampled_from(candidates)), data.draw(values), data.draw(st.booleans()))
+    root = tmp_path_factory.mktemp("fz") / "b"
+    shutil.copytree(src, root)
+    text = manifest.dumps(m) if _json_ok(m) else json.dumps(m, allow_nan=True)
+    (root / "manifest.json").write_text(text)
+    (root / "manifest.sha256").write_text(f"{hashlib.sha256(text.encode()).hexdigest()}  manifest.json\n")
+    with contextlib.suppress(NeffbuildError):
+        run_rank(str(root), [[1, 2, 3]], 2)
+
+
+def _json_ok(m) -> bool:
+    try:
+        json.dumps(m, allow_nan=False)
+        return True
+    except ValueError:
+        return False

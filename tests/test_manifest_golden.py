@@ -1,0 +1,89 @@
+"""The manifest identifies artifacts only: its bytes are pinned for a fixed recipe and toolchain.
+
+Per-build records (compile times, hosts, dates) live in build-info.json, so the manifest of a
+recipe depends on nothing but its inputs. To accept an intended format change, rewrite the golden
+file with ``python -m tests.test_manifest_golden`` and review the diff.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from neffbuild import grid
+from neffbuild import recipe as R
+from neffbuild.bundle import layout, manifest
+from neffbuild.compiler.graphs import (
+    example_inputs,
+    input_signature,
+    kv_layout_for,
+    spec_for,
+)
+from neffbuild.models.gpt_oss.weights import stacked_shapes
+from neffbuild.runtime.manifest_schema import problems
+from tests.conftest import TINY
+
+GOLDEN = Path(__file__).parent / "golden" / "manifest-tiny.json"
+TOOLCHAIN = {"backend": "inductor", "torch": "2.13.0+cpu", "python": "3.11.7", "machine": "x86_64", "device": "cpu",
+             "flags": []}
+
+
+def _fake(text: str) -> dict:
+    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "bytes": len(text) * 1000}
+
+
+def golden_text() -> str:
+    r = R.load(TINY)
+    files, artifacts = {}, []
+    for t in grid.targets(r):
+        rel = layout.artifact_path(t.label, "pt2")
+        files[rel] = _fake(t.label)
+        artifacts.append({"label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx,
+                          "query_len": t.query_len, "file": rel, **files[rel],
+                          "cache_key": _fake("k" + t.label)["sha256"],
+                          "input_signature": input_signature(example_inputs(spec_for(r, t))), "compile_label": t.label})
+    files[layout.WEIGHTS_PATH] = _fake("weights")
+    files[layout.RECIPE_PATH] = _fake(r.to_yaml())
+    weights = {"file": layout.WEIGHTS_PATH, "tensors": {k: {"dtype": "float32", "shape": list(v)}
+                                                        for k, v in sorted(stacked_shapes(r.model.config).items())}}
+    m = manifest.build(r, toolchain=TOOLCHAIN, kv_layout=kv_layout_for(r), artifacts=list(reversed(artifacts)),
+                       weights=weights, files=files)
+    return manifest.dumps(m)
+
+
+def test_manifest_bytes_are_pinned():
+    text = golden_text()
+    assert text == GOLDEN.read_text(encoding="utf-8"), "manifest format changed; see this module's docstring"
+
+
+def test_manifest_holds_no_per_build_fields_and_passes_its_schema():
+    m = json.loads(golden_text())
+    assert not problems(m)
+    for word in ("compile_seconds", "created", "host", "wall_s"):
+        assert word not in golden_text()
+    assert all(set(a) == {"label", "family", "batch", "ctx", "query_len", "file", "sha256", "bytes", "cache_key",
+                          "input_signature", "compile_label"} for a in m["artifacts"])
+
+
+if __name__ == "__main__":
+    GOLDEN.write_text(golden_text(), encoding="utf-8")
+    print(f"wrote {GOLDEN}")
+
+
+@pytest.mark.slow
+def test_two_cold_builds_give_identical_manifests(hf_checkpoint, tmp_path):
+    """Fresh compile caches, same recipe: byte-identical manifests (timings differ, in build-info.json)."""
+    from neffbuild.compiler.builder import compile_recipe
+    from tests.conftest import write_recipe
+
+    path = write_recipe(tmp_path, hf_checkpoint, name="cold", num_seqs_buckets=[1], ctx_buckets=[512],
+                        serving__max_num_seqs=1)
+    r = R.load(path)
+    assert r.decode_context_length_buckets == ()  # fallback only: one target
+    runs = [compile_recipe(r, tmp_path / f"out{n}", jobs=1, cache_root=tmp_path / f"cache{n}") for n in (1, 2)]
+    assert [(x.built, x.cached) for x in runs] == [(1, 0), (1, 0)]
+    first, second = ((x.bundle / layout.MANIFEST_PATH).read_bytes() for x in runs)
+    assert first == second
+    info = json.loads((runs[0].bundle / layout.BUILD_INFO_PATH).read_text())
+    assert set(info["compile_seconds"]) == {"decode_b1_ctx512"}

@@ -1,0 +1,117 @@
+"""Sharded decode graphs (tp, ep, dp) against the unsharded model, in real gloo processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from neffbuild.models.gpt_oss import sharding
+from neffbuild.models.gpt_oss import weights as W
+from neffbuild.models.gpt_oss.decode import GptOssDecode
+from neffbuild.runtime.parallel import ParallelLayout
+from tests.dist_util import run_ranks
+
+BS, NB, B = 16, 24, 2
+
+
+def step_inputs(cfg, seed: int):
+    """One decode step of B requests over a random KV cache (full heads): (inputs, kv caches)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = tuple(torch.randn(2, NB, cfg.num_key_value_heads, BS, cfg.head_dim, generator=g) * 0.5
+               for _ in range(cfg.num_kv_buffers))
+    positions = torch.tensor([[5 + seed], [37 + seed]])
+    table = torch.stack([torch.arange(1, 9), torch.arange(9, 17)])  # [B, 8] blocks, 128 positions
+    slots = table[torch.arange(B), positions[:, 0] // BS] * BS + positions[:, 0] % BS
+    ins = (torch.randint(0, cfg.vocab_size, (B, 1), generator=g), positions, table, table[:, -2:].clone(),
+           torch.full((B,), 6 * BS), slots, slots.clone())
+    return ins, kv
+
+
+def _rank_step(rank, world, cfg, stacked, layout, per_dp):
+    from neffbuild.runtime.parallel import rank_tensor
+    from neffbuild.runtime.world import join
+
+    join(layout)
+    ins, kv = per_dp[layout.dp_rank(rank)]
+    heads = sharding.kv_heads_of(cfg, layout, layout.tp_rank(rank))
+    kv = tuple(c[:, :, heads.start:heads.stop].clone() for c in kv)
+    module = GptOssDecode(cfg, sharding.shard(cfg, stacked, layout, rank), parallel=layout).eval()
+    with torch.no_grad():
+        logits = module(*ins, kv, rank_tensor(rank))
+    return logits, kv, list(heads)
+
+
+LAYOUTS = {
+    "tp2_ep2": (ParallelLayout(tp=2, ep=2), {}),
+    "tp2_ep1": (ParallelLayout(tp=2), {}),
+    "dp2_ep2": (ParallelLayout(dp=2, ep=2), {}),
+    "tp2_replicated_kv": (ParallelLayout(tp=2, ep=2), {"num_key_value_heads": 1}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sharded_step_equals_unsharded(tiny_cfg, name):
+    """Each rank's sharded step (its heads, its experts, in-graph collectives over gloo) gives the
+    unsharded step's logits and writes its slice of the unsharded step's KV."""
+    layout, overrides = LAYOUTS[name]
+    cfg = dataclasses.replace(tiny_cfg, **overrides)
+    stacked = W.stack(cfg, W.random_state_dict(cfg, 3))
+    per_dp = [step_inputs(cfg, seed) for seed in range(layout.dp)]
+    results = run_ranks(_rank_step, layout.world_size, cfg, stacked, layout, per_dp)
+    full = GptOssDecode(cfg, stacked).eval()
+    for rank, (logits, kv, heads) in enumerate(results):
+        ins, ref_kv = per_dp[layout.dp_rank(rank)]
+        ref_kv = tuple(c.clone() for c in ref_kv)
+        with torch.no_grad():
+            want = full(*ins, ref_kv)
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+        for got, ref in zip(kv, ref_kv, strict=True):
+            torch.testing.assert_close(got, ref[:, :, heads], atol=1e-5, rtol=0)
+
+
+def test_sharded_graph_traces_without_peers_and_key_covers_layout(tiny_recipe):
+    """No process group exists in this process: tracing uses placeholders, removed afterwards. The
+    graph holds the in-graph collectives, and every distinct layout of a sharded graph has its own key."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    from neffbuild.compiler.backends import get_backend
+    from neffbuild.compiler.graphs import spec_for
+    from neffbuild.compiler.worker import key_for
+    from neffbuild.grid import Target
+    from neffbuild.runtime.parallel import TP_GROUP
+
+    backend, target = get_backend("inductor"), Target("decode", 2, 128, 1, "decode_b2_ctx128")
+    keys, texts = {}, {}
+    for lay in [(1, 1, 1), (1, 2, 1), (2, 1, 2), (2, 2, 2), (1, 2, 2)]:
+        r = tiny_recipe.replace(tp=lay[0], dp=lay[1], ep=lay[2])
+        keys[lay], _, sig, texts[lay] = key_for(spec_for(r, target), backend)
+        assert (sig[-1]["name"] == "rank") == (lay[0] > 1 or lay[2] > 1)
+    assert keys[(1, 1, 1)] == keys[(1, 2, 1)]  # an unsharded graph is the same for any dp
+    assert len({keys[k] for k in keys if k != (1, 2, 1)}) == 4  # (2,1,2) and (2,2,2) trace alike: the layout keys them
+    assert "_c10d_functional" not in texts[(1, 1, 1)]
+    L = tiny_recipe.model.config.num_hidden_layers
+    assert texts[(2, 1, 2)].count("_c10d_functional.all_reduce.default(") == 2 * L  # o-proj and MoE per layer
+    assert "all_gather_into_tensor" in texts[(1, 2, 2)] and "reduce_scatter_tensor" in texts[(1, 2, 2)]
+    with pytest.raises(RuntimeError):
+        _resolve_process_group(TP_GROUP)
+
+
+def _subgroup_rank(rank, world):
+    import torch.distributed as dist
+
+    from kernels.collectives import all_reduce_sum
+    from neffbuild.runtime.parallel import TP_GROUP
+    from neffbuild.runtime.world import join
+
+    sub = dist.new_group([1, 2])  # ranks 1 and 2 are the bundle's world; rank 0 stands for a prefill worker
+    if rank == 0:
+        return None
+    ctx = join(ParallelLayout(tp=2), group=sub)
+    return ctx.rank, all_reduce_sum(torch.tensor([float(rank)]), TP_GROUP).item()
+
+
+def test_join_a_subgroup_of_a_larger_job():
+    """A bundle's world may be a subgroup: rank ids are ranks in it, collectives stay inside it."""
+    assert run_ranks(_subgroup_rank, 3) == [None, (0, 3.0), (1, 3.0)]

@@ -1,0 +1,45 @@
+"""`neffbuild inspect BUNDLE --vllm-config`: vLLM's settings for exactly the compiled grid."""
+
+import json
+import subprocess
+import sys
+
+from neffbuild.bundle import handoff
+from neffbuild.grid import enumerate_targets
+from tests.conftest import ROOT
+
+
+def _cli(env, *args):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env)
+
+
+def test_vllm_config_of_a_built_bundle_names_exactly_the_compiled_grid(neuron_bundle):
+    bundle, env = neuron_bundle
+    out = _cli(env, "inspect", str(bundle), "--vllm-config")
+    assert out.returncode == 0, out.stderr
+    nc = json.loads(out.stdout)["neuron_config"]
+    assert nc == {"num_seqs_buckets": [1, 2], "decode_context_length_buckets": [128], "gk_decode": True,
+                  "fp8_packed_kv": False, "lnc": 2}
+    assert "--max-model-len 512 --max-num-seqs 2 --block-size 16 --num-gpu-blocks-override 512" in out.stderr
+    manifest = json.loads(_cli(env, "inspect", str(bundle), "--json").stdout)
+    engine = {t.label for t in enumerate_targets(nc["num_seqs_buckets"], nc["decode_context_length_buckets"], 512)}
+    assert engine == {a["label"] for a in manifest["artifacts"]}
+    doc = json.loads(_cli(env, "inspect", str(bundle), "--vllm-config", "--json").stdout)
+    assert doc["additional_config"] == {"neuron_config": nc} and doc["speculative_config"] is None
+    assert doc["engine_args"]["max_model_len"] == 512
+
+
+def _manifest(ctx, k=0):
+    return {"graph_inputs": {"num_seqs_buckets": [1, 4], "decode_context_length_buckets": ctx, "fp8_packed_kv": True,
+                             "lnc": 1, "num_speculative_tokens": k, "max_model_len": 4096, "block_size": 16,
+                             "num_blocks": 900, "tp": 1, "dp": 2}}
+
+
+def test_fallback_only_bundle_leaves_context_buckets_out_and_eagle3_goes_to_speculative_config():
+    recipe = {"speculative": {"method": "eagle3", "draft": {"checkpoint": "/ckpt/draft"}}}
+    config = handoff.vllm_config(_manifest([], k=3), recipe)
+    assert "decode_context_length_buckets" not in config["additional_config"]["neuron_config"]  # vLLM: feature off
+    assert config["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/ckpt/draft"}
+    flags = handoff.vllm_flags(config)
+    assert "--data-parallel-size 2" in flags and "--speculative-config '{\"method\": \"eagle3\"" in flags
