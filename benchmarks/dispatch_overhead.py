@@ -2,9 +2,11 @@
 
     .venv/bin/python benchmarks/dispatch_overhead.py [BUNDLE]
 
+(`neffbuild bench BUNDLE` measures plan + metadata for one request on any bundle.)
+
 Overhead: B=8 requests, max_model_len 131072, block 128, buckets [16384, 32768, 65536]
 (the production recipe's grid), SWA table of 2 blocks. Step: the smallest artifact of
-BUNDLE (default artifacts/gpt-oss-tiny-0.1.0) on a zeroed KV cache.
+BUNDLE on a zeroed KV cache, when a BUNDLE is given.
 """
 
 from __future__ import annotations
@@ -60,5 +62,6 @@ def step_time(bundle_path: str) -> dict:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     out = {"machine": machine(), **overhead()}
-    out.update(step_time(sys.argv[1] if len(sys.argv) > 1 else "artifacts/gpt-oss-tiny-0.1.0"))
+    if len(sys.argv) > 1:
+        out.update(step_time(sys.argv[1]))
     print(json.dumps(out, indent=1))

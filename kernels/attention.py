@@ -36,8 +36,7 @@ def sdpa_with_sinks(q, k, v, sinks, scale: float, window: int | None):
 
 def paged_attention(
     q: torch.Tensor,  # [B, q, H, d]
-    k_half: torch.Tensor,  # [nb, h, bs, d]
-    v_half: torch.Tensor,  # [nb, h, bs, d]
+    cache: torch.Tensor,  # [2, nb, h, bs, d]: K half, V half
     table: torch.Tensor,  # [B, W] block ids (head- or tail-trimmed)
     q_pos: torch.Tensor,  # [B, q] absolute positions
     kv_pos_offset: torch.Tensor,  # [B] absolute position of the table's first slot
@@ -48,9 +47,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q over the KV the table names; keys at positions > q_pos are masked."""
     B, S, H, d = q.shape
-    h = k_half.shape[1]
-    k = gather_blocks(k_half, table, packed_k, q.dtype)  # [B, h, T, d]
-    v = gather_blocks(v_half, table, False, q.dtype)
+    h = cache.shape[2]
+    k = gather_blocks(cache, 0, table, packed_k, q.dtype)  # [B, h, T, d]
+    v = gather_blocks(cache, 1, table, False, q.dtype)
     T = k.shape[2]
     k_pos = kv_pos_offset[:, None] + torch.arange(T, device=q.device)  # [B, T]
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, q, T]

@@ -1,13 +1,22 @@
 """Paged KV cache reads and writes, including packed FP8 K.
 
-A KV buffer half (K or V) is ``[num_blocks, kv_heads, block_size, head_dim]``. Packed FP8 K
-stores logical ``K[b, h, t, d]`` at ``packed[b, h, t // 2, d, t % 2]``: the view
-``[num_blocks, kv_heads, block_size // 2, head_dim, 2]`` of the same bytes.
-Slot ``s`` means block ``s // block_size``, offset ``s % block_size``; slot ``-1`` is a pad
-and its write is skipped (the old value is written back).
+A KV buffer is ``[2, num_blocks, kv_heads, block_size, head_dim]``: K half (index 0) then
+V half (index 1). Packed FP8 K stores logical ``K[b, h, t, d]`` at
+``packed[b, h, t // 2, d, t % 2]``: the view ``[num_blocks, kv_heads, block_size // 2, head_dim, 2]``
+of the K half's bytes. Slot ``s`` means block ``s // block_size``, offset ``s % block_size``;
+slot ``-1`` is a pad and its write is skipped (the old value is written back).
+
+Why every access indexes the whole buffer with an explicit leading index: a write through a
+view of a graph input (``cache[0][...] = ...``, ``cache.view(...)[...] = ...``) is
+functionalized into a copy of the whole buffer and a copy back, so a compiled step would
+cost the pool, not the rows it writes. Indexing the input itself (``cache[half, blk, :, off]``)
+compiles to work proportional to the rows written (tests/test_stepcost.py reads the
+generated code). Reads gather only the blocks a table names.
 """
 
 import torch
+
+FP8 = torch.float8_e4m3fn
 
 
 def pack_k_fp8_view(k_half: torch.Tensor) -> torch.Tensor:
@@ -16,54 +25,49 @@ def pack_k_fp8_view(k_half: torch.Tensor) -> torch.Tensor:
     return k_half.view(nb, h, bs // 2, d, 2)
 
 
-def _logical_from_packed(packed: torch.Tensor) -> torch.Tensor:
-    nb, h, half, d, two = packed.shape
-    return packed.permute(0, 1, 2, 4, 3).reshape(nb, h, half * two, d)
-
-
-FP8 = torch.float8_e4m3fn
-
-
-def _storage_view(half: torch.Tensor) -> torch.Tensor:
+def _storage_view(cache: torch.Tensor) -> torch.Tensor:
     """An FP8 cache as its raw bytes (a uint8 cache already is: it holds float8_e4m3fn bytes).
 
     Compiled graphs take FP8 caches as uint8: when one graph writes both halves of a
     float8 buffer, inductor's CPU codegen fails ("Promotion for Float8 Types is not
-    supported", bool with float8); on bytes the same graph compiles.
+    supported", bool with float8); on bytes the same graph compiles. Eager callers may
+    pass float8 caches: this dtype view then aliases them.
     """
-    return half.view(torch.uint8) if half.dtype == FP8 else half
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
 
 
 def _decode(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (raw.view(FP8) if raw.dtype == torch.uint8 else raw).to(dtype)
 
 
-def gather_blocks(half: torch.Tensor, table: torch.Tensor, packed: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Gather the blocks a table names: [B, W] -> [B, h, W*bs, d] in ``dtype``."""
-    half = _storage_view(half)
-    if packed:
-        blocks = _logical_from_packed(pack_k_fp8_view(half)[table.clamp(min=0)].flatten(0, 1))
-        B, W = table.shape
-        blocks = blocks.view(B, W, *blocks.shape[1:])
-    else:
-        blocks = half[table.clamp(min=0)]  # [B, W, h, bs, d]
+def gather_blocks(cache: torch.Tensor, half: int, table: torch.Tensor, packed: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Gather the blocks a table names from one half: [B, W] -> [B, h, W*bs, d] in ``dtype``."""
+    cache = _storage_view(cache)
+    table = table.clamp(min=0)
+    blocks = cache[torch.full_like(table, half), table]  # [B, W, h, bs, d]: only the named blocks
     B, W, h, bs, d = blocks.shape
+    if packed:  # the gathered bytes are [.., bs//2, d, 2]; logical t = 2 * (t // 2) + t % 2
+        blocks = blocks.view(B, W, h, bs // 2, d, 2).permute(0, 1, 2, 3, 5, 4).reshape(B, W, h, bs, d)
     return _decode(blocks.permute(0, 2, 1, 3, 4).reshape(B, h, W * bs, d), dtype)
 
 
-def write_kv(half: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, packed: bool) -> None:
-    """In place: half[slot] = values for every slot >= 0. slots [N]; values [N, h, d]."""
-    bs = half.shape[2]
+def write_kv(cache: torch.Tensor, half: int, slots: torch.Tensor, values: torch.Tensor, packed: bool) -> None:
+    """In place: cache[half] at each slot >= 0 = values. cache [2, nb, h, bs, d]; slots [N]; values [N, h, d]."""
+    bs, d = cache.shape[3], cache.shape[4]
     valid = slots >= 0
     safe = slots.clamp(min=0)
     blk, off = safe // bs, safe % bs
-    half = _storage_view(half)
-    vals = values.to(FP8).view(torch.uint8) if half.dtype == torch.uint8 else values.to(half.dtype)
+    lead = torch.full_like(blk, half)
+    cache = _storage_view(cache)
+    vals = values.to(FP8).view(torch.uint8) if cache.dtype == torch.uint8 else values.to(cache.dtype)
     if packed:
-        view = pack_k_fp8_view(half)  # [nb, h, bs//2, d, 2]
-        # Separated advanced indices put the N axis first: [N, h, d].
-        old = view[blk, :, off // 2, :, off % 2]
-        view[blk, :, off // 2, :, off % 2] = torch.where(valid[:, None, None], vals, old)
+        # Logical (t, j) of a block's head is byte (t // 2) * 2d + 2j + t % 2 of its [bs, d] rows:
+        # index those bytes on the input itself rather than through the packed view.
+        flat = (off // 2 * 2 * d + off % 2)[:, None] + 2 * torch.arange(d, device=cache.device)  # [N, d]
+        index = (lead[:, None], blk[:, None], slice(None), flat // d, flat % d)
+        old = cache[index]  # separated advanced indices go first: [N, d, h]
+        cache[index] = torch.where(valid[:, None, None], vals.transpose(1, 2), old)
     else:
-        old = half[blk, :, off]  # [N, h, d]
-        half[blk, :, off] = torch.where(valid[:, None, None], vals, old)
+        old = cache[lead, blk, :, off]  # [N, h, d]
+        cache[lead, blk, :, off] = torch.where(valid[:, None, None], vals, old)

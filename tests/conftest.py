@@ -7,6 +7,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "gpt-oss-tiny.yaml"
+# Test bundles use a prime KV pool: any generated loop bound divisible by it scales with the
+# pool (neffbuild/compiler/codegen.py), which tests/test_stepcost.py forbids.
+POOL = 509
 
 os.environ.setdefault("NEFFBUILD_CACHE_DIR", str(ROOT / ".ci-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locally; never reach a hub
@@ -51,6 +54,7 @@ def write_recipe(folder: Path, checkpoint: Path, **changes) -> Path:
     raw["model"] = {"arch": "gpt_oss", "checkpoint": str(checkpoint)}
     raw["neuron_config"]["num_seqs_buckets"] = changes.pop("num_seqs_buckets", [1, 4])
     raw["neuron_config"]["decode_context_length_buckets"] = changes.pop("ctx_buckets", [128, 256])
+    raw["serving"]["num_blocks"] = changes.pop("num_blocks", POOL)
     for key, value in changes.items():
         section, name = key.split("__")
         raw.setdefault(section, {})[name] = value
@@ -78,17 +82,23 @@ def built(tmp_path_factory, hf_checkpoint, build_cache):
 
 
 @pytest.fixture(scope="session")
-def built_fp8(tmp_path_factory, hf_checkpoint, build_cache):
-    """A packed-FP8-K bundle of one target (b4, fallback context 512): the BuildResult."""
+def fp8_built(tmp_path_factory, hf_checkpoint, build_cache):
+    """One packed-FP8-KV artifact (decode_b4_ctx512): (recipe path, BuildResult)."""
     from neffbuild import recipe
     from neffbuild.compiler.builder import compile_recipe
 
-    folder = tmp_path_factory.mktemp("build_fp8")
+    folder = tmp_path_factory.mktemp("fp8")
     path = write_recipe(folder, hf_checkpoint, name="fp8", num_seqs_buckets=[4], ctx_buckets=[512],
                         neuron_config__fp8_packed_kv=True)
     res = compile_recipe(recipe.load(path), folder / "out", jobs=1, cache_root=build_cache)
     assert not res.failed, res.failed
-    return res
+    return path, res
+
+
+@pytest.fixture(scope="session")
+def built_fp8(fp8_built):
+    """The same packed-FP8-K bundle (b4, fallback context 512): the BuildResult."""
+    return fp8_built[1]
 
 
 # The Neuron SDK stand-in (tests/sdk_standin): on the path only where a test asks for it.

@@ -199,3 +199,19 @@ def test_spec_family_graph_exports_with_aux_hidden_states(tiny_recipe, stacked):
     assert want_aux.shape == (2, 4, 3 * tiny_recipe.model.config.hidden_size)
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_aux, want_aux, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("recipe_name", ["gpt-oss-tiny", "gpt-oss-small"])
+def test_exported_graph_needs_only_the_bundles_weights(recipe_name):
+    """Every constant an artifact expects is a stacked weight the bundle stores (gpt-oss-small once needed inv_freq)."""
+    from neffbuild import grid, recipe
+    from neffbuild.compiler.graphs import build_graph, spec_for
+    from tests.conftest import ROOT
+
+    r = recipe.load(ROOT / "recipes" / f"{recipe_name}.yaml")
+    target = min(grid.targets(r), key=lambda t: (t.batch, t.ctx))
+    module, inputs = build_graph(spec_for(r, target))
+    ep = torch.export.export(module, inputs, strict=False)
+    kinds = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+    lifted = {s.target for s in ep.graph_signature.input_specs if s.kind.name in kinds}
+    assert lifted == set(W.STACKED_NAMES), lifted ^ set(W.STACKED_NAMES)

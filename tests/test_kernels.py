@@ -37,7 +37,7 @@ def test_paged_attention_matches_loop_reference():
     q_pos = torch.tensor([[9], [6]])
     q, sinks = rnd(2, 1, H, d), rnd(H)
     for window, offset in ((None, torch.tensor([0, 0])), (5, torch.tensor([4, 0]))):
-        got = paged_attention(q, kc, vc, table, q_pos, offset, sinks, 0.3, window).view(2, 1, H, d)
+        got = paged_attention(q, torch.stack([kc, vc]), table, q_pos, offset, sinks, 0.3, window).view(2, 1, H, d)
         for b in range(2):
             k = kc[table[b]].permute(0, 2, 1, 3).reshape(-1, h, d)
             v = vc[table[b]].permute(0, 2, 1, 3).reshape(-1, h, d)
@@ -58,17 +58,21 @@ def test_dense_sdpa_matches_loop_reference():
 def test_kv_write_skips_pad_and_packed_layout():
     nb, h, bs, d = 4, 2, 4, 3
     for packed in (False, True):
-        cache = torch.zeros(nb, h, bs, d, dtype=torch.float8_e4m3fn if packed else torch.float32)
+        cache = torch.zeros(2, nb, h, bs, d, dtype=torch.float8_e4m3fn if packed else torch.float32)
         vals = torch.arange(3 * h * d, dtype=torch.float32).view(3, h, d) / 8
-        write_kv(cache, torch.tensor([5, -1, 14]), vals, packed)
-        logical = gather_blocks(cache, torch.arange(nb)[None], packed, torch.float32)[0]  # [h, nb*bs, d]
+        write_kv(cache, 0, torch.tensor([5, -1, 14]), vals, packed)
+        logical = gather_blocks(cache, 0, torch.arange(nb)[None], packed, torch.float32)[0]  # [h, nb*bs, d]
         assert torch.equal(logical[:, 5], vals[0].to(cache.dtype).float())
         assert torch.equal(logical[:, 14], vals[2].to(cache.dtype).float())
         assert logical.abs().sum() == vals[[0, 2]].to(cache.dtype).float().abs().sum()  # pad wrote nothing
+        assert cache[1].float().abs().sum() == 0  # the V half is untouched by a K write
         if packed:  # logical K[b, h, t, d] at packed[b, h, t // 2, d, t % 2]
-            p = pack_k_fp8_view(cache)
+            p = pack_k_fp8_view(cache[0])
             assert torch.equal(p[1, :, 0, :, 1].float(), vals[0].to(cache.dtype).float())  # slot 5: b1 t1
             assert torch.equal(p[3, :, 1, :, 0].float(), vals[2].to(cache.dtype).float())  # slot 14: b3 t2
+        write_kv(cache, 1, torch.tensor([6]), vals[:1], False)
+        got = gather_blocks(cache, 1, torch.tensor([[1]]), False, torch.float32)[0, :, 2]  # slot 6 = block 1, t 2
+        assert torch.equal(got, vals[0].to(cache.dtype).float())
 
 
 def test_moe_matches_per_token_loop():

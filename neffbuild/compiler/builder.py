@@ -1,7 +1,10 @@
 """Targets -> jobs -> bundle: the main job of ``neffbuild compile``.
 
 Every target is built (or found in the cache) by a worker; the weights are loaded once
-here and stored once in the bundle. One failing target does not stop the others, but a
+here and stored once in the bundle. Targets whose pre-key is cached are resolved here
+without tracing and without starting workers (a warm rebuild). Every artifact is loaded
+with the bundle's weights and run once on zeroed inputs before the bundle is published
+(a ``load_error`` otherwise). One failing target does not stop the others, but a
 build with any failure publishes no bundle: its logs are kept in
 ``<out>/<name>-<version>.failed-logs/`` and the error lists each failure, classified.
 """
@@ -20,7 +23,7 @@ from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
 from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
-from neffbuild.compiler.worker import Job
+from neffbuild.compiler.worker import Job, cached_result
 from neffbuild.errors import InvalidInput
 from neffbuild.models.eagle3.weights import draft_weights
 
@@ -30,6 +33,7 @@ class BuildResult:
     bundle: Path | None
     built: int = 0
     cached: int = 0
+    traced: int = 0  # targets traced to compute their key (a warm rebuild traces none)
     failed: list[dict] = field(default_factory=list)
     results: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
@@ -37,6 +41,7 @@ class BuildResult:
 
     def to_json(self) -> dict:
         return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
+                "traced": self.traced,
                 "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
                 "wall_s": round(self.wall_s, 3)}
 
@@ -86,12 +91,15 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             weights.update(draft_weights(draft_config_for(recipe), s.draft_checkpoint, s.draft_random_seed))
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
+        # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
+        weights_path = None if parallel else str(writer.path(layout.WEIGHTS_PATH))
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
-                         str(writer.path(layout.log_path(t.label)))) for t in targets]
+                         str(writer.path(layout.log_path(t.label))), weights_path) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        for res in runner.run(jobs_list, on_start=lambda j: progress.running(j.label)):
+        for res in _run(jobs_list, runner, progress):
             result.results.append(res)
+            result.traced += bool(res.get("traced"))
             if res["status"] == "ok":
                 result.cached += res["hit"]
                 result.built += not res["hit"]
@@ -121,6 +129,20 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     except BaseException:
         writer.abort()
         raise
+
+
+def _run(jobs_list: list[Job], executor, progress: Progress):
+    """Pre-key hits here, in this process (no tracing, no worker pool); the rest on the executor."""
+    rest = []
+    for job in jobs_list:
+        res = cached_result(job)
+        if res is None:
+            rest.append(job)
+        else:
+            progress.running(job.label)
+            yield res
+    if rest:
+        yield from executor.run(rest, on_start=lambda j: progress.running(j.label))
 
 
 def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, dict | None]:

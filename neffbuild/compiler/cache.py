@@ -6,11 +6,18 @@ Layout under the cache root (``NEFFBUILD_CACHE_DIR``, default ``~/.cache/neffbui
     v{CACHE_VERSION}/entries/<key>/meta.json        what produced it, its sha256 and size
     v{CACHE_VERSION}/locks/<key>.lock               flock: one compile per key at a time
     v{CACHE_VERSION}/tmp/<key>.<pid>.<rand>/        work in progress, never read
+    v{CACHE_VERSION}/prekeys/<pre-key>.json         pre-key -> key (see below)
 
 Key = sha256 of canonical JSON (sorted keys) over the graph text, the input signature,
 the backend fingerprint and the cache version. An entry is written in a temp folder,
 validated, then published with ``os.replace``; an unreadable, mismatching or partial
 entry is a miss (and is removed). Failures are never published.
+
+Pre-keys make a warm rebuild skip tracing. A pre-key is the sha256 of everything that
+determines the traced graph before tracing it (the target's graph spec, the source of the
+packages that define the graph, the backend fingerprint); its file records the key that
+tracing produced. A pre-key hit still goes through ``get`` of that key, so what the key
+covers is unchanged; a stale or unreadable pre-key file is a miss (trace again).
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ def cache_key(graph_text: str, signature: list, fingerprint: dict) -> str:
     return hashlib.sha256(canonical(parts)).hexdigest()
 
 
+def pre_key(graph: dict, fingerprint: dict, source_digest: str) -> str:
+    return hashlib.sha256(canonical({"cache_version": CACHE_VERSION, "graph": graph, "fingerprint": fingerprint,
+                                     "source": source_digest})).hexdigest()
+
+
 def _meta_ok(meta) -> bool:
     """The fields readers use have the types they expect (a meta.json may be hand-edited or corrupt)."""
     return (isinstance(meta, dict) and isinstance(meta.get("file"), str) and "/" not in meta["file"]
@@ -70,9 +82,10 @@ class Cache:
         self.entries_dir = self.base / "entries"
         self.tmp_dir = self.base / "tmp"
         self.locks_dir = self.base / "locks"
+        self.prekeys_dir = self.base / "prekeys"
 
     def ensure(self) -> Cache:
-        for d in (self.entries_dir, self.tmp_dir, self.locks_dir):
+        for d in (self.entries_dir, self.tmp_dir, self.locks_dir, self.prekeys_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -98,6 +111,21 @@ class Cache:
                 self._discard(folder)
             return None
         return Entry(key, artifact, meta)
+
+    def get_pre(self, pre: str) -> Entry | None:
+        """The entry a pre-key recorded, if both the record and the entry are valid."""
+        try:
+            key = json.loads((self.prekeys_dir / f"{pre}.json").read_text())["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return self.get(key) if isinstance(key, str) else None
+
+    def put_pre(self, pre: str, key: str) -> None:
+        """Record pre-key -> key (atomic; a lost race writes the same content)."""
+        self.ensure()
+        tmp = self.prekeys_dir / f"{pre}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+        tmp.write_text(json.dumps({"key": key}))
+        os.replace(tmp, self.prekeys_dir / f"{pre}.json")
 
     def list(self) -> list[dict]:
         """Valid entries; never changes the cache (a corrupt entry is skipped, not removed)."""

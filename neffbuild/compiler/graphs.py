@@ -127,7 +127,8 @@ def placeholder_groups(par: parallel.ParallelLayout):
             _unregister_process_group(name)
 
 
-def example_inputs(spec: GraphSpec) -> tuple:
+def example_inputs(spec: GraphSpec, *, caches: bool = True) -> tuple:
+    """Zeroed inputs of the target's shapes (pad write slots); ``caches=False`` leaves the KV caches out."""
     if spec.family == DRAFT:
         return draft_example_inputs(spec)
     B, q = spec.batch, spec.query_len
@@ -141,7 +142,8 @@ def example_inputs(spec: GraphSpec) -> tuple:
         torch.zeros(B, **long),  # swa_kv_pos_offset
         torch.full((B * q,), -1, **long),  # slot_mapping
         torch.full((B * q,), -1, **long),  # slot_mapping_swa
-        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers)),
+        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers))
+        if caches else None,
     ) + ((parallel.rank_tensor(0),) if spec.layout.sharded else ())
 
 

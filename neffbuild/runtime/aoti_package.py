@@ -20,6 +20,9 @@ import threading
 import zipfile
 from pathlib import Path
 
+import torch
+import torch.utils._pytree as pytree
+
 from neffbuild.errors import BundleError
 from neffbuild.fsutil import pid_alive
 
@@ -105,16 +108,14 @@ def sweep_temp(root: str | None = None) -> None:
 
 
 def load_package(path: Path):
-    """``aoti_load_package`` extracting into a folder of ours; that folder is removed if loading fails."""
-    import torch
-
+    """An :class:`AOTIArtifact` extracting into a folder of ours; that folder is removed if loading fails."""
     tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-")
     _OURS.append(tmp)
     with _LOCK:
         saved = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = tmp  # the loader extracts under std::filesystem::temp_directory_path()
         try:
-            return torch._inductor.aoti_load_package(str(path))
+            return AOTIArtifact(path)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BundleError(f"{path}: AOTInductor could not load the artifact ({str(exc).strip()[:200]})") from None
@@ -123,6 +124,30 @@ def load_package(path: Path):
                 os.environ.pop("TMPDIR", None)
             else:
                 os.environ["TMPDIR"] = saved
+
+
+class AOTIArtifact:
+    """An AOTInductor package run through torch's C++ package loader alone.
+
+    ``torch._inductor.aoti_load_package`` returns the same loader wrapped in a class whose
+    import pulls in inductor and dynamo (seconds per process, most of a cold start); the
+    calling convention is only: flatten the tensors in order, run, unflatten the outputs.
+    """
+
+    def __init__(self, path: str | Path):
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        self._out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
+
+    def __call__(self, *args):
+        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        return pytree.tree_unflatten(self.loader.boxed_run(flat), self._out_spec)
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(self, constants: dict[str, torch.Tensor], *, check_full_update: bool,
+                       user_managed: bool = False) -> None:
+        self.loader.load_constants(constants, False, check_full_update, user_managed, False)
 
 
 @atexit.register

@@ -11,8 +11,10 @@ else kept as a string), e.g. ``max_autotune=true``. An unknown name is rejected 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -58,11 +60,18 @@ class InductorBackend(Backend):
         return exported.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
 
     def compile(self, exported, workdir: Path) -> Path:
+        """Compile; ``self.profile`` then says where the time went (lowering vs each C++ build)."""
         configs = {"aot_inductor.package_constants_in_so": False}
         configs.update(parse_flags(self.flags))
         path = Path(workdir) / f"artifact.{self.ext}"
-        with torch.no_grad():
+        cpp: list[tuple[str, float]] = []
+        t0 = time.monotonic()
+        with torch.no_grad(), _timed_cpp_builds(cpp):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
+        total = time.monotonic() - t0
+        self.profile = {"total_s": round(total, 2), "cpp_s": round(sum(s for _, s in cpp), 2),
+                        "lowering_s": round(total - sum(s for _, s in cpp), 2),
+                        "cpp_builds": [(name, round(s, 2)) for name, s in cpp]}
         from neffbuild.compiler.reproducible import normalize_pt2
 
         normalize_pt2(path)  # same graph, same bytes: two cold builds give one manifest
@@ -82,3 +91,28 @@ class InductorBackend(Backend):
             "device": self.device,
             "flags": list(self.flags),
         }
+
+
+@contextlib.contextmanager
+def _timed_cpp_builds(out: list):
+    """Record (output name, seconds) of every C++ compile/link inductor runs (profile only; no effect)."""
+    try:
+        from torch._inductor.cpp_builder import CppBuilder
+    except ImportError:
+        yield
+        return
+    original = CppBuilder.build
+
+    def build(self, *args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            name = Path(str(getattr(self, "_name", ""))).suffix or Path(str(getattr(self, "_target_file", ""))).suffix
+            out.append((name.lstrip(".") or "?", time.monotonic() - t0))
+
+    CppBuilder.build = build
+    try:
+        yield
+    finally:
+        CppBuilder.build = original

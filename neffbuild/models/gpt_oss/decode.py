@@ -92,8 +92,6 @@ class GptOssDecode(nn.Module):
         self.window = cfg.sliding_window
         for name in STACKED_NAMES:
             self.register_buffer(name, stacked[name], persistent=True)
-        inv_freq, self.rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         # (layer, KV buffer, attention kind): decided once here, never inside forward.
         self.layer_plan = [(i, i // 2, kind) for i, kind in enumerate(cfg.layer_types)]
 
@@ -115,7 +113,10 @@ class GptOssDecode(nn.Module):
         cfg, w = self.cfg, self.weights()
         B, S = input_ids.shape
         x = w["embed"][input_ids]  # [B, q, H]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # [B, q, d/2]
+        # Computed in the graph (a few ops on head_dim/2 values), not a buffer: a buffer becomes a
+        # constant the artifact expects the bundle's weights to provide.
+        inv_freq, rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
+        cos, sin = rope_cos_sin(positions, inv_freq, rope_scale)  # [B, q, d/2]
         frames = {  # kind -> (block table, kv position offset, write slots, window)
             SLIDING: (block_table_swa, swa_kv_pos_offset, slot_mapping_swa, self.window),
             FULL: (block_table, torch.zeros_like(swa_kv_pos_offset), slot_mapping, None),
@@ -125,9 +126,9 @@ class GptOssDecode(nn.Module):
             table, offset, slots, window = frames[kind]
             cache = kv_caches[buf]
             q, k, v = attention_inputs(cfg, w, i, x, cos, sin)
-            write_kv(cache[0], slots, k.reshape(B * S, *k.shape[2:]), self.packed_k)
-            write_kv(cache[1], slots, v.reshape(B * S, *v.shape[2:]), False)
-            attn = paged_attention(q, cache[0], cache[1], table, positions, offset, w["sinks"][i],
+            write_kv(cache, 0, slots, k.reshape(B * S, *k.shape[2:]), self.packed_k)
+            write_kv(cache, 1, slots, v.reshape(B * S, *v.shape[2:]), False)
+            attn = paged_attention(q, cache, table, positions, offset, w["sinks"][i],
                                    cfg.attention_scale, window, self.packed_k)
             x = attention_output_and_mlp(cfg, w, i, x, attn, self.par, rank)
             hidden.append(x)

@@ -84,8 +84,8 @@ def prefill(
         sliding = kind == SLIDING
         cache = kv_caches[i // 2]
         q, k, v = attention_inputs(local, stacked, i, x, cos, sin)
-        write_kv(cache[0], slots[sliding], k[0], packed_k)
-        write_kv(cache[1], slots[sliding], v[0], False)
+        write_kv(cache, 0, slots[sliding], k[0], packed_k)
+        write_kv(cache, 1, slots[sliding], v[0], False)
         k, v = _as_stored(k, cache), _as_stored(v, cache)
         window = cfg.sliding_window if sliding else None
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)

@@ -1,0 +1,119 @@
+"""Decode step time of four variants on one request, side by side in one run.
+
+For each context (1/32, 1/8, 1/2 and all of ``max_model_len``) one request with that many
+tokens needed runs through: the **bucketed** artifact the runtime picks, the **fallback**
+artifact (``ctx = max_model_len``), one **dynamic**-width artifact (compiled here with a
+``torch.export`` dynamic block-table width, called with exactly the blocks needed) and
+**eager** PyTorch (the same module, uncompiled, on the bucketed inputs). Calls are
+interleaved (one of each variant per round) so drift on a shared host hits all alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from neffbuild.compiler.graphs import GraphSpec, build_graph
+from neffbuild.runtime import attn_metadata
+from neffbuild.runtime.buckets import round_up
+from neffbuild.runtime.dispatch import DECODE, plan_for
+from neffbuild.runtime.kv_cache import allocate
+
+VARIANTS = ("bucketed", "fallback", "dynamic", "eager")
+
+
+def graph_spec(bundle, *, batch: int, ctx: int) -> GraphSpec:
+    gi = bundle.manifest["graph_inputs"]
+    return GraphSpec(gi["arch"], gi["model_config"], DECODE, batch, ctx, 1, gi["block_size"], gi["num_blocks"],
+                     gi["num_swa"], gi["fp8_packed_kv"])
+
+
+def contexts(max_model_len: int) -> list[int]:
+    return [max_model_len // 32, max_model_len // 8, max_model_len // 2, max_model_len]
+
+
+def compile_graph(bundle, *, batch: int, ctx: int, dynamic: bool, workdir: Path):
+    """(seconds, loaded artifact) for the decode graph at (batch, ctx); a dynamic table width if asked."""
+    from neffbuild.compiler.backends.inductor import InductorBackend
+    from neffbuild.runtime.bundle import load_aoti
+
+    module, inputs = build_graph(graph_spec(bundle, batch=batch, ctx=ctx))
+    t0 = time.perf_counter()
+    if dynamic:
+        width = torch.export.Dim("blocks", min=2, max=ctx // bundle.kv_layout.block_size)
+        shapes = (None, None, {1: width}, None, None, None, None, tuple(None for _ in inputs[7]))
+        with torch.no_grad():
+            exported = torch.export.export(module, inputs, dynamic_shapes=shapes, strict=False)
+    else:
+        exported = InductorBackend().export(module, inputs)
+    path = InductorBackend().compile(exported, workdir)
+    return time.perf_counter() - t0, load_aoti(path, bundle.weights)
+
+
+@dataclass
+class Case:
+    """One request at one context: the inputs each variant runs on."""
+
+    context: int
+    plan: object
+    inputs: dict = field(default_factory=dict)  # variant -> StepInputs
+    samples: dict = field(default_factory=dict)  # variant -> [seconds]
+
+
+def make_case(bundle, context: int, batch: int) -> Case:
+    bs, mml = bundle.kv_layout.block_size, bundle.spec.max_model_len
+    row = torch.arange(1, 1 + mml // bs)[None]  # the request's blocks (block 0 is the null block)
+    computed, tokens = torch.tensor([context - 1]), torch.tensor([[1]])
+    plan = plan_for(bundle.spec, batch_count=1, needed=context, num_reqs=1)
+    case = Case(context, plan)
+    for variant, ctx in (("bucketed", plan.ctx), ("fallback", mml), ("dynamic", round_up(context, bs)),
+                         ("eager", plan.ctx)):
+        case.inputs[variant] = attn_metadata.build(tokens, computed, row, row, batch=plan.batch, ctx=ctx,
+                                                   block_size=bs, num_swa=bundle.num_swa)
+    return case
+
+
+def _stats(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"median_ms": round(statistics.median(s) * 1e3, 4), "p90_ms": round(s[int(0.9 * (len(s) - 1))] * 1e3, 4),
+            "n": len(s)}
+
+
+def step_times(bundle, *, repeat: int = 20, warmup: int = 2, dynamic: bool = True, eager: bool = True,
+               extra_contexts: tuple[int, ...] = (), workdir: Path | None = None) -> dict:
+    """{"rows": [{context, label, variant -> stats}], "dynamic_compile_s": float|None}."""
+    from neffbuild.models.gpt_oss.decode import GptOssDecode
+
+    mml = bundle.spec.max_model_len
+    batch = min(bundle.spec.num_seqs_buckets)
+    cases = [make_case(bundle, c, batch) for c in sorted(set(contexts(mml)) | set(extra_contexts))]
+    fallback = next(p.label for p in (c.plan for c in cases) if p.ctx == mml)
+    runners = {"bucketed": None, "fallback": bundle.artifact(fallback)}
+    out = {"dynamic_compile_s": None, "batch": batch}
+    if dynamic:
+        with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+            out["dynamic_compile_s"], runners["dynamic"] = compile_graph(bundle, batch=batch, ctx=mml, dynamic=True,
+                                                                        workdir=Path(tmp))
+    if eager:
+        cfg = graph_spec(bundle, batch=batch, ctx=mml).config
+        runners["eager"] = GptOssDecode(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval()
+    kv = allocate(bundle.kv_layout)
+    for case in cases:
+        per_case = dict(runners, bucketed=bundle.artifact(case.plan.label))
+        for rnd in range(warmup + repeat):
+            for variant, fn in per_case.items():
+                args = case.inputs[variant].as_args(kv)
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    fn(*args)
+                    dt = time.perf_counter() - t0
+                if rnd >= warmup:
+                    case.samples.setdefault(variant, []).append(dt)
+    out["rows"] = [{"context": c.context, "label": c.plan.label, "ctx_bucket": c.plan.ctx,
+                    **{v: _stats(s) for v, s in c.samples.items()}} for c in cases]
+    return out
