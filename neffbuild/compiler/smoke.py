@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from neffbuild.compiler.graphs import GraphSpec, example_inputs
+from neffbuild.compiler.graphs import DRAFT, GraphSpec, example_inputs
 from neffbuild.errors import BuildFailed
 
 
@@ -23,6 +23,8 @@ class LoadFailed(BuildFailed):
 
 
 def _inputs(spec: GraphSpec) -> tuple:
+    if spec.family == DRAFT:  # the draft's own KV group (one layer): zeroed in full
+        return example_inputs(spec)
     args = list(example_inputs(spec, caches=False))
     layout = spec.kv_layout()
     kv = tuple(torch.empty(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers))
@@ -41,6 +43,10 @@ def smoke_run(backend, artifact: Path, spec: GraphSpec, weights: dict[str, torch
     except Exception as exc:  # any failure here means the bundle would not serve
         raise LoadFailed(f"{type(exc).__name__}: {exc}".strip()) from exc
     logits = out[0] if isinstance(out, (tuple, list)) else out
+    if spec.family == DRAFT:  # k proposed token ids per row
+        if logits.shape[0] != spec.batch:
+            raise LoadFailed(f"one draft step returned shape {tuple(logits.shape)}, expected {spec.batch} rows")
+        return
     want = (spec.batch, spec.query_len, spec.config.vocab_size)
     if tuple(logits.shape) != want:
         raise LoadFailed(f"one step returned logits of shape {tuple(logits.shape)}, expected {want}")

@@ -74,9 +74,10 @@ class Eagle3Draft(nn.Module):
         zero = torch.zeros_like(positions[:, 0])
 
         def attend(q, k, v):
-            write_kv(kv_cache[0], slots, k.reshape(B * S, *k.shape[2:]), self.packed_k)
-            write_kv(kv_cache[1], slots, v.reshape(B * S, *v.shape[2:]), False)
-            return paged_attention(q, kv_cache[0], kv_cache[1], table, positions, zero, sinks,
+            # Written on the cache input itself, never through a view (a view's write copies the whole pool).
+            write_kv(kv_cache, 0, slots, k.reshape(B * S, *k.shape[2:]), self.packed_k)
+            write_kv(kv_cache, 1, slots, v.reshape(B * S, *v.shape[2:]), False)
+            return paged_attention(q, kv_cache, table, positions, zero, sinks,
                                    self.cfg.attention_scale, None, self.packed_k)
 
         return attend
@@ -134,8 +135,8 @@ def prefill(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, kv_cach
     slots = block_row[pos // bs] * bs + pos % bs
 
     def attend(q, k, v):
-        write_kv(kv_cache[0], slots, k[0], draft.packed_k)
-        write_kv(kv_cache[1], slots, v[0], False)
+        write_kv(kv_cache, 0, slots, k[0], draft.packed_k)
+        write_kv(kv_cache, 1, slots, v[0], False)
         return sdpa_with_sinks(q, k, v, no_sinks(cfg, q), cfg.attention_scale, None)
 
     draft_layer(cfg, w, w["embed"][tokens[None]], aux[None].float() @ w["draft_fc"].t(), cos, sin, attend)
