@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 
 import torch
 
@@ -26,14 +24,10 @@ def machine() -> str:
 
 
 def median_us(fn, repeat: int = 2000, warmup: int = 100) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+    """Median wall time of one call, in microseconds (the timing loop lives in neffbuild.bench)."""
+    from neffbuild.bench.overhead import median_seconds
+
+    return median_seconds(fn, repeat, warmup) * 1e6
 
 
 def rss_mb() -> float:

@@ -82,10 +82,10 @@ def plan_and_metadata(bundle, context: int, repeat: int = 2000) -> dict:
         attn_metadata.build(tokens, computed, row, row, batch=plan.batch, ctx=plan.ctx, block_size=bs,
                             num_swa=bundle.num_swa)
 
-    return {"plan_plus_metadata_us": round(_median_s(once, repeat) * 1e6, 2)}
+    return {"plan_plus_metadata_us": round(median_seconds(once, repeat) * 1e6, 2)}
 
 
-def _median_s(fn, repeat: int, warmup: int = 20) -> float:
+def median_seconds(fn, repeat: int, warmup: int = 20) -> float:
     for _ in range(warmup):
         fn()
     samples = []
@@ -103,8 +103,8 @@ def _dp_rank(rank: int, port: int, repeat: int, queue) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     t = torch.tensor([4, 500], dtype=torch.int32)
-    synced = _median_s(lambda: dp_sync.sync_step(1, 500 + rank), repeat)
-    bare = _median_s(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), repeat)
+    synced = median_seconds(lambda: dp_sync.sync_step(1, 500 + rank), repeat)
+    bare = median_seconds(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), repeat)
     if rank == 0:
         queue.put({"dp_sync_us": round(synced * 1e6, 1), "bare_allreduce_us": round(bare * 1e6, 1)})
     dist.destroy_process_group()
