@@ -233,9 +233,22 @@ def expected_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[d
     return out
 
 
+def expected_draft_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[dict]:
+    """The inputs of an EAGLE3 draft artifact (runtime/spec_inputs.py; docs/bundle-format.md)."""
+    kv, long, hidden = gi["kv_layout"], "int64", 3 * int(gi["model_config"]["hidden_size"])
+    graph_dtype = "uint8" if kv["dtype"].startswith("float8") else kv["dtype"]
+    rows = [("input_ids", [batch, query_len], long), ("positions", [batch, query_len], long),
+            ("hidden", [batch, query_len, hidden], "float32"), ("num_valid", [batch], long),
+            ("block_table", [batch, table_width(ctx, gi["block_size"])], long),
+            ("slot_mapping", [batch * query_len], long),
+            ("kv_cache", list(kv.get("draft", {}).get("buffer_shape", [])), graph_dtype)]
+    return [{"name": n, "shape": s, "dtype": d} for n, s, d in rows]
+
+
 def _signature(c: _Checker, p: str, a: dict, gi: dict) -> None:
     got = a.get("input_signature")
-    want = expected_signature(gi, a["batch"], a["ctx"], a["query_len"])
+    expect = expected_draft_signature if a.get("family") == "draft" else expected_signature
+    want = expect(gi, a["batch"], a["ctx"], a["query_len"])
     if not isinstance(got, list) or len(got) != len(want):
         c.bad(f"{p}.input_signature", f"must list {len(want)} inputs (graph_inputs imply {len(want)}), "
               f"got {len(got) if isinstance(got, list) else short(got)}")
