@@ -36,13 +36,15 @@ class Entry:
 
 # Backend parts: compile_side (a compiler/backends Backend class, build side only), loader
 # (runtime: path, weights, toolchain, device -> step callable), host_problem (runtime:
-# toolchain -> why this host cannot run the artifacts, or None), available (-> bool).
+# toolchain -> why this host cannot run the artifacts, or None), available (-> bool), layout_rule
+# (optional, recipe validation: err, tp, compiler section, lnc -> reports what the backend cannot build).
 BACKENDS = {
     "neuron": Entry("neuron", {
         "compile_side": "neffbuild.compiler.backends.neuron:NeuronBackend",
         "loader": "neffbuild.runtime.loaders:load_neuron",
         "host_problem": "neffbuild.runtime.loaders:neuron_problem",
         "available": "neffbuild.compiler.backends.neuron:available",
+        "layout_rule": "neffbuild.recipe.parallel_rules:neuron_instance_limit",
     }),
     "inductor": Entry("inductor", {
         "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",

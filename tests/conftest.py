@@ -156,3 +156,30 @@ def built_tp2(tmp_path_factory, hf_checkpoint, build_cache):
 def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache):
     """A dp 2 / ep 2 bundle (experts across DP ranks: the gather combine): 1 target (the fallback only)."""
     return _build_parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-dp2-ep2", {"dp": 2, "ep": 2}, [512])
+
+
+EAGLE3_TINY = ROOT / "recipes" / "gpt-oss-tiny-eagle3.yaml"
+
+
+@pytest.fixture(scope="session")
+def eagle3_built(tmp_path_factory, build_cache):
+    """The tiny EAGLE3 recipe compiled once per session (2 x 2 x 3 = 12 targets): (recipe path, BuildResult)."""
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp("eagle3")
+    res = compile_recipe(recipe.load(EAGLE3_TINY), folder / "out", jobs=2, cache_root=build_cache)
+    assert not res.failed, res.failed
+    return EAGLE3_TINY, res
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance per session (2 CPUs, this machine); yields its address for CLI drivers."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20,
+             _system_config={"worker_niceness": 0})  # compile at the test's priority, not Ray's background one
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -26,6 +26,8 @@ def graph_inputs(recipe, kv_layout) -> dict:
         "kv_layout": kv_layout.to_json(),
         "arch": recipe.model.arch,
         "model_config": recipe.model.config.to_hf_dict(),
+        # EAGLE3: the draft's config keys as the recipe gave them (the reader derives the rest from model_config)
+        **({"draft_config": recipe.speculative.draft_hf_config} if recipe.speculative else {}),
     }
 
 

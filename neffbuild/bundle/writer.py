@@ -131,7 +131,7 @@ def compile_metrics(seconds: dict[str, float]) -> str:
     return generate_latest(registry).decode()
 
 
-def render_report(m: dict, *, hits: dict, seconds: dict, built: int, cached: int, wall_s: float) -> str:
+def render_report(m: dict, *, hits: dict, seconds: dict, built: int, cached: int, wall_s: float, **_records) -> str:
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("neffbuild.bundle", "templates"),

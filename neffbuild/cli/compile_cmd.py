@@ -10,7 +10,7 @@ from neffbuild import recipe as recipe_mod
 from neffbuild import registry
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.compiler.builder import Progress, compile_recipe
-from neffbuild.errors import BuildFailed
+from neffbuild.errors import BuildFailed, InvalidInput
 
 
 class RichProgress(Progress):
@@ -85,22 +85,35 @@ def summary_table(res):
                    "else ~/.cache/neffbuild).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=None,
               help="Give up on one target after this many seconds (classified as a timeout).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: a pool of --jobs warm workers on this machine. ray: one Ray task per target on a "
+                   "cluster (needs the ray extra), with memory reserved per target.")
+@click.option("--address", default=None, metavar="auto|ray://HOST:PORT|HOST:PORT",
+              help="Ray cluster to join (with --executor ray); default: start a Ray instance on this machine.")
+@click.option("--shared-cache", is_flag=True,
+              help="With --executor ray: the cache folder is mounted at the same path on every node, so tasks "
+                   "read and publish it directly instead of returning artifacts through Ray's object store.")
 @json_option('Print {"bundle", "built", "cached", "failed"} on stdout (errors too); progress goes to stderr.')
-def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, as_json):
+def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor, address, shared_cache,
+             as_json):
     """Compile every graph of RECIPE into a versioned bundle under OUT.
 
     Targets build largest first on a pool of warm workers, through a content-addressed
     cache: a second run of the same recipe compiles nothing. One failing target does not
     stop the others, but then no bundle is published (exit 1) and each failure is listed,
     classified, with its log. Ctrl-C stops cleanly; re-running builds only what is missing.
+    With --executor ray the same targets run on a Ray cluster and the bundle is the same
+    (same cache keys, same manifest); build-info.json records the node of each target.
     """
+    if executor != "ray" and (address or shared_cache):
+        raise InvalidInput("--address and --shared-cache need --executor ray")
     r = recipe_mod.load(recipe_path)
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
     progress = RichProgress()
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache)
     finally:
         progress.close()
     if as_json:

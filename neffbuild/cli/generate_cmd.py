@@ -9,7 +9,8 @@ bundle (tp or ep above 1) always runs its own tp x dp ranks, the prompts dealt t
 groups. ``--check`` also runs the unsharded eager model (a sharded bundle's weight pieces
 joined) and fails on any mismatch.
 ``--di`` runs disaggregated inference: a prefill worker process and this decode process, the
-KV moved over NIXL (neffbuild/serve/di.py).
+KV moved over NIXL (neffbuild/serve/di.py). ``--spec`` runs EAGLE3 speculative greedy decoding
+(neffbuild/serve/spec.py); its tokens equal a plain run's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import click
 
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import BundleError, InvalidInput, NeffbuildError
+from neffbuild.runtime.histogram import NeededSeqHistogram
 
 PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
 
@@ -74,18 +76,22 @@ def run_di_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int)
     load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     bundle = open_bundle(bundle_path)
     check_bundle(bundle)
-    session = open_session(bundle)
+    hist = NeededSeqHistogram(bundle.spec.max_model_len)
+    session = open_session(bundle, on_plan=lambda plan: hist.record(plan.needed_seq))
     _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
     for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
         bundle.artifact(label)
     with PrefillWorker(bundle_path) as worker:
         gen = generate_di(session, worker.port, prompts, max_new_tokens)
-    return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans], "metrics": prometheus(gen.plans),
+    return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans],
+            "metrics": prometheus(gen.plans) + hist.to_prometheus(), "histogram": hist.rows(),
             "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens, "transfers": gen.transfers}
 
 
-def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False):
-    """Greedy tokens, the step log and decode timing for this rank's prompts (bundle artifacts, or eager)."""
+def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *, group=None, reference=False,
+             spec=False):
+    """Greedy tokens, the step log and decode timing for this rank's prompts (bundle artifacts, or eager;
+    ``spec``: EAGLE3 speculative decoding through the bundle's three families)."""
     from neffbuild.runtime import dp_sync
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.greedy import greedy, prometheus
@@ -93,17 +99,42 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
 
     bundle = open_bundle(bundle_path, group=group)  # a sharded bundle joins the world here (every rank opens it)
     check_bundle(bundle)
-    session = open_session(bundle, reference=reference, group=group)
+    hist = NeededSeqHistogram(bundle.spec.max_model_len)
+    session = open_session(bundle, reference=reference, group=group,
+                           on_plan=lambda plan: hist.record(plan.needed_seq))
     _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
     if not reference:
         for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
             bundle.artifact(label)
     before = dp_sync.COLLECTIVES["count"]
+    if spec:
+        return dict(_run_spec(bundle, session, prompts, max_new_tokens, before), histogram=hist.rows())
     gen = greedy(session.stepper, session.prefill, session.block_manager(), prompts, max_new_tokens,
                  lockstep_group=session.lockstep_group)
     return {"tokens": gen.tokens, "steps": [s.to_json() for s in gen.plans],
-            "collectives": dp_sync.COLLECTIVES["count"] - before, "metrics": prometheus(gen.plans),
-            "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens}
+            "collectives": dp_sync.COLLECTIVES["count"] - before,
+            "metrics": prometheus(gen.plans) + hist.to_prometheus(),
+            "decode_seconds": gen.decode_seconds, "decode_tokens": gen.decode_tokens, "histogram": hist.rows()}
+
+
+def _run_spec(bundle, session, prompts, max_new_tokens: int, collectives_before: int) -> dict:
+    from neffbuild.models.eagle3.config import Eagle3Config
+    from neffbuild.runtime import dp_sync
+    from neffbuild.serve.greedy import prometheus
+    from neffbuild.serve.spec import SpecLoop
+
+    gi = bundle.manifest["graph_inputs"]
+    if not bundle.spec.num_speculative_tokens or "draft_config" not in gi:
+        raise InvalidInput(f"--spec: bundle {bundle.root.name} was built without speculative decoding; drop --spec "
+                           f"or build a recipe with a speculative: section")
+    dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], session.config)
+    loop = SpecLoop(session.stepper, session.block_manager(), session.config, dcfg, bundle.weights)
+    tokens = loop.generate(prompts, max_new_tokens)
+    st = loop.stats
+    return {"tokens": tokens, "steps": st.steps, "acceptance_rate": round(st.acceptance_rate, 6),
+            "proposed": st.proposed, "accepted": st.accepted, "draft_calls": st.draft_calls,
+            "collectives": dp_sync.COLLECTIVES["count"] - collectives_before, "metrics": prometheus(st.plans),
+            "decode_seconds": st.decode_seconds, "decode_tokens": st.decode_tokens}
 
 
 def run_reference(bundle_path: str, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -160,13 +191,13 @@ def _config(gi: dict):
 
 
 def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: str, prompts, max_new_tokens: int,
-                 out_dir: str):
+                 out_dir: str, spec: bool = False):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     dp_rank = rank // (world // dp)  # the ranks of one DP group are consecutive (runtime/parallel.py)
     try:
-        res = run_rank(bundle_path, prompts[dp_rank::dp], max_new_tokens, group=dist.group.WORLD)
+        res = run_rank(bundle_path, prompts[dp_rank::dp], max_new_tokens, group=dist.group.WORLD, spec=spec)
         res.update(rank=rank, dp_rank=dp_rank)
     except NeffbuildError as exc:  # the real cause: written before the peers see a closed connection
         res = {"rank": rank, "error": str(exc), "exit_code": exc.exit_code, "cause": True}
@@ -177,14 +208,14 @@ def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: st
     Path(out_dir, f"rank{rank}.json").write_text(dumps(res))
 
 
-def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: int) -> dict:
+def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: int, spec: bool = False) -> dict:
     """``world`` gloo processes in ``dp`` DP groups of world/dp ranks; prompts dealt to DP groups (``[g::dp]``)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="neffbuild-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
-            mp.spawn(_rank_worker, args=(world, dp, init_file, bundle_path, prompts, max_new_tokens, tmp),
+            mp.spawn(_rank_worker, args=(world, dp, init_file, bundle_path, prompts, max_new_tokens, tmp, spec),
                      nprocs=world, join=True)
         except mp.ProcessRaisedException:
             pass  # every rank writes its outcome; the cause is read below
@@ -207,9 +238,16 @@ def run_world(bundle_path: str, prompts, max_new_tokens: int, world: int, dp: in
     # Ranks decode in lockstep: the slowest rank's decode time, every DP group's tokens once.
     first = [r for r in ranks if r["rank"] % (world // dp) == 0]
     speed = _speed(max(r["decode_seconds"] for r in ranks), sum(r["decode_tokens"] for r in first))
-    return {"tokens": tokens, "steps": ranks[0]["steps"], **speed,
-            "ranks": [{"rank": r["rank"], "dp_rank": r["dp_rank"], "steps": r["steps"], "collectives": r["collectives"],
-                       "decode_seconds": r["decode_seconds"]} for r in ranks]}
+    # Every rank records the synced needed_seq, so rank 0's histogram is the run's.
+    out = {"tokens": tokens, "steps": ranks[0]["steps"], **speed, "histogram": ranks[0].get("histogram", []),
+           "ranks": [{"rank": r["rank"], "dp_rank": r["dp_rank"], "steps": r["steps"], "collectives": r["collectives"],
+                      "decode_seconds": r["decode_seconds"]} for r in ranks]}
+    if spec:
+        proposed = sum(r["proposed"] for r in first)
+        out["acceptance_rate"] = round(sum(r["accepted"] for r in first) / proposed, 6) if proposed else 0.0
+        for o, r in zip(out["ranks"], ranks, strict=True):
+            o.update(draft_calls=r["draft_calls"], acceptance_rate=r["acceptance_rate"])
+    return out
 
 
 MAX_LOCAL_WORLD = 16
@@ -248,10 +286,16 @@ def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
               help="Disaggregated inference: prefill runs in a second process (eager, its own KV cache), the KV "
                    "moves over NIXL into this process, which runs every decode step (the first one recomputes the "
                    "last prompt token). Needs the nixl extra.")
+@click.option("--spec", is_flag=True,
+              help="EAGLE3 speculative decoding through the bundle's three families (greedy, lossless: the tokens "
+                   "of a plain run); each step verifies the draft's k tokens or, without room or drafts, runs one.")
 @click.option("--check", is_flag=True, help="Also run the unsharded eager model; exit 1 on any token mismatch.")
+@click.option("--histogram", "histogram_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the needed_seq of every decode step as CSV (needed_seq,count), "
+                   "the input of `neffbuild recommend`.")
 @json_option('Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", "check"]} '
-             'on stdout (errors too).')
-def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
+             'on stdout (errors too); --spec adds "acceptance_rate" and each step\'s "family".')
+def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, histogram_path, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that fits; the step log
@@ -261,6 +305,8 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
     prompts = [_parse_prompt(p) for p in prompt_ids]
     if di and (dp or 1) > 1:
         raise InvalidInput("--di runs one decode process; use it without --dp")
+    if di and spec:
+        raise InvalidInput("--spec with --di is not supported yet; use one of them")
     world, dp = (1, 1) if di else world_for(bundle_path, dp)
     if world > 1:
         from neffbuild.runtime.bundle import read_manifest
@@ -269,15 +315,18 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
         m = read_manifest(Path(bundle_path))  # the prompts are the user's: refuse them before any rank starts
         if not problems(m):
             check_prompts(m["graph_inputs"], prompts, max_new_tokens)
-        out = run_world(bundle_path, prompts, max_new_tokens, world, dp)
+        out = run_world(bundle_path, prompts, max_new_tokens, world, dp, spec)
     else:
-        run_one = run_di_rank if di else run_rank
-        out = run_one(bundle_path, prompts, max_new_tokens)
+        out = (run_di_rank(bundle_path, prompts, max_new_tokens) if di
+               else run_rank(bundle_path, prompts, max_new_tokens, spec=spec))
         out.pop("collectives", None)
         metrics = out.pop("metrics")
         out.update(_speed(out["decode_seconds"], out.pop("decode_tokens")))
         if not as_json:
             click.echo(metrics, err=True, nl=False)
+    rows = out.pop("histogram", [])
+    if histogram_path:
+        _write_histogram(histogram_path, rows)
     if check:
         ref = run_reference(bundle_path, prompts, max_new_tokens)
         out["check"] = {"ok": ref == out["tokens"], "reference": ref}
@@ -297,11 +346,21 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, check, as_json):
             if s["label"] != last:
                 click.echo(f"step {i}: {s['label']} (needed_seq {s['needed_seq']})", err=True)
                 last = s["label"]
+        if spec:
+            click.echo(f"acceptance rate: {out['acceptance_rate']:.3f} over {len(out['steps'])} target steps", err=True)
     if check and not out["check"]["ok"]:
         bad = [n for n, (a, b) in enumerate(zip(out["tokens"], out["check"]["reference"], strict=False)) if a != b]
         raise NeffbuildError(f"--check: tokens differ from the eager reference for prompts {bad}")
     if check and not as_json:
         click.echo("check: tokens equal the eager reference", err=True)
+
+
+def _write_histogram(path: str, rows) -> None:
+    try:
+        NeededSeqHistogram(counts=rows).write_csv(path)
+    except OSError as exc:
+        raise InvalidInput(f"--histogram {path}: cannot write ({exc.strerror or exc})") from None
+    click.echo(f"histogram: {path} ({sum(n for _, n in rows)} decode steps)", err=True)
 
 
 def register(group: click.Group) -> None:

@@ -62,7 +62,8 @@ def cli():
 def _register() -> None:
     import importlib
 
-    for name in ("validate_cmd", "plan_cmd", "compile_cmd", "bundle_cmds", "cache_cmds", "generate_cmd", "bench_cmd"):
+    for name in ("validate_cmd", "plan_cmd", "compile_cmd", "bundle_cmds", "cache_cmds", "generate_cmd",
+                 "recommend_cmd", "bench_cmd"):
         importlib.import_module(f"neffbuild.cli.{name}").register(cli)
 
 

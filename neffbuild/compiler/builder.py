@@ -21,10 +21,11 @@ from neffbuild.bundle import layout
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
-from neffbuild.compiler.executor import LocalExecutor
-from neffbuild.compiler.graphs import kv_layout_for, layout_for, spec_for
+from neffbuild.compiler.executor import make_executor
+from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
 from neffbuild.compiler.worker import Job, cached_result
 from neffbuild.errors import InvalidInput
+from neffbuild.models.eagle3.weights import draft_weights
 
 
 @dataclass
@@ -61,7 +62,13 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
-                   timeout_s: float | None = None, executor=None) -> BuildResult:
+                   timeout_s: float | None = None, executor="local", address: str | None = None,
+                   shared_cache: bool = False) -> BuildResult:
+    """Build every target of ``recipe`` into a bundle under ``out_dir``.
+
+    ``executor``: "local" (a pool of ``jobs`` workers), "ray" (``address``, ``shared_cache``:
+    see compiler/ray_executor.py) or an executor object with ``run(jobs, on_start)``.
+    """
     progress = progress or Progress()
     started = time.monotonic()
     bk = backend_kwargs(recipe, backend_name)
@@ -70,11 +77,18 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir()).ensure()
     cache.sweep()
     targets = grid.build_order(grid.targets(recipe))
+    runner = executor
+    if isinstance(executor, str):  # fails fast without Ray
+        runner = make_executor(executor, jobs=jobs or recipe.jobs or settings.default_jobs(), cache_root=cache.root,
+                               timeout_s=timeout_s, address=address, shared_cache=shared_cache)
     writer = BundleWriter(out_dir, recipe.name, recipe.version)
     result = BuildResult(bundle=None)
     try:
         progress.stage("loading weights")
         weights = _load_weights(recipe)
+        if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
+            s = recipe.speculative
+            weights.update(draft_weights(draft_config_for(recipe), s.draft_checkpoint, s.draft_random_seed))
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
@@ -83,8 +97,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
                          str(writer.path(layout.log_path(t.label))), weights_path) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        executor = executor or LocalExecutor(jobs or recipe.jobs or settings.default_jobs(), timeout_s=timeout_s)
-        for res in _run(jobs_list, executor, progress):
+        for res in _run(jobs_list, runner, progress):
             result.results.append(res)
             result.traced += bool(res.get("traced"))
             if res["status"] == "ok":
@@ -109,7 +122,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry, parallel=parallel,
             report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
-                             "wall_s": round(time.monotonic() - started, 3)},
+                             "wall_s": round(time.monotonic() - started, 3), **_placement(runner, result.results)},
         )
         result.wall_s = time.monotonic() - started
         return result
@@ -172,6 +185,13 @@ def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
         "cache_key": res["cache_key"], "input_signature": res["input_signature"],
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
+
+
+def _placement(runner, results: list[dict]) -> dict:
+    """Where each target was built: a per-build record (build-info.json), never the manifest."""
+    nodes = {r["label"]: r["node"] for r in results if r.get("node")}
+    record = {"executor": getattr(runner, "name", type(runner).__name__)}
+    return dict(record, built_on=dict(sorted(nodes.items()))) if nodes else record
 
 
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:

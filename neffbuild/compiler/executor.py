@@ -4,8 +4,8 @@
 more jobs in flight than workers, so "submitted" means "running" and a per-target timeout
 is exact. A worker that dies (OOM killer, signal) breaks the pool: its in-flight jobs are
 reported as ``killed_or_oom`` and the pool is rebuilt for the rest. Ctrl-C kills the
-workers and re-raises, so the caller can clean up. A cluster executor (Ray) plugs in
-behind the same ``run`` interface; it is not part of this release.
+workers and re-raises, so the caller can clean up. ``RayExecutor`` (ray_executor.py) runs
+the same jobs on a Ray cluster behind the same ``run`` interface; ``make_executor`` picks one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from neffbuild.compiler.worker import KILLED, TIMEOUT, Job, run_job, warm_up
 
 
 class LocalExecutor:
+    name = "local"
+
     def __init__(self, jobs: int, *, timeout_s: float | None = None):
         self.jobs = max(1, int(jobs))
         self.timeout_s = timeout_s
@@ -86,12 +88,28 @@ class InlineExecutor:
     """Runs every job in the calling process, one after another (debugging, tests that patch a backend)."""
 
     jobs = 1
+    name = "inline"
 
     def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
         for job in jobs:
             if on_start:
                 on_start(job)
             yield run_job(job)
+
+
+EXECUTORS = ("local", "ray")
+
+
+def make_executor(name: str, *, jobs: int, cache_root, timeout_s: float | None = None, address: str | None = None,
+                  shared_cache: bool = False):
+    """The executor called ``name``: the local pool of ``jobs`` workers, or Ray."""
+    if name == "ray":
+        from neffbuild.compiler.ray_executor import RayExecutor
+
+        return RayExecutor(cache_root=cache_root, address=address, shared_cache=shared_cache, timeout_s=timeout_s)
+    if name != "local":
+        raise ValueError(f"unknown executor {name!r}")
+    return LocalExecutor(jobs, timeout_s=timeout_s)
 
 
 def _failure(job: Job, kind: str, message: str) -> dict:

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
     with placeholder_groups(graph.layout):
         exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
-    signature = input_signature(inputs)
+    signature = input_signature(inputs, graph.family)
     fingerprint = backend.fingerprint()
     if graph.layout.sharded:  # the layout is part of a sharded graph's key (an unsharded graph ignores dp)
         fingerprint = dict(fingerprint, parallel=graph.layout.to_json())
@@ -116,8 +117,12 @@ def _ok(result: dict, entry, hit: bool) -> dict:
 
 
 def _smoke(job: Job, backend, entry) -> None:
-    """Load + one zero step; skipped without weights and for sharded graphs (their collectives need peers)."""
-    if job.weights_path is None or job.graph.layout.sharded:
+    """Load + one zero step; skipped without weights (or where this node cannot see them), for sharded
+    graphs (their collectives need live peers) and for EAGLE3 draft graphs (another calling convention)."""
+    from neffbuild.compiler.graphs import DRAFT
+
+    if (job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.layout.sharded
+            or job.graph.family == DRAFT):
         return
     from neffbuild.compiler.smoke import smoke_run
     from neffbuild.runtime import weights_file
@@ -189,6 +194,7 @@ def _build(job: Job, backend, result: dict):
             entry = cache.publish(key, tmp, artifact, {
                 "label": job.label, "compile_seconds": round(seconds, 3), "fingerprint": backend.fingerprint(),
                 "graph": graph_summary(job.graph), "input_signature": signature, "ext": backend.ext,
+                "peak_rss_bytes": peak_rss_bytes(),  # the Ray executor's memory estimate reads it
             })
             print(f"== compiled in {seconds:.1f}s -> {entry.path}", flush=True)
             if getattr(backend, "profile", None):
@@ -199,8 +205,25 @@ def _build(job: Job, backend, result: dict):
     return entry, hit
 
 
-def run_job(job: Job) -> dict:
-    """Build one target through the cache and smoke-run it. Never raises: failures come back classified."""
+def _driver_hit(job: Job, backend, result: dict, lookup: Callable[[str], dict | None]) -> bool:
+    """Ray without a shared cache: ask the driver's cache for the traced key; a hit carries its meta, no path."""
+    key, _, signature, _ = key_for(job.graph, backend)
+    result.update(cache_key=key, input_signature=signature)
+    meta = lookup(key)
+    if meta is None:
+        return False
+    print(f"== cache hit {key} (driver's cache)", flush=True)
+    result.update(status="ok", hit=True, artifact=None, sha256=meta["sha256"], bytes=meta["bytes"],
+                  compile_seconds=meta["compile_seconds"], ext=meta["ext"])
+    return True
+
+
+def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> dict:
+    """Build one target through the cache and smoke-run it. Never raises: failures come back classified.
+
+    ``lookup(key)`` (Ray without a shared cache) asks the driver's cache first: on a hit the
+    result carries the entry's meta and no local artifact path.
+    """
     from neffbuild.compiler.backends import get_backend
 
     result = {"label": job.label, "status": "failed", "hit": False, "log": job.log_path, "pid": os.getpid(),
@@ -210,6 +233,9 @@ def run_job(job: Job) -> dict:
         with redirected_output(job.log_path):
             print(f"== {job.label}: {job.backend}", flush=True)
             backend = get_backend(**job.backend)
+            if lookup is not None and _driver_hit(job, backend, result, lookup):
+                result["seconds"] = round(time.monotonic() - started, 3)
+                return result
             entry, hit = _build(job, backend, result)
             _smoke(job, backend, entry)
         result = _ok(result, entry, hit)
@@ -217,6 +243,13 @@ def run_job(job: Job) -> dict:
         result = _classified(result, exc, job)
     result["seconds"] = round(time.monotonic() - started, 3)
     return result
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (a warm worker's includes earlier jobs: an upper bound)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def graph_summary(graph: GraphSpec) -> dict:

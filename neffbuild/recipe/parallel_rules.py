@@ -30,8 +30,17 @@ def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
 
 
 def _backend_limits(err, tp: int, compiler: dict, lnc: int) -> None:
-    if compiler.get("backend") != "neuron":
-        return  # inductor builds any valid layout (collectives over gloo on CPU, NCCL on CUDA)
+    """The backend's own layout rule, named in the registry (inductor has none: it builds any
+    valid layout, collectives over gloo on CPU, NCCL on CUDA)."""
+    from neffbuild import registry
+
+    entry = registry.BACKENDS.get(compiler.get("backend"))
+    if entry is not None and "layout_rule" in entry.parts:
+        entry.get("layout_rule")(err, tp, compiler, lnc)
+
+
+def neuron_instance_limit(err, tp: int, compiler: dict, lnc: int) -> None:
+    """A TP group must fit the NeuronCores of one instance."""
     cores = NEURON_CORES_PER_INSTANCE.get(compiler.get("target"))
     if cores and tp * lnc > cores:
         err("parallel.tp", tp, f"tp x neuron_config.lnc ({tp * lnc}) must fit the {cores} NeuronCores of one "

@@ -131,7 +131,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
             weights_file.check_table(str(path), header, w["tensors"])
         except BundleError as exc:
             problems.append(Problem(w["file"], str(exc)))
-    if full and not problems and m["toolchain"]["backend"] == "inductor":
+    if full and not problems and loaders.reads_package_signature(m["toolchain"]):
         for i, entry in enumerate(m["artifacts"]):
             try:
                 check_artifact(safe_path(root, entry["file"]), entry, rank_table(m), f"artifacts[{i}]")
@@ -224,8 +224,9 @@ class Bundle:
                              gi["max_model_len"], gi["num_speculative_tokens"])
         kv = gi["kv_layout"]
         _, nb, h, bs, d = kv["buffer_shape"]
+        draft = kv.get("draft", {}).get("buffer_shape", (0, 0, 0, 0, 0))
         self.kv_layout = KVLayout(kv["num_buffers"], nb, h, bs, d, fp8=kv["dtype"].startswith("float8"),
-                                  packed_k=kv["packed_k"])
+                                  packed_k=kv["packed_k"], draft_kv_heads=draft[2], draft_head_dim=draft[4])
         self.num_swa = gi["num_swa"]
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
         self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
@@ -266,7 +267,7 @@ class Bundle:
 
     def _load(self, entry: dict):
         path = safe_path(self.root, entry["file"])
-        if self.manifest["toolchain"]["backend"] == "inductor":
+        if loaders.reads_package_signature(self.manifest["toolchain"]):
             check_artifact(path, entry, rank_table(self.manifest), f"artifacts[{entry['label']}]")
         elif sha256_file(path) != entry["sha256"]:  # other backends: at least the bytes the manifest names
             raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
@@ -314,7 +315,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     reason = loaders.toolchain_problem(manifest["toolchain"])
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
-    if manifest["toolchain"]["backend"] == "inductor" and verify != "full":
+    if loaders.reads_package_signature(manifest["toolchain"]) and verify != "full":
         # The fallback artifact pins what the runtime allocates from before any artifact loads (KV buffers,
         # block-table widths): check it against its own package now, so a lie there fails here, not in memory.
         top = max(manifest["artifacts"], key=lambda a: (a["ctx"], a["batch"], a["label"]))

@@ -37,6 +37,7 @@ class StepPlan:
     family: str
     query_len: int
     label: str
+    any_work: bool = True  # False: after the DP sync no rank had a request (a loop may stop here)
 
     @property
     def padding(self) -> int:
@@ -72,6 +73,14 @@ def family_for(spec: GridSpec, nospec: bool) -> tuple[str, int]:
     if k == 0:
         return DECODE, 1
     return (TARGET_NOSPEC, 1) if nospec else (TARGET_SPEC, 1 + k)
+
+
+def plan_draft(spec: GridSpec, *, num_reqs: int, max_computed: int) -> StepPlan:
+    """The draft artifact for ``num_reqs`` requests whose largest num_computed (after acceptance)
+    is ``max_computed``: query 1+k, the context bucket of the with-spec step that follows."""
+    k = spec.num_speculative_tokens
+    return plan_for(spec, batch_count=num_reqs, needed=buckets.needed_seq(max_computed, k), num_reqs=num_reqs,
+                    family=DRAFT, query_len=1 + k)
 
 
 def plan_for(spec: GridSpec, *, batch_count: int, needed: int, num_reqs: int, family: str = DECODE,

@@ -7,6 +7,9 @@ FP8 K the K half is also viewed as ``[num_blocks, kv_heads, block_size // 2, hea
 Block 0 is the null block: never handed to a request, it absorbs padding rows' reads
 (block allocation: runtime/blocks.py).
 FP8 buffers are passed to compiled graphs as their uint8 bytes (``graph_view``).
+With EAGLE3 the draft has a KV group of its own: one more buffer of the same kind
+(``draft_buffer_shape``, its own heads), addressed through the full-attention group's
+block table, so it needs no block accounting of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ class KVLayout:
     head_dim: int
     fp8: bool = False
     packed_k: bool = False
+    draft_kv_heads: int = 0  # EAGLE3: the draft's own KV group (one buffer); 0 = none
+    draft_head_dim: int = 0
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_kv_heads > 0
+
+    @property
+    def draft_buffer_shape(self) -> tuple[int, ...]:
+        """The draft's buffer: same blocks (ids from the full-attention group's table), its own heads."""
+        return (2, self.num_blocks, self.draft_kv_heads, self.block_size, self.draft_head_dim)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -42,12 +56,20 @@ class KVLayout:
         return (2, self.num_blocks, self.kv_heads, self.block_size, self.head_dim)
 
     def to_json(self) -> dict:
-        return {"num_buffers": self.num_buffers, "buffer_shape": list(self.buffer_shape),
-                "dtype": str(self.dtype).removeprefix("torch."), "packed_k": self.packed_k}
+        out = {"num_buffers": self.num_buffers, "buffer_shape": list(self.buffer_shape),
+               "dtype": str(self.dtype).removeprefix("torch."), "packed_k": self.packed_k}
+        if self.has_draft:
+            out["draft"] = {"num_buffers": 1, "buffer_shape": list(self.draft_buffer_shape), "block_table": "full"}
+        return out
 
 
 def allocate(layout: KVLayout, device: str = "cpu") -> list[torch.Tensor]:
     return [torch.zeros(layout.buffer_shape, dtype=layout.dtype, device=device) for _ in range(layout.num_buffers)]
+
+
+def allocate_draft(layout: KVLayout, device: str = "cpu") -> torch.Tensor | None:
+    """The draft's KV buffer (EAGLE3 bundles), or None."""
+    return torch.zeros(layout.draft_buffer_shape, dtype=layout.dtype, device=device) if layout.has_draft else None
 
 
 def graph_view(buffer: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,12 @@ def load_neuron(path: Path, weights: dict[str, torch.Tensor], toolchain: dict, d
     return NeuronStep(module)
 
 
+def reads_package_signature(toolchain: dict) -> bool:
+    """Whether this backend's artifacts declare their inputs and constants in a form the runtime reads
+    before loading them (AOTInductor: the generated wrapper; see runtime/aoti_package.py)."""
+    return toolchain.get("backend") == "inductor"
+
+
 def inductor_problem(toolchain: dict) -> str | None:
     built = str(toolchain.get("torch", "")).split("+")[0]
     here = torch.__version__.split("+")[0]

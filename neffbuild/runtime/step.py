@@ -17,16 +17,16 @@ Not here: block allocation (runtime/blocks.py, optional), sampling and prefill (
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from neffbuild.errors import StepInputError
-from neffbuild.runtime import attn_metadata, buckets, dp_sync
+from neffbuild.runtime import attn_metadata, buckets, dp_sync, spec_inputs
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
-from neffbuild.runtime.dispatch import GridSpec, StepPlan, needs_nospec, plan_synced
-from neffbuild.runtime.kv_cache import KVLayout, allocate
+from neffbuild.runtime.dispatch import GridSpec, StepPlan, needs_nospec, plan_draft, plan_synced
+from neffbuild.runtime.kv_cache import KVLayout, allocate, allocate_draft
 from neffbuild.runtime.metrics import StepMetrics
 
 
@@ -90,6 +90,7 @@ class Stepper:
         self.metrics = StepMetrics(registry)
         self.spec, self.layout, self.num_swa = artifacts.spec, artifacts.kv_layout, artifacts.num_swa
         self.kv_caches = list(kv_caches) if kv_caches is not None else allocate(self.layout, device)
+        self.draft_cache = allocate_draft(self.layout, device)  # EAGLE3 bundles: the draft's own KV group
 
     def plan(self, batch: StepBatch) -> StepPlan:
         """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike."""
@@ -102,13 +103,18 @@ class Stepper:
         if bad:
             raise StepInputError(problem or "another DP rank was handed a malformed step (see its error)")
         plan = plan_synced(self.spec, batch_count=count, needed_base=base, nospec=bool(nospec), num_reqs=R)
+        if count == 0:
+            plan = replace(plan, any_work=False)
         if self.on_plan is not None:
             self.on_plan(plan)
         return plan
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Plan, sync, build the trimmed inputs, run the artifact (KV written in place)."""
-        plan = self.plan(batch)
+        return self.run(self.plan(batch), batch)
+
+    def run(self, plan: StepPlan, batch: StepBatch) -> StepOutput:
+        """Run a plan from ``self.plan(batch)`` (a loop may look at it first, e.g. ``plan.any_work``)."""
         R, q = len(batch.tokens), plan.query_len
         tokens = torch.tensor([list(t)[:q] for t in batch.tokens], dtype=torch.long).reshape(R, q)
         empty = torch.zeros((R, 1), dtype=torch.long)
@@ -121,6 +127,20 @@ class Stepper:
         self.metrics.record(f"decode_b{plan.batch}", plan.batch, plan.padding)
         logits, aux = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) > 1 else (_first(out), None)
         return StepOutput(plan, logits[:R], aux[:R] if aux is not None else None)
+
+    def draft(self, rows: Sequence[tuple], full_table: torch.Tensor, *, max_computed: int
+              ) -> tuple[StepPlan, torch.Tensor]:
+        """EAGLE3: one draft call -> (plan, proposed target ids [R, k]); draft KV written in place.
+
+        rows: per request ``(tokens [n], aux [n, A], first position)``, the n (1..1+k) rows the
+        target just verified; ``full_table`` [R, W]: their full-attention block ids (the draft's
+        group uses them). Not DP-synced: the draft has no collectives.
+        """
+        plan = plan_draft(self.spec, num_reqs=len(rows), max_computed=max_computed)
+        inputs = spec_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
+                                         block_size=self.layout.block_size, hidden_size=rows[0][1].shape[-1])
+        out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.draft_cache))
+        return plan, _first(out)[: len(rows)]
 
 
 def _first(out):

@@ -100,3 +100,8 @@ class GptOssConfig:
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
     """GPT-OSS alternation: even layers sliding-window, odd layers full attention."""
     return tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers))
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """Layers whose outputs an EAGLE3 draft fuses: early, middle, late."""
+    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))

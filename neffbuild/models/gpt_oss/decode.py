@@ -31,7 +31,7 @@ from kernels import (
     yarn_inv_freq,
 )
 from kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
-from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
+from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.models.gpt_oss.weights import STACKED_NAMES
 from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout
@@ -77,11 +77,6 @@ def expert_block(cfg: GptOssConfig, w: dict, i: int, h: torch.Tensor, par: Paral
         return all_reduce_sum(moe(h, *args, first_expert=first), EP_GROUP)
     every = all_gather_rows(h, par.ep, EP_GROUP)  # [ep*N, H]: the EP group's tokens, in group-rank order
     return reduce_scatter_rows(moe(every, *args, first_expert=first), par.ep, EP_GROUP)  # [N, H]
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """Layers whose outputs EAGLE3 drafts from: early, middle, late."""
-    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
 
 
 class GptOssDecode(nn.Module):

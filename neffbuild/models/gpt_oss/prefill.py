@@ -63,8 +63,10 @@ def prefill(
     parallel: ParallelLayout = SINGLE,
     rank: int = 0,
     pad_to: int = 0,
-) -> torch.Tensor:
-    """Fill the KV cache for one prompt; return logits [N, vocab] for every prompt position."""
+    aux_layers: tuple[int, ...] = (),
+):
+    """Fill the KV cache for one prompt; return logits [N, vocab] for every prompt position
+    (and, with ``aux_layers``, those layers' outputs concatenated: [N, len(aux_layers) * H])."""
     prompt = torch.as_tensor(prompt, dtype=torch.long)
     N = prompt.shape[0]
     ids = torch.cat([prompt, prompt.new_zeros(max(0, pad_to - N))])[None]  # [1, max(N, pad_to)]
@@ -77,6 +79,7 @@ def prefill(
              False: torch.where(real, slots_for(block_row, pos.clamp(max=N - 1), bs), -1)}
     local, rank_t = local_config(cfg, parallel), rank_tensor(rank)
     x = stacked["embed"][ids]
+    hidden = []
     for i, kind in enumerate(cfg.layer_types):
         sliding = kind == SLIDING
         cache = kv_caches[i // 2]
@@ -87,4 +90,8 @@ def prefill(
         window = cfg.sliding_window if sliding else None
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
-    return (rms_norm(x, stacked["norm"], cfg.rms_norm_eps) @ stacked["lm_head"].t())[0, :N]
+        hidden.append(x[0, :N])
+    logits = (rms_norm(x, stacked["norm"], cfg.rms_norm_eps) @ stacked["lm_head"].t())[0, :N]
+    if aux_layers:
+        return logits, torch.cat([hidden[i] for i in aux_layers], dim=-1)
+    return logits

@@ -1,0 +1,141 @@
+"""The EAGLE3 draft graph: catch up on the verified tokens, then propose k tokens, in one call.
+
+One compiled call per speculative step, at query length 1+k (the grid's ``draft_b{B}_ctx{S}``):
+
+1. **Catch-up** (the 1+k query rows): row i of a request is the token at position p+i+1
+   (the accepted drafts, then the bonus token) with the target's auxiliary hidden states
+   at position p+i, for the ``num_valid`` rows the target just verified (1..1+k; 0 for a
+   padding row). The rows' draft KV is written at positions p..p+num_valid-1, so rejected
+   speculative entries from the previous call are overwritten.
+2. **Proposal** (k-1 more single-row passes inside the graph): from the last valid row,
+   greedy draft token -> its embedding plus the draft's own hidden state -> the next
+   position, writing draft KV at positions computed in the graph from the block table.
+
+Layer (common EAGLE3 form): fused = fc(aux [3H]); attention input = [norm(embedding),
+norm(state)] (2H) -> q/k/v; residual on the state; o-proj; post-norm; SiLU-gated MLP;
+final norm; LM head over the draft vocabulary; ``d2t`` maps the argmax to a target id.
+No attention sinks (a -inf sink column is an exact no-op) and no sliding window.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import apply_rope, paged_attention, rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
+from neffbuild.models.eagle3.config import Eagle3Config
+from neffbuild.models.eagle3.weights import DRAFT_EMBED, DRAFT_NAMES
+
+
+def draft_layer(cfg: Eagle3Config, w: dict, emb: torch.Tensor, state: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+    """emb, state [B, S, H] -> new state [B, S, H]; ``attend(q, k, v) -> [B, S, Hq*d]`` owns the KV."""
+    B, S, _ = state.shape
+    d, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    x = torch.cat([rms_norm(emb, w["draft_ln_embed"], cfg.rms_norm_eps),
+                   rms_norm(state, w["draft_ln_hidden"], cfg.rms_norm_eps)], dim=-1)  # [B, S, 2H]
+    q, k, v = (x @ w["draft_qkv_w"].t()).split([Hq * d, Hk * d, Hk * d], dim=-1)
+    q, k, v = q.view(B, S, Hq, d), k.view(B, S, Hk, d), v.view(B, S, Hk, d)
+    state = state + attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v) @ w["draft_o_w"].t()
+    m = rms_norm(state, w["draft_ln_mlp"], cfg.rms_norm_eps)
+    return state + (nn.functional.silu(m @ w["draft_gate_w"].t()) * (m @ w["draft_up_w"].t())) @ w["draft_down_w"].t()
+
+
+def propose(cfg: Eagle3Config, w: dict, state: torch.Tensor) -> torch.Tensor:
+    """Greedy draft token as a target id. state [..., H] -> [...] int64."""
+    best = (rms_norm(state, w["draft_norm"], cfg.rms_norm_eps) @ w["draft_lm_head"].t()).argmax(-1)
+    return best + w["draft_d2t"][best]
+
+
+def no_sinks(cfg: Eagle3Config, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((cfg.num_attention_heads,), float("-inf"), dtype=like.dtype, device=like.device)
+
+
+class Eagle3Draft(nn.Module):
+    """Catch-up over 1+k rows, then k greedy proposals; draft KV written in place into ``kv_cache``."""
+
+    def __init__(self, cfg: Eagle3Config, weights: dict[str, torch.Tensor], *, num_speculative_tokens: int,
+                 packed_k: bool = False):
+        super().__init__()
+        self.cfg, self.k, self.packed_k = cfg, num_speculative_tokens, packed_k
+        # The draft shares the target's token embedding (bundle name "embed") unless it brought its own.
+        self.embed_name = DRAFT_EMBED if DRAFT_EMBED in weights else "embed"
+        for name in DRAFT_NAMES + (self.embed_name,):
+            self.register_buffer(name, weights[name], persistent=True)
+        inv_freq, self.rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
+        self.register_buffer("draft_inv_freq", inv_freq, persistent=False)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        w = {name: getattr(self, name) for name in DRAFT_NAMES}
+        w["embed"] = getattr(self, self.embed_name)
+        return w
+
+    def paged_attend(self, kv_cache, table, positions, slots, sinks):
+        B, S = positions.shape
+        zero = torch.zeros_like(positions[:, 0])
+
+        def attend(q, k, v):
+            write_kv(kv_cache, 0, slots, k.reshape(B * S, *k.shape[2:]), self.packed_k)
+            write_kv(kv_cache, 1, slots, v.reshape(B * S, *v.shape[2:]), False)
+            return paged_attention(q, kv_cache, table, positions, zero, sinks,
+                                   self.cfg.attention_scale, None, self.packed_k)
+
+        return attend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, 1+k] token at position p+i+1 (accepted drafts, then the bonus token)
+        positions: torch.Tensor,  # [B, 1+k] p+i
+        hidden: torch.Tensor,  # [B, 1+k, 3H] target auxiliary hidden states at p+i
+        num_valid: torch.Tensor,  # [B] rows verified this step (1..1+k); 0 = padding row
+        block_table: torch.Tensor,  # [B, W] head-trimmed (the full-attention group's block ids)
+        slot_mapping: torch.Tensor,  # [B*(1+k)] catch-up write slots (-1 = not written)
+        kv_cache: torch.Tensor,  # [2, num_blocks, kv_heads, block_size, head_dim] the draft's own KV group
+    ) -> torch.Tensor:  # [B, k] proposed target token ids
+        cfg, w = self.cfg, self.weights()
+        B = input_ids.shape[0]
+        bs, W = kv_cache.shape[3], block_table.shape[1]
+        sinks = no_sinks(cfg, hidden)
+        cos, sin = rope_cos_sin(positions, self.draft_inv_freq, self.rope_scale)
+        state = hidden @ w["draft_fc"].t()  # [B, 1+k, H]
+        state = draft_layer(cfg, w, w["embed"][input_ids], state, cos, sin,
+                            self.paged_attend(kv_cache, block_table, positions, slot_mapping, sinks))
+        last = (num_valid - 1).clamp(min=0)[:, None]  # [B, 1]
+        state = state.gather(1, last[..., None].expand(B, 1, state.shape[-1]))  # [B, 1, H]
+        pos = positions.gather(1, last)  # [B, 1]
+        tokens = [propose(cfg, w, state)]  # k x [B, 1]
+        live = (num_valid > 0)[:, None]
+        for _ in range(self.k - 1):
+            pos = pos + 1
+            col = (pos // bs).clamp(max=W - 1)
+            slots = torch.where(live, block_table.gather(1, col) * bs + pos % bs, -1).reshape(B)
+            cos, sin = rope_cos_sin(pos, self.draft_inv_freq, self.rope_scale)
+            state = draft_layer(cfg, w, w["embed"][tokens[-1]], state, cos, sin,
+                                self.paged_attend(kv_cache, block_table, pos, slots, sinks))
+            tokens.append(propose(cfg, w, state))
+        return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def prefill(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, kv_cache: torch.Tensor,
+            block_row: torch.Tensor) -> None:
+    """Eager catch-up over a prompt: draft KV at positions 0..n-1 of one request.
+
+    tokens [n]: the token at each position + 1; aux [n, 3H]: the target's aux states at each
+    position; block_row: the request's full-attention block ids. Dense causal attention
+    over the rows themselves (independent of the paged kernels the graph uses).
+    """
+    n = tokens.shape[0]
+    if n == 0:
+        return
+    cfg, w = draft.cfg, draft.weights()
+    pos = torch.arange(n)
+    cos, sin = rope_cos_sin(pos[None], draft.draft_inv_freq, draft.rope_scale)
+    bs = kv_cache.shape[3]
+    slots = block_row[pos // bs] * bs + pos % bs
+
+    def attend(q, k, v):
+        write_kv(kv_cache, 0, slots, k[0], draft.packed_k)
+        write_kv(kv_cache, 1, slots, v[0], False)
+        return sdpa_with_sinks(q, k, v, no_sinks(cfg, q), cfg.attention_scale, None)
+
+    draft_layer(cfg, w, w["embed"][tokens[None]], aux[None].float() @ w["draft_fc"].t(), cos, sin, attend)

@@ -1,0 +1,118 @@
+"""Builds on Ray (a local 2-CPU cluster): same cache keys, same manifest, same decoding as local builds."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from neffbuild import recipe as R
+from neffbuild.compiler.builder import compile_recipe
+from neffbuild.runtime.bundle import check, open_bundle
+from neffbuild.serve.greedy import greedy
+from neffbuild.serve.session import open_session
+from tests.conftest import ROOT, write_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], check=False, capture_output=True,
+                          text=True, cwd=ROOT, env=dict(os.environ, **(env or {})), timeout=600)
+
+
+def _decode(bundle_path, prompt, new_tokens):
+    """Greedy tokens and every step's logits through the bundle's artifacts."""
+    session = open_session(open_bundle(bundle_path))
+    logits = []
+    gen = greedy(session.stepper, session.prefill, session.block_manager(), [prompt], new_tokens,
+                 on_step=lambda plan, lg: logits.append(lg.clone()))
+    return gen.tokens, logits, [p.label for p in gen.plans]
+
+
+@pytest.fixture(scope="module")
+def ray_built(ray_cluster, hf_checkpoint, tmp_path_factory):
+    """The tiny test model, 2 targets (b1 x ctx 128 + fallback), built on Ray into a fresh cache."""
+    folder = tmp_path_factory.mktemp("ray")
+    path = write_recipe(folder, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1)
+    res = compile_recipe(R.load(path), folder / "out", cache_root=folder / "cache", executor="ray")
+    assert not res.failed, res.failed
+    return path, folder, res
+
+
+def test_ray_bundle_verifies_and_decodes_like_the_local_build(ray_built, built):
+    _, _, res = ray_built
+    assert (res.built, res.cached) == (2, 0)
+    assert check(res.bundle) == []
+    ray_m = json.loads((res.bundle / "manifest.json").read_text())
+    local_m = json.loads((built[1].bundle / "manifest.json").read_text())
+    local_keys = {a["label"]: a["cache_key"] for a in local_m["artifacts"]}
+    assert {a["label"]: a["cache_key"] for a in ray_m["artifacts"]} == {
+        lb: local_keys[lb] for lb in ("decode_b1_ctx128", "decode_b1_ctx512")}
+    assert "node" not in json.dumps(ray_m) and "built_on" not in json.dumps(ray_m)
+    info = json.loads((res.bundle / "build-info.json").read_text())
+    assert info["executor"] == "ray" and sorted(info["built_on"]) == ["decode_b1_ctx128", "decode_b1_ctx512"]
+    # The local bundle also has ctx 256: compare on prompts whose steps run the same labels in both.
+    for length, label in ((100, "decode_b1_ctx128"), (300, "decode_b1_ctx512")):
+        prompt = [(5 * i + 1) % 256 for i in range(length)]
+        toks, logits, labels = _decode(res.bundle, prompt, 6)
+        ref_toks, ref_logits, ref_labels = _decode(built[1].bundle, prompt, 6)
+        assert labels == ref_labels == [label] * 5
+        assert toks == ref_toks
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+
+def test_second_ray_build_is_all_cache_hits(ray_built, ray_cluster):
+    path, folder, first = ray_built
+    out = _cli("compile", str(path), "-o", str(folder / "again"), "--cache-dir", str(folder / "cache"), "--json",
+               "--executor", "ray", "--address", ray_cluster)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (doc["built"], doc["cached"], doc["failed"]) == (0, 2, [])
+    assert (Path(doc["bundle"]) / "manifest.json").read_bytes() == (first.bundle / "manifest.json").read_bytes()
+
+
+def test_failing_target_on_ray_is_reported_like_a_local_failure(ray_built, ray_cluster, hf_checkpoint, tmp_path):
+    _, folder, _ = ray_built
+    path = write_recipe(tmp_path, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1,
+                        compiler__target_flags={"decode_b1_ctx128": ["not_an_option=1"]})
+    out_dir = tmp_path / "out"
+    res = _cli("compile", str(path), "-o", str(out_dir), "--cache-dir", str(folder / "cache"), "--json",
+               "--executor", "ray", "--address", ray_cluster)
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["bundle"] is None and doc["cached"] == 1
+    [fail] = doc["failed"]
+    assert fail["label"] == "decode_b1_ctx128" and fail["kind"] == "compiler_error"
+    assert "not_an_option" in Path(fail["log"]).read_text()
+    assert not (out_dir / "gpt-oss-test-0.1.0").exists()
+    assert "Traceback" not in res.stderr and "decode_b1_ctx128" in res.stderr
+
+
+def test_missing_ray_names_the_extra(tmp_path):
+    fake = tmp_path / "noray" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    res = _cli("compile", "recipes/gpt-oss-tiny.yaml", "-o", str(tmp_path / "out"), "--executor", "ray",
+               env={"PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT)])})
+    assert res.returncode == 1
+    assert "neffbuild[ray]" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_memory_estimate_uses_past_peaks_of_the_same_graph(tiny_recipe):
+    from neffbuild import grid
+    from neffbuild.compiler.graphs import spec_for
+    from neffbuild.compiler.ray_executor import BASE_MEMORY, estimate_memory, graph_bytes
+    from neffbuild.compiler.worker import Job, graph_summary
+
+    small, big = (t for t in grid.targets(tiny_recipe) if t.label in ("decode_b1_ctx128", "decode_b4_ctx512"))
+    jobs = [Job(t.label, spec_for(tiny_recipe, t), {}, "", "") for t in (small, big)]
+    assert graph_bytes(jobs[1]) > graph_bytes(jobs[0]) > 0
+    assert estimate_memory(jobs[0], []) > BASE_MEMORY
+    past = [{"label": small.label, "graph": graph_summary(jobs[0].graph), "peak_rss_bytes": 4 << 30},
+            {"label": big.label, "graph": dict(graph_summary(jobs[1].graph), num_blocks=1), "peak_rss_bytes": 9 << 30}]
+    assert estimate_memory(jobs[0], past) == int(1.25 * (4 << 30))
+    assert estimate_memory(jobs[1], past) == estimate_memory(jobs[1], [])  # another graph's peak does not count

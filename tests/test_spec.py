@@ -1,0 +1,228 @@
+"""EAGLE3 speculative decoding: family rules, and greedy speculation is lossless (eager and compiled)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neffbuild.models.eagle3 import weights as dw
+from neffbuild.models.eagle3.config import Eagle3Config
+from neffbuild.models.eagle3.draft import Eagle3Draft
+from neffbuild.models.gpt_oss.decode import GptOssDecode
+from neffbuild.models.gpt_oss.weights import random_state_dict, stack
+from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, GridSpec, needs_nospec, plan_draft, plan_synced
+from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.serve.eager import EagerArtifacts
+from neffbuild.serve.greedy import greedy
+from neffbuild.serve.session import make_session
+from neffbuild.serve.spec import EagerSpecArtifacts, SpecLoop
+from tests.conftest import ROOT
+
+K = 3
+GRID = GridSpec((1, 2, 4), (128,), 256, K)
+
+
+@pytest.mark.parametrize("computed, drafts, veto", [
+    ([10, 20], True, False),
+    ([10, 20], False, True),  # a request without drafts
+    ([10, 256 - K - 1], True, False),  # max_position + k + 1 == max_model_len: room
+    ([10, 256 - K], True, True),  # no room for drafts
+])
+def test_family_veto(computed, drafts, veto):
+    assert needs_nospec(GRID, max(computed) + 1, all_have_drafts=drafts) is veto
+
+
+def test_spec_plan_includes_drafts_and_shares_the_draft_bucket():
+    p = plan_synced(GRID, batch_count=2, needed_base=125, nospec=False, num_reqs=2)
+    assert (p.family, p.query_len, p.needed_seq, p.ctx, p.label) == (TARGET_SPEC, 4, 128, 128, "decode_b2_s4_ctx128")
+    p = plan_synced(GRID, batch_count=2, needed_base=126, nospec=False, num_reqs=2)
+    assert (p.needed_seq, p.ctx) == (129, 256)  # the drafts push it over the bucket boundary
+    p = plan_synced(GRID, batch_count=1, needed_base=126, nospec=True, num_reqs=1)
+    assert (p.family, p.query_len, p.ctx, p.label) == (TARGET_NOSPEC, 1, 128, "decode_b1_s1_ctx128")
+    d = plan_draft(GRID, num_reqs=2, max_computed=124)
+    assert (d.label, d.query_len, d.ctx) == ("draft_b2_ctx128", 4, 128)  # the next with-spec step's bucket
+
+
+@pytest.fixture(scope="module")
+def models(tiny_cfg):
+    stacked = stack(tiny_cfg, random_state_dict(tiny_cfg, 0))
+    dcfg = Eagle3Config.from_hf_dict({}, tiny_cfg)
+    weights = dict(stacked, **dw.draft_weights(dcfg, None, 1))
+    target = GptOssDecode(tiny_cfg, stacked, aux_layers=dcfg.aux_layers).eval()
+    draft = Eagle3Draft(dcfg, weights, num_speculative_tokens=K).eval()
+    return dcfg, weights, target, draft
+
+
+def _layout(cfg):
+    return KVLayout(cfg.num_kv_buffers, 128, cfg.num_key_value_heads, 16, cfg.head_dim,
+                    draft_kv_heads=cfg.num_key_value_heads, draft_head_dim=cfg.head_dim)
+
+
+CASES = {  # prompts, new tokens, the context buckets the steps must use
+    "bucket_boundary": ([[(i * 37) % 256 for i in range(110)], [(i * 11) % 256 for i in range(40)], [5, 6, 7]], 40,
+                        {128, 256}),
+    "max_model_len": ([[(i * 13) % 256 for i in range(226)], [4, 5, 6, 7, 8, 9, 10]], 256 - 226, {256}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
+    """Random draft: the same tokens as plain greedy; at max_model_len the last steps go without spec."""
+    prompts, n_new, ctxs = CASES[case]
+    dcfg, weights, target, draft = models
+    layout = _layout(tiny_cfg)
+    s = make_session(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
+    plain = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new).tokens
+    s = make_session(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
+    loop = SpecLoop(s.stepper, s.block_manager(), tiny_cfg, dcfg, weights)
+    assert loop.generate(prompts, n_new) == plain
+    fams = [s["family"] for s in loop.stats.steps]
+    assert TARGET_SPEC in fams and {s["ctx"] for s in loop.stats.steps} == ctxs
+    if case == "max_model_len":  # the long request runs out of room while the short one still has drafts
+        assert fams[-1] == TARGET_NOSPEC
+        assert any(s["family"] == TARGET_NOSPEC and s["num_reqs"] == 2 for s in loop.stats.steps)
+
+
+# ----------------------------------------------------------------------------- compiled bundle (session fixture)
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT,
+                          check=False)
+
+
+def _prompt_args(prompts):
+    return [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
+
+
+@pytest.mark.slow
+def test_eagle3_bundle_has_three_families_and_verifies(eagle3_built):
+    bundle = eagle3_built[1].bundle
+    res = _cli("inspect", str(bundle), "--json")
+    assert res.returncode == 0, res.stderr
+    m = json.loads(res.stdout)
+    fams = sorted((a["family"], a["batch"], a["ctx"], a["query_len"]) for a in m["artifacts"])
+    assert fams == sorted((f, b, c, q) for b in (1, 2) for c in (128, 256)
+                          for f, q in (("target_spec", 4), ("target_nospec", 1), ("draft", 4)))
+    assert m["graph_inputs"]["kv_layout"]["draft"]["buffer_shape"] == [2, 128, 2, 16, 16]
+    assert "draft_fc" in m["weights"]["tensors"] and "draft_d2t" in m["weights"]["tensors"]
+    assert "draft" in _cli("inspect", str(bundle)).stdout
+    res = _cli("verify", str(bundle))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_generate_spec_equals_plain_up_to_max_model_len(eagle3_built):
+    """Random draft: --spec gives plain greedy's tokens across 128 -> 256 and up to max_model_len;
+    the last steps switch to without-spec, first as a mixed batch (one request still has room)."""
+    prompts = [[(i * 37) % 256 for i in range(100)], [(i * 11) % 256 for i in range(20)]]
+    n_new = 256 - 100
+    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    plain, spec = _cli("generate", *args), _cli("generate", *args, "--spec")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec["tokens"] == plain["tokens"]
+    assert 0.0 <= spec["acceptance_rate"] < 1.0
+    steps = spec["steps"]
+    assert all(s["family"] in (TARGET_SPEC, TARGET_NOSPEC) for s in steps)
+    assert {s["label"] for s in steps if s["family"] == TARGET_SPEC} >= {"decode_b2_s4_ctx128", "decode_b2_s4_ctx256"}
+    assert steps[-1]["family"] == TARGET_NOSPEC and steps[-1]["needed_seq"] > 256 - K
+    assert [s["family"] for s in plain["steps"]] == [TARGET_NOSPEC] * (n_new - 1)
+
+
+@pytest.mark.slow
+def test_generate_spec_mixed_batch_near_the_end(eagle3_built):
+    """One request reaches max_model_len while the other still has room: the batch runs without spec."""
+    prompts = [[(i * 3) % 256 for i in range(240)], list(range(20))]
+    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", "16", "--json", "--spec",
+            "--check"]
+    res = _cli("generate", *args)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["check"]["ok"]
+    fams = [(s["family"], s["num_reqs"]) for s in out["steps"]]
+    assert (TARGET_SPEC, 2) in fams and (TARGET_NOSPEC, 2) in fams
+
+
+def _oracle(reference: dict[int, list[int]], k: int):
+    """A draft that always proposes the target's own greedy continuation."""
+    def propose(plan, reqs):
+        out = torch.zeros(plan.batch, k, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            n = len(r.out)
+            out[i] = torch.tensor(reference[r.rid][n: n + k])
+        return out
+
+    return propose
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_new", [41, 43])
+def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
+    """Acceptance 1.0, and ceil((n_new - 1) / (k + 1)) target steps: every step emits k+1 tokens."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.session import open_session
+
+    bundle = open_bundle(eagle3_built[1].bundle)
+    s = open_session(bundle)
+    dcfg = Eagle3Config.from_hf_dict(bundle.manifest["graph_inputs"]["draft_config"], s.config)
+    prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
+    reference = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new + K + 1).tokens
+    s = open_session(bundle)  # fresh KV
+    loop = SpecLoop(s.stepper, s.block_manager(), s.config, dcfg, bundle.weights,
+                    proposer=_oracle(dict(enumerate(reference)), K))
+    assert loop.generate(prompts, n_new) == [r[:n_new] for r in reference]
+    assert loop.stats.acceptance_rate == 1.0
+    assert len(loop.stats.steps) == -(-(n_new - 1) // (K + 1))
+    assert all(s["family"] == TARGET_SPEC and s["accepted"] == 2 * K for s in loop.stats.steps)
+
+
+@pytest.mark.slow
+def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
+    """Ranks with different lengths: every step is labelled, all ranks agree, tokens equal plain (--dp 2)."""
+    prompts = [[(i * 7) % 256 for i in range(236)], [1, 2, 3], [(i * 5) % 256 for i in range(60)]]
+    n_new = 256 - 236
+    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    dp, plain = _cli("generate", *args, "--spec", "--dp", "2"), _cli("generate", *args, "--dp", "2")
+    assert dp.returncode == 0 and plain.returncode == 0, dp.stderr + plain.stderr
+    dp, plain = json.loads(dp.stdout), json.loads(plain.stdout)
+    assert dp["tokens"] == plain["tokens"]
+    r0, r1 = (r["steps"] for r in dp["ranks"])
+    assert len(r0) == len(r1) > 0
+    assert [(s["family"], s["label"]) for s in r0] == [(s["family"], s["label"]) for s in r1]
+    fams = {s["family"] for s in r0}
+    assert fams == {TARGET_SPEC, TARGET_NOSPEC}
+    assert all(r["collectives"] >= len(r0) for r in dp["ranks"])
+    assert "acceptance_rate" in dp
+
+
+@pytest.mark.slow
+def test_compiled_draft_matches_eager(eagle3_built):
+    """The draft artifact proposes the eager graph's tokens and writes the same draft KV in place."""
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.kv_cache import allocate_draft
+    from neffbuild.runtime.spec_inputs import build_draft
+
+    bundle = open_bundle(eagle3_built[1].bundle)
+    gi = bundle.manifest["graph_inputs"]
+    cfg = GptOssConfig.from_hf_dict(gi["model_config"])
+    dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], cfg)
+    g = torch.Generator().manual_seed(0)
+    rows = [([7, 8], torch.randn(2, 3 * cfg.hidden_size, generator=g), 40),
+            ([1, 2, 3, 4], torch.randn(4, 3 * cfg.hidden_size, generator=g), 100)]
+    table = torch.tensor([[1, 2, 3, 4, 5, 0, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11, 12, 13, 0, 0]])
+    inputs = build_draft(rows, table, batch=2, ctx=128, query_len=1 + K, block_size=16,
+                         hidden_size=3 * cfg.hidden_size)
+    caches = [allocate_draft(bundle.kv_layout) for _ in range(2)]
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(1)))
+    eager = Eagle3Draft(dcfg, bundle.weights, num_speculative_tokens=K).eval()
+    with torch.no_grad():
+        want = eager(*inputs.as_args(caches[0]))
+    got = bundle.artifact("draft_b2_ctx128")(*inputs.as_args(caches[1]))
+    assert got.tolist() == want.tolist()
+    torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
