@@ -6,7 +6,7 @@ import sys
 
 from neffbuild.bundle import handoff
 from neffbuild.grid import enumerate_targets
-from tests.conftest import ROOT
+from tests.conftest import POOL, ROOT
 
 
 def _cli(env, *args):
@@ -21,7 +21,7 @@ def test_vllm_config_of_a_built_bundle_names_exactly_the_compiled_grid(neuron_bu
     nc = json.loads(out.stdout)["neuron_config"]
     assert nc == {"num_seqs_buckets": [1, 2], "decode_context_length_buckets": [128], "gk_decode": True,
                   "fp8_packed_kv": False, "lnc": 2}
-    assert "--max-model-len 512 --max-num-seqs 2 --block-size 16 --num-gpu-blocks-override 512" in out.stderr
+    assert f"--max-model-len 512 --max-num-seqs 2 --block-size 16 --num-gpu-blocks-override {POOL}" in out.stderr
     manifest = json.loads(_cli(env, "inspect", str(bundle), "--json").stdout)
     engine = {t.label for t in enumerate_targets(nc["num_seqs_buckets"], nc["decode_context_length_buckets"], 512)}
     assert engine == {a["label"] for a in manifest["artifacts"]}

@@ -39,8 +39,10 @@ def contexts(max_model_len: int) -> list[int]:
 
 def compile_graph(bundle, *, batch: int, ctx: int, dynamic: bool, workdir: Path):
     """(seconds, loaded artifact) for the decode graph at (batch, ctx); a dynamic table width if asked."""
-    from neffbuild.compiler.backends.inductor import InductorBackend
+    from neffbuild import registry
     from neffbuild.runtime.bundle import load_aoti
+
+    backend = registry.backend(bundle.manifest["toolchain"]["backend"]).get("compile_side")()  # the bundle's
 
     module, inputs = build_graph(graph_spec(bundle, batch=batch, ctx=ctx))
     t0 = time.perf_counter()
@@ -50,8 +52,8 @@ def compile_graph(bundle, *, batch: int, ctx: int, dynamic: bool, workdir: Path)
         with torch.no_grad():
             exported = torch.export.export(module, inputs, dynamic_shapes=shapes, strict=False)
     else:
-        exported = InductorBackend().export(module, inputs)
-    path = InductorBackend().compile(exported, workdir)
+        exported = backend.export(module, inputs)
+    path = backend.compile(exported, workdir)
     return time.perf_counter() - t0, load_aoti(path, bundle.weights)
 
 
@@ -87,7 +89,7 @@ def _stats(samples: list[float]) -> dict:
 def step_times(bundle, *, repeat: int = 20, warmup: int = 2, dynamic: bool = True, eager: bool = True,
                extra_contexts: tuple[int, ...] = (), workdir: Path | None = None) -> dict:
     """{"rows": [{context, label, variant -> stats}], "dynamic_compile_s": float|None}."""
-    from neffbuild.models.gpt_oss.decode import GptOssDecode
+    from neffbuild import registry
 
     mml = bundle.spec.max_model_len
     batch = min(bundle.spec.num_seqs_buckets)
@@ -101,7 +103,8 @@ def step_times(bundle, *, repeat: int = 20, warmup: int = 2, dynamic: bool = Tru
                                                                         workdir=Path(tmp))
     if eager:
         cfg = graph_spec(bundle, batch=batch, ctx=mml).config
-        runners["eager"] = GptOssDecode(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval()
+        decode = registry.arch_of(cfg).get("decode")
+        runners["eager"] = decode(cfg, bundle.weights, packed_k=bundle.kv_layout.packed_k).eval()
     kv = allocate(bundle.kv_layout)
     for case in cases:
         per_case = dict(runners, bucketed=bundle.artifact(case.plan.label))

@@ -117,8 +117,12 @@ def _ok(result: dict, entry, hit: bool) -> dict:
 
 
 def _smoke(job: Job, backend, entry) -> None:
-    """Load + one zero step; skipped without weights and for sharded graphs (their collectives need peers)."""
-    if job.weights_path is None or job.graph.layout.sharded:
+    """Load + one zero step; skipped without weights (or where this node cannot see them), for sharded
+    graphs (their collectives need live peers) and for EAGLE3 draft graphs (another calling convention)."""
+    from neffbuild.compiler.graphs import DRAFT
+
+    if (job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.layout.sharded
+            or job.graph.family == DRAFT):
         return
     from neffbuild.compiler.smoke import smoke_run
     from neffbuild.runtime import weights_file

@@ -74,7 +74,6 @@ class Eagle3Draft(nn.Module):
         zero = torch.zeros_like(positions[:, 0])
 
         def attend(q, k, v):
-            # Written on the cache input itself, never through a view (a view's write copies the whole pool).
             write_kv(kv_cache, 0, slots, k.reshape(B * S, *k.shape[2:]), self.packed_k)
             write_kv(kv_cache, 1, slots, v.reshape(B * S, *v.shape[2:]), False)
             return paged_attention(q, kv_cache, table, positions, zero, sinks,
