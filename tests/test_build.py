@@ -67,7 +67,7 @@ def test_artifacts_match_eager_on_prefilled_cache(built):
         with torch.no_grad():
             want = eager(*inputs.as_args(kv_a))
         got = b.artifact(label)(*inputs.as_args(kv_b))
-        torch.testing.assert_close(got[:3], want[:3], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[:3], want[:3], atol=1e-5, rtol=1e-5)  # logits ~6: fp32 reduction order
         torch.testing.assert_close(kv_b[0], kv_a[0], atol=1e-5, rtol=0)  # KV written in place, same values
         checked += 1
     assert checked == 3  # decode_b4 at ctx 128, 256 and 512: every bucket >= needed (97)
