@@ -23,7 +23,7 @@ from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime import aoti_package
 from neffbuild.runtime.bundle import check, open_bundle
-from tests.conftest import ROOT, TINY
+from tests.conftest import POOL, ROOT, TINY
 
 
 def strict_json(text: str):
@@ -326,7 +326,7 @@ BUNDLES = [
     ("kv-buffer-shape-256", gi(lambda g: g["kv_layout"]["buffer_shape"].__setitem__(1, 256)), "open", "buffer_shape"),
     ("kv-num-blocks-256", gi(lambda g: (g.update(num_blocks=256), g["kv_layout"]["buffer_shape"].__setitem__(1, 256))),
      "open", "input_signature"),
-    ("kv-consistent-lie", _kv_lie, "load", "the artifact takes float32 \\[2, 512"),
+    ("kv-consistent-lie", _kv_lie, "load", f"the artifact takes float32 \\[2, {POOL}"),
     ("num-swa-4", gi(lambda g: g.update(num_swa=4)), "open", "input_signature\\[3\\]"),
     ("num-swa-4-consistent", _swa_lie, "load", "input_signature\\[3\\]"),
     ("num-swa-negative", gi(lambda g: g.update(num_swa=-1)), "open", "num_swa"),

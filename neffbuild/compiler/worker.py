@@ -117,12 +117,9 @@ def _ok(result: dict, entry, hit: bool) -> dict:
 
 
 def _smoke(job: Job, backend, entry) -> None:
-    """Load + one zero step; skipped without weights (or where this node cannot see them), for sharded
-    graphs (their collectives need live peers) and for EAGLE3 draft graphs (another calling convention)."""
-    from neffbuild.compiler.graphs import DRAFT
-
-    if (job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.layout.sharded
-            or job.graph.family == DRAFT):
+    """Load + one zero step (EAGLE3 drafts too: compiler/smoke.py); skipped without weights (or where this
+    node cannot see them) and for sharded graphs (their collectives need live peers)."""
+    if job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.layout.sharded:
         return
     from neffbuild.compiler.smoke import smoke_run
     from neffbuild.runtime import weights_file
