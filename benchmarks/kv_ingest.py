@@ -22,6 +22,7 @@ import time
 import torch
 from _common import machine
 
+from neffbuild.bench.overhead import timed_seconds
 from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null
 from neffbuild.runtime.kv_cache import KVLayout, allocate
 from neffbuild.runtime.kv_ingest import KVAgent
@@ -51,16 +52,6 @@ def _timed_pulls(agent: KVAgent, remote, local, repeat: int) -> list[float]:
     return [agent.pull(f"r{i}", remote, local).seconds for i in range(repeat)]
 
 
-def _timed_copies(fn, repeat: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def measure(layout: KVLayout, num_layers: int, remote, local, repeat: int) -> dict:
     """Pull and in-process copy of the same blocks (every region): median and best of ``repeat``."""
     ctx = mp.get_context("spawn")
@@ -87,7 +78,7 @@ def measure(layout: KVLayout, num_layers: int, remote, local, repeat: int) -> di
                 else:
                     dst.index_copy_(1, flat_l, s.index_select(1, flat_r))
 
-        copies = _timed_copies(copy, repeat)
+        copies = timed_seconds(copy, repeat, warmup=1)
         nbytes = len(flat_l) * len(agent.regions.bases) * agent.regions.block_len
         agent.close()
     finally:

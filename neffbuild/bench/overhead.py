@@ -85,7 +85,8 @@ def plan_and_metadata(bundle, context: int, repeat: int = 2000) -> dict:
     return {"plan_plus_metadata_us": round(median_seconds(once, repeat) * 1e6, 2)}
 
 
-def median_seconds(fn, repeat: int, warmup: int = 20) -> float:
+def timed_seconds(fn, repeat: int, warmup: int = 20) -> list[float]:
+    """Wall time of each of ``repeat`` calls of ``fn`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -93,7 +94,11 @@ def median_seconds(fn, repeat: int, warmup: int = 20) -> float:
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples
+
+
+def median_seconds(fn, repeat: int, warmup: int = 20) -> float:
+    return statistics.median(timed_seconds(fn, repeat, warmup))
 
 
 def _dp_rank(rank: int, port: int, repeat: int, queue) -> None:
