@@ -15,6 +15,21 @@ os.environ.setdefault("NEFFBUILD_CACHE_DIR", str(ROOT / ".ci-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locally; never reach a hub
 
 
+def assert_failed_target(res, out_dir: Path, *, label: str, cached: int, needle: str) -> dict:
+    """A `compile --json` with one target failing: exit 1, no bundle, the failure classified and its log kept."""
+    import json
+
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["bundle"] is None and doc["cached"] == cached
+    [fail] = doc["failed"]
+    assert fail["label"] == label and fail["kind"] == "compiler_error"
+    assert needle in Path(fail["log"]).read_text()
+    assert not (out_dir / "gpt-oss-test-0.1.0").exists()
+    assert "Traceback" not in res.stderr and label in res.stderr
+    return doc
+
+
 @pytest.fixture
 def tiny_raw():
     return copy.deepcopy(yaml.safe_load(TINY.read_text()))

@@ -23,7 +23,7 @@ from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.runtime.step import StepBatch
 from neffbuild.serve.greedy import prometheus, tables_for
 from neffbuild.serve.session import open_session
-from tests.conftest import POOL, ROOT, write_recipe
+from tests.conftest import POOL, ROOT, assert_failed_target, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -125,14 +125,7 @@ def test_failing_target_is_classified_and_others_are_built(built, build_cache, h
     path = write_recipe(tmp_path, hf_checkpoint, compiler__target_flags={"decode_b1_ctx128": ["not_an_option=1"]})
     out = tmp_path / "out"
     res = _cli("compile", str(path), "-o", str(out), "--json", "--cache-dir", str(build_cache))
-    assert res.returncode == 1, res.stderr
-    doc = json.loads(res.stdout.strip().splitlines()[-1])
-    assert doc["bundle"] is None and doc["cached"] == 5
-    [fail] = doc["failed"]
-    assert fail["label"] == "decode_b1_ctx128" and fail["kind"] == "compiler_error"
-    assert "not_an_option" in Path(fail["log"]).read_text()
-    assert not (out / "gpt-oss-test-0.1.0").exists()
-    assert "Traceback" not in res.stderr and "decode_b1_ctx128" in res.stderr
+    assert_failed_target(res, out, label="decode_b1_ctx128", cached=5, needle="not_an_option")
     assert all(e["label"] != "decode_b1_ctx128" or "not_an_option" not in str(e.get("fingerprint"))
                for e in Cache(build_cache).list())  # the failure was not cached
 

@@ -14,7 +14,7 @@ from neffbuild.compiler.builder import compile_recipe
 from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.serve.greedy import greedy
 from neffbuild.serve.session import open_session
-from tests.conftest import ROOT, write_recipe
+from tests.conftest import ROOT, assert_failed_target, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -81,14 +81,7 @@ def test_failing_target_on_ray_is_reported_like_a_local_failure(ray_built, ray_c
     out_dir = tmp_path / "out"
     res = _cli("compile", str(path), "-o", str(out_dir), "--cache-dir", str(folder / "cache"), "--json",
                "--executor", "ray", "--address", ray_cluster)
-    assert res.returncode == 1, res.stderr
-    doc = json.loads(res.stdout.strip().splitlines()[-1])
-    assert doc["bundle"] is None and doc["cached"] == 1
-    [fail] = doc["failed"]
-    assert fail["label"] == "decode_b1_ctx128" and fail["kind"] == "compiler_error"
-    assert "not_an_option" in Path(fail["log"]).read_text()
-    assert not (out_dir / "gpt-oss-test-0.1.0").exists()
-    assert "Traceback" not in res.stderr and "decode_b1_ctx128" in res.stderr
+    assert_failed_target(res, out_dir, label="decode_b1_ctx128", cached=1, needle="not_an_option")
 
 
 def test_missing_ray_names_the_extra(tmp_path):
