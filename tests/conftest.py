@@ -80,6 +80,12 @@ def write_recipe(folder: Path, checkpoint: Path, **changes) -> Path:
 
 @pytest.fixture(scope="session")
 def build_cache(tmp_path_factory):
+    """The session bundles' compile cache: a fresh folder, or NEFFBUILD_TEST_CACHE when a developer sets it
+    (compiled test graphs then survive between runs; CI never sets it, so CI always compiles cold)."""
+    shared = os.environ.get("NEFFBUILD_TEST_CACHE")
+    if shared:
+        Path(shared).mkdir(parents=True, exist_ok=True)
+        return Path(shared)
     return tmp_path_factory.mktemp("cache")
 
 
