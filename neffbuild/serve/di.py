@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ from neffbuild.errors import KVTransferError
 from neffbuild.runtime.blocks import NULL_BLOCK, SLIDING_GROUP
 from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null, unwritten_reads
 from neffbuild.runtime.kv_ingest import KVAgent, load_nixl
-from neffbuild.runtime.step import StepBatch
 from neffbuild.serve.greedy import Generation, tables_for
 
 _REQUEST_IDS = itertools.count()
@@ -51,12 +51,17 @@ class _Producer:
         self.session = open_session(bundle, reference=True)  # eager: the worker never loads artifacts
         self.blocks = self.session.block_manager()
         self.n_minus_1 = n_minus_1
+        self.lock = threading.Lock()
         cfg, caches = self.session.config, self.session.stepper.kv_caches
         self.agent = KVAgent(f"prefill-{os.getpid()}", caches, cfg.num_hidden_layers,
                              packed_fp8=bundle.kv_layout.packed_k)
 
     def prefill(self, msg: dict) -> dict:
         """Prefill one prompt (N-1 rule applied here too); answer with its block lists per KV group."""
+        with self.lock:  # one side-channel thread per decode rank
+            return self._prefill(msg)
+
+    def _prefill(self, msg: dict) -> dict:
         self.release_pulled()
         rid, tokens = str(msg["request"]), list(msg["tokens"])
         p = di_prompt(tokens, _window(self.session.config), _n_minus_1=self.n_minus_1)
@@ -120,26 +125,22 @@ class PrefillWorker:
             self.process.join()
 
 
-# -- decode side
+# -- decode side: the NIXL KV source of the engine (serve/parts.py KVSource)
 
 
-@dataclass
-class DIGeneration(Generation):
-    transfers: list[dict] = field(default_factory=list)  # per prompt: kv_len, blocks, bytes, seconds
-
-
-def ingest(agent: KVAgent, blocks, config, prompt: Sequence[int], *, n_minus_1: bool = True) -> tuple[str, dict]:
+def ingest(agent: KVAgent, blocks, config, prompt: Sequence[int], *, n_minus_1: bool = True,
+           rid: str | None = None) -> tuple[str, dict]:
     """Have the worker prefill one prompt and pull its KV into this side's blocks; (request id, transfer)."""
-    rid = f"{os.getpid()}-{next(_REQUEST_IDS)}"
+    rid = rid if rid is not None else f"{os.getpid()}-{next(_REQUEST_IDS)}"
     p = di_prompt(prompt, _window(config), _n_minus_1=n_minus_1)
-    reply = agent.call("prefill", request=rid, tokens=list(p.tokens))
+    reply = agent.call("prefill", request=f"{os.getpid()}-{rid}", tokens=list(p.tokens))  # unique across ranks
     if reply["kv_len"] != p.kv_len:
         raise KVTransferError(f"request {rid}: the prefill worker computed KV for {reply['kv_len']} tokens, this "
                               f"decode worker expects {p.kv_len}; both sides must apply the same N-1 rule")
     blocks.reserve(rid, p.kv_len, p.kv_len)  # the pull counts as kv_len computed tokens
     groups = [g.name for g in blocks.groups]
     local = [strip_leading_null(blocks.tables[rid][g]) for g in groups]
-    res = agent.pull(rid, [reply["blocks"][g] for g in groups], local)
+    res = agent.pull(f"{os.getpid()}-{rid}", [reply["blocks"][g] for g in groups], local)
     return rid, {"kv_len": p.kv_len, "truncated": p.truncated, "blocks": res.blocks, "bytes": res.bytes,
                  "pull_seconds": res.seconds, "prefill_seconds": reply["prefill_seconds"]}
 
@@ -154,53 +155,59 @@ def _check_first_reads(blocks, rids, positions, window) -> None:
                                       f"logical blocks {missing} that were never transferred (null block {NULL_BLOCK})")
 
 
+class NixlSource:
+    """KV source: the prefill worker on ``port`` prefills each admitted request, this rank pulls its blocks.
+
+    The first decode step runs the last prompt token (``req.next``) at position N-1, as a DI
+    decode worker does (it never sees prefill logits); it has no aux hidden states, so with
+    EAGLE3 that step runs without spec. Every block that step reads must have been pulled
+    (``check_reads``). The join point for heterogeneous prefill TP: ``ingest``.
+    """
+
+    collective = False
+
+    def __init__(self, stepper, config, port: int, *, check_reads: bool = True, n_minus_1: bool = True):
+        self.config, self.check_reads, self.n_minus_1 = config, check_reads, n_minus_1
+        self.agent = KVAgent(f"decode-{os.getpid()}-{next(_REQUEST_IDS)}", stepper.kv_caches,
+                             config.num_hidden_layers, packed_fp8=stepper.layout.packed_k)
+        try:
+            self.agent.connect(port)
+        except BaseException:
+            self.agent.close()
+            raise
+        self.transfers: list[dict] = []
+
+    def admit(self, reqs, blocks) -> None:
+        for r in reqs:
+            r.key, r.transfer = ingest(self.agent, blocks, self.config, r.prompt, n_minus_1=self.n_minus_1,
+                                       rid=str(r.key))
+            self.transfers.append(r.transfer)
+            r.computed, r.next = len(r.prompt) - 1, int(r.prompt[-1])
+            blocks.reserve(r.key, r.computed + 1, r.computed)
+            if self.check_reads:
+                _check_first_reads(blocks, [r.key], [r.computed], _window(self.config))
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+@dataclass
+class DIGeneration(Generation):
+    transfers: list[dict] = field(default_factory=list)  # per prompt: kv_len, blocks, bytes, seconds
+
+
 def generate_di(session, port: int, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                 check_reads: bool = True, _n_minus_1: bool = True) -> DIGeneration:
-    """Greedy tokens per prompt with prefill in the worker on ``port``; decoded here as one batch."""
-    cfg, stepper = session.config, session.stepper
-    blocks = session.block_manager()
-    agent = KVAgent(f"decode-{os.getpid()}-{next(_REQUEST_IDS)}", stepper.kv_caches, cfg.num_hidden_layers,
-                    packed_fp8=stepper.layout.packed_k)
+    """Greedy tokens per prompt with prefill in the worker on ``port``, decoded here by the engine."""
+    from neffbuild.serve.engine import Engine
+    from neffbuild.serve.requests import from_prompts
+
+    source = NixlSource(session.stepper, session.config, port, check_reads=check_reads, n_minus_1=_n_minus_1)
     try:
-        agent.connect(port)
-        rids, transfers = [], []
-        for prompt in prompts:
-            rid, t = ingest(agent, blocks, cfg, prompt, n_minus_1=_n_minus_1)
-            rids.append(rid)
-            transfers.append(t)
+        engine = Engine(session.stepper, session.block_manager(), source)
+        reqs = engine.run(from_prompts(prompts, max_new_tokens))
     finally:
-        agent.close()
-    computed = [len(p) - 1 for p in prompts]  # the first decode step runs the last prompt token
-    nxt = [int(p[-1]) for p in prompts]
-    gen = DIGeneration([[] for _ in prompts], transfers=transfers)
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
-        for rid, c in zip(rids, computed, strict=True):
-            blocks.reserve(rid, c + 1, c)
-        if step == 0 and check_reads:
-            _check_first_reads(blocks, rids, computed, _window(cfg))
-        batch = StepBatch([[t] for t in nxt], list(computed), tables_for(blocks, rids, [c + 1 for c in computed]))
-        out = stepper.step(batch)
-        nxt = out.logits[:, -1].argmax(-1).tolist()
-        for n in range(len(rids)):
-            computed[n] += 1
-            gen.tokens[n].append(nxt[n])
-        gen.plans.append(out.plan)
-    gen.decode_seconds = time.perf_counter() - start
-    gen.decode_tokens = len(rids) * max_new_tokens
-    for rid in rids:
-        blocks.release(rid)
-    return gen
-
-
-def run_di(bundle_path: str, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DIGeneration:
-    """``generate --di``: one prefill worker process, this process decodes through the bundle's artifacts."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
-
-    bundle = open_bundle(bundle_path)
-    session = open_session(bundle)
-    for label in bundle.labels:  # load now: decode_seconds must not include loading
-        bundle.artifact(label)
-    with PrefillWorker(bundle_path) as worker:
-        return generate_di(session, worker.port, prompts, max_new_tokens)
+        source.close()
+    st = engine.stats
+    return DIGeneration([r.tokens for r in reqs], list(st.plans), sum(st.step_seconds), sum(st.step_tokens),
+                        transfers=[r.transfer for r in reqs])
