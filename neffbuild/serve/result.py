@@ -72,7 +72,8 @@ def merge(ranks: list[dict], n_requests: int, world: int, dp: int) -> GenerateRe
     later = sum(sum(r["step_tokens"][1:]) for r in leaders)
     later_s = max(sum(r["step_seconds"][1:]) for r in ranks)
     engine = max(r["engine_seconds"] for r in ranks)
-    res = GenerateResult(reqs, ranks[0]["steps"], secs, tokens, first, later / later_s if later_s > 0 else 0.0,
+    rate = later / later_s if later_s > 0 else (tokens / secs if secs > 0 else 0.0)  # one step: that step
+    res = GenerateResult(reqs, ranks[0]["steps"], secs, tokens, first, rate,
                          engine / secs if secs > 0 else 0.0, histogram=ranks[0]["histogram"],
                          metrics=ranks[0].get("metrics"))
     by_id = {t["id"]: t for r in leaders for t in r["transfers"]}
