@@ -49,7 +49,7 @@ def run(session, reqs) -> dict:
     return {"steps": len(st.step_seconds), "tokens_per_second": later / later_s,
             "step_us": secs / len(st.step_seconds) * 1e6, "engine_fraction": st.engine_seconds / secs,
             "engine_us_per_step": st.engine_seconds / len(st.step_seconds) * 1e6,
-            "run_fraction": st.run_seconds / secs}
+            "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs}
 
 
 def main() -> None:
