@@ -59,7 +59,7 @@ def merge(ranks: list[dict], n_requests: int, world: int, dp: int) -> GenerateRe
     reqs: list[dict | None] = [None] * n_requests
     for r in ranks:
         for q in r["requests"]:
-            g = r["dp_rank"] + q["index"] * dp  # this DP group's q-th request is file line g
+            g = q["index"]  # its place in the request list (DP group g % dp served it)
             q = {k: v for k, v in q.items() if k != "index"}
             if reqs[g] not in (None, q):
                 raise NeffbuildError(f"rank {r['rank']}: request {q['id']!r} differs from another TP rank of DP "
