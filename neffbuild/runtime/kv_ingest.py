@@ -116,7 +116,7 @@ class KVIngest:
             if why:
                 raise KVLayoutMismatch(why)
         self.segments = head_segments(self.regions.heads, [r.heads for r in self.remotes], f"decode {self.name}",
-                                      f"prefill group of {len(self.remotes)} ranks")
+                                      "prefill")
         for rank in sorted({s.rank for s in self.segments}):
             self._agents[rank] = self.agent.add_remote(replies[rank]["metadata"], self.remotes[rank])
         return [r["agent"] for r in replies]
