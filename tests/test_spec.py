@@ -19,7 +19,7 @@ from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.eager import EagerArtifacts
 from neffbuild.serve.greedy import greedy
 from neffbuild.serve.session import make_session
-from neffbuild.serve.spec import EagerSpecArtifacts, SpecLoop
+from neffbuild.serve.spec import EagerSpecArtifacts, generate_spec
 from tests.conftest import ROOT
 
 K = 3
@@ -78,13 +78,13 @@ def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
     s = make_session(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
     plain = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new).tokens
     s = make_session(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
-    loop = SpecLoop(s.stepper, s.block_manager(), tiny_cfg, dcfg, weights)
-    assert loop.generate(prompts, n_new) == plain
-    fams = [s["family"] for s in loop.stats.steps]
-    assert TARGET_SPEC in fams and {s["ctx"] for s in loop.stats.steps} == ctxs
+    tokens, stats = generate_spec(s, dcfg, weights, prompts, n_new)
+    assert tokens == plain
+    fams = [s["family"] for s in stats.steps]
+    assert TARGET_SPEC in fams and {s["ctx"] for s in stats.steps} == ctxs
     if case == "max_model_len":  # the long request runs out of room while the short one still has drafts
         assert fams[-1] == TARGET_NOSPEC
-        assert any(s["family"] == TARGET_NOSPEC and s["num_reqs"] == 2 for s in loop.stats.steps)
+        assert any(s["family"] == TARGET_NOSPEC and s["num_reqs"] == 2 for s in stats.steps)
 
 
 # ----------------------------------------------------------------------------- compiled bundle (session fixture)
@@ -152,8 +152,8 @@ def _oracle(reference: dict[int, list[int]], k: int):
     def propose(plan, reqs):
         out = torch.zeros(plan.batch, k, dtype=torch.long)
         for i, r in enumerate(reqs):
-            n = len(r.out)
-            out[i] = torch.tensor(reference[r.rid][n: n + k])
+            n = len(r.tokens)
+            out[i] = torch.tensor(reference[r.index][n: n + k])
         return out
 
     return propose
@@ -172,12 +172,11 @@ def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
     reference = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new + K + 1).tokens
     s = open_session(bundle)  # fresh KV
-    loop = SpecLoop(s.stepper, s.block_manager(), s.config, dcfg, bundle.weights,
-                    proposer=_oracle(dict(enumerate(reference)), K))
-    assert loop.generate(prompts, n_new) == [r[:n_new] for r in reference]
-    assert loop.stats.acceptance_rate == 1.0
-    assert len(loop.stats.steps) == -(-(n_new - 1) // (K + 1))
-    assert all(s["family"] == TARGET_SPEC and s["accepted"] == 2 * K for s in loop.stats.steps)
+    tokens, stats = generate_spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=_oracle(dict(enumerate(reference)), K))
+    assert tokens == [r[:n_new] for r in reference]
+    assert stats.acceptance_rate == 1.0
+    assert len(stats.steps) == -(-(n_new - 1) // (K + 1))
+    assert all(s["family"] == TARGET_SPEC and s["accepted"] == 2 * K for s in stats.steps)
 
 
 @pytest.mark.slow

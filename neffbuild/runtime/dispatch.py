@@ -38,6 +38,7 @@ class StepPlan:
     query_len: int
     label: str
     any_work: bool = True  # False: after the DP sync no rank had a request (a loop may stop here)
+    more: bool = False  # after the DP sync: some rank has work after this step (an engine goes on)
 
     @property
     def padding(self) -> int:

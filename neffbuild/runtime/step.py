@@ -7,7 +7,7 @@ of the rows it ran and, for EAGLE3 target families, the auxiliary hidden states.
 only what does not change per step: the artifacts, the KV buffers, the DP group, a hook.
 
 DP: every rank calls ``step`` once per engine step, idle ranks with an empty batch. One
-MAX all-reduce carries ``(num_reqs, needed_base, nospec, bad_input)``; local problems (a
+MAX all-reduce carries ``(num_reqs, needed_base, nospec, bad_input, more)``; local problems (a
 batch above every bucket, a context above ``max_model_len``, malformed input) therefore
 reach every rank in the same collective and all ranks raise together: a DP job never hangs.
 
@@ -92,19 +92,23 @@ class Stepper:
         self.kv_caches = list(kv_caches) if kv_caches is not None else allocate(self.layout, device)
         self.draft_cache = allocate_draft(self.layout, device)  # EAGLE3 bundles: the draft's own KV group
 
-    def plan(self, batch: StepBatch) -> StepPlan:
-        """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike."""
+    def plan(self, batch: StepBatch, *, more: bool = False) -> StepPlan:
+        """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike.
+
+        ``more``: this rank has work after this step (waiting or unfinished requests); synced in
+        the same collective, ``plan.more`` tells every rank whether to go on (all stop together).
+        """
         k, R = self.spec.num_speculative_tokens, len(batch.tokens)
         problem = _problem(batch, k)
         base = buckets.needed_seq([int(n) for n in batch.num_computed]) if R and not problem else 0
         nospec = R > 0 and not problem and needs_nospec(
             self.spec, base, all_have_drafts=all(len(t) == 1 + k for t in batch.tokens))
-        count, base, nospec, bad = dp_sync.sync_step(R, base, self.group, spec_flags=(nospec, problem is not None))
+        count, base, nospec, bad, more = dp_sync.sync_step(R, base, self.group,
+                                                           spec_flags=(nospec, problem is not None, more))
         if bad:
             raise StepInputError(problem or "another DP rank was handed a malformed step (see its error)")
         plan = plan_synced(self.spec, batch_count=count, needed_base=base, nospec=bool(nospec), num_reqs=R)
-        if count == 0:
-            plan = replace(plan, any_work=False)
+        plan = replace(plan, any_work=count > 0, more=bool(more))
         if self.on_plan is not None:
             self.on_plan(plan)
         return plan

@@ -52,9 +52,9 @@ def make_session(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable
     prefill = registry.arch_of(cfg).get("prefill")
     shard = {"parallel": parallel, "rank": rank} if parallel is not None else {}
 
-    def run_prefill(prompt, kv_caches, rows, pad_to: int = 0):
+    def run_prefill(prompt, kv_caches, rows, pad_to: int = 0, aux_layers: tuple[int, ...] = ()):
         return prefill(cfg, weights, prompt, kv_caches, rows[FULL_GROUP], rows.get(SLIDING_GROUP, rows[FULL_GROUP]),
-                       packed_k=packed, pad_to=pad_to, **shard)
+                       packed_k=packed, pad_to=pad_to, aux_layers=aux_layers, **shard)
 
     lockstep = group if parallel is not None and parallel.ep_gathers else None
     return Session(cfg, Stepper(artifacts, group=group, on_plan=on_plan), run_prefill, lockstep)

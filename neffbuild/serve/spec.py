@@ -1,184 +1,123 @@
-"""EAGLE3 greedy speculative decoding through a bundle's three families.
+"""EAGLE3 as an engine part: the proposer that runs the bundle's draft artifacts.
 
-Each round: **verify** (the target runs ``[next token, d1..dk]`` at query 1+k, or only the
-next token without spec) -> **accept** (the longest prefix of drafts equal to the
-target's argmax, plus the bonus token: exactly what plain greedy would emit) ->
-**propose** (one draft call catches up on the verified rows and proposes k new drafts).
+Each engine step with drafts: **verify** (the target runs ``[next token, d1..dk]`` at query
+1+k) -> **accept** (serve/engine.py: the longest prefix of drafts equal to the target's
+argmax, plus the bonus token: exactly what plain greedy emits) -> **propose** (here: one
+draft call catches up on the rows the target just verified and proposes k new drafts).
 
 The family is the step API's choice (runtime/step.py): with-spec only when every request
 hands k drafts and ``max_position + k + 1 <= max_model_len``; the veto rides in the step's
-one MAX all-reduce, so all DP ranks run the same target artifact, and a step where no
-rank has work (``plan.any_work`` false) ends the loop on every rank. A request stops
-drafting for good once it has no room, so near the end a mixed batch runs without spec.
-The draft is dense (no MoE collectives): its call is per rank and not synced.
+one MAX all-reduce, so all DP ranks run the same target artifact. A request with no
+verified rows (right after a DI transfer: no aux hidden states yet) or no room gets no
+drafts, so that step runs ``target_nospec``; its aux output then feeds the next draft call.
 
-KV for rejected tokens needs no work: ``computed`` advances by the accepted count + 1
-only; the slots past it hold rejected drafts (target) or speculative rows (draft), which
-the causal mask hides and the next step overwrites before any query can see them. Blocks
-stay reserved: the next step needs them anyway.
+**The draft is replicated on every rank**, not sharded: its weights are stored in the
+bundle's ``shared`` piece, its KV group keeps every draft KV head on every rank, and its
+graph has no collectives. It is one small layer: sharding it would add two all-reduces
+per proposed token for almost no memory, and every TP rank already holds the same aux
+states (the target's outputs are all-reduced), so every TP rank proposes the same drafts.
+
+KV for rejected tokens needs no work: ``computed`` advances by the emitted count only; the
+slots past it hold rejected drafts, which the causal mask hides and the next step
+overwrites before any query can see them.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from neffbuild import registry
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.eagle3.draft import prefill as draft_prefill
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager
+from neffbuild.runtime.blocks import FULL_GROUP, BlockManager
 from neffbuild.runtime.dispatch import DRAFT, StepPlan, plan_draft
-from neffbuild.runtime.step import StepBatch, Stepper
-from neffbuild.serve.greedy import tables_for
+from neffbuild.runtime.step import Stepper
+from neffbuild.serve.parts import Request, block_rows
 
 # (draft plan, requests) -> proposed target ids [len(requests), k]: replaces the draft artifact (tests)
-Proposer = Callable[[StepPlan, list], torch.Tensor]
+DraftFn = Callable[[StepPlan, list], torch.Tensor]
 
 
-@dataclass
-class SpecRequest:
-    rid: int
-    want: int  # tokens to generate
-    computed: int  # tokens in the target KV (= position of out[-1])
-    out: list[int] = field(default_factory=list)
-    drafts: list[int] = field(default_factory=list)
-    verified: tuple | None = None  # (tokens [n], aux [n, A], first position): the next draft call's rows
+class Eagle3Proposer:
+    """Drafts k tokens per request through the bundle's ``draft_b{B}_ctx{S}`` artifacts (or ``draft_fn``)."""
 
-    @property
-    def done(self) -> bool:
-        return len(self.out) >= self.want
-
-
-@dataclass
-class SpecStats:
-    proposed: int = 0
-    accepted: int = 0
-    steps: list[dict] = field(default_factory=list)  # one entry per target step
-    plans: list[StepPlan] = field(default_factory=list)  # target steps, then the draft calls' plans
-    draft_calls: list[str] = field(default_factory=list)
-    decode_seconds: float = 0.0
-    decode_tokens: int = 0
+    def __init__(self, stepper: Stepper, dcfg: Eagle3Config, weights: dict, *, draft_fn: DraftFn | None = None):
+        self.stepper, self.dcfg, self.spec = stepper, dcfg, stepper.spec
+        self.k = self.spec.num_speculative_tokens
+        self.eager_draft = Eagle3Draft(dcfg, weights, num_speculative_tokens=self.k,
+                                       packed_k=stepper.layout.packed_k).eval()  # the prompt's catch-up only
+        self.draft_fn = draft_fn
+        self.plans: list[StepPlan] = []
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.dcfg.aux_layers
 
-
-class SpecLoop:
-    """One rank's speculative loop over a Stepper (target + draft artifacts) and a block manager."""
-
-    def __init__(self, stepper: Stepper, blocks: BlockManager, cfg, dcfg: Eagle3Config, weights: dict, *,
-                 proposer: Proposer | None = None):
-        self.stepper, self.blocks, self.cfg, self.dcfg, self.weights = stepper, blocks, cfg, dcfg, weights
-        self.spec, self.k = stepper.spec, stepper.spec.num_speculative_tokens
-        self.packed_k = stepper.layout.packed_k
-        self.target_prefill = registry.arch_of(cfg).get("prefill")
-        self.eager_draft = Eagle3Draft(dcfg, weights, num_speculative_tokens=self.k, packed_k=self.packed_k).eval()
-        self.proposer = proposer
-        self.stats = SpecStats()
-
-    def prefill(self, rid: int, prompt: list[int], want: int) -> SpecRequest:
-        """Target KV + aux states for the prompt, then the draft's KV for positions 0..N-2."""
-        n = len(prompt)
-        self.blocks.reserve(rid, n, n)
-        rows = {g: t[0] for g, t in tables_for(self.blocks, [rid], [n]).items()}
-        logits, aux = self.target_prefill(self.cfg, self.weights, prompt, self.stepper.kv_caches, rows[FULL_GROUP],
-                                          rows.get(SLIDING_GROUP, rows[FULL_GROUP]), packed_k=self.packed_k,
-                                          aux_layers=self.dcfg.aux_layers)
-        first = int(logits[-1].argmax())
+    def on_prefill(self, req: Request, prompt: list[int], aux: torch.Tensor, full_row: torch.Tensor) -> None:
+        """The draft's KV for prompt positions 0..N-2 (eager), and the first draft call's row."""
         draft_prefill(self.eager_draft, torch.as_tensor(prompt[1:], dtype=torch.long), aux[:-1],
-                      self.stepper.draft_cache, rows[FULL_GROUP])
-        return SpecRequest(rid, want, n, [first], verified=([first], aux[-1:], n - 1))
+                      self.stepper.draft_cache, full_row)
+        req.verified = ([req.next], aux[-1:], len(prompt) - 1)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        reqs = [self.prefill(n, p, max_new_tokens) for n, p in enumerate(prompts)]
-        start = time.perf_counter()
-        live = [r for r in reqs if not r.done]
-        self.propose(live)
-        while self.target_step(live):
-            for r in live:
-                if r.done:
-                    self.blocks.release(r.rid)
-            live = [r for r in live if not r.done]
-            self.propose(live)
-        self.stats.decode_seconds = time.perf_counter() - start
-        self.stats.decode_tokens = sum(r.want - 1 for r in reqs)
-        return [r.out[: r.want] for r in reqs]
+    def after_step(self, req: Request, emitted: list[int], aux: torch.Tensor | None, first_pos: int) -> None:
+        req.verified = (emitted, aux, first_pos) if aux is not None else None
 
-    # -- verify + accept
-    def target_step(self, active: list[SpecRequest]) -> bool:
-        """One target step for this rank's ``active`` requests; False once no rank has work."""
-        for r in active:
-            self.blocks.reserve(r.rid, r.computed + 1 + len(r.drafts), r.computed)
-        batch = StepBatch([[r.out[-1]] + r.drafts for r in active], [r.computed for r in active],
-                          tables_for(self.blocks, [r.rid for r in active],
-                                     [r.computed + 1 + len(r.drafts) for r in active]))
-        plan = self.stepper.plan(batch)
-        if not plan.any_work:
-            return False
-        out = self.stepper.run(plan, batch)
-        accepted = self._accept(active, out.logits.argmax(-1), out.aux_hidden, plan.query_len)
-        self.stats.steps.append(dict(plan.to_json(), query_len=plan.query_len, num_reqs=len(active),
-                                     accepted=accepted))
-        self.stats.plans.append(plan)
-        return True
-
-    def _accept(self, active: list[SpecRequest], greedy: torch.Tensor, aux: torch.Tensor, q: int) -> int:
-        total = 0
-        for i, r in enumerate(active):
-            g = greedy[i].tolist()  # [q] the target's argmax after each input token
-            a = 0
-            while a < q - 1 and r.drafts[a] == g[a]:
-                a += 1
-            emitted = r.drafts[:a] + [g[a]]
-            r.out.extend(emitted)
-            r.drafts, r.verified = [], (emitted, aux[i, : a + 1], r.computed)
-            r.computed += a + 1
-            total += a
-            self.stats.proposed += q - 1
-        self.stats.accepted += total
-        return total
-
-    # -- propose
-    def propose(self, reqs: list[SpecRequest]) -> None:
-        """Draft k tokens for every request with room for a with-spec step after this one."""
+    def propose(self, reqs: list[Request], blocks: BlockManager) -> str | None:
+        """Draft k tokens for every request with verified rows and room for a with-spec step; the draft label."""
         k, ready = self.k, []
         for r in reqs:
             if r.verified is not None and r.computed + k + 1 <= self.spec.max_model_len:
                 ready.append(r)
             else:
-                r.verified = None  # no room: this request runs without spec until it ends
+                r.verified = None  # no room (for good) or no aux rows yet: this step runs without spec
         if not ready:
-            return
+            return None
         for r in ready:
-            self.blocks.reserve(r.rid, r.computed + k + 1, r.computed)
+            blocks.reserve(r.key, r.computed + k + 1, r.computed)
         top = max(r.computed for r in ready)
-        if self.proposer is not None:
+        if self.draft_fn is not None:
             plan = plan_draft(self.spec, num_reqs=len(ready), max_computed=top)
-            drafts = self.proposer(plan, ready)
+            drafts = self.draft_fn(plan, ready)
         else:
-            full = tables_for(self.blocks, [r.rid for r in ready], [r.computed + k + 1 for r in ready])[FULL_GROUP]
+            full = block_rows(blocks, [r.key for r in ready], [r.computed + k + 1 for r in ready])[FULL_GROUP]
             plan, drafts = self.stepper.draft([r.verified for r in ready], full, max_computed=top)
         for r, d in zip(ready, drafts[: len(ready)].tolist(), strict=True):
             r.drafts, r.verified = d, None
-        self.stats.draft_calls.append(plan.label)
-        self.stats.plans.append(plan)
+        self.plans.append(plan)
+        return plan.label
 
 
-@dataclass
+def draft_config(bundle, target_cfg) -> Eagle3Config | None:
+    """The bundle's draft config, or None when it was built without EAGLE3."""
+    gi = bundle.manifest["graph_inputs"]
+    if not bundle.spec.num_speculative_tokens or "draft_config" not in gi:
+        return None
+    return Eagle3Config.from_hf_dict(gi["draft_config"], target_cfg)
+
+
 class EagerSpecArtifacts:
     """Eager target (with aux outputs) for target labels and the eager draft for draft labels."""
 
-    spec: object
-    kv_layout: object
-    num_swa: int
-    target: torch.nn.Module
-    draft: torch.nn.Module
+    def __init__(self, spec, kv_layout, num_swa: int, target: torch.nn.Module, draft: torch.nn.Module):
+        self.spec, self.kv_layout, self.num_swa, self.target, self.draft = spec, kv_layout, num_swa, target, draft
 
     def artifact(self, label: str):
         module = self.draft if label.startswith(DRAFT) else self.target
         return torch.no_grad()(module.forward)
+
+
+def generate_spec(session, dcfg: Eagle3Config, weights: dict, prompts: list[list[int]], max_new_tokens: int, *,
+                  draft_fn: DraftFn | None = None):
+    """Speculative greedy tokens per prompt through the engine (all arrive at step 0); (tokens, EngineStats)."""
+    from neffbuild.serve.engine import Engine
+    from neffbuild.serve.parts import LocalPrefill
+
+    proposer = Eagle3Proposer(session.stepper, dcfg, weights, draft_fn=draft_fn)
+    source = LocalPrefill(session.prefill, session.stepper.kv_caches, lockstep_group=session.lockstep_group,
+                          aux_layers=proposer.aux_layers, proposer=proposer)
+    engine = Engine(session.stepper, session.block_manager(), source, proposer)
+    reqs = [Request(str(n), list(p), max_new_tokens, index=n) for n, p in enumerate(prompts)]
+    engine.run(reqs)
+    return [r.tokens for r in reqs], engine.stats

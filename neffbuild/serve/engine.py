@@ -1,0 +1,194 @@
+"""The serving engine: one loop per rank over a waiting queue, a KV source, the Stepper and a proposer.
+
+Every mode is this loop with other parts (serve/parts.py): plain greedy (``LocalPrefill``,
+no proposer), EAGLE3 (``Eagle3Proposer``), DI (``NixlSource``), DP and sharded bundles (the
+Stepper's group; ``LocalPrefill`` in lockstep where the prefill has collectives).
+
+One engine step (``t`` counts decode steps, the clock of ``Request.arrival``):
+
+1. **admit** -- waiting requests that have arrived (``arrival <= t``), in arrival then file
+   order, while the live batch is below the largest batch bucket and the pool holds every
+   live request's *peak* blocks plus the newcomer's (so a run never exhausts the pool
+   mid-way: nothing is preempted). A request that cannot fit yet waits; one that could
+   never fit in an empty pool is refused before anything runs (``check_fits``).
+2. **propose** -- the proposer drafts k tokens for the requests with verified rows and room.
+3. **step** -- reserve blocks, build the ``StepBatch`` of the live requests, ``Stepper.plan``
+   (the one DP collective: it syncs the buckets and whether any rank still has work),
+   ``Stepper.run``. A rank without requests runs the synced bucket with no rows.
+4. **accept** -- greedy: the longest prefix of drafts equal to the target's argmax plus the
+   bonus token (just the argmax without drafts); a request that reached its own
+   ``max_new_tokens`` leaves and its blocks go back to the pool.
+
+The loop stops when, in one step's collective, no rank has live, waiting or unfinished
+requests: all ranks stop together. The batch and context buckets follow the live batch
+both ways because every step plans from the requests live in it.
+
+Timing (``EngineStats``): ``step_seconds`` per decode step (wall time of 2..4 above, the
+artifact included), ``run_seconds`` inside ``Stepper.run`` (metadata + artifact), and
+``engine_seconds``: the engine's own work (admission bookkeeping, scheduling, block tables,
+acceptance), i.e. the step minus the run, the proposer and the KV source.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from neffbuild.errors import InvalidInput
+from neffbuild.runtime.blocks import BlockManager, blocks_needed
+from neffbuild.runtime.dispatch import StepPlan
+from neffbuild.runtime.step import StepBatch, Stepper
+from neffbuild.serve.parts import KVSource, Proposer, Request, block_rows
+
+
+@dataclass
+class EngineStats:
+    steps: list[dict] = field(default_factory=list)  # one per decode step that ran: plan + num_reqs (+ accepted)
+    plans: list[StepPlan] = field(default_factory=list)  # the steps' plans, then the draft calls'
+    draft_calls: list[str] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # tokens this rank emitted per step
+    run_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    source_seconds: float = 0.0  # prefill / transfers (admission's model work)
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+class Engine:
+    """One rank's engine over a Stepper, a block manager, a KV source and an optional proposer."""
+
+    def __init__(self, stepper: Stepper, blocks: BlockManager, source: KVSource, proposer: Proposer | None = None,
+                 *, max_batch: int | None = None, on_step: Callable[[StepPlan, object], None] | None = None):
+        self.stepper, self.blocks, self.source, self.proposer = stepper, blocks, source, proposer
+        self.spec = stepper.spec
+        self.max_batch = max_batch or self.spec.num_seqs_buckets[-1]
+        self.k = proposer.k if proposer is not None else 0
+        self.on_step = on_step
+        self.stats = EngineStats()
+        self._budget: dict[object, int] = {}  # key -> peak blocks reserved for admission
+        self.pool = blocks.num_free  # blocks the engine may hand out (the block manager starts empty)
+
+    def peak_blocks(self, req: Request) -> int:
+        """The most blocks a request holds over its life (prompt + tokens + drafts past the last)."""
+        n = min(len(req.prompt) + req.max_new_tokens + self.k, self.spec.max_model_len)
+        return blocks_needed(n, self.blocks.block_size, self.blocks.groups, 1 + self.k)
+
+    def check_fits(self, reqs: list[Request]) -> None:
+        """Refuse (exit 2) a request that even an empty pool could not serve: waiting would not help."""
+        for r in reqs:
+            if self.peak_blocks(r) > self.pool:
+                raise InvalidInput(f"request {r.id!r}: needs {self.peak_blocks(r)} KV blocks at its longest, the "
+                                   f"bundle's pool holds {self.pool}; shorten it or build with more serving.num_blocks")
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Serve ``requests`` (this rank's) to the end; returns them with tokens and step indices."""
+        self.check_fits(requests)
+        waiting = sorted(requests, key=lambda r: (r.arrival, r.index))
+        live: list[Request] = []
+        t = 0
+        while True:
+            t0 = time.perf_counter()
+            admit = self._admissible(waiting, live, t)
+            source_s = propose_s = run_s = 0.0
+            if admit or self.source.collective:
+                s0 = time.perf_counter()
+                self.source.admit(admit, self.blocks)
+                source_s = time.perf_counter() - s0
+                for r in admit:
+                    waiting.remove(r)
+                    if r.done:  # local prefill's token was its only one
+                        self._leave(r)
+                    else:
+                        live.append(r)
+            if self.proposer is not None and live:
+                p0 = time.perf_counter()
+                label = self.proposer.propose(live, self.blocks)
+                propose_s = time.perf_counter() - p0
+                if label:
+                    self.stats.draft_calls.append(label)
+            batch = self._batch(live)
+            # "more": this rank has work after this step for sure or maybe (a draft may finish a request early)
+            plan = self.stepper.plan(batch, more=bool(waiting) or any(r.remaining > 1 for r in live))
+            if plan.any_work:
+                r0 = time.perf_counter()
+                out = self.stepper.run(plan, batch)
+                run_s = time.perf_counter() - r0
+                emitted = self._accept(live, out, plan, t)
+                for r in [r for r in live if r.done]:
+                    live.remove(r)
+                    self._leave(r)
+            wall = time.perf_counter() - t0
+            self.stats.source_seconds += source_s
+            if plan.any_work:
+                self.stats.step_seconds.append(wall - source_s)
+                self.stats.step_tokens.append(emitted)
+                self.stats.run_seconds += run_s
+                self.stats.engine_seconds += wall - source_s - propose_s - run_s
+            if not plan.more:
+                break
+            t += 1
+        return requests
+
+    def _admissible(self, waiting: list[Request], live: list[Request], t: int) -> list[Request]:
+        out, used = [], sum(self._budget.values())
+        free_slots = self.max_batch - len(live)
+        for r in waiting:
+            if r.arrival > t or len(out) >= free_slots:
+                break
+            need = self.peak_blocks(r)
+            if used + need > self.pool:
+                break  # first come, first served: a later, smaller request does not jump the queue
+            used += need
+            out.append(r)
+        for r in out:
+            r.key = f"req-{r.index}" if r.key is None else r.key
+            self._budget[r.key] = self.peak_blocks(r)
+        return out
+
+    def _batch(self, live: list[Request]) -> StepBatch:
+        for r in live:
+            self.blocks.reserve(r.key, r.computed + 1 + len(r.drafts), r.computed)
+        upto = [r.computed + 1 + len(r.drafts) for r in live]
+        return StepBatch([[r.next] + r.drafts for r in live], [r.computed for r in live],
+                         block_rows(self.blocks, [r.key for r in live], upto))
+
+    def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> int:
+        greedy = out.logits.argmax(-1)  # [R, q]
+        q, total, emitted_all = plan.query_len, 0, 0
+        for i, r in enumerate(live):
+            g = greedy[i].tolist()
+            a = 0
+            while a < q - 1 and r.drafts[a] == g[a]:
+                a += 1
+            emitted = (r.drafts[:a] + [g[a]])[: r.remaining]
+            first_pos = r.computed
+            r.tokens.extend(emitted)
+            r.next, r.drafts = emitted[-1], []
+            r.computed += len(emitted)
+            r.first_step = t if r.first_step is None else r.first_step
+            r.last_step = t
+            total += a
+            emitted_all += len(emitted)
+            self.stats.proposed += q - 1
+            if self.proposer is not None:
+                aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
+                self.proposer.after_step(r, emitted, aux, first_pos)
+        self.stats.accepted += total
+        entry = dict(plan.to_json(), num_reqs=len(live), step=t)
+        if self.k:
+            entry.update(query_len=q, accepted=total)
+        self.stats.steps.append(entry)
+        self.stats.plans.append(plan)
+        if self.on_step:
+            self.on_step(plan, out)
+        return emitted_all
+
+    def _leave(self, r: Request) -> None:
+        self._budget.pop(r.key, None)
+        self.blocks.release(r.key)
