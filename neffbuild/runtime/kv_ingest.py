@@ -35,7 +35,7 @@ from neffbuild.runtime.kv_regions import (
     pull_descriptors,
     register_regions,
 )
-from neffbuild.runtime.nixl_agent import NixlAgent, Progress, Pull, PullResult
+from neffbuild.runtime.nixl_agent import NixlAgent, Progress, Pull, PullResult, load_nixl  # noqa: F401  (callers check NIXL here)
 from neffbuild.runtime.side_channel import ChannelClosed, ChannelTimeout, Client, Handler, Server
 
 DEFAULT_TIMEOUT = 30.0

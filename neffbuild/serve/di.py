@@ -1,11 +1,12 @@
-"""Disaggregated inference: a prefill group and a decode loop, KV moved over NIXL.
+"""Disaggregated inference: a prefill group and the engine, KV moved over NIXL.
 
 The prefill group (``serve/prefill_worker.py``: P spawned rank processes, ``--prefill-tp``)
 runs the model's per-layer eager prefill into its own KV cache and answers ``prefill`` calls
-on the side channel with the request's block lists. The decode side (this process) keeps the
-bundle's artifacts behind the step API: per prompt it asks for a prefill, reserves its own blocks, pulls the producer's
-blocks into them (``runtime/kv_ingest.py``), then runs the last prompt token in its first
-decode step, as a DI decode worker does (it never sees prefill logits).
+on the side channel with the request's block lists. The decode side is the engine
+(``serve/engine.py``) with ``NixlSource`` as its KV source: per admitted request it asks for a
+prefill, reserves its own blocks, pulls the producer's blocks into them
+(``runtime/kv_ingest.py``), then runs the last prompt token in its first decode step, as a DI
+decode worker does (it never sees prefill logits).
 
 Both sides apply the sliding-window N-1 rule (``runtime/di_prompt.py``) on their own and the
 decode side checks that they agree. Before the first decode step every block a request's
@@ -17,16 +18,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from neffbuild.errors import KVTransferError
 from neffbuild.runtime.blocks import NULL_BLOCK, SLIDING_GROUP
 from neffbuild.runtime.di_prompt import unwritten_reads
-from neffbuild.runtime.kv_ingest import KVIngest
-from neffbuild.runtime.step import StepBatch
-from neffbuild.serve.greedy import Generation, tables_for
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.greedy import Generation
+from neffbuild.serve.parts import Request
 from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, decode_tp, pull_prompt
 
 PrefillWorker = PrefillGroup  # the name callers used before the group had P ranks
@@ -46,59 +46,70 @@ class DIGeneration(Generation):
     transfers: list[dict] = field(default_factory=list)  # per prompt: kv_len, blocks, bytes, seconds
 
 
-def ingest(kv: KVIngest, blocks, config, prompt: Sequence[int], *, pullers: int = 1,
-           n_minus_1: bool = True) -> tuple[str, dict]:
-    """Have the worker prefill one prompt and pull its KV into this side's blocks; (request id, transfer)."""
-    rid = f"{os.getpid()}-{next(_REQUEST_IDS)}"
-    return rid, pull_prompt(kv, blocks, config, prompt, rid, pullers=pullers, n_minus_1=n_minus_1)
+class NixlSource:
+    """KV source (serve/parts.py): the prefill group prefills, this rank pulls its heads over NIXL.
+
+    Per admitted request: ``prefill`` on the group's rank 0 (every decode TP rank of the
+    request asks; rank 0 runs it once), reserve this rank's blocks for the pull, one READ per
+    prefill rank drawn from, ``release``. Then ``computed = N - 1`` and ``next`` = the last
+    prompt token: the first decode step recomputes it (no prefill logits, no aux hidden
+    states: with a proposer that step runs without spec). ``prefix`` keeps request names of
+    several decode groups apart on one prefill group (the decode TP ranks of one group share it).
+    A prefill rank that dies is ``PrefillWorkerLost`` naming the request (within 30 s).
+    """
+
+    collective = False
+
+    def __init__(self, session, addresses, *, alive=None, prefix: str = "", check_reads: bool = True,
+                 _n_minus_1: bool = True):
+        self.config, self.prefix, self.check_reads, self.n_minus_1 = session.config, prefix, check_reads, _n_minus_1
+        self.pullers = decode_tp(session)
+        self.kv = connect_decode(session, [addresses] if isinstance(addresses, int) else addresses, alive=alive)
+        self.transfers: list[dict] = []
+
+    def admit(self, reqs, blocks) -> None:
+        for r in reqs:
+            r.key = r.key if r.key is not None else f"req-{r.index}"
+            r.transfer = pull_prompt(self.kv, blocks, self.config, r.prompt, f"{self.prefix}{r.key}",
+                                     pullers=self.pullers, n_minus_1=self.n_minus_1, key=r.key)
+            self.transfers.append(r.transfer)
+            r.computed, r.next = len(r.prompt) - 1, int(r.prompt[-1])  # the first step runs the last prompt token
+            if self.check_reads:
+                blocks.reserve(r.key, r.computed + 1, r.computed)  # what that step reserves (idempotent)
+                _check_first_reads(blocks, r.key, r.computed, _window(self.config))
+
+    def close(self) -> None:
+        self.kv.close()
 
 
-def _check_first_reads(blocks, rids, positions, window) -> None:
-    for rid, pos in zip(rids, positions, strict=True):
-        for g in blocks.groups:
-            missing = unwritten_reads(blocks.tables[rid][g.name], pos, blocks.block_size,
-                                      window if g.name == SLIDING_GROUP else None)
-            if missing:
-                raise KVTransferError(f"request {rid}: the first decode step at position {pos} reads {g.name}-group "
-                                      f"logical blocks {missing} that were never transferred (null block {NULL_BLOCK})")
+def _check_first_reads(blocks, key, pos: int, window) -> None:
+    for g in blocks.groups:
+        missing = unwritten_reads(blocks.tables[key][g.name], pos, blocks.block_size,
+                                  window if g.name == SLIDING_GROUP else None)
+        if missing:
+            raise KVTransferError(f"request {key}: the first decode step at position {pos} reads {g.name}-group "
+                                  f"logical blocks {missing} that were never transferred (null block {NULL_BLOCK})")
 
 
 def generate_di(session, addresses, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                check_reads: bool = True, alive=None, _n_minus_1: bool = True) -> DIGeneration:
-    """Greedy tokens per prompt with prefill in the prefill group at ``addresses`` (a port, or every rank's
-    (host, port)); decoded here as one batch."""
-    cfg, stepper = session.config, session.stepper
-    blocks = session.block_manager()
-    kv = connect_decode(session, [addresses] if isinstance(addresses, int) else addresses, alive=alive)
+                check_reads: bool = True, alive=None, request_ids: Sequence[str] | None = None,
+                _n_minus_1: bool = True) -> DIGeneration:
+    """Greedy tokens per prompt, prefill in the prefill group at ``addresses`` (a port, or every rank's
+    (host, port)), decode through the engine with a ``NixlSource``. A sharded bundle's TP ranks pass the
+    same ``request_ids``; the default names are this process's own."""
+    prefix = "" if request_ids else f"{os.getpid()}-{next(_REQUEST_IDS)}-"
+    source = NixlSource(session, addresses, alive=alive, prefix=prefix, check_reads=check_reads,
+                        _n_minus_1=_n_minus_1)
+    engine = Engine(session.stepper, session.block_manager(), source)
+    reqs = [Request(str(n), list(p), max_new_tokens, index=n, key=request_ids[n] if request_ids else None)
+            for n, p in enumerate(prompts)]
     try:
-        rids, transfers = [], []
-        for prompt in prompts:
-            rid, t = ingest(kv, blocks, cfg, prompt, pullers=decode_tp(session), n_minus_1=_n_minus_1)
-            rids.append(rid)
-            transfers.append(t)
+        engine.run(reqs)
     finally:
-        kv.close()
-    computed = [len(p) - 1 for p in prompts]  # the first decode step runs the last prompt token
-    nxt = [int(p[-1]) for p in prompts]
-    gen = DIGeneration([[] for _ in prompts], transfers=transfers)
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
-        for rid, c in zip(rids, computed, strict=True):
-            blocks.reserve(rid, c + 1, c)
-        if step == 0 and check_reads:
-            _check_first_reads(blocks, rids, computed, _window(cfg))
-        batch = StepBatch([[t] for t in nxt], list(computed), tables_for(blocks, rids, [c + 1 for c in computed]))
-        out = stepper.step(batch)
-        nxt = out.logits[:, -1].argmax(-1).tolist()
-        for n in range(len(rids)):
-            computed[n] += 1
-            gen.tokens[n].append(nxt[n])
-        gen.plans.append(out.plan)
-    gen.decode_seconds = time.perf_counter() - start
-    gen.decode_tokens = len(rids) * max_new_tokens
-    for rid in rids:
-        blocks.release(rid)
-    return gen
+        source.close()
+    st = engine.stats
+    return DIGeneration([r.tokens for r in reqs], list(st.plans), sum(st.step_seconds), sum(st.step_tokens),
+                        transfers=[r.transfer for r in reqs])
 
 
 def run_di(bundle_path: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

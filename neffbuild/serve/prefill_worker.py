@@ -309,18 +309,20 @@ def connect_decode(session, addresses, *, alive=None, name: str | None = None) -
     return kv
 
 
-def pull_prompt(kv: KVIngest, blocks, config, prompt, request: str, *, pullers: int = 1,
+def pull_prompt(kv: KVIngest, blocks, config, prompt, request: str, *, pullers: int = 1, key=None,
                 n_minus_1: bool = True) -> dict:
-    """Prefill ``prompt`` in the worker and pull its KV into this rank's blocks (reserved here as the pull's
-    ``kv_len`` computed tokens); the transfer's record. Every decode TP rank of the request calls it."""
+    """Prefill ``prompt`` in the worker as ``request`` and pull its KV into this rank's blocks (reserved under
+    ``key``, default ``request``, as the pull's ``kv_len`` computed tokens); the transfer's record. Every decode
+    TP rank of the request calls it (``pullers``: how many)."""
+    key = request if key is None else key
     p = di_prompt(prompt, _window(config), _n_minus_1=n_minus_1)
     reply = kv.call("prefill", request, tokens=list(p.tokens), pullers=pullers)
     if reply["kv_len"] != p.kv_len:
         raise KVTransferError(f"request {request}: the prefill worker computed KV for {reply['kv_len']} tokens, "
                               f"this decode worker expects {p.kv_len}; both sides must apply the same N-1 rule")
-    blocks.reserve(request, p.kv_len, p.kv_len)
+    blocks.reserve(key, p.kv_len, p.kv_len)
     groups = [g.name for g in blocks.groups]
-    local = [strip_leading_null(blocks.tables[request][g]) for g in groups]
+    local = [strip_leading_null(blocks.tables[key][g]) for g in groups]
     res = kv.pull(request, [reply["blocks"][g] for g in groups], local)
     kv.call("release", request)
     return {"kv_len": p.kv_len, "truncated": p.truncated, "blocks": res.blocks, "bytes": res.bytes,
