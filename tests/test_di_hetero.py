@@ -42,6 +42,31 @@ def test_prefill_tp2_feeds_an_unsharded_decode(built):
     assert [t["transfers"] for t in gen.transfers] == [2] * len(LENGTHS)
 
 
+@pytest.mark.slow
+def test_nixl_source_admits_requests_that_arrive_mid_run(built):
+    """The engine with NixlSource: requests arriving at later steps are pulled while others decode."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.di import NixlSource
+    from neffbuild.serve.engine import Engine
+    from neffbuild.serve.parts import Request
+    from neffbuild.serve.prefill_worker import PrefillGroup
+    from neffbuild.serve.session import open_session
+
+    session = open_session(open_bundle(built[1].bundle))
+    prompts = _prompts([30, 9, 47])
+    reqs = [Request(f"r{n}", p, 5 + n, arrival=a, index=n) for n, (p, a) in enumerate(zip(prompts, [0, 2, 4], strict=True))]
+    with PrefillGroup(built[1].bundle) as group:
+        source = NixlSource(session, group.addresses, alive=group.alive, prefix="mid-")
+        try:
+            Engine(session.stepper, session.block_manager(), source).run(reqs)
+        finally:
+            source.close()
+    solo = [_single_process(session, [p], 5 + n)[0] for n, p in enumerate(prompts)]
+    assert [r.tokens for r in reqs] == solo
+    assert [r.first_step for r in reqs] == [0, 2, 4]
+    assert [t["kv_len"] for t in source.transfers] == [29, 8, 46]
+
+
 def _tp2_rank(rank, init_file, bundle_path, addresses, prompts, new, out_dir):
     import torch.distributed as dist
 
