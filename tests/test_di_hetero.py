@@ -54,7 +54,8 @@ def test_nixl_source_admits_requests_that_arrive_mid_run(built):
 
     session = open_session(open_bundle(built[1].bundle))
     prompts = _prompts([30, 9, 47])
-    reqs = [Request(f"r{n}", p, 5 + n, arrival=a, index=n) for n, (p, a) in enumerate(zip(prompts, [0, 2, 4], strict=True))]
+    arrivals = [0, 2, 4]
+    reqs = [Request(f"r{n}", p, 5 + n, arrival=arrivals[n], index=n) for n, p in enumerate(prompts)]
     with PrefillGroup(built[1].bundle) as group:
         source = NixlSource(session, group.addresses, alive=group.alive, prefix="mid-")
         try:
