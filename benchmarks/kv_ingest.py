@@ -8,7 +8,9 @@
    (recipes/gpt-oss-small.yaml: 8 layers on 4 buffers, 2 KV heads, block 32, head_dim 32,
    fp32, 8192 blocks): the full group's 128 blocks plus the sliding group's window blocks
    (N-1 rule), from every region, beside an in-process block copy of the same blocks.
-The producer is a second process (spawned); the consumer is this one. UCX_TLS keeps tcp.
+The producer is a second process (spawned); the consumer is this one. Each pull is ONE NIXL
+READ (every block of every region; consecutive blocks merged into one descriptor). UCX_TLS
+keeps tcp; run with ``UCX_TLS=tcp`` and ``UCX_TLS=tcp,sm,self`` (the default) to compare.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from _common import machine
 from neffbuild.bench.overhead import timed_seconds
 from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null
 from neffbuild.runtime.kv_cache import KVLayout, allocate
-from neffbuild.runtime.kv_ingest import KVAgent
+from neffbuild.runtime.kv_ingest import KVIngest, KVProducer
 
 SMALL = KVLayout(num_buffers=4, num_blocks=8192, kv_heads=2, block_size=32, head_dim=32)
 SMALL_LAYERS, SMALL_WINDOW = 8, 128
@@ -37,17 +39,22 @@ def raw_layout(mib: int) -> KVLayout:
     return KVLayout(num_buffers=1, num_blocks=mib // 2, kv_heads=1, block_size=256, head_dim=1024)
 
 
+def per_layer(caches, num_layers: int):
+    return [caches[i // 2] for i in range(num_layers)]  # GPT-OSS: layers 2j, 2j+1 share buffer j
+
+
 def _producer(layout: KVLayout, num_layers: int, port_q, stop_q):
     caches = allocate(layout)
     for c in caches:
         c.uniform_()
-    agent = KVAgent("bench-producer", caches, num_layers)
-    port_q.put(agent.serve())
+    producer = KVProducer("bench-producer", per_layer(caches, num_layers))
+    producer.expect("bench")  # progress the agent for the whole run (the worker does it per request)
+    port_q.put(producer.serve())
     stop_q.get()
-    agent.close()
+    producer.close()
 
 
-def _timed_pulls(agent: KVAgent, remote, local, repeat: int) -> list[float]:
+def _timed_pulls(agent: KVIngest, remote, local, repeat: int) -> list[float]:
     agent.pull("warm-up", remote, local)
     return [agent.pull(f"r{i}", remote, local).seconds for i in range(repeat)]
 
@@ -63,8 +70,8 @@ def measure(layout: KVLayout, num_layers: int, remote, local, repeat: int) -> di
         for c in src:
             c.uniform_()
         t0 = time.perf_counter()
-        agent = KVAgent("bench-consumer", caches, num_layers)
-        agent.connect(port_q.get(timeout=120))
+        agent = KVIngest("bench-consumer", per_layer(caches, num_layers))
+        agent.connect([port_q.get(timeout=120)])
         setup = time.perf_counter() - t0
         pulls = _timed_pulls(agent, remote, local, repeat)
         flat_r = torch.tensor([b for g in remote for b in g])
@@ -80,11 +87,13 @@ def measure(layout: KVLayout, num_layers: int, remote, local, repeat: int) -> di
 
         copies = timed_seconds(copy, repeat, warmup=1)
         nbytes = len(flat_l) * len(agent.regions.bases) * agent.regions.block_len
+        last = agent.pull("count", remote, local)
         agent.close()
     finally:
         stop_q.put("stop")
         proc.join(timeout=30)
-    out = {"bytes": nbytes, "descriptors": len(flat_l) * len(agent.regions.bases), "setup_s": round(setup, 3)}
+    out = {"bytes": nbytes, "descriptors": last.descriptors, "transfers_per_pull": last.transfers,
+           "setup_s": round(setup, 3)}
     for stat, f in (("median", statistics.median), ("best", min)):  # best: least disturbed by other load
         pull_s, copy_s = f(pulls), f(copies)
         out[stat] = {"pull_ms": round(pull_s * 1e3, 3), "copy_ms": round(copy_s * 1e3, 3),
@@ -111,7 +120,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    out = {"machine": machine()}
+    from neffbuild import settings
+
+    out = {"machine": machine(), "UCX_TLS": settings.export_ucx_tls()}
     for mib in (8, 128):
         lay = raw_layout(mib)
         blocks = [list(range(lay.num_blocks))]

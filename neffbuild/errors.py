@@ -96,6 +96,18 @@ class NixlUnavailable(KVTransferError):
     """NIXL is not installed here; the message names the extra to install."""
 
 
+class KVLayoutMismatch(KVTransferError):
+    """A prefill rank's KV layout cannot feed this decode rank's (the message names both sides)."""
+
+
+class PrefillWorkerLost(KVTransferError):
+    """A prefill worker rank died or stopped answering while serving ``request`` (``generate`` exits 1)."""
+
+    def __init__(self, request: str, message: str):
+        self.request = request
+        super().__init__(f"request {request!r}: {message}")
+
+
 class BuildFailed(NeffbuildError):
     """One or more targets failed to compile; the message lists them."""
 

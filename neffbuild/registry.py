@@ -75,6 +75,7 @@ ARCHITECTURES = {
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
         "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",
         "unshard": "neffbuild.models.gpt_oss.sharding:unshard",
+        "kv_buffer_of_layer": "neffbuild.models.gpt_oss.kv_buffers:kv_buffer_of_layer",  # layer -> its KV buffer
     }),
 }
 

@@ -44,6 +44,9 @@ def _parse_prompt(text: str) -> list[int]:
               help="Disaggregated inference: prefill runs in a second process (eager, its own KV cache), the KV "
                    "moves over NIXL into every decode rank, whose first step runs the last prompt token. "
                    "Needs the nixl extra.")
+@click.option("--prefill-tp", "prefill_tp", type=click.IntRange(min=1, max=8), default=None,
+              help="With --di: run the prefill worker as P ranks, each holding kv_heads / P KV heads; every decode "
+                   "rank pulls its heads from the prefill rank(s) that hold them. Default: the bundle's tp.")
 @click.option("--spec", is_flag=True,
               help="EAGLE3 speculative decoding through the bundle's three families (greedy, lossless: the tokens "
                    "of a plain run); each step verifies the draft's k tokens or, without room or drafts, runs one.")
@@ -56,8 +59,8 @@ def _parse_prompt(text: str) -> list[int]:
                    "the input of `neffbuild recommend`.")
 @json_option('Print {"tokens", "requests", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", '
              '"check"]} on stdout (errors too); --spec adds "acceptance_rate".')
-def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, spec, check, metrics, histogram_path,
-             as_json):
+def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, prefill_tp, spec, check, metrics,
+             histogram_path, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that covers the live
@@ -76,7 +79,10 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, spe
     else:
         requests = reqs_mod.from_prompts([_parse_prompt(p) for p in prompt_ids], max_new_tokens)
     what = f"--requests {requests_path}" if requests_path else "--prompt-ids"
-    res = run(bundle_path, requests, Options(spec=spec, di=di, dp=dp, metrics=metrics, source=what))
+    if prefill_tp is not None and not di:
+        raise InvalidInput("--prefill-tp sizes the DI prefill worker; add --di or drop it")
+    opts = Options(spec=spec, di=di, dp=dp, metrics=metrics, prefill_tp=prefill_tp, source=what)
+    res = run(bundle_path, requests, opts)
     if histogram_path:
         _write_histogram(histogram_path, res.histogram)
     if check:

@@ -20,19 +20,20 @@ _EXPORTS = {
     "BlockManager": "blocks", "KVGroup": "blocks", "kv_groups": "blocks", "blocks_needed": "blocks",
     "min_pool_blocks": "blocks", "FULL_GROUP": "blocks", "SLIDING_GROUP": "blocks", "NULL_BLOCK": "blocks",
     "KVLayout": "kv_cache", "allocate": "kv_cache",
-    "KVAgent": "kv_ingest", "KVRegions": "kv_ingest", "register_regions": "kv_ingest", "layer_buffers": "kv_ingest",
+    "KVIngest": "kv_ingest", "KVProducer": "kv_ingest", "KVRegions": "kv_regions", "register_regions": "kv_regions",
+    "head_segments": "kv_regions",
     "DIPrompt": "di_prompt", "di_prompt": "di_prompt",
 }
 _ERRORS = ("NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted",
-           "StepInputError", "KVTransferError", "NixlUnavailable")
+           "StepInputError", "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost")
 
 __all__ = [  # noqa: RUF022 - grouped as above: runtime names, then errors
     "open_bundle", "Bundle", "Stepper", "StepBatch", "StepOutput", "Artifacts", "StepPlan", "GridSpec", "plan_step",
     "label", "BlockManager", "KVGroup", "kv_groups", "blocks_needed", "min_pool_blocks", "FULL_GROUP",
     "SLIDING_GROUP", "NULL_BLOCK", "KVLayout", "allocate",
-    "KVAgent", "KVRegions", "register_regions", "layer_buffers", "DIPrompt", "di_prompt",
+    "KVIngest", "KVProducer", "KVRegions", "register_regions", "head_segments", "DIPrompt", "di_prompt",
     "NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted", "StepInputError",
-    "KVTransferError", "NixlUnavailable",
+    "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost",
 ]
 assert set(__all__) == set(_EXPORTS) | set(_ERRORS)
 

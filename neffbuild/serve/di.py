@@ -1,11 +1,12 @@
-"""Disaggregated inference: a prefill worker process and a decode loop, KV moved over NIXL.
+"""Disaggregated inference: a prefill group and the engine, KV moved over NIXL.
 
-The prefill worker (``PrefillWorker``, a spawned process) runs the model's per-layer eager
-prefill into its own KV cache and answers ``prefill`` calls on the side channel with the
-request's block lists. The decode side (this process) keeps the bundle's artifacts behind the
-step API: per prompt it asks for a prefill, reserves its own blocks, pulls the producer's
-blocks into them (``runtime/kv_ingest.py``), then runs the last prompt token in its first
-decode step, as a DI decode worker does (it never sees prefill logits).
+The prefill group (``serve/prefill_worker.py``: P spawned rank processes, ``--prefill-tp``)
+runs the model's per-layer eager prefill into its own KV cache and answers ``prefill`` calls
+on the side channel with the request's block lists. The decode side is the engine
+(``serve/engine.py``) with ``NixlSource`` as its KV source: per admitted request it asks for a
+prefill, reserves its own blocks, pulls the producer's blocks into them
+(``runtime/kv_ingest.py``), then runs the last prompt token in its first decode step, as a DI
+decode worker does (it never sees prefill logits).
 
 Both sides apply the sliding-window N-1 rule (``runtime/di_prompt.py``) on their own and the
 decode side checks that they agree. Before the first decode step every block a request's
@@ -16,19 +17,19 @@ is a ``KVTransferError``, not garbage tokens.
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import os
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Self
 
 from neffbuild.errors import KVTransferError
 from neffbuild.runtime.blocks import NULL_BLOCK, SLIDING_GROUP
-from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null, unwritten_reads
-from neffbuild.runtime.kv_ingest import KVAgent, load_nixl
-from neffbuild.serve.greedy import Generation, tables_for
+from neffbuild.runtime.di_prompt import unwritten_reads
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.greedy import Generation
+from neffbuild.serve.parts import Request
+from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, decode_tp, pull_prompt
+
+PrefillWorker = PrefillGroup  # the name callers used before the group had P ranks
 
 _REQUEST_IDS = itertools.count()
 
@@ -37,158 +38,7 @@ def _window(config) -> int | None:
     return config.sliding_window if config.has_sliding_layers else None
 
 
-# -- prefill side (runs in the worker process)
-
-
-class _Producer:
-    """The prefill worker's state: its session (eager prefill, own KV), block manager and NIXL agent."""
-
-    def __init__(self, bundle_path: str, n_minus_1: bool):
-        from neffbuild.runtime.bundle import open_bundle
-        from neffbuild.serve.session import open_session
-
-        bundle = open_bundle(bundle_path)
-        self.session = open_session(bundle, reference=True)  # eager: the worker never loads artifacts
-        self.blocks = self.session.block_manager()
-        self.n_minus_1 = n_minus_1
-        self.lock = threading.Lock()
-        cfg, caches = self.session.config, self.session.stepper.kv_caches
-        self.agent = KVAgent(f"prefill-{os.getpid()}", caches, cfg.num_hidden_layers,
-                             packed_fp8=bundle.kv_layout.packed_k)
-
-    def prefill(self, msg: dict) -> dict:
-        """Prefill one prompt (N-1 rule applied here too); answer with its block lists per KV group."""
-        with self.lock:  # one side-channel thread per decode rank
-            return self._prefill(msg)
-
-    def _prefill(self, msg: dict) -> dict:
-        self.release_pulled()
-        rid, tokens = str(msg["request"]), list(msg["tokens"])
-        p = di_prompt(tokens, _window(self.session.config), _n_minus_1=self.n_minus_1)
-        self.blocks.reserve(rid, p.kv_len, p.kv_len)  # prefill reads no cache: only what decode reads
-        rows = {g: t[0] for g, t in tables_for(self.blocks, [rid], [p.kv_len]).items()}
-        t0 = time.perf_counter()
-        self.session.prefill(p.tokens[: p.kv_len], self.session.stepper.kv_caches, rows)
-        return {"kv_len": p.kv_len, "truncated": p.truncated, "prefill_seconds": time.perf_counter() - t0,
-                "blocks": {g.name: strip_leading_null(self.blocks.tables[rid][g.name]) for g in self.blocks.groups}}
-
-    def release_pulled(self) -> None:
-        for rid in self.agent.pulled():
-            self.blocks.release(rid)
-
-
-def _worker_main(bundle_path: str, ready, stop, n_minus_1: bool) -> None:
-    try:
-        producer = _Producer(bundle_path, n_minus_1)
-        port = producer.agent.serve({"prefill": producer.prefill})
-    except Exception as exc:
-        ready.put(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    ready.put(("ready", port))
-    stop.wait()
-    producer.agent.close()
-
-
-class PrefillWorker:
-    """The prefill process: ``with PrefillWorker(bundle) as w: ... w.port``."""
-
-    def __init__(self, bundle_path: str, *, timeout: float = 180.0, _n_minus_1: bool = True):
-        load_nixl()  # fail here, with the extra to install, before spawning anything
-        ctx = mp.get_context("spawn")
-        self._ready, self._stop = ctx.Queue(), ctx.Event()
-        self.process = ctx.Process(target=_worker_main, args=(str(bundle_path), self._ready, self._stop, _n_minus_1),
-                                   daemon=True, name="neffbuild-prefill")
-        self.timeout, self.port = timeout, None
-
-    def __enter__(self) -> Self:
-        self.process.start()
-        deadline = time.monotonic() + self.timeout
-        while self.port is None:
-            try:
-                kind, value = self._ready.get(timeout=1.0)
-            except Exception:
-                if not self.process.is_alive() or time.monotonic() > deadline:
-                    self.__exit__(None, None, None)
-                    raise KVTransferError(f"prefill worker did not start (exit code {self.process.exitcode})") from None
-                continue
-            if kind == "error":
-                self.__exit__(None, None, None)
-                raise KVTransferError(f"prefill worker failed to start: {value}")
-            self.port = value
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self.process.join(timeout=20)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
-# -- decode side: the NIXL KV source of the engine (serve/parts.py KVSource)
-
-
-def ingest(agent: KVAgent, blocks, config, prompt: Sequence[int], *, n_minus_1: bool = True,
-           rid: str | None = None) -> tuple[str, dict]:
-    """Have the worker prefill one prompt and pull its KV into this side's blocks; (request id, transfer)."""
-    rid = rid if rid is not None else f"{os.getpid()}-{next(_REQUEST_IDS)}"
-    p = di_prompt(prompt, _window(config), _n_minus_1=n_minus_1)
-    reply = agent.call("prefill", request=f"{os.getpid()}-{rid}", tokens=list(p.tokens))  # unique across ranks
-    if reply["kv_len"] != p.kv_len:
-        raise KVTransferError(f"request {rid}: the prefill worker computed KV for {reply['kv_len']} tokens, this "
-                              f"decode worker expects {p.kv_len}; both sides must apply the same N-1 rule")
-    blocks.reserve(rid, p.kv_len, p.kv_len)  # the pull counts as kv_len computed tokens
-    groups = [g.name for g in blocks.groups]
-    local = [strip_leading_null(blocks.tables[rid][g]) for g in groups]
-    res = agent.pull(f"{os.getpid()}-{rid}", [reply["blocks"][g] for g in groups], local)
-    return rid, {"kv_len": p.kv_len, "truncated": p.truncated, "blocks": res.blocks, "bytes": res.bytes,
-                 "pull_seconds": res.seconds, "prefill_seconds": reply["prefill_seconds"]}
-
-
-def _check_first_reads(blocks, rids, positions, window) -> None:
-    for rid, pos in zip(rids, positions, strict=True):
-        for g in blocks.groups:
-            missing = unwritten_reads(blocks.tables[rid][g.name], pos, blocks.block_size,
-                                      window if g.name == SLIDING_GROUP else None)
-            if missing:
-                raise KVTransferError(f"request {rid}: the first decode step at position {pos} reads {g.name}-group "
-                                      f"logical blocks {missing} that were never transferred (null block {NULL_BLOCK})")
-
-
-class NixlSource:
-    """KV source: the prefill worker on ``port`` prefills each admitted request, this rank pulls its blocks.
-
-    The first decode step runs the last prompt token (``req.next``) at position N-1, as a DI
-    decode worker does (it never sees prefill logits); it has no aux hidden states, so with
-    EAGLE3 that step runs without spec. Every block that step reads must have been pulled
-    (``check_reads``). The join point for heterogeneous prefill TP: ``ingest``.
-    """
-
-    collective = False
-
-    def __init__(self, stepper, config, port: int, *, check_reads: bool = True, n_minus_1: bool = True):
-        self.config, self.check_reads, self.n_minus_1 = config, check_reads, n_minus_1
-        self.agent = KVAgent(f"decode-{os.getpid()}-{next(_REQUEST_IDS)}", stepper.kv_caches,
-                             config.num_hidden_layers, packed_fp8=stepper.layout.packed_k)
-        try:
-            self.agent.connect(port)
-        except BaseException:
-            self.agent.close()
-            raise
-        self.transfers: list[dict] = []
-
-    def admit(self, reqs, blocks) -> None:
-        for r in reqs:
-            r.key, r.transfer = ingest(self.agent, blocks, self.config, r.prompt, n_minus_1=self.n_minus_1,
-                                       rid=str(r.key))
-            self.transfers.append(r.transfer)
-            r.computed, r.next = len(r.prompt) - 1, int(r.prompt[-1])
-            blocks.reserve(r.key, r.computed + 1, r.computed)
-            if self.check_reads:
-                _check_first_reads(blocks, [r.key], [r.computed], _window(self.config))
-
-    def close(self) -> None:
-        self.agent.close()
+# -- decode side
 
 
 @dataclass
@@ -196,18 +46,82 @@ class DIGeneration(Generation):
     transfers: list[dict] = field(default_factory=list)  # per prompt: kv_len, blocks, bytes, seconds
 
 
-def generate_di(session, port: int, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                check_reads: bool = True, _n_minus_1: bool = True) -> DIGeneration:
-    """Greedy tokens per prompt with prefill in the worker on ``port``, decoded here by the engine."""
-    from neffbuild.serve.engine import Engine
-    from neffbuild.serve.requests import from_prompts
+class NixlSource:
+    """KV source (serve/parts.py): the prefill group prefills, this rank pulls its heads over NIXL.
 
-    source = NixlSource(session.stepper, session.config, port, check_reads=check_reads, n_minus_1=_n_minus_1)
+    Per admitted request: ``prefill`` on the group's rank 0 (every decode TP rank of the
+    request asks; rank 0 runs it once), reserve this rank's blocks for the pull, one READ per
+    prefill rank drawn from, ``release``. Then ``computed = N - 1`` and ``next`` = the last
+    prompt token: the first decode step recomputes it (no prefill logits, no aux hidden
+    states: with a proposer that step runs without spec). ``prefix`` keeps request names of
+    several decode groups apart on one prefill group (the decode TP ranks of one group share it).
+    A prefill rank that dies is ``PrefillWorkerLost`` naming the request (within 30 s).
+    """
+
+    collective = False
+
+    def __init__(self, session, addresses, *, alive=None, prefix: str = "", check_reads: bool = True,
+                 _n_minus_1: bool = True):
+        self.config, self.prefix, self.check_reads, self.n_minus_1 = session.config, prefix, check_reads, _n_minus_1
+        self.pullers = decode_tp(session)
+        self.kv = connect_decode(session, [addresses] if isinstance(addresses, int) else addresses, alive=alive)
+        self.transfers: list[dict] = []
+
+    def admit(self, reqs, blocks) -> None:
+        for r in reqs:
+            r.key = r.key if r.key is not None else f"req-{r.index}"
+            r.transfer = pull_prompt(self.kv, blocks, self.config, r.prompt, f"{self.prefix}{r.key}",
+                                     pullers=self.pullers, n_minus_1=self.n_minus_1, key=r.key)
+            self.transfers.append(r.transfer)
+            r.computed, r.next = len(r.prompt) - 1, int(r.prompt[-1])  # the first step runs the last prompt token
+            if self.check_reads:
+                blocks.reserve(r.key, r.computed + 1, r.computed)  # what that step reserves (idempotent)
+                _check_first_reads(blocks, r.key, r.computed, _window(self.config))
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def _check_first_reads(blocks, key, pos: int, window) -> None:
+    for g in blocks.groups:
+        missing = unwritten_reads(blocks.tables[key][g.name], pos, blocks.block_size,
+                                  window if g.name == SLIDING_GROUP else None)
+        if missing:
+            raise KVTransferError(f"request {key}: the first decode step at position {pos} reads {g.name}-group "
+                                  f"logical blocks {missing} that were never transferred (null block {NULL_BLOCK})")
+
+
+def generate_di(session, addresses, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                check_reads: bool = True, alive=None, request_ids: Sequence[str] | None = None,
+                _n_minus_1: bool = True) -> DIGeneration:
+    """Greedy tokens per prompt, prefill in the prefill group at ``addresses`` (a port, or every rank's
+    (host, port)), decode through the engine with a ``NixlSource``. A sharded bundle's TP ranks pass the
+    same ``request_ids``; the default names are this process's own."""
+    prefix = "" if request_ids else f"{os.getpid()}-{next(_REQUEST_IDS)}-"
+    source = NixlSource(session, addresses, alive=alive, prefix=prefix, check_reads=check_reads,
+                        _n_minus_1=_n_minus_1)
+    engine = Engine(session.stepper, session.block_manager(), source)
+    reqs = [Request(str(n), list(p), max_new_tokens, index=n, key=request_ids[n] if request_ids else None)
+            for n, p in enumerate(prompts)]
     try:
-        engine = Engine(session.stepper, session.block_manager(), source)
-        reqs = engine.run(from_prompts(prompts, max_new_tokens))
+        engine.run(reqs)
     finally:
         source.close()
     st = engine.stats
     return DIGeneration([r.tokens for r in reqs], list(st.plans), sum(st.step_seconds), sum(st.step_tokens),
                         transfers=[r.transfer for r in reqs])
+
+
+def run_di(bundle_path: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+           prefill_tp: int | None = None) -> DIGeneration:
+    """``generate --di``: a prefill group of ``prefill_tp`` ranks (default: the bundle's tp), this process decodes
+    through the bundle's artifacts."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.session import open_session
+
+    bundle = open_bundle(bundle_path)
+    session = open_session(bundle)
+    for label in bundle.labels:  # load now: decode_seconds must not include loading
+        bundle.artifact(label)
+    with PrefillGroup(bundle_path, prefill_tp) as group:
+        return generate_di(session, group.addresses, prompts, max_new_tokens, alive=group.alive)

@@ -112,10 +112,10 @@ def generate(bundle_path: str, requests: list[Request], opts: Options) -> Genera
     _check_early(bundle_path, requests, opts.source)
     if not opts.di:
         return merge(run_ranks(bundle_path, requests, opts), len(requests), world, dp)
-    from neffbuild.serve.di import PrefillWorker
+    from neffbuild.serve.prefill_worker import PrefillGroup
 
-    with PrefillWorker(bundle_path) as worker:
-        return merge(run_ranks(bundle_path, requests, opts, port=worker.port), len(requests), world, dp)
+    with PrefillGroup(bundle_path, opts.prefill_tp) as group:
+        return merge(run_ranks(bundle_path, requests, opts, group), len(requests), world, dp)
 
 
 def reference_tokens(bundle_path: str, requests: list[Request]) -> list[list[int]]:

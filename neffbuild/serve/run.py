@@ -3,7 +3,7 @@
 ``serve_rank`` is what every rank runs, alone (one process) or inside a world
 (serve/world.py): it opens the bundle (a sharded one collectively, artifacts preloaded so
 no step pays for loading), picks the parts from ``Options`` (KV source: local prefill or
-NIXL from the prefill worker on ``port``; proposer: none or EAGLE3) and runs one
+NIXL from the prefill worker on ``prefill``; proposer: none or EAGLE3) and runs one
 ``Engine`` over this rank's requests. Its answer is a plain dict (it crosses processes);
 serve/result.py merges the ranks' answers into one ``GenerateResult``.
 """
@@ -23,6 +23,7 @@ class Options:
     di: bool = False  # KV from a prefill worker over NIXL
     dp: int | None = None  # DP ranks for an unsharded bundle (default: the bundle's dp)
     metrics: bool = False  # Prometheus text in the result
+    prefill_tp: int | None = None  # DI: ranks of the prefill group (default: the bundle's tp)
     source: str = "--prompt-ids"  # what the requests came from (error messages)
 
 
@@ -54,7 +55,7 @@ def check_bundle(bundle) -> None:
                               f"weights hold {list(have) if have else 'none'}: the manifest and weights disagree")
 
 
-def _parts(bundle, session, opts: Options, port: int | None):
+def _parts(bundle, session, opts: Options, prefill):
     from neffbuild.serve.parts import LocalPrefill
     from neffbuild.serve.spec import Eagle3Proposer, draft_config
 
@@ -68,15 +69,19 @@ def _parts(bundle, session, opts: Options, port: int | None):
     if opts.di:
         from neffbuild.serve.di import NixlSource
 
-        return NixlSource(session.stepper, session.config, port), proposer
+        addresses, alive = prefill
+        return NixlSource(session, addresses, alive=alive), proposer  # keys req-{file index}: unique over DP
     aux = proposer.aux_layers if proposer is not None else ()
     return LocalPrefill(session.prefill, session.stepper.kv_caches, lockstep_group=session.lockstep_group,
                         aux_layers=aux, proposer=proposer), proposer
 
 
-def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, group=None, port: int | None = None
-               ) -> dict:
-    """This rank's requests through the engine; a JSON-able dict (requests, steps, timing, counters)."""
+def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, group=None, prefill=None) -> dict:
+    """This rank's requests through the engine; a JSON-able dict (requests, steps, timing, counters).
+
+    ``prefill``: with ``opts.di``, ``(addresses, alive)`` of the prefill group (``alive``: a
+    liveness callable in the process that started it, else None).
+    """
     from neffbuild.runtime import dp_sync
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.engine import Engine
@@ -91,7 +96,7 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     check_requests(requests, session.config.vocab_size, bundle.spec.max_model_len, opts.source)
     for label in bundle.labels:  # load every artifact now: no decode step pays for loading
         bundle.artifact(label)
-    source, proposer = _parts(bundle, session, opts, port)
+    source, proposer = _parts(bundle, session, opts, prefill)
     before = dp_sync.COLLECTIVES["count"]
     try:
         engine = Engine(session.stepper, session.block_manager(), source, proposer)

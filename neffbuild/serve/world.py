@@ -40,13 +40,14 @@ def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
 
 
 def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: str, requests: list[Request],
-                 opts: Options, port: int | None, out_dir: str):
+                 opts: Options, addresses, out_dir: str):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     dp_rank = rank // (world // dp)  # the ranks of one DP group are consecutive (runtime/parallel.py)
     try:
-        res = serve_rank(bundle_path, requests[dp_rank::dp], opts, group=dist.group.WORLD, port=port)
+        prefill = (addresses, None) if addresses is not None else None
+        res = serve_rank(bundle_path, requests[dp_rank::dp], opts, group=dist.group.WORLD, prefill=prefill)
         res.update(rank=rank, dp_rank=dp_rank)
     except NeffbuildError as exc:  # the real cause: written before the peers see a closed connection
         res = {"rank": rank, "error": str(exc), "exit_code": exc.exit_code, "cause": True}
@@ -58,14 +59,14 @@ def _rank_worker(rank: int, world: int, dp: int, init_file: str, bundle_path: st
 
 
 def run_world(bundle_path: str, requests: list[Request], opts: Options, world: int, dp: int,
-              port: int | None = None) -> list[dict]:
+              addresses=None) -> list[dict]:
     """Every rank's answer (serve_rank's dict plus rank and dp_rank), rank order; the first cause raised."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="neffbuild-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
-            mp.spawn(_rank_worker, args=(world, dp, init_file, bundle_path, requests, opts, port, tmp),
+            mp.spawn(_rank_worker, args=(world, dp, init_file, bundle_path, requests, opts, addresses, tmp),
                      nprocs=world, join=True)
         except mp.ProcessRaisedException:
             pass  # every rank writes its outcome; the cause is read below
@@ -81,9 +82,11 @@ def run_world(bundle_path: str, requests: list[Request], opts: Options, world: i
     return ranks
 
 
-def run_ranks(bundle_path: str, requests: list[Request], opts: Options, port: int | None = None) -> list[dict]:
-    """This bundle's world for ``opts``: one process (in this one) or spawned ranks."""
+def run_ranks(bundle_path: str, requests: list[Request], opts: Options, prefill_group=None) -> list[dict]:
+    """This bundle's world for ``opts``: one process (in this one) or spawned ranks; ``prefill_group``: DI's."""
     world, dp = world_for(bundle_path, opts.dp)
+    addresses = prefill_group.addresses if prefill_group is not None else None
     if world == 1:
-        return [dict(serve_rank(bundle_path, requests, opts, port=port), rank=0, dp_rank=0)]
-    return run_world(bundle_path, requests, opts, world, dp, port)
+        prefill = (addresses, prefill_group.alive) if prefill_group is not None else None
+        return [dict(serve_rank(bundle_path, requests, opts, prefill=prefill), rank=0, dp_rank=0)]
+    return run_world(bundle_path, requests, opts, world, dp, addresses)

@@ -1,0 +1,177 @@
+"""DI with a prefill TP that differs from decode's, a prefill rank that dies, and the DI decode step's cost.
+
+Real processes, real NIXL/UCX (tcp kept in UCX_TLS), the session bundles (no new compiles):
+``built`` (unsharded: decode T=1), ``built_tp2`` (tp 2 / ep 2: decode T=2).
+"""
+
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from neffbuild.errors import PrefillWorkerLost
+from tests.test_di import _prompts, _single_process
+
+LENGTHS = [17, 47, 5, 33]
+
+
+def _di_tokens(bundle_path, prefill_tp, lengths, new=4):
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.di import generate_di
+    from neffbuild.serve.prefill_worker import PrefillGroup
+    from neffbuild.serve.session import open_session
+
+    session = open_session(open_bundle(bundle_path))
+    prompts = _prompts(lengths)
+    with PrefillGroup(bundle_path, prefill_tp) as group:
+        assert len(group.processes) == prefill_tp
+        gen = generate_di(session, group.addresses, prompts, new, alive=group.alive)
+    return gen, _single_process(session, prompts, new)
+
+
+@pytest.mark.slow
+def test_prefill_tp2_feeds_an_unsharded_decode(built):
+    """P=2 (one KV head per prefill rank) into T=1: every local block gathers two remote blocks (two READs)."""
+    gen, ref = _di_tokens(built[1].bundle, 2, LENGTHS)
+    assert gen.tokens == ref
+    assert [t["transfers"] for t in gen.transfers] == [2] * len(LENGTHS)
+
+
+@pytest.mark.slow
+def test_nixl_source_admits_requests_that_arrive_mid_run(built):
+    """The engine with NixlSource: requests arriving at later steps are pulled while others decode."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.di import NixlSource
+    from neffbuild.serve.engine import Engine
+    from neffbuild.serve.parts import Request
+    from neffbuild.serve.prefill_worker import PrefillGroup
+    from neffbuild.serve.session import open_session
+
+    session = open_session(open_bundle(built[1].bundle))
+    prompts = _prompts([30, 9, 47])
+    arrivals = [0, 2, 4]
+    reqs = [Request(f"r{n}", p, 5 + n, arrival=arrivals[n], index=n) for n, p in enumerate(prompts)]
+    with PrefillGroup(built[1].bundle) as group:
+        source = NixlSource(session, group.addresses, alive=group.alive, prefix="mid-")
+        try:
+            Engine(session.stepper, session.block_manager(), source).run(reqs)
+        finally:
+            source.close()
+    solo = [_single_process(session, [p], 5 + n)[0] for n, p in enumerate(prompts)]
+    assert [r.tokens for r in reqs] == solo
+    assert [r.first_step for r in reqs] == [0, 2, 4]
+    assert [t["kv_len"] for t in source.transfers] == [29, 8, 46]
+
+
+def _tp2_rank(rank, init_file, bundle_path, addresses, prompts, new, out_dir):
+    import torch.distributed as dist
+
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.di import generate_di
+    from neffbuild.serve.session import open_session
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        bundle = open_bundle(bundle_path, group=dist.group.WORLD)
+        session = open_session(bundle, group=dist.group.WORLD)
+        gen = generate_di(session, [tuple(a) for a in addresses], prompts, new,
+                          request_ids=[f"req-{n}" for n in range(len(prompts))])
+        res = {"tokens": gen.tokens, "transfers": gen.transfers}
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+def _tp2_decode(bundle_path, prefill_tp, prompts, new):
+    import torch.multiprocessing as mp
+
+    from neffbuild.serve.prefill_worker import PrefillGroup
+
+    with PrefillGroup(bundle_path, prefill_tp) as group, tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_tp2_rank, args=(os.path.join(tmp, "rdv"), str(bundle_path), group.addresses, prompts, new, tmp),
+                 nprocs=2, join=True)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_tp2_decode_pulls_its_heads_from_any_prefill_tp(built_tp2, prefill_tp):
+    """Decode T=2 (one KV head per rank) fed by P=1 (a slice of each remote block) or P=2 (rank to rank);
+    both decode ranks are clients of one prefill group; tokens equal the unsharded model's."""
+    from neffbuild.cli.generate_cmd import run_reference
+
+    prompts, new = _prompts(LENGTHS), 4
+    ranks = _tp2_decode(built_tp2, prefill_tp, prompts, new)
+    ref = run_reference(str(built_tp2), prompts, new)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == ref
+    for r in ranks:
+        assert all(t["transfers"] == 1 for t in r["transfers"])  # T >= P: one READ per request
+        assert all(t["kv_len"] == n - 1 for t, n in zip(r["transfers"], LENGTHS, strict=True))
+
+
+def _children():
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_prefill_rank_that_dies_is_a_typed_error_naming_the_request(built, victim):
+    """SIGKILL one prefill rank between two requests: the next request fails with PrefillWorkerLost naming it,
+    well within 30 s, from the side channel alone (no process handles: as a decode rank on another host sees
+    it); afterwards no prefill process is left."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, pull_prompt
+    from neffbuild.serve.session import open_session
+
+    session = open_session(open_bundle(built[1].bundle))
+    blocks = session.block_manager()
+    [first, second] = _prompts([20, 30])
+    with PrefillGroup(built[1].bundle, 2) as group:
+        pids = [p.pid for p in group.processes]
+        kv = connect_decode(session, group.addresses)
+        try:
+            assert pull_prompt(kv, blocks, session.config, first, "req-ok")["transfers"] == 2
+            os.kill(pids[victim], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(PrefillWorkerLost, match="request 'req-lost'") as err:
+                pull_prompt(kv, blocks, session.config, second, "req-lost")
+            assert time.monotonic() - t0 < 30
+            assert err.value.request == "req-lost" and err.value.exit_code == 1
+        finally:
+            kv.close()
+    assert not [p for p in _children() if p.pid in pids]
+
+
+@pytest.mark.bench
+def test_di_decode_step_costs_what_a_plain_step_costs(built):
+    """Side by side, interleaved: the decode steps of generate_di (prefill group alive) against greedy's."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.di import generate_di
+    from neffbuild.serve.greedy import greedy
+    from neffbuild.serve.prefill_worker import PrefillGroup
+    from neffbuild.serve.session import open_session
+
+    bundle = open_bundle(built[1].bundle)
+    session = open_session(bundle)
+    for label in bundle.labels:
+        bundle.artifact(label)
+    prompts, new = _prompts([40, 40, 40, 40]), 48
+    plain, di = [], []
+    with PrefillGroup(built[1].bundle) as group:
+        for _ in range(5):
+            g = greedy(session.stepper, session.prefill, session.block_manager(), prompts, new)
+            plain.append(g.decode_seconds / len(g.plans))
+            d = generate_di(session, group.addresses, prompts, new)
+            di.append(d.decode_seconds / len(d.plans))
+    ratio = statistics.median(di) / statistics.median(plain)
+    print(json.dumps({"plain_step_ms": round(statistics.median(plain) * 1e3, 3),
+                      "di_step_ms": round(statistics.median(di) * 1e3, 3), "ratio": round(ratio, 3),
+                      "load": os.getloadavg()[0]}))
+    assert ratio < 1.2
