@@ -95,6 +95,8 @@ class Engine:
         live: list[Request] = []
         t = 0
         while True:
+            if not live and waiting and self.stepper.group is None and not self.source.collective:
+                t = max(t, waiting[0].arrival)  # nothing runs until then: skip the idle steps (DP ranks count them)
             t0 = time.perf_counter()
             admit = self._admissible(waiting, live, t)
             source_s = propose_s = run_s = 0.0
