@@ -263,7 +263,8 @@ class Bundle:
                 if entry is None:
                     raise ShapeNotCovered(f"{self.root.name}: no artifact {label!r}; the bundle has {self.labels}")
                 # The EAGLE3 draft is replicated and has no collectives: its graph takes no rank input.
-                takes_rank = any(i.get("name") == "rank" for i in entry.get("input_signature", []))
+                sig = entry.get("input_signature")
+                takes_rank = any(i.get("name") == "rank" for i in sig) if sig else entry.get("family") != "draft"
                 self._loaded[label] = _with_rank(self._load(entry), self.context if takes_rank else None)
             return self._loaded[label]
 
