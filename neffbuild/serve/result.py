@@ -109,7 +109,8 @@ def generate(bundle_path: str, requests: list[Request], opts: Options) -> Genera
 
         load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     world, dp = world_for(bundle_path, opts.dp)
-    _check_early(bundle_path, requests, opts.source)
+    if world > 1 or opts.di:  # one process checks them after check_bundle (a broken bundle is exit 1 first)
+        _check_early(bundle_path, requests, opts.source)
     if not opts.di:
         return merge(run_ranks(bundle_path, requests, opts), len(requests), world, dp)
     from neffbuild.serve.prefill_worker import PrefillGroup
