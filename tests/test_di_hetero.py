@@ -175,3 +175,13 @@ def test_di_decode_step_costs_what_a_plain_step_costs(built):
                       "di_step_ms": round(statistics.median(di) * 1e3, 3), "ratio": round(ratio, 3),
                       "load": os.getloadavg()[0]}))
     assert ratio < 1.2
+
+
+def test_prefill_tp_must_split_the_heads_as_a_tp_degree_does(tiny_cfg):
+    from neffbuild.errors import InvalidInput
+    from neffbuild.serve.prefill_worker import check_prefill_tp
+
+    for ok in (1, 2, 4):  # 4 attention heads, 2 KV heads: tp 4 replicates each KV head on two ranks
+        check_prefill_tp(tiny_cfg, "gpt_oss", ok)
+    with pytest.raises(InvalidInput, match=r"--prefill-tp 3: tp 3 must divide the 4 attention heads"):
+        check_prefill_tp(tiny_cfg, "gpt_oss", 3)
