@@ -204,3 +204,18 @@ def ray_cluster():
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+PRODUCTION_TINY = ROOT / "recipes" / "gpt-oss-tiny-production.yaml"
+
+
+@pytest.fixture(scope="session")
+def production_built(tmp_path_factory, build_cache):
+    """The production case on the tiny model (EAGLE3, packed FP8, tp 2 x dp 2 x ep 4): 6 targets; the bundle."""
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    folder = tmp_path_factory.mktemp("production")
+    res = compile_recipe(recipe.load(PRODUCTION_TINY), folder / "out", jobs=2, cache_root=build_cache)
+    assert not res.failed, res.failed
+    return res.bundle

@@ -177,6 +177,6 @@ def test_generate_di_without_nixl_names_the_extra(tmp_path):
     assert "pip install 'neffbuild[nixl]'" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_generate_di_refuses_dp(tmp_path):
-    res = _cli("generate", str(tmp_path), "--prompt-ids", "1,2", "--di", "--dp", "2")
-    assert res.returncode == 2 and "--di runs one decode process" in res.stderr
+def test_generate_needs_prompts_or_a_request_file(tmp_path):
+    res = _cli("generate", str(tmp_path), "--di")  # --di --dp is served now (tests/test_engine.py)
+    assert res.returncode == 2 and "--prompt-ids ... or as --requests" in res.stderr

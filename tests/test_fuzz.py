@@ -186,7 +186,8 @@ def test_fuzz_bundle_manifest(built, tmp_path_factory, data):
     import shutil
 
     from neffbuild.bundle import manifest
-    from neffbuild.cli.generate_cmd import run_rank
+    from neffbuild.serve.requests import from_prompts
+    from neffbuild.serve.run import Options, serve_rank
 
     src = built[1].bundle
     m = json.loads((src / "manifest.json").read_text())
@@ -199,7 +200,7 @@ def test_fuzz_bundle_manifest(built, tmp_path_factory, data):
     (root / "manifest.json").write_text(text)
     (root / "manifest.sha256").write_text(f"{hashlib.sha256(text.encode()).hexdigest()}  manifest.json\n")
     with contextlib.suppress(NeffbuildError):
-        run_rank(str(root), [[1, 2, 3]], 2)
+        serve_rank(str(root), from_prompts([[1, 2, 3]], 2), Options())
 
 
 def _json_ok(m) -> bool:

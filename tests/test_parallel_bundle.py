@@ -35,13 +35,14 @@ def _generate(bundle, prompts, *extra):
 
 def _unsharded_tokens(checkpoint, bundle, prompts):
     """The tp-1 tokens of the same recipe: the eager unsharded model on the checkpoint's own weights."""
-    from neffbuild.cli.generate_cmd import run_reference
     from neffbuild.models.gpt_oss import weights as W
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.sharding import unshard
     from neffbuild.runtime import bundle as reader
     from neffbuild.runtime import weights_file
     from neffbuild.runtime.parallel import ParallelLayout
+    from neffbuild.serve.requests import from_prompts
+    from neffbuild.serve.result import reference_tokens
 
     m = reader.read_manifest(Path(bundle))
     cfg = GptOssConfig.from_hf_dict(m["graph_inputs"]["model_config"])
@@ -50,7 +51,7 @@ def _unsharded_tokens(checkpoint, bundle, prompts):
     joined = unshard(cfg, parts, ParallelLayout.from_json(m["parallel"]))
     want = W.model_weights(cfg, checkpoint, None)
     assert joined.keys() == want.keys() and all(torch.equal(joined[k], want[k]) for k in want)
-    return run_reference(str(bundle), prompts, N_NEW)
+    return reference_tokens(str(bundle), from_prompts(prompts, N_NEW))
 
 
 def test_tp2_ep2_tokens_equal_tp1_across_bucket_boundary(built_tp2, hf_checkpoint):

@@ -172,7 +172,8 @@ def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
     reference = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new + K + 1).tokens
     s = open_session(bundle)  # fresh KV
-    tokens, stats = generate_spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=_oracle(dict(enumerate(reference)), K))
+    oracle = _oracle(dict(enumerate(reference)), K)
+    tokens, stats = generate_spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=oracle)
     assert tokens == [r[:n_new] for r in reference]
     assert stats.acceptance_rate == 1.0
     assert len(stats.steps) == -(-(n_new - 1) // (K + 1))

@@ -254,15 +254,18 @@ class Bundle:
     def artifact(self, label: str):
         """The callable for one label, checked, loaded and bound to the shared weights on first use.
 
-        Sharded: bound to this rank's id too (the graph's last input), so callers pass the
-        same arguments as for an unsharded artifact.
+        Sharded: bound to this rank's id too (the graph's last input, where its input signature
+        has one), so callers pass the same arguments as for an unsharded artifact.
         """
         with self._lock:
             if label not in self._loaded:
                 entry = self.entries.get(label)
                 if entry is None:
                     raise ShapeNotCovered(f"{self.root.name}: no artifact {label!r}; the bundle has {self.labels}")
-                self._loaded[label] = _with_rank(self._load(entry), self.context)
+                # The EAGLE3 draft is replicated and has no collectives: its graph takes no rank input.
+                sig = entry.get("input_signature")
+                takes_rank = any(i.get("name") == "rank" for i in sig) if sig else entry.get("family") != "draft"
+                self._loaded[label] = _with_rank(self._load(entry), self.context if takes_rank else None)
             return self._loaded[label]
 
     def _load(self, entry: dict):

@@ -1,5 +1,5 @@
-"""Generation loops above the models and the runtime: greedy, EAGLE3 speculative (spec.py), DI.
+"""The serving engine above the models and the runtime (``cli -> serve -> {models, runtime}``).
 
-``cli -> serve -> {models, runtime}``: a loop composes a model's prefill, the optional
-block manager and the runtime's step API; models and runtime never import it.
+One engine (engine.py) composed of parts (parts.py: KV source, proposer; world.py: the ranks);
+``result.generate`` is what ``neffbuild generate`` calls. Models and runtime never import it.
 """

@@ -23,10 +23,11 @@ The loop stops when, in one step's collective, no rank has live, waiting or unfi
 requests: all ranks stop together. The batch and context buckets follow the live batch
 both ways because every step plans from the requests live in it.
 
-Timing (``EngineStats``): ``step_seconds`` per decode step (wall time of 2..4 above, the
-artifact included), ``run_seconds`` inside ``Stepper.run`` (metadata + artifact), and
-``engine_seconds``: the engine's own work (admission bookkeeping, scheduling, block tables,
-acceptance), i.e. the step minus the run, the proposer and the KV source.
+Timing (``EngineStats``): ``step_seconds`` per decode step (wall time of 1..4 above without
+the KV source's prefill or transfer, the artifact included), ``run_seconds`` inside
+``Stepper.run`` (metadata + artifact), ``plan_seconds`` inside ``Stepper.plan`` (buckets and
+the DP collective), and ``engine_seconds``: the engine's own work (admission bookkeeping,
+scheduling, block tables, acceptance), i.e. the step minus run, plan and proposer.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class EngineStats:
     draft_calls: list[str] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # tokens this rank emitted per step
-    run_seconds: float = 0.0
+    run_seconds: float = 0.0  # Stepper.run: trimmed metadata + the artifact
+    plan_seconds: float = 0.0  # Stepper.plan: buckets, family and the DP collective (the runtime's)
     engine_seconds: float = 0.0
     source_seconds: float = 0.0  # prefill / transfers (admission's model work)
     proposed: int = 0
@@ -93,6 +95,8 @@ class Engine:
         live: list[Request] = []
         t = 0
         while True:
+            if not live and waiting and self.stepper.group is None and not self.source.collective:
+                t = max(t, waiting[0].arrival)  # nothing runs until then: skip the idle steps (DP ranks count them)
             t0 = time.perf_counter()
             admit = self._admissible(waiting, live, t)
             source_s = propose_s = run_s = 0.0
@@ -114,7 +118,10 @@ class Engine:
                     self.stats.draft_calls.append(label)
             batch = self._batch(live)
             # "more": this rank has work after this step for sure or maybe (a draft may finish a request early)
-            plan = self.stepper.plan(batch, more=bool(waiting) or any(r.remaining > 1 for r in live))
+            more = bool(waiting) or any(r.remaining > 1 for r in live)
+            q0 = time.perf_counter()
+            plan = self.stepper.plan(batch, more=more)
+            plan_s = time.perf_counter() - q0
             if plan.any_work:
                 r0 = time.perf_counter()
                 out = self.stepper.run(plan, batch)
@@ -129,7 +136,8 @@ class Engine:
                 self.stats.step_seconds.append(wall - source_s)
                 self.stats.step_tokens.append(emitted)
                 self.stats.run_seconds += run_s
-                self.stats.engine_seconds += wall - source_s - propose_s - run_s
+                self.stats.plan_seconds += plan_s
+                self.stats.engine_seconds += wall - source_s - propose_s - run_s - plan_s
             if not plan.more:
                 break
             t += 1
@@ -159,10 +167,10 @@ class Engine:
                          block_rows(self.blocks, [r.key for r in live], upto))
 
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> int:
-        greedy = out.logits.argmax(-1)  # [R, q]
+        greedy = out.logits.argmax(-1).tolist()  # [R][q]
         q, total, emitted_all = plan.query_len, 0, 0
         for i, r in enumerate(live):
-            g = greedy[i].tolist()
+            g = greedy[i]
             a = 0
             while a < q - 1 and r.drafts[a] == g[a]:
                 a += 1

@@ -1,0 +1,72 @@
+"""The serving engine's own cost per step, and continuous batching vs a static batch.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/engine.py BUNDLE [--repeat 3]
+
+BUNDLE: an unsharded bundle (e.g. the tests' recipe, recipes/gpt-oss-tiny.yaml with
+num_seqs_buckets [1, 4] and context buckets [128, 256]). In this process, artifacts
+preloaded, two workloads of the same 12 prompts and per-request ``max_new_tokens``:
+
+* ``requests``: staggered arrivals (every 3 steps a request), as ``generate --requests``;
+* ``static``: every prompt at step 0, as ``generate --prompt-ids`` (the batch fills to the
+  largest bucket, the rest queue and join as others leave).
+
+Per run: tokens/s (steps after the first, see serve/result.py), the step time, and the
+engine's own work (admission, scheduling, block tables, acceptance: ``EngineStats.engine_seconds``)
+as a fraction of the decode time. Runs alternate; medians over ``--repeat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import machine
+
+from neffbuild.runtime.bundle import open_bundle
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.parts import LocalPrefill, Request
+from neffbuild.serve.session import open_session
+
+LENGTHS = [(20, 40), (150, 30), (8, 60), (60, 20), (200, 50), (5, 45), (90, 25), (33, 35), (12, 55), (120, 40),
+           (44, 15), (70, 30)]  # (prompt tokens, max_new_tokens)
+
+
+def workload(stagger: int) -> list[Request]:
+    return [Request(str(k), [(7 * i + 3 * n) % 250 + 1 for i in range(n)], new, k * stagger, index=k)
+            for k, (n, new) in enumerate(LENGTHS)]
+
+
+def run(session, reqs) -> dict:
+    engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches))
+    engine.run(reqs)
+    st = engine.stats
+    secs, later_s, later = sum(st.step_seconds), sum(st.step_seconds[1:]), sum(st.step_tokens[1:])
+    return {"steps": len(st.step_seconds), "tokens_per_second": later / later_s,
+            "step_us": secs / len(st.step_seconds) * 1e6, "engine_fraction": st.engine_seconds / secs,
+            "engine_us_per_step": st.engine_seconds / len(st.step_seconds) * 1e6,
+            "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    session = open_session(open_bundle(args.bundle, preload=True))
+    run(session, workload(0))  # warm-up: first calls of every artifact
+    rows = {"requests": [], "static": []}
+    for _ in range(args.repeat):
+        rows["requests"].append(run(session, workload(3)))
+        rows["static"].append(run(session, workload(0)))
+    out = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
+    out["machine"] = machine()
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
