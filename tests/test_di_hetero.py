@@ -103,11 +103,12 @@ def _tp2_decode(bundle_path, prefill_tp, prompts, new):
 def test_tp2_decode_pulls_its_heads_from_any_prefill_tp(built_tp2, prefill_tp):
     """Decode T=2 (one KV head per rank) fed by P=1 (a slice of each remote block) or P=2 (rank to rank);
     both decode ranks are clients of one prefill group; tokens equal the unsharded model's."""
-    from neffbuild.cli.generate_cmd import run_reference
+    from neffbuild.serve.parts import Request
+    from neffbuild.serve.result import reference_tokens
 
     prompts, new = _prompts(LENGTHS), 4
     ranks = _tp2_decode(built_tp2, prefill_tp, prompts, new)
-    ref = run_reference(str(built_tp2), prompts, new)
+    ref = reference_tokens(str(built_tp2), [Request(str(n), p, new, index=n) for n, p in enumerate(prompts)])
     assert ranks[0]["tokens"] == ranks[1]["tokens"] == ref
     for r in ranks:
         assert all(t["transfers"] == 1 for t in r["transfers"])  # T >= P: one READ per request
