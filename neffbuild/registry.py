@@ -61,16 +61,19 @@ AUTO = "auto"  # the first available backend, in the order above
 # pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
 # -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of
 # (the bundle's weight pieces), unshard (pieces -> the full weights, the --check reference).
+# placeholder_shapes, rank_shapes, local_config and rank_weight_bytes (config, layout -> bytes one rank's
+# pieces store) are torch-free: plan and the validator size a rank with them.
 ARCHITECTURES = {
     "gpt_oss": Entry("gpt_oss", {
         "config": "neffbuild.models.gpt_oss.config:GptOssConfig",
         "weights": "neffbuild.models.gpt_oss.weights:model_weights",
-        "placeholder_shapes": "neffbuild.models.gpt_oss.weights:stacked_shapes",
+        "placeholder_shapes": "neffbuild.models.gpt_oss.shapes:stacked_shapes",
         "decode": "neffbuild.models.gpt_oss.decode:GptOssDecode",
         "aux_layers": "neffbuild.models.gpt_oss.decode:default_aux_layers",
         "prefill": "neffbuild.models.gpt_oss.prefill:prefill",
-        "rank_shapes": "neffbuild.models.gpt_oss.sharding:rank_shapes",
-        "local_config": "neffbuild.models.gpt_oss.sharding:local_config",
+        "rank_shapes": "neffbuild.models.gpt_oss.shapes:rank_shapes",
+        "local_config": "neffbuild.models.gpt_oss.shapes:local_config",
+        "rank_weight_bytes": "neffbuild.models.gpt_oss.shapes:rank_weight_bytes",
         "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
         "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",

@@ -11,89 +11,22 @@ tracing and compiling).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 
 from neffbuild import registry
+from neffbuild.compiler.graph_spec import (  # noqa: F401  (torch-free; re-exported)
+    GraphSpec,
+    draft_config_for,
+    kv_layout_for,
+    layout_for,
+    spec_for,
+)
 from neffbuild.models.eagle3 import weights as draft_weights
-from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.runtime import parallel, world
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
-from neffbuild.runtime.kv_cache import KVLayout
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    """Everything that shapes one compiled graph (picklable, sent to workers)."""
-
-    arch: str
-    hf_config: dict
-    family: str
-    batch: int
-    ctx: int
-    query_len: int
-    block_size: int
-    num_blocks: int
-    num_swa: int
-    fp8_packed_kv: bool
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-    draft_hf_config: dict | None = None  # EAGLE3 recipes: the draft's config (aux layers, widths)
-    num_speculative_tokens: int = 0
-    draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
-
-    @property
-    def config(self):
-        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
-
-    @property
-    def draft_config(self) -> Eagle3Config | None:
-        return None if self.draft_hf_config is None else Eagle3Config.from_hf_dict(self.draft_hf_config, self.config)
-
-    @property
-    def layout(self) -> parallel.ParallelLayout:
-        return parallel.ParallelLayout(self.tp, self.dp, self.ep)
-
-    def kv_layout(self) -> KVLayout:
-        return _kv_layout(self.config, self.draft_config, self.num_blocks, self.block_size, self.fp8_packed_kv,
-                          self.layout)
-
-
-def spec_for(recipe, target) -> GraphSpec:
-    s = recipe.speculative
-    own_embed = bool(s and s.draft_checkpoint and draft_weights.has_own_embed(s.draft_checkpoint))
-    return GraphSpec(recipe.model.arch, recipe.model.hf_config, target.family, target.batch, target.ctx,
-                     target.query_len, recipe.block_size, recipe.num_blocks, recipe.num_swa, recipe.fp8_packed_kv,
-                     recipe.tp, recipe.dp, recipe.ep, draft_hf_config=s.draft_hf_config if s else None,
-                     num_speculative_tokens=recipe.num_speculative_tokens, draft_own_embed=own_embed)
-
-
-def draft_config_for(recipe) -> Eagle3Config | None:
-    s = recipe.speculative
-    return Eagle3Config.from_hf_dict(s.draft_hf_config, recipe.model.config) if s else None
-
-
-def layout_for(recipe) -> parallel.ParallelLayout:
-    return parallel.ParallelLayout(recipe.tp, recipe.dp, recipe.ep)
-
-
-def kv_layout_for(recipe) -> KVLayout:
-    """One rank's KV layout (its KV heads; the EAGLE3 draft's group is not sharded)."""
-    return _kv_layout(recipe.model.config, draft_config_for(recipe), recipe.num_blocks, recipe.block_size,
-                      recipe.fp8_packed_kv, layout_for(recipe))
-
-
-def _kv_layout(cfg, dcfg: Eagle3Config | None, num_blocks: int, block_size: int, fp8_packed_kv: bool,
-               par) -> KVLayout:
-    # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too).
-    local = registry.arch_of(cfg).get("local_config")(cfg, par)  # this rank's KV heads
-    return KVLayout(cfg.num_kv_buffers, num_blocks, local.num_key_value_heads, block_size, cfg.head_dim,
-                    fp8=fp8_packed_kv, packed_k=fp8_packed_kv,
-                    draft_kv_heads=dcfg.num_key_value_heads if dcfg else 0, draft_head_dim=dcfg.head_dim if dcfg else 0)
 
 
 def draft_example_inputs(spec: GraphSpec) -> tuple:

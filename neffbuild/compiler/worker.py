@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from neffbuild.compiler.graphs import GraphSpec
+from neffbuild.compiler.graph_spec import GraphSpec, graph_summary
 
 COMPILER_ERROR, KILLED, TIMEOUT, ENVIRONMENT = "compiler_error", "killed_or_oom", "timeout", "environment"
 LOAD_ERROR = "load_error"
@@ -247,12 +247,6 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def graph_summary(graph: GraphSpec) -> dict:
-    return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
-            "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
-            "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}
 
 
 def warm_up() -> int:
