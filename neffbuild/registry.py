@@ -37,7 +37,9 @@ class Entry:
 # Backend parts: compile_side (a compiler/backends Backend class, build side only), loader
 # (runtime: path, weights, toolchain, device -> step callable), host_problem (runtime:
 # toolchain -> why this host cannot run the artifacts, or None), available (-> bool), layout_rule
-# (optional, recipe validation: err, tp, compiler section, lnc -> reports what the backend cannot build).
+# (optional, recipe validation: err, tp, compiler section, lnc -> reports what the backend cannot build),
+# kv_rule / kv_limit (optional: err, one rank's KVLayout -> reports a pool the kernels cannot address;
+# KVLayout -> the largest num_blocks they can; neuron's block-KV DMA uses 32-bit offsets, neffbuild/memory.py).
 BACKENDS = {
     "neuron": Entry("neuron", {
         "compile_side": "neffbuild.compiler.backends.neuron:NeuronBackend",
@@ -45,6 +47,8 @@ BACKENDS = {
         "host_problem": "neffbuild.runtime.loaders:neuron_problem",
         "available": "neffbuild.compiler.backends.neuron:available",
         "layout_rule": "neffbuild.recipe.parallel_rules:neuron_instance_limit",
+        "kv_rule": "neffbuild.memory:kv_offsets_32bit",
+        "kv_limit": "neffbuild.memory:kv_offset_limit",
     }),
     "inductor": Entry("inductor", {
         "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",

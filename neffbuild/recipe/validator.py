@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from neffbuild import registry
+from neffbuild import memory, registry
 from neffbuild.errors import NO_VALUE, NeffbuildError, Problem
 from neffbuild.recipe import config_rules, parallel_rules
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
@@ -178,6 +178,7 @@ class Validator:
         if cfg is not None:
             self.cross_checks(cfg, serving, parallel, ctx, gk, spec)
             parallel_rules.check(self.err, cfg, parallel, compiler, lnc)
+            memory.check_recipe(self.err, cfg, serving, parallel, fp8, spec, compiler)  # the backend's KV rule
         if self.problems:
             return None
         return Recipe(
