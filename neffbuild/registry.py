@@ -10,11 +10,10 @@ Adding a backend or an architecture = one new module plus one entry below.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from dataclasses import dataclass
 
-from neffbuild.errors import InvalidInput
+from neffbuild.errors import InvalidInput, did_you_mean
 
 
 def resolve(ref: str):
@@ -89,9 +88,7 @@ ARCHITECTURES = {
 def _lookup(table: dict[str, Entry], name: str, what: str, path: str) -> Entry:
     if name in table:
         return table[name]
-    hint = difflib.get_close_matches(str(name), list(table), n=1)
-    raise InvalidInput(f"{path}: unknown {what} {name!r}; known: {', '.join(table)}"
-                       + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    raise InvalidInput(f"{path}: unknown {what} {name!r}; known: {', '.join(table)}{did_you_mean(name, table)}")
 
 
 def backend(name: str) -> Entry:

@@ -9,7 +9,7 @@ import click
 from neffbuild import recipe as recipe_mod
 from neffbuild import registry
 from neffbuild.cli.output import echo_json, json_option
-from neffbuild.compiler.builder import Progress, compile_recipe
+from neffbuild.compiler.progress import Progress
 from neffbuild.errors import BuildFailed, InvalidInput
 
 
@@ -110,6 +110,8 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     r = recipe_mod.load(recipe_path)
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
+    from neffbuild.compiler.builder import compile_recipe  # torch: only once a build starts (torch-free --help)
+
     progress = RichProgress()
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,

@@ -23,6 +23,7 @@ from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
 from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
+from neffbuild.compiler.progress import Progress
 from neffbuild.compiler.worker import Job, cached_result
 from neffbuild.errors import InvalidInput
 from neffbuild.models.eagle3.weights import draft_weights
@@ -46,15 +47,6 @@ class BuildResult:
                 "traced": self.traced, "memory_note": self.memory_note, "memory": self.memory,
                 "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
                 "wall_s": round(self.wall_s, 3)}
-
-
-class Progress:
-    """Callbacks the CLI implements; the default does nothing."""
-
-    def start(self, total: int) -> None: ...
-    def running(self, label: str) -> None: ...
-    def finished(self, result: dict) -> None: ...
-    def stage(self, message: str) -> None: ...
 
 
 def backend_kwargs(recipe, backend_name: str | None = None) -> dict:

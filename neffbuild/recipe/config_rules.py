@@ -8,10 +8,9 @@ is checked key by key. Used by ``validator.py`` for ``model.config`` and
 
 from __future__ import annotations
 
-import difflib
 import math
 
-from neffbuild.errors import NO_VALUE
+from neffbuild.errors import NO_VALUE, did_you_mean
 
 INT64_MAX = 2**63 - 1
 # Upper bounds: generous for real models (GPT-OSS-120B is far below each), small enough for memory.
@@ -50,8 +49,7 @@ def check_rope(v, rope, path: str) -> bool:
     ok = True
     for key, value in rope.items():
         if key not in ROPE_KEYS:
-            hint = difflib.get_close_matches(str(key), sorted(ROPE_KEYS), n=1)
-            v.err(f"{path}.{key}", NO_VALUE, "unknown key" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+            v.err(f"{path}.{key}", NO_VALUE, "unknown key" + did_you_mean(key, ROPE_KEYS))
             ok = False
         elif key in ROPE_FLOATS:
             ok &= check_float(v, value, f"{path}.{key}", *ROPE_FLOATS[key])

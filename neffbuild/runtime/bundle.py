@@ -15,12 +15,11 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
+from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, parallel, weights_file, world
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
-from neffbuild.runtime.manifest_schema import Problem
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_DEPTH = 32
@@ -31,7 +30,7 @@ __all__ = ["Bundle", "Problem", "check", "open_bundle", "read_manifest", "safe_p
 def safe_path(root: Path, rel: object) -> Path:
     """Resolve a manifest path inside the bundle, refusing escapes and symlinks."""
     if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
-        raise BundleError(f"{root}: manifest path {manifest_schema.short(rel)} is not a relative POSIX path")
+        raise BundleError(f"{root}: manifest path {short_repr(rel)} is not a relative POSIX path")
     pure = PurePosixPath(rel)
     if pure.is_absolute() or ".." in pure.parts:
         raise BundleError(f"{root}: manifest path {rel!r} points outside the bundle")
@@ -75,13 +74,13 @@ def read_manifest(root: Path) -> dict:
             raise ValueError(f"nested deeper than {MAX_MANIFEST_DEPTH} levels")
         m = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise BundleError(f"{mpath}: unreadable manifest ({manifest_schema.short(str(exc), 160)})") from None
+        raise BundleError(f"{mpath}: unreadable manifest ({short_repr(str(exc), 160)})") from None
     if not isinstance(m, dict) or m.get("format") != layout.BUNDLE_FORMAT:
-        got = manifest_schema.short(m.get("format") if isinstance(m, dict) else None)
+        got = short_repr(m.get("format") if isinstance(m, dict) else None)
         raise IncompatibleBundle(f"{mpath}: format is {got}, expected {layout.BUNDLE_FORMAT!r}")
     v = m.get("format_version")
     if not isinstance(v, int) or isinstance(v, bool) or v not in layout.SUPPORTED_FORMAT_VERSIONS:
-        raise IncompatibleBundle(f"{mpath}: format_version {manifest_schema.short(v)} is not supported by this "
+        raise IncompatibleBundle(f"{mpath}: format_version {short_repr(v)} is not supported by this "
                                  f"reader (supported: {list(layout.SUPPORTED_FORMAT_VERSIONS)}); rebuild the bundle "
                                  "or use the neffbuild that built it")
     return m

@@ -18,6 +18,14 @@ DECODE, TARGET_SPEC, TARGET_NOSPEC, DRAFT = "decode", "target_spec", "target_nos
 FAMILIES = (DECODE, TARGET_SPEC, TARGET_NOSPEC, DRAFT)
 
 
+def families(num_speculative_tokens: int) -> list[tuple[str, int]]:
+    """(family, query_len) pairs compiled for each (batch, ctx) cell."""
+    if num_speculative_tokens <= 0:
+        return [(DECODE, 1)]
+    k = num_speculative_tokens
+    return [(TARGET_SPEC, 1 + k), (TARGET_NOSPEC, 1), (DRAFT, 1 + k)]
+
+
 @dataclass(frozen=True)
 class GridSpec:
     """What a bundle compiled: the inputs that decide every step's artifact."""

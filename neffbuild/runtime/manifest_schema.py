@@ -4,15 +4,16 @@
 must cover, labels and files that agree, the weights table, and each artifact's recorded input
 signature against the one the runtime will call it with). Each problem names the dotted field.
 The digest file (``manifest.sha256``, in ``sha256sum`` format) covers the manifest's own bytes.
-Standard library and the runtime's pure modules only.
+Standard library, the runtime's pure modules and the shared ``errors.Problem``.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
 
+from neffbuild.errors import Problem
+from neffbuild.errors import short_repr as short
 from neffbuild.runtime import layout
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_SPEC, label
@@ -23,20 +24,6 @@ MAX_DIM = 2**31 - 1
 KV_DTYPES = {False: "float32", True: "float8_e4m3fn"}  # fp8_packed_kv -> the buffer dtype (kv_cache.KVLayout)
 STEP_INPUTS = ("input_ids", "positions", "block_table", "block_table_swa", "swa_kv_pos_offset", "slot_mapping",
                "slot_mapping_swa")
-
-
-@dataclass(frozen=True)
-class Problem:
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
-
-
-def short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_int(v, lo: int = 0, hi: int = MAX_DIM) -> bool:
