@@ -150,12 +150,16 @@ def test_uint32_kv_offsets_refuse_the_tp1_70000_block_neuron_recipe(tmp_path):
 
 
 def test_memory_planning_is_torch_free():
-    code = ("import sys\n"
-            "from neffbuild import grid, recipe\n"
-            "from neffbuild.compiler.memory_plan import plan_doc\n"
-            f"r = recipe.load({str(BIG)!r})\n"
-            "doc = plan_doc(r, grid.targets(r), {}, device_bytes=12 << 30, cache_root='/nonexistent')\n"
+    """plan --no-cache --device-memory and validate --device-memory are arithmetic: torch is never imported."""
+    code = ("import sys, json\n"
+            "from click.testing import CliRunner\n"
+            "from neffbuild.cli.main import _register, cli\n"
+            "_register()\n"
+            f"r = CliRunner().invoke(cli, ['plan', {str(BIG)!r}, '--no-cache', '--json', '--device-memory', '24GiB'])\n"
+            "assert r.exit_code == 0, r.output\n"
+            "doc = json.loads(r.output)['memory']\n"
             "assert doc['per_rank']['kv_bytes'] > 0 and len(doc['compile']['targets']) == 48\n"
+            f"assert CliRunner().invoke(cli, ['validate', {str(BIG)!r}, '--device-memory', '12GiB']).exit_code == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
