@@ -173,7 +173,8 @@ def describe(doc: dict) -> list[str]:
              + (f" + draft {fmt_bytes(r['kv_draft_bytes'])}" if r["kv_draft_bytes"] else ""),
              f"  KV: {r['kv_formula']} ({fmt_bytes(r['kv_bytes_per_block'])} per block)",
              f"  largest artifact: {fmt_bytes(art['bytes'])}" + (f" ({art['label']}, {art['source']})"
-                                                                 if art.get("label") else "")]
+                                                                 if art.get("label") else
+                                                                 " (no past compile of these targets in the cache)")]
     if "kv_offset_limit" in doc:
         lines.append(f"  32-bit KV offsets: num_blocks <= {doc['kv_offset_limit']}")
     d = doc.get("device")
