@@ -64,13 +64,14 @@ def test_ray_bundle_verifies_and_decodes_like_the_local_build(ray_built, built):
         assert toks == ref_toks
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
 
-def test_second_ray_build_is_all_cache_hits(ray_built, ray_cluster):
+def test_second_ray_build_is_all_cache_hits_and_traces_nothing(ray_built, ray_cluster):
     path, folder, first = ray_built
     out = _cli("compile", str(path), "-o", str(folder / "again"), "--cache-dir", str(folder / "cache"), "--json",
                "--executor", "ray", "--address", ray_cluster)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert (doc["built"], doc["cached"], doc["failed"]) == (0, 2, [])
+    assert doc["traced"] == 0  # the first Ray build recorded every pre-key in the driver's cache: nothing traced
     assert (Path(doc["bundle"]) / "manifest.json").read_bytes() == (first.bundle / "manifest.json").read_bytes()
 
 

@@ -23,8 +23,9 @@ from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
 from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
+from neffbuild.compiler.jobs import Job, JobResult
 from neffbuild.compiler.progress import Progress
-from neffbuild.compiler.worker import Job, cached_result
+from neffbuild.compiler.worker import cached_result
 from neffbuild.errors import InvalidInput
 from neffbuild.models.eagle3.weights import draft_weights
 
@@ -35,15 +36,15 @@ class BuildResult:
     built: int = 0
     cached: int = 0
     traced: int = 0  # targets traced to compute their key (a warm rebuild traces none)
-    failed: list[dict] = field(default_factory=list)
-    results: list[dict] = field(default_factory=list)
+    failed: list[JobResult] = field(default_factory=list)
+    results: list[JobResult] = field(default_factory=list)
     wall_s: float = 0.0
     failed_logs: Path | None = None
 
     def to_json(self) -> dict:
         return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
                 "traced": self.traced,
-                "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
+                "failed": [{"label": f.label, "kind": f.kind, "error": f.error, "log": f.log} for f in self.failed],
                 "wall_s": round(self.wall_s, 3)}
 
 
@@ -91,25 +92,24 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         progress.start(len(jobs_list))
         for res in _run(jobs_list, runner, progress):
             result.results.append(res)
-            result.traced += bool(res.get("traced"))
-            if res["status"] == "ok":
-                result.cached += res["hit"]
-                result.built += not res["hit"]
+            result.traced += res.traced
+            if res.ok:
+                result.cached += res.hit
+                result.built += not res.hit
             else:
                 result.failed.append(res)
             progress.finished(res)
         result.wall_s = time.monotonic() - started
         if result.failed:
             result.failed_logs = _keep_logs(writer, out_dir)
-            for f in result.failed:
-                f["log"] = str(result.failed_logs / Path(f["log"]).name)
+            result.failed = [f.replace(log=str(result.failed_logs / Path(f.log).name)) for f in result.failed]
             writer.abort()
             return result
         progress.stage("writing bundle")
-        ordered = sorted(result.results, key=lambda r: r["label"])
-        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
-        hits = {r["label"]: r["hit"] for r in result.results}
-        seconds = {r["label"]: r["compile_seconds"] for r in result.results}  # per build: build-info.json
+        ordered = sorted(result.results, key=lambda r: r.label)
+        artifacts = [_add_artifact(writer, by_label[r.label], r) for r in ordered]
+        hits = {r.label: r.hit for r in result.results}
+        seconds = {r.label: r.compile_seconds for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry, parallel=parallel,
@@ -168,20 +168,20 @@ def _load_weights(recipe) -> dict:
                            f"({str(exc)[:200]})") from None
 
 
-def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
+def _add_artifact(writer: BundleWriter, t, res: JobResult) -> dict:
     """Copy one built artifact into the bundle; its manifest entry."""
-    rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
+    rel = writer.add_artifact(t.label, res.ext, Path(res.artifact))
     return {
         "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
-        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"],
-        "cache_key": res["cache_key"], "input_signature": res["input_signature"],
+        "file": rel, "sha256": res.sha256, "bytes": res.bytes,
+        "cache_key": res.cache_key, "input_signature": res.input_signature,
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
 
 
-def _placement(runner, results: list[dict]) -> dict:
+def _placement(runner, results: list[JobResult]) -> dict:
     """Where each target was built: a per-build record (build-info.json), never the manifest."""
-    nodes = {r["label"]: r["node"] for r in results if r.get("node")}
+    nodes = {r.label: r.node for r in results if r.node}
     record = {"executor": getattr(runner, "name", type(runner).__name__)}
     return dict(record, built_on=dict(sorted(nodes.items()))) if nodes else record
 
