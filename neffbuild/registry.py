@@ -43,7 +43,7 @@ BACKENDS = {
         "loader": "neffbuild.runtime.loaders:load_neuron",
         "host_problem": "neffbuild.runtime.loaders:neuron_problem",
         "available": "neffbuild.compiler.backends.neuron:available",
-        "layout_rule": "neffbuild.recipe.parallel_rules:neuron_instance_limit",
+        "layout_rule": "neffbuild.compiler.backends.neuron_rules:neuron_instance_limit",
     }),
     "inductor": Entry("inductor", {
         "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",
@@ -60,9 +60,17 @@ AUTO = "auto"  # the first available backend, in the order above
 # pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
 # -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of
 # (the bundle's weight pieces), unshard (pieces -> the full weights, the --check reference).
+# Recipe-time rules (torch-free, err(path, value, rule) reporting): field_limits, unknown_keys
+# (inline config keys), build_config, check_gk_layout, kv_pool_bytes, kv_window.
 ARCHITECTURES = {
     "gpt_oss": Entry("gpt_oss", {
         "config": "neffbuild.models.gpt_oss.config:GptOssConfig",
+        "field_limits": "neffbuild.models.gpt_oss.rules:field_limits",
+        "unknown_keys": "neffbuild.models.gpt_oss.rules:unknown_keys",
+        "build_config": "neffbuild.models.gpt_oss.rules:build_config",
+        "check_gk_layout": "neffbuild.models.gpt_oss.rules:check_gk_layout",
+        "kv_pool_bytes": "neffbuild.models.gpt_oss.rules:kv_pool_bytes",
+        "kv_window": "neffbuild.models.gpt_oss.rules:kv_window",
         "weights": "neffbuild.models.gpt_oss.weights:model_weights",
         "placeholder_shapes": "neffbuild.models.gpt_oss.weights:stacked_shapes",
         "decode": "neffbuild.models.gpt_oss.decode:GptOssDecode",
@@ -74,6 +82,24 @@ ARCHITECTURES = {
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
         "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",
         "unshard": "neffbuild.models.gpt_oss.sharding:unshard",
+    }),
+}
+
+
+# Speculative-decoding methods (a recipe's speculative.method): config (dataclass with
+# from_hf_dict(hf, target_config), torch-free), weights (config, checkpoint, seed -> the bundle's
+# draft_* tensors), placeholders (config -> traceable placeholder weights), has_own_embed (checkpoint
+# -> bool), embed_name (own embedding? -> the bundle name of the embedding the draft reads),
+# draft (the draft graph module), prefill (eager draft prefill; serve/ uses it).
+SPECULATIVE = {
+    "eagle3": Entry("eagle3", {
+        "config": "neffbuild.models.eagle3.config:Eagle3Config",
+        "weights": "neffbuild.models.eagle3.weights:draft_weights",
+        "placeholders": "neffbuild.models.eagle3.weights:placeholders",
+        "has_own_embed": "neffbuild.models.eagle3.weights:has_own_embed",
+        "embed_name": "neffbuild.models.eagle3.weights:embed_name",
+        "draft": "neffbuild.models.eagle3.draft:Eagle3Draft",
+        "prefill": "neffbuild.models.eagle3.draft:prefill",
     }),
 }
 
@@ -90,6 +116,10 @@ def backend(name: str) -> Entry:
 
 def arch(name: str) -> Entry:
     return _lookup(ARCHITECTURES, name, "architecture", "model.arch")
+
+
+def speculative(name: str) -> Entry:
+    return _lookup(SPECULATIVE, name, "speculative method", "speculative.method")
 
 
 def arch_of(config) -> Entry:

@@ -27,7 +27,6 @@ from neffbuild.compiler.jobs import Job, JobResult
 from neffbuild.compiler.progress import Progress
 from neffbuild.compiler.worker import cached_result
 from neffbuild.errors import InvalidInput
-from neffbuild.models.eagle3.weights import draft_weights
 
 
 @dataclass
@@ -81,6 +80,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         weights = _load_weights(recipe)
         if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
             s = recipe.speculative
+            draft_weights = registry.speculative(s.method).get("weights")
             weights.update(draft_weights(draft_config_for(recipe), s.draft_checkpoint, s.draft_random_seed))
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights

@@ -16,9 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from neffbuild import registry
-from neffbuild.models.eagle3 import weights as draft_weights
-from neffbuild.models.eagle3.config import Eagle3Config
-from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.runtime import parallel, world
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
@@ -45,14 +42,18 @@ class GraphSpec:
     draft_hf_config: dict | None = None  # EAGLE3 recipes: the draft's config (aux layers, widths)
     num_speculative_tokens: int = 0
     draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
+    speculative_method: str | None = None  # a registry.SPECULATIVE name, with draft_hf_config
 
     @property
     def config(self):
         return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
 
     @property
-    def draft_config(self) -> Eagle3Config | None:
-        return None if self.draft_hf_config is None else Eagle3Config.from_hf_dict(self.draft_hf_config, self.config)
+    def draft_config(self):
+        if self.draft_hf_config is None:
+            return None
+        return registry.speculative(self.speculative_method).get("config").from_hf_dict(self.draft_hf_config,
+                                                                                        self.config)
 
     @property
     def layout(self) -> parallel.ParallelLayout:
@@ -65,16 +66,20 @@ class GraphSpec:
 
 def spec_for(recipe, target) -> GraphSpec:
     s = recipe.speculative
-    own_embed = bool(s and s.draft_checkpoint and draft_weights.has_own_embed(s.draft_checkpoint))
+    method = registry.speculative(s.method) if s else None
+    own_embed = bool(s and s.draft_checkpoint and method.get("has_own_embed")(s.draft_checkpoint))
     return GraphSpec(recipe.model.arch, recipe.model.hf_config, target.family, target.batch, target.ctx,
                      target.query_len, recipe.block_size, recipe.num_blocks, recipe.num_swa, recipe.fp8_packed_kv,
                      recipe.tp, recipe.dp, recipe.ep, draft_hf_config=s.draft_hf_config if s else None,
-                     num_speculative_tokens=recipe.num_speculative_tokens, draft_own_embed=own_embed)
+                     num_speculative_tokens=recipe.num_speculative_tokens, draft_own_embed=own_embed,
+                     speculative_method=s.method if s else None)
 
 
-def draft_config_for(recipe) -> Eagle3Config | None:
+def draft_config_for(recipe):
+    """The speculative method's draft config (None without a speculative section)."""
     s = recipe.speculative
-    return Eagle3Config.from_hf_dict(s.draft_hf_config, recipe.model.config) if s else None
+    return registry.speculative(s.method).get("config").from_hf_dict(s.draft_hf_config, recipe.model.config) \
+        if s else None
 
 
 def layout_for(recipe) -> parallel.ParallelLayout:
@@ -87,7 +92,7 @@ def kv_layout_for(recipe) -> KVLayout:
                       recipe.fp8_packed_kv, layout_for(recipe))
 
 
-def _kv_layout(cfg, dcfg: Eagle3Config | None, num_blocks: int, block_size: int, fp8_packed_kv: bool,
+def _kv_layout(cfg, dcfg, num_blocks: int, block_size: int, fp8_packed_kv: bool,
                par) -> KVLayout:
     # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too).
     local = registry.arch_of(cfg).get("local_config")(cfg, par)  # this rank's KV heads
@@ -180,11 +185,11 @@ def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None)
 
 
 def _draft_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None):
-    dcfg = spec.draft_config
+    dcfg, method = spec.draft_config, registry.speculative(spec.speculative_method)
     if weights is None:
-        weights = draft_weights.placeholders(dcfg)
+        weights = method.get("placeholders")(dcfg)
         embed = torch.empty(registry.arch(spec.arch).get("placeholder_shapes")(spec.config)["embed"])
-        weights[draft_weights.DRAFT_EMBED if spec.draft_own_embed else "embed"] = embed
-    module = Eagle3Draft(dcfg, weights, num_speculative_tokens=spec.num_speculative_tokens,
+        weights[method.get("embed_name")(spec.draft_own_embed)] = embed
+    module = method.get("draft")(dcfg, weights, num_speculative_tokens=spec.num_speculative_tokens,
                          packed_k=spec.fp8_packed_kv).eval()
     return module, draft_example_inputs(spec)

@@ -43,6 +43,11 @@ DRAFT_EMBED = "draft_embed"  # only when the checkpoint brings its own embedding
 DRAFT_NAMES = tuple(CHECKPOINT_KEYS) + ("draft_qkv_w",)
 
 
+def embed_name(own_embed: bool) -> str:
+    """The bundle name of the token embedding the draft reads: its own, or the target's."""
+    return DRAFT_EMBED if own_embed else "embed"
+
+
 def shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Bundle-name shapes of the draft's tensors (without the optional own embedding)."""
     H, d, I, Vd = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.draft_vocab_size
