@@ -41,7 +41,7 @@ class Engine:
 
     def __init__(self, bundle, cfg):
         self.bundle, self.cfg = bundle, cfg
-        self.bs, self.width = bundle.kv_layout.block_size, bundle.spec.max_model_len // bundle.kv_layout.block_size
+        self.bs, self.width = bundle.kv_layout.block_size, bundle.grid.max_model_len // bundle.kv_layout.block_size
         self.free = list(range(bundle.kv_layout.num_blocks - 1, 0, -1))
         self.reqs = {}
 

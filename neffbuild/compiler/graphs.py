@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from neffbuild import registry
-from neffbuild.runtime import parallel, world
-from neffbuild.runtime.buckets import table_width
+from neffbuild.runtime import parallel, step_inputs, world
 from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
 from neffbuild.runtime.kv_cache import KVLayout
 
@@ -64,6 +63,15 @@ class GraphSpec:
                           self.layout)
 
 
+def spec_from_graph_inputs(gi, family: str, batch: int, ctx: int, query_len: int) -> GraphSpec:
+    """The GraphSpec of one grid cell of an existing bundle (``runtime.graph_inputs.GraphInputs``)."""
+    p = gi.parallel
+    return GraphSpec(gi.arch, gi.model_config, family, batch, ctx, query_len, gi.block_size, gi.num_blocks,
+                     gi.num_swa, gi.fp8_packed_kv, p.tp, p.dp, p.ep, draft_hf_config=gi.draft_config,
+                     num_speculative_tokens=gi.grid.num_speculative_tokens,
+                     speculative_method=next(iter(registry.SPECULATIVE)) if gi.draft_config is not None else None)
+
+
 def spec_for(recipe, target) -> GraphSpec:
     s = recipe.speculative
     method = registry.speculative(s.method) if s else None
@@ -101,18 +109,20 @@ def _kv_layout(cfg, dcfg, num_blocks: int, block_size: int, fp8_packed_kv: bool,
                     draft_kv_heads=dcfg.num_key_value_heads if dcfg else 0, draft_head_dim=dcfg.head_dim if dcfg else 0)
 
 
+def dims(spec: GraphSpec) -> step_inputs.Dims:
+    """The shape inputs of the step-input table (runtime/step_inputs.py) for one target."""
+    return step_inputs.Dims(spec.batch, spec.ctx, spec.query_len, spec.block_size, spec.num_swa,
+                            spec.kv_layout().to_json(), hidden_size=spec.config.hidden_size,
+                            sharded=spec.layout.sharded)
+
+
+def _example(inp: step_inputs.Input, d: step_inputs.Dims) -> torch.Tensor:
+    return torch.full(inp.shape(d), inp.fill, dtype=getattr(torch, inp.dtype_of(d)))
+
+
 def draft_example_inputs(spec: GraphSpec) -> tuple:
-    B, q, layout = spec.batch, spec.query_len, spec.kv_layout()
-    long = {"dtype": torch.long}
-    return (
-        torch.zeros(B, q, **long),  # input_ids
-        torch.zeros(B, q, **long),  # positions
-        torch.zeros(B, q, 3 * spec.config.hidden_size),  # hidden (the target's aux states)
-        torch.zeros(B, **long),  # num_valid
-        torch.zeros(B, table_width(spec.ctx, spec.block_size), **long),  # block_table
-        torch.full((B * q,), -1, **long),  # slot_mapping
-        torch.zeros(layout.draft_buffer_shape, dtype=layout.graph_dtype),  # kv_cache (the draft's group)
-    )
+    d = dims(spec)
+    return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS)
 
 
 @contextlib.contextmanager
@@ -136,25 +146,13 @@ def example_inputs(spec: GraphSpec, *, caches: bool = True) -> tuple:
     """Zeroed inputs of the target's shapes (pad write slots); ``caches=False`` leaves the KV caches out."""
     if spec.family == DRAFT:
         return draft_example_inputs(spec)
-    B, q = spec.batch, spec.query_len
-    layout = spec.kv_layout()
-    long = {"dtype": torch.long}
-    return (
-        torch.zeros(B, q, **long),  # input_ids
-        torch.zeros(B, q, **long),  # positions
-        torch.zeros(B, table_width(spec.ctx, spec.block_size), **long),  # block_table
-        torch.zeros(B, max(spec.num_swa, 1), **long),  # block_table_swa
-        torch.zeros(B, **long),  # swa_kv_pos_offset
-        torch.full((B * q,), -1, **long),  # slot_mapping
-        torch.full((B * q,), -1, **long),  # slot_mapping_swa
-        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers))
-        if caches else None,
-    ) + ((parallel.rank_tensor(0),) if spec.layout.sharded else ())
+    d = dims(spec)
+    kv = tuple(_example(step_inputs.KV_CACHES, d) for _ in range(d.kv_layout["num_buffers"])) if caches else None
+    rank = (parallel.rank_tensor(0),) if d.sharded else ()
+    return tuple(_example(i, d) for i in step_inputs.STEP_INPUTS) + (kv,) + rank
 
 
-INPUT_NAMES = ("input_ids", "positions", "block_table", "block_table_swa", "swa_kv_pos_offset", "slot_mapping",
-               "slot_mapping_swa", "kv_caches", "rank")
-DRAFT_INPUT_NAMES = ("input_ids", "positions", "hidden", "num_valid", "block_table", "slot_mapping", "kv_cache")
+INPUT_NAMES, DRAFT_INPUT_NAMES = step_inputs.INPUT_NAMES, step_inputs.DRAFT_INPUT_NAMES
 
 
 def input_signature(inputs: tuple, family: str | None = None) -> list[dict]:

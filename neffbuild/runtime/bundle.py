@@ -18,8 +18,7 @@ import torch
 from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, parallel, weights_file, world
-from neffbuild.runtime.dispatch import GridSpec
-from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime.graph_inputs import GraphInputs
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_DEPTH = 32
@@ -218,15 +217,9 @@ class Bundle:
     def __init__(self, root: Path, manifest: dict, device: str, rank: world.RankContext | None = None):
         self.root, self.manifest, self.device = root, manifest, device
         self.context = rank  # None: an unsharded bundle, any world
-        gi = manifest["graph_inputs"]
-        self.spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]),
-                             gi["max_model_len"], gi["num_speculative_tokens"])
-        kv = gi["kv_layout"]
-        _, nb, h, bs, d = kv["buffer_shape"]
-        draft = kv.get("draft", {}).get("buffer_shape", (0, 0, 0, 0, 0))
-        self.kv_layout = KVLayout(kv["num_buffers"], nb, h, bs, d, fp8=kv["dtype"].startswith("float8"),
-                                  packed_k=kv["packed_k"], draft_kv_heads=draft[2], draft_head_dim=draft[4])
-        self.num_swa = gi["num_swa"]
+        self.graph_inputs = GraphInputs.from_json(manifest["graph_inputs"])
+        self.grid, self.kv_layout = self.graph_inputs.grid, self.graph_inputs.kv_layout
+        self.num_swa = self.graph_inputs.num_swa
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
         self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
         if rank is not None:  # a sharded rank maps the replicated piece plus its own TP and EP pieces, nothing else
@@ -241,9 +234,13 @@ class Bundle:
         return sorted(self.entries)
 
     @property
-    def layout(self) -> parallel.ParallelLayout:
+    def parallel(self) -> parallel.ParallelLayout:
         """The parallel layout the artifacts were compiled for (tp = dp = ep = 1 when unsharded)."""
-        return self.context.layout if self.context else parallel.ParallelLayout.from_json(self.manifest["graph_inputs"])
+        return self.context.layout if self.context else self.graph_inputs.parallel
+
+    # Old names, kept while branches written against them merge (one meaning per word: use grid / parallel).
+    spec = property(lambda self: self.grid)
+    layout = property(lambda self: self.parallel)
 
     @property
     def group(self):
