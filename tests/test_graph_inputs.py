@@ -56,3 +56,30 @@ def test_traced_inputs_and_manifest_signatures_come_from_one_table(name):
         back, there = spec_from_graph_inputs(gi, t.family, t.batch, t.ctx, t.query_len), spec_for(r, t)
         assert back.config == there.config and back.draft_config == there.draft_config
         assert dataclasses.replace(back, hf_config={}) == dataclasses.replace(there, hf_config={})
+
+
+@pytest.mark.parametrize("name", ["plain", "fp8", "eagle3"])
+def test_what_the_runtime_passes_matches_the_table(name):
+    """attn_metadata / draft_inputs (+ graph_view) build exactly the table's inputs, FP8 caches as bytes."""
+    import torch
+
+    from neffbuild.runtime import attn_metadata, draft_inputs, kv_cache
+
+    r = _recipe(name)
+    doc, kv = graph_inputs(r, kv_layout_for(r)), kv_layout_for(r)
+    caches, draft_cache = kv_cache.allocate(kv), kv_cache.allocate_draft(kv)
+    for t in grid.targets(r):
+        R = max(1, t.batch - 1)  # a padded batch
+        table = torch.ones(R, 3, dtype=torch.long)
+        if t.family == grid.DRAFT:
+            aux = torch.zeros(t.query_len, 3 * r.model.config.hidden_size)
+            rows = [(list(range(t.query_len)), aux, 5)] * R
+            args = draft_inputs.build_draft(rows, table, batch=t.batch, ctx=t.ctx, query_len=t.query_len,
+                                            block_size=r.block_size, hidden_size=aux.shape[-1]).as_args(draft_cache)
+            want = expected_draft_signature(doc, t.batch, t.ctx, t.query_len)
+        else:
+            tokens = torch.zeros(R, t.query_len, dtype=torch.long)
+            args = attn_metadata.build(tokens, torch.full((R,), 5), table, table, batch=t.batch, ctx=t.ctx,
+                                       block_size=r.block_size, num_swa=r.num_swa).as_args(caches)
+            want = expected_signature(doc, t.batch, t.ctx, t.query_len)
+        assert input_signature(args, t.family) == want, t.label

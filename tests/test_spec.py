@@ -204,8 +204,8 @@ def test_compiled_draft_matches_eager(eagle3_built):
     """The draft artifact proposes the eager graph's tokens and writes the same draft KV in place."""
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.draft_inputs import build_draft
     from neffbuild.runtime.kv_cache import allocate_draft
-    from neffbuild.runtime.spec_inputs import build_draft
 
     bundle = open_bundle(eagle3_built[1].bundle)
     gi = bundle.manifest["graph_inputs"]

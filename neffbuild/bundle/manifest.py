@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from neffbuild.bundle import layout
+from neffbuild.bundle import paths
 from neffbuild.runtime.graph_inputs import GraphInputs
 
 
@@ -21,8 +21,8 @@ def graph_inputs(recipe, kv_layout) -> dict:
 def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict, files: dict,
           parallel: dict | None = None) -> dict:
     out = {
-        "format": layout.BUNDLE_FORMAT,
-        "format_version": layout.BUNDLE_FORMAT_VERSION,
+        "format": paths.BUNDLE_FORMAT,
+        "format_version": paths.BUNDLE_FORMAT_VERSION,
         "name": recipe.name,
         "version": recipe.version,
         "recipe_sha256": recipe.sha256(),

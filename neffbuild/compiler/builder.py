@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild import grid, registry, settings
-from neffbuild.bundle import layout
+from neffbuild.bundle import paths
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
@@ -85,9 +85,9 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
-        weights_path = None if parallel else str(writer.path(layout.WEIGHTS_PATH))
+        weights_path = None if parallel else str(writer.path(paths.WEIGHTS_PATH))
         jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
-                         str(writer.path(layout.log_path(t.label))), weights_path) for t in targets]
+                         str(writer.path(paths.log_path(t.label))), weights_path) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
         for res in _run(jobs_list, runner, progress):
@@ -149,7 +149,7 @@ def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, d
         if name == "shared":
             shared = writer.write_weights(tensors)
         else:
-            entries[name] = writer.write_weights(tensors, layout.weights_piece_path(name))
+            entries[name] = writer.write_weights(tensors, paths.weights_piece_path(name))
     info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=arch.get("shard_layout")(par),
                 rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
                 kv_heads={f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
@@ -189,5 +189,5 @@ def _placement(runner, results: list[JobResult]) -> dict:
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:
     dest = Path(out_dir) / f"{writer.final.name}.failed-logs"
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(writer.path(layout.LOGS_DIR), dest)
+    shutil.copytree(writer.path(paths.LOGS_DIR), dest)
     return dest

@@ -14,7 +14,7 @@ import re
 
 from neffbuild.errors import Problem
 from neffbuild.errors import short_repr as short
-from neffbuild.runtime import layout, step_inputs
+from neffbuild.runtime import paths, step_inputs
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_SPEC, label
 
@@ -85,7 +85,7 @@ def _files(c: _Checker, files: dict) -> dict:
         if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and HEX64.fullmatch(info["sha256"])
                 and is_int(info.get("bytes"), 0, 2**62)):
             c.bad(f"files.{rel}", f"got {short(info)}, must be {{sha256: 64 hex digits, bytes: integer >= 0}}")
-        if rel in layout.UNCHECKED_PATHS or rel.split("/")[0] in layout.UNCHECKED_DIRS:
+        if rel in paths.UNCHECKED_PATHS or rel.split("/")[0] in paths.UNCHECKED_DIRS:
             c.bad(f"files.{rel}", "a per-build record must not be listed")
     return files
 
@@ -192,7 +192,7 @@ def _artifacts(c: _Checker, arts: list, gi: dict, files: dict) -> None:
 
 def _artifact_fields(c: _Checker, p: str, a: dict, lab: str, files: dict) -> None:
     f = a.get("file")
-    prefix = f"{layout.ARTIFACTS_DIR}/{lab}."
+    prefix = f"{paths.ARTIFACTS_DIR}/{lab}."
     if not (isinstance(f, str) and f.startswith(prefix) and re.fullmatch(r"[a-z0-9]{1,8}", f[len(prefix):])):
         c.bad(f"{p}.file", f"got {short(f)}, must be {prefix}<ext> (each label has its own file)")
     elif f not in files:

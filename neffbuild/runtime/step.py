@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from neffbuild.errors import StepInputError
-from neffbuild.runtime import attn_metadata, buckets, dp_sync, spec_inputs
+from neffbuild.runtime import attn_metadata, buckets, dp_sync, draft_inputs
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 from neffbuild.runtime.dispatch import Grid, StepPlan, needs_nospec, plan_draft, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout, allocate, allocate_draft
@@ -141,7 +141,7 @@ class Stepper:
         group uses them). Not DP-synced: the draft has no collectives.
         """
         plan = plan_draft(self.grid, num_reqs=len(rows), max_computed=max_computed)
-        inputs = spec_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
+        inputs = draft_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
                                          block_size=self.kv_layout.block_size, hidden_size=rows[0][1].shape[-1])
         out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.draft_cache))
         return plan, _first(out)[: len(rows)]

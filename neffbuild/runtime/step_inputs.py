@@ -4,7 +4,7 @@ KV layout) and dtype, for the target families and for the EAGLE3 draft.
 Everything else derives from it: ``compiler/graphs.py`` builds the example inputs it traces
 with, the manifest records the resulting signature, and ``manifest_schema`` checks each
 artifact's recorded signature against ``signature(...)`` here. What the runtime actually
-passes is built by ``attn_metadata`` / ``spec_inputs`` (+ ``kv_cache.graph_view``), which
+passes is built by ``attn_metadata`` / ``draft_inputs`` (+ ``kv_cache.graph_view``), which
 tests/test_runtime.py checks against this table. Pure Python: no torch.
 """
 
