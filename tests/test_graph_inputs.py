@@ -14,7 +14,7 @@ import yaml
 from neffbuild import grid
 from neffbuild import recipe as R
 from neffbuild.bundle.manifest import graph_inputs
-from neffbuild.compiler.graphs import example_inputs, input_signature, kv_layout_for, spec_for, spec_from_graph_inputs
+from neffbuild.compiler.graphs import example_inputs, input_signature, kv_layout_for, target_graph, target_graph_from
 from neffbuild.runtime.graph_inputs import GraphInputs
 from neffbuild.runtime.manifest_schema import expected_draft_signature, expected_signature
 
@@ -50,10 +50,10 @@ def test_traced_inputs_and_manifest_signatures_come_from_one_table(name):
     for t in grid.targets(r):
         want = (expected_draft_signature if t.family == grid.DRAFT else expected_signature)(
             doc, t.batch, t.ctx, t.query_len)
-        assert input_signature(example_inputs(spec_for(r, t)), t.family) == want, t.label
+        assert input_signature(example_inputs(target_graph(r, t)), t.family) == want, t.label
         # A reader rebuilding the graph from the manifest gets the recipe's graph (the manifest stores the
         # config's own Hugging Face keys, the recipe the keys it was given: the same config).
-        back, there = spec_from_graph_inputs(gi, t.family, t.batch, t.ctx, t.query_len), spec_for(r, t)
+        back, there = target_graph_from(gi, t.family, t.batch, t.ctx, t.query_len), target_graph(r, t)
         assert back.config == there.config and back.draft_config == there.draft_config
         assert dataclasses.replace(back, hf_config={}) == dataclasses.replace(there, hf_config={})
 

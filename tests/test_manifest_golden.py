@@ -18,7 +18,7 @@ from neffbuild.compiler.graphs import (
     example_inputs,
     input_signature,
     kv_layout_for,
-    spec_for,
+    target_graph,
 )
 from neffbuild.models.gpt_oss.weights import stacked_shapes
 from neffbuild.runtime.manifest_schema import problems
@@ -42,7 +42,8 @@ def golden_text() -> str:
         artifacts.append({"label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx,
                           "query_len": t.query_len, "file": rel, **files[rel],
                           "cache_key": _fake("k" + t.label)["sha256"],
-                          "input_signature": input_signature(example_inputs(spec_for(r, t))), "compile_label": t.label})
+                          "input_signature": input_signature(example_inputs(target_graph(r, t))),
+                          "compile_label": t.label})
     files[paths.WEIGHTS_PATH] = _fake("weights")
     files[paths.RECIPE_PATH] = _fake(r.to_yaml())
     weights = {"file": paths.WEIGHTS_PATH, "tensors": {k: {"dtype": "float32", "shape": list(v)}

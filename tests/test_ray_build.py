@@ -98,12 +98,12 @@ def test_missing_ray_names_the_extra(tmp_path):
 
 def test_memory_estimate_uses_past_peaks_of_the_same_graph(tiny_recipe):
     from neffbuild import grid
-    from neffbuild.compiler.graphs import spec_for
+    from neffbuild.compiler.graphs import target_graph
     from neffbuild.compiler.ray_executor import BASE_MEMORY, estimate_memory, graph_bytes
     from neffbuild.compiler.worker import Job, graph_summary
 
     small, big = (t for t in grid.targets(tiny_recipe) if t.label in ("decode_b1_ctx128", "decode_b4_ctx512"))
-    jobs = [Job(t.label, spec_for(tiny_recipe, t), {}, "", "") for t in (small, big)]
+    jobs = [Job(t.label, target_graph(tiny_recipe, t), {}, "", "") for t in (small, big)]
     assert graph_bytes(jobs[1]) > graph_bytes(jobs[0]) > 0
     assert estimate_memory(jobs[0], []) > BASE_MEMORY
     past = [{"label": small.label, "graph": graph_summary(jobs[0].graph), "peak_rss_bytes": 4 << 30},

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from neffbuild.compiler.graphs import GraphSpec, build_graph, spec_from_graph_inputs
+from neffbuild.compiler.graphs import TargetGraph, build_graph, target_graph_from
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.buckets import round_up
 from neffbuild.runtime.dispatch import DECODE, plan_for
@@ -29,10 +29,10 @@ from neffbuild.runtime.parallel import ParallelLayout
 VARIANTS = ("bucketed", "fallback", "dynamic", "eager")
 
 
-def graph_spec(bundle, *, batch: int, ctx: int) -> GraphSpec:
+def graph_spec(bundle, *, batch: int, ctx: int) -> TargetGraph:
     """The bundle's decode graph at (batch, ctx), from its GraphInputs (an unsharded graph: one process)."""
     gi = bundle.graph_inputs
-    return spec_from_graph_inputs(dataclasses.replace(gi, parallel=ParallelLayout()), DECODE, batch, ctx, 1)
+    return target_graph_from(dataclasses.replace(gi, parallel=ParallelLayout()), DECODE, batch, ctx, 1)
 
 
 def contexts(max_model_len: int) -> list[int]:

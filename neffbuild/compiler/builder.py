@@ -22,7 +22,7 @@ from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
-from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
+from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, target_graph
 from neffbuild.compiler.jobs import Job, JobResult
 from neffbuild.compiler.progress import Progress
 from neffbuild.compiler.worker import cached_result
@@ -86,7 +86,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         del weights
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
         weights_path = None if parallel else str(writer.path(paths.WEIGHTS_PATH))
-        jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
+        jobs_list = [Job(t.label, target_graph(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
                          str(writer.path(paths.log_path(t.label))), weights_path) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))

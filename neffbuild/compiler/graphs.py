@@ -22,7 +22,7 @@ from neffbuild.runtime.kv_cache import KVLayout
 
 
 @dataclass(frozen=True)
-class GraphSpec:
+class TargetGraph:
     """Everything that shapes one compiled graph (picklable, sent to workers)."""
 
     arch: str
@@ -55,28 +55,38 @@ class GraphSpec:
                                                                                         self.config)
 
     @property
-    def layout(self) -> parallel.ParallelLayout:
+    def parallel(self) -> parallel.ParallelLayout:
         return parallel.ParallelLayout(self.tp, self.dp, self.ep)
+
+    layout = parallel  # the old name, kept while branches written against it merge
 
     def kv_layout(self) -> KVLayout:
         return _kv_layout(self.config, self.draft_config, self.num_blocks, self.block_size, self.fp8_packed_kv,
-                          self.layout)
+                          self.parallel)
 
 
-def spec_from_graph_inputs(gi, family: str, batch: int, ctx: int, query_len: int) -> GraphSpec:
-    """The GraphSpec of one grid cell of an existing bundle (``runtime.graph_inputs.GraphInputs``)."""
+# Old names, kept while branches written against them merge ("spec" now means speculative decoding only).
+GraphSpec = TargetGraph
+
+
+def spec_for(recipe, target) -> TargetGraph:
+    return target_graph(recipe, target)
+
+
+def target_graph_from(gi, family: str, batch: int, ctx: int, query_len: int) -> TargetGraph:
+    """The TargetGraph of one grid cell of an existing bundle (``runtime.graph_inputs.GraphInputs``)."""
     p = gi.parallel
-    return GraphSpec(gi.arch, gi.model_config, family, batch, ctx, query_len, gi.block_size, gi.num_blocks,
+    return TargetGraph(gi.arch, gi.model_config, family, batch, ctx, query_len, gi.block_size, gi.num_blocks,
                      gi.num_swa, gi.fp8_packed_kv, p.tp, p.dp, p.ep, draft_hf_config=gi.draft_config,
                      num_speculative_tokens=gi.grid.num_speculative_tokens,
                      speculative_method=next(iter(registry.SPECULATIVE)) if gi.draft_config is not None else None)
 
 
-def spec_for(recipe, target) -> GraphSpec:
+def target_graph(recipe, target) -> TargetGraph:
     s = recipe.speculative
     method = registry.speculative(s.method) if s else None
     own_embed = bool(s and s.draft_checkpoint and method.get("has_own_embed")(s.draft_checkpoint))
-    return GraphSpec(recipe.model.arch, recipe.model.hf_config, target.family, target.batch, target.ctx,
+    return TargetGraph(recipe.model.arch, recipe.model.hf_config, target.family, target.batch, target.ctx,
                      target.query_len, recipe.block_size, recipe.num_blocks, recipe.num_swa, recipe.fp8_packed_kv,
                      recipe.tp, recipe.dp, recipe.ep, draft_hf_config=s.draft_hf_config if s else None,
                      num_speculative_tokens=recipe.num_speculative_tokens, draft_own_embed=own_embed,
@@ -109,19 +119,19 @@ def _kv_layout(cfg, dcfg, num_blocks: int, block_size: int, fp8_packed_kv: bool,
                     draft_kv_heads=dcfg.num_key_value_heads if dcfg else 0, draft_head_dim=dcfg.head_dim if dcfg else 0)
 
 
-def dims(spec: GraphSpec) -> step_inputs.Dims:
+def dims(graph: TargetGraph) -> step_inputs.Dims:
     """The shape inputs of the step-input table (runtime/step_inputs.py) for one target."""
-    return step_inputs.Dims(spec.batch, spec.ctx, spec.query_len, spec.block_size, spec.num_swa,
-                            spec.kv_layout().to_json(), hidden_size=spec.config.hidden_size,
-                            sharded=spec.layout.sharded)
+    return step_inputs.Dims(graph.batch, graph.ctx, graph.query_len, graph.block_size, graph.num_swa,
+                            graph.kv_layout().to_json(), hidden_size=graph.config.hidden_size,
+                            sharded=graph.parallel.sharded)
 
 
 def _example(inp: step_inputs.Input, d: step_inputs.Dims) -> torch.Tensor:
     return torch.full(inp.shape(d), inp.fill, dtype=getattr(torch, inp.dtype_of(d)))
 
 
-def draft_example_inputs(spec: GraphSpec) -> tuple:
-    d = dims(spec)
+def draft_example_inputs(graph: TargetGraph) -> tuple:
+    d = dims(graph)
     return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS)
 
 
@@ -142,11 +152,11 @@ def placeholder_groups(par: parallel.ParallelLayout):
             _unregister_process_group(name)
 
 
-def example_inputs(spec: GraphSpec, *, caches: bool = True) -> tuple:
+def example_inputs(graph: TargetGraph, *, caches: bool = True) -> tuple:
     """Zeroed inputs of the target's shapes (pad write slots); ``caches=False`` leaves the KV caches out."""
-    if spec.family == DRAFT:
-        return draft_example_inputs(spec)
-    d = dims(spec)
+    if graph.family == DRAFT:
+        return draft_example_inputs(graph)
+    d = dims(graph)
     kv = tuple(_example(step_inputs.KV_CACHES, d) for _ in range(d.kv_layout["num_buffers"])) if caches else None
     rank = (parallel.rank_tensor(0),) if d.sharded else ()
     return tuple(_example(i, d) for i in step_inputs.STEP_INPUTS) + (kv,) + rank
@@ -166,28 +176,28 @@ def input_signature(inputs: tuple, family: str | None = None) -> list[dict]:
     return out
 
 
-def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None):
+def build_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None = None):
     """(module, example inputs) for one target; placeholder weights unless given."""
-    if spec.family == DRAFT:
-        return _draft_graph(spec, weights)
-    cfg, arch, par = spec.config, registry.arch(spec.arch), spec.layout
+    if graph.family == DRAFT:
+        return _draft_graph(graph, weights)
+    cfg, arch, par = graph.config, registry.arch(graph.arch), graph.parallel
     if weights is None:  # one rank's shapes: every rank runs the same graph on its own shard
         shapes = arch.get("rank_shapes")(cfg, par)
         weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
     # EAGLE3 target families output the layers the draft fuses (the draft config's, default from the arch).
     aux = None
-    if spec.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
-        aux = spec.draft_config.aux_layers if spec.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
-    module = arch.get("decode")(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
-    return module, example_inputs(spec)
+    if graph.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
+        aux = graph.draft_config.aux_layers if graph.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
+    module = arch.get("decode")(cfg, weights, packed_k=graph.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
+    return module, example_inputs(graph)
 
 
-def _draft_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None):
-    dcfg, method = spec.draft_config, registry.speculative(spec.speculative_method)
+def _draft_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None):
+    dcfg, method = graph.draft_config, registry.speculative(graph.speculative_method)
     if weights is None:
         weights = method.get("placeholders")(dcfg)
-        embed = torch.empty(registry.arch(spec.arch).get("placeholder_shapes")(spec.config)["embed"])
-        weights[method.get("embed_name")(spec.draft_own_embed)] = embed
-    module = method.get("draft")(dcfg, weights, num_speculative_tokens=spec.num_speculative_tokens,
-                         packed_k=spec.fp8_packed_kv).eval()
-    return module, draft_example_inputs(spec)
+        embed = torch.empty(registry.arch(graph.arch).get("placeholder_shapes")(graph.config)["embed"])
+        weights[method.get("embed_name")(graph.draft_own_embed)] = embed
+    module = method.get("draft")(dcfg, weights, num_speculative_tokens=graph.num_speculative_tokens,
+                         packed_k=graph.fp8_packed_kv).eval()
+    return module, draft_example_inputs(graph)

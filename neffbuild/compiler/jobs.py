@@ -22,7 +22,7 @@ LOAD_ERROR = "load_error"
 @dataclass(frozen=True)
 class Job:
     label: str
-    graph: object  # compiler.graphs.GraphSpec
+    graph: object  # compiler.graphs.TargetGraph
     backend: dict  # get_backend kwargs: name, target, optlevel, lnc, flags
     cache_root: str
     log_path: str

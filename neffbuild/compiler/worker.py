@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from neffbuild.compiler.cache import Cache, cache_key, pre_key
-from neffbuild.compiler.graphs import GraphSpec
+from neffbuild.compiler.graphs import TargetGraph
 from neffbuild.compiler.jobs import (
     COMPILER_ERROR,
     ENVIRONMENT,
@@ -37,14 +37,14 @@ __all__ = ["COMPILER_ERROR", "ENVIRONMENT", "KILLED", "LOAD_ERROR", "TIMEOUT", "
            "graph_summary", "key_for", "pre_key_for", "run_job", "source_digest", "warm_up"]
 
 
-def pre_key_for(graph: GraphSpec, backend) -> str:
+def pre_key_for(graph: TargetGraph, backend) -> str:
     """The key a warm rebuild looks up before tracing: the graph's spec, the backend, the source.
 
     Like the cache key, it covers a sharded graph's parallel layout and ignores dp for an unsharded one.
     """
     spec = dataclasses.asdict(graph)
-    if graph.layout.sharded:
-        spec["parallel"] = graph.layout.to_json()
+    if graph.parallel.sharded:
+        spec["parallel"] = graph.parallel.to_json()
     else:
         spec = {k: v for k, v in spec.items() if k not in ("tp", "dp", "ep")}
     return pre_key(spec, backend.fingerprint(), source_digest())
@@ -70,18 +70,18 @@ def redirected_output(path: str):
             os.close(saved[1])
 
 
-def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
+def key_for(graph: TargetGraph, backend) -> tuple[str, object, list, str]:
     """(cache key, exported graph, input signature, graph text) for one target."""
     from neffbuild.compiler.graphs import build_graph, input_signature, placeholder_groups  # torch
 
     module, inputs = build_graph(graph)
-    with placeholder_groups(graph.layout):
+    with placeholder_groups(graph.parallel):
         exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
     signature = input_signature(inputs, graph.family)
     fingerprint = backend.fingerprint()
-    if graph.layout.sharded:  # the layout is part of a sharded graph's key (an unsharded graph ignores dp)
-        fingerprint = dict(fingerprint, parallel=graph.layout.to_json())
+    if graph.parallel.sharded:  # the layout is part of a sharded graph's key (an unsharded graph ignores dp)
+        fingerprint = dict(fingerprint, parallel=graph.parallel.to_json())
     return cache_key(text, signature, fingerprint), exported, signature, text
 
 
@@ -92,7 +92,7 @@ def _ok(result: JobResult, entry, hit: bool) -> JobResult:
 def _smoke(job: Job, backend, entry) -> None:
     """Load + one zero step (EAGLE3 drafts too: compiler/smoke.py); skipped without weights (or where this
     node cannot see them) and for sharded graphs (their collectives need live peers)."""
-    if job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.layout.sharded:
+    if job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.parallel.sharded:
         return
     from neffbuild.compiler.smoke import smoke_run
     from neffbuild.runtime import weights_file
@@ -152,7 +152,7 @@ def _build(job: Job, backend, result: JobResult):
 
     def produce(tmp: Path):
         t0 = time.monotonic()
-        with placeholder_groups(job.graph.layout):  # a sharded graph's group names resolve while compiling
+        with placeholder_groups(job.graph.parallel):  # a sharded graph's group names resolve while compiling
             artifact = backend.compile(exported, tmp)
         seconds = time.monotonic() - t0
         compiled.append(seconds)
@@ -217,7 +217,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def graph_summary(graph: GraphSpec) -> dict:
+def graph_summary(graph: TargetGraph) -> dict:
     return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
             "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
             "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}

@@ -14,7 +14,7 @@ from neffbuild import registry
 from neffbuild.errors import NO_VALUE, NeffbuildError, did_you_mean
 from neffbuild.recipe import config_rules
 from neffbuild.recipe.loading import read_regular_file
-from neffbuild.recipe.spec import ModelSpec, Speculative
+from neffbuild.recipe.types import ModelSpec, Speculative
 
 KNOWN_ARCHS = tuple(registry.ARCHITECTURES)
 SPEC_METHODS = tuple(registry.SPECULATIVE)
