@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
+from neffbuild import registry
 from neffbuild.compiler.graphs import TargetGraph, build_graph, target_graph_from
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.buckets import round_up
+from neffbuild.runtime.bundle import load_aoti
 from neffbuild.runtime.dispatch import DECODE, plan_for
 from neffbuild.runtime.kv_cache import allocate
 from neffbuild.runtime.parallel import ParallelLayout
@@ -41,9 +43,6 @@ def contexts(max_model_len: int) -> list[int]:
 
 def compile_graph(bundle, *, batch: int, ctx: int, dynamic: bool, workdir: Path):
     """(seconds, loaded artifact) for the decode graph at (batch, ctx); a dynamic table width if asked."""
-    from neffbuild import registry
-    from neffbuild.runtime.bundle import load_aoti
-
     backend = registry.backend(bundle.manifest["toolchain"]["backend"]).get("compile_side")()  # the bundle's
 
     module, inputs = build_graph(graph_spec(bundle, batch=batch, ctx=ctx))
@@ -91,8 +90,6 @@ def _stats(samples: list[float]) -> dict:
 def step_times(bundle, *, repeat: int = 20, warmup: int = 2, dynamic: bool = True, eager: bool = True,
                extra_contexts: tuple[int, ...] = (), workdir: Path | None = None) -> dict:
     """{"rows": [{context, label, variant -> stats}], "dynamic_compile_s": float|None}."""
-    from neffbuild import registry
-
     mml = bundle.grid.max_model_len
     batch = min(bundle.grid.num_seqs_buckets)
     cases = [make_case(bundle, c, batch) for c in sorted(set(contexts(mml)) | set(extra_contexts))]

@@ -7,7 +7,7 @@ from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.builder import backend_kwargs
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.graphs import target_graph
-from neffbuild.compiler.worker import key_for
+from neffbuild.compiler.worker import graph_summary, key_for
 from neffbuild.errors import BackendUnavailable, NeffbuildError
 
 
@@ -40,8 +40,6 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict
         get_backend(**kwargs)
     except BackendUnavailable as exc:
         return {t.label: {"cache": "unknown", "why": str(exc).split(";")[0]} for t in targets}
-    from neffbuild.compiler.worker import graph_summary
-
     out = {}
     for t in targets:
         backend = get_backend(**dict(kwargs, flags=recipe.flags_for(t.label)))

@@ -28,10 +28,14 @@ import dataclasses
 import math
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import kernels
+import neffbuild
+from neffbuild import registry
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.jobs import COMPILER_ERROR, ENVIRONMENT, KILLED, TIMEOUT, Job, JobResult, failure, publish
 from neffbuild.compiler.worker import graph_summary, run_job
@@ -55,8 +59,6 @@ def import_ray():
 
 def graph_bytes(job: Job) -> int:
     """Bytes the traced graph holds: weights (bf16), the KV pool, fp32 attention scores of every layer."""
-    from neffbuild import registry
-
     g, cfg = job.graph, job.graph.config
     shapes = registry.arch(g.arch).get("placeholder_shapes")(cfg)
     weights = sum(2 * math.prod(s) for s in shapes.values())
@@ -77,8 +79,6 @@ def estimate_memory(job: Job, history: list[dict]) -> int:
 
 def build_remote(job: Job, shared: bool, index: dict) -> dict:
     """Runs in a Ray worker: one job, its log text and (object-store mode) the artifact's bytes."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="neffbuild-ray-") as scratch:
         log = os.path.join(scratch, "target.log")
         cache_root = job.cache_root if shared else os.path.join(scratch, "cache")
@@ -118,9 +118,6 @@ class RayExecutor:
             return False
         kwargs = {"include_dashboard": False, "log_to_driver": False}
         if self.address:  # nodes of a real cluster may not have this checkout: ship the packages
-            import kernels
-            import neffbuild
-
             pkgs = [str(Path(m.__file__).parent) for m in (neffbuild, kernels)]
             ray.init(address=self.address, runtime_env={"py_modules": pkgs}, **kwargs)
         else:  # Ray lowers its workers' priority by default; compiles are the build's work, not background work

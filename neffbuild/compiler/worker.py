@@ -12,14 +12,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import resource
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import torch._inductor.config
+
+from neffbuild import registry
+from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache, cache_key, pre_key
-from neffbuild.compiler.graphs import TargetGraph
+from neffbuild.compiler.graphs import TargetGraph, build_graph, input_signature, placeholder_groups
 from neffbuild.compiler.jobs import (
     COMPILER_ERROR,
     ENVIRONMENT,
@@ -30,7 +35,10 @@ from neffbuild.compiler.jobs import (
     JobResult,
     publish,
 )
+from neffbuild.compiler.smoke import LoadFailed, smoke_run
 from neffbuild.compiler.sources import source_digest
+from neffbuild.errors import BackendUnavailable
+from neffbuild.runtime import weights_file
 
 # Re-exported: executors, tests and the CLI name the job types from here too.
 __all__ = ["COMPILER_ERROR", "ENVIRONMENT", "KILLED", "LOAD_ERROR", "TIMEOUT", "Job", "JobResult", "cached_result",
@@ -72,8 +80,6 @@ def redirected_output(path: str):
 
 def key_for(graph: TargetGraph, backend) -> tuple[str, object, list, str]:
     """(cache key, exported graph, input signature, graph text) for one target."""
-    from neffbuild.compiler.graphs import build_graph, input_signature, placeholder_groups  # torch
-
     module, inputs = build_graph(graph)
     with placeholder_groups(graph.parallel):
         exported = backend.export(module, inputs)
@@ -94,18 +100,12 @@ def _smoke(job: Job, backend, entry) -> None:
     node cannot see them) and for sharded graphs (their collectives need live peers)."""
     if job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.parallel.sharded:
         return
-    from neffbuild.compiler.smoke import smoke_run
-    from neffbuild.runtime import weights_file
-
     t0 = time.monotonic()
     smoke_run(backend, entry.path, job.graph, weights_file.load(Path(job.weights_path)))
     print(f"== smoke run ok in {time.monotonic() - t0:.2f}s", flush=True)
 
 
 def _classified(result: JobResult, exc: BaseException, job: Job) -> JobResult:
-    from neffbuild.compiler.smoke import LoadFailed
-    from neffbuild.errors import BackendUnavailable
-
     if isinstance(exc, LoadFailed):
         kind, error = LOAD_ERROR, f"{job.label}: the artifact does not load or run with the bundle's weights: {exc}"
     elif isinstance(exc, (BackendUnavailable, ImportError)):
@@ -119,8 +119,6 @@ def _classified(result: JobResult, exc: BaseException, job: Job) -> JobResult:
 
 def cached_result(job: Job) -> JobResult | None:
     """The result of a pre-key hit (smoke run included), or None when the target must be traced."""
-    from neffbuild.compiler.backends import get_backend
-
     started = time.monotonic()
     try:
         backend = get_backend(**job.backend)
@@ -143,8 +141,6 @@ def cached_result(job: Job) -> JobResult | None:
 
 def _build(job: Job, backend, result: JobResult):
     """Trace, key, then the cache entry (compiled and published on a miss, with the pre-key)."""
-    from neffbuild.compiler.graphs import placeholder_groups
-
     t0 = time.monotonic()
     key, exported, signature, _ = key_for(job.graph, backend)
     trace_s = time.monotonic() - t0
@@ -189,8 +185,6 @@ def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> Job
     ``lookup(key)`` (Ray without a shared cache) asks the driver's cache first: on a hit the
     result carries the entry's meta and no local artifact path.
     """
-    from neffbuild.compiler.backends import get_backend
-
     result = JobResult(job.label, job.log_path, pid=os.getpid(), traced=True)
     started = time.monotonic()
     try:
@@ -212,8 +206,6 @@ def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> Job
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (a warm worker's includes earlier jobs: an upper bound)."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -230,11 +222,6 @@ def warm_up() -> int:
     translation unit per kind (wrapper, kernels), so the pool only adds processes (one per
     core, in every worker) that compete with the workers themselves for the same cores.
     """
-    import torch._inductor
-    import torch._inductor.config
-
-    from neffbuild import registry
-
     torch._inductor.config.compile_threads = 1
     for arch in registry.ARCHITECTURES.values():
         arch.get("decode")

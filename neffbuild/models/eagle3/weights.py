@@ -14,6 +14,7 @@ In the bundle the draft's tensors sit beside the target's in the one weights fil
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -93,8 +94,6 @@ def random_state_dict(cfg: Eagle3Config, seed: int, std: float = 0.2) -> dict[st
 
 def save_checkpoint(sd: dict[str, torch.Tensor], folder: str | Path, cfg: Eagle3Config) -> Path:
     """Write ``sd`` in the common layout (``model.safetensors`` + ``config.json``)."""
-    import json
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
