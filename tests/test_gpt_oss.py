@@ -6,7 +6,7 @@ import torch
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import GridSpec
+from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.greedy import greedy as run_greedy
 from neffbuild.serve.greedy import tables_for
@@ -21,7 +21,7 @@ def make_session(recipe, stacked, *, fp8=False, packed=False):
     cfg = recipe.model.config
     layout = KVLayout(cfg.num_kv_buffers, recipe.num_blocks, cfg.num_key_value_heads, recipe.block_size,
                       cfg.head_dim, fp8=fp8, packed_k=packed)
-    spec = GridSpec(recipe.num_seqs_buckets, recipe.decode_context_length_buckets, recipe.max_model_len)
+    spec = Grid(recipe.num_seqs_buckets, recipe.decode_context_length_buckets, recipe.max_model_len)
     return _make_session(cfg, stacked, eager_artifacts(cfg, stacked, spec, layout, recipe.num_swa))
 
 

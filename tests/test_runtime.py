@@ -12,10 +12,10 @@ from neffbuild import grid
 from neffbuild import recipe as R
 from neffbuild.errors import ShapeNotCovered
 from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import GridSpec, plan_step
+from neffbuild.runtime.dispatch import Grid, plan_step
 from tests.conftest import ROOT
 
-SPEC = GridSpec((1, 2, 4), (128, 256), 512)
+SPEC = Grid((1, 2, 4), (128, 256), 512)
 
 
 def _prompt_args(prompts) -> list[str]:
@@ -46,7 +46,7 @@ def test_shape_not_covered():
 
 
 def test_eagle3_family_choice():
-    spec = GridSpec((1, 2), (128,), 512, num_speculative_tokens=3)
+    spec = Grid((1, 2), (128,), 512, num_speculative_tokens=3)
     assert plan_step([10], 1, 3, grid=spec).label == "decode_b1_s4_ctx128"
     assert plan_step([10], 1, 0, grid=spec).label == "decode_b1_s1_ctx128"  # no drafts
     assert plan_step([10], 1, 3, grid=spec, after_transfer=True).family == "target_nospec"
@@ -58,7 +58,7 @@ def test_eagle3_family_choice():
 @pytest.mark.parametrize("name", ["gpt-oss-tiny", "gpt-oss-120b-di-decode"])
 def test_reachable_shapes_equal_compiled_shapes(name):
     r = R.load(ROOT / "recipes" / f"{name}.yaml")
-    spec = GridSpec(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len, r.num_speculative_tokens)
+    spec = Grid(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len, r.num_speculative_tokens)
     compiled = {t.label for t in grid.targets(r) if t.family != "draft"}
     reachable = set()
     points = sorted({0, r.max_model_len - 1} | {c + d for c in r.decode_context_length_buckets for d in (-5, -4, -1, 0)}
@@ -202,7 +202,7 @@ def test_stepper_fails_closed_before_running_anything():
         def artifact(self, label):
             ran.append(label)
 
-    step = Stepper(Recording(GridSpec((1, 2), (128,), 256), KVLayout(1, 64, 1, 16, 4), 8, None))
+    step = Stepper(Recording(Grid((1, 2), (128,), 256), KVLayout(1, 64, 1, 16, 4), 8, None))
     table = torch.zeros((3, 16), dtype=torch.long)
     with pytest.raises(ShapeNotCovered, match="batch of 3 requests is above the largest num_seqs bucket 2"):
         step.step(StepBatch([[1]] * 3, [5] * 3, {"full": table}))

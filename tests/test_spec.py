@@ -14,7 +14,7 @@ from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.models.gpt_oss.weights import random_state_dict, stack
-from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, GridSpec, needs_nospec, plan_draft, plan_synced
+from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_nospec, plan_draft, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.eager import EagerArtifacts
 from neffbuild.serve.greedy import greedy
@@ -23,7 +23,7 @@ from neffbuild.serve.spec import EagerSpecArtifacts, SpecLoop
 from tests.conftest import ROOT
 
 K = 3
-GRID = GridSpec((1, 2, 4), (128,), 256, K)
+GRID = Grid((1, 2, 4), (128,), 256, K)
 
 
 @pytest.mark.parametrize("computed, drafts, veto", [
