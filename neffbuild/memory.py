@@ -14,23 +14,21 @@ Pure arithmetic on a recipe (no torch, no tracing), by the project's one formula
 
   The reserve stands for what is neither weights nor KV: the runtime, activations and scratch,
   the loaded artifacts (vLLM's default ``gpu_memory_utilization`` 0.9 keeps the same 10 %).
-  A backend whose kernels address KV with 32-bit offsets (neuron) caps it further
-  (``kv_offset_limit``); the suggestion is the smaller of the two.
+  A backend whose kernels cannot address a larger pool caps it further (its ``kv_limit``
+  registry part; neuron: 32-bit offsets, compiler/backends/neuron_rules.py); the suggestion is
+  the smaller of the two.
 """
 
 from __future__ import annotations
 
 from neffbuild import registry
 from neffbuild.errors import InvalidInput
-from neffbuild.models.eagle3 import shapes as draft_shapes
-from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.runtime.blocks import kv_groups, min_pool_blocks
 from neffbuild.runtime.kv_layout import KVLayout
 from neffbuild.runtime.parallel import ParallelLayout
 
 GIB = 1 << 30
 RESERVE_PERCENT = 10
-OFFSET_SPAN = 1 << 32  # a 32-bit offset addresses one K or V half of one buffer: its bytes must stay below this
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -42,7 +40,7 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def kv_layout(cfg, draft_cfg: Eagle3Config | None, num_blocks: int, block_size: int, fp8_packed_kv: bool,
+def kv_layout(cfg, draft_cfg, num_blocks: int, block_size: int, fp8_packed_kv: bool,
               par) -> KVLayout:
     """One rank's KV layout: its KV heads (architecture part ``local_config``); the draft's group is not sharded."""
     # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too).
@@ -53,9 +51,10 @@ def kv_layout(cfg, draft_cfg: Eagle3Config | None, num_blocks: int, block_size: 
                     draft_head_dim=draft_cfg.head_dim if draft_cfg else 0)
 
 
-def _draft_config(recipe) -> Eagle3Config | None:
+def _draft_config(recipe):
     s = recipe.speculative
-    return Eagle3Config.from_hf_dict(s.draft_hf_config, recipe.model.config) if s else None
+    return registry.speculative(s.method).get("config").from_hf_dict(s.draft_hf_config, recipe.model.config) \
+        if s else None
 
 
 def recipe_kv_layout(recipe, num_blocks: int | None = None) -> KVLayout:
@@ -70,31 +69,9 @@ def weight_bytes(recipe) -> tuple[int, int]:
     dcfg, s = _draft_config(recipe), recipe.speculative
     if dcfg is None:
         return target, 0
-    own = bool(s.draft_checkpoint and draft_shapes.has_own_embed(s.draft_checkpoint))
-    return target, draft_shapes.weight_bytes(dcfg, own)
-
-
-# -- the 32-bit KV offset rule (a backend part: the neuron entry names ``kv_offsets_32bit``)
-
-def kv_offset_limit(layout: KVLayout) -> int:
-    """The largest num_blocks whose every K/V half (target buffers and the draft's) spans fewer than 2^32 bytes."""
-    widest = max(layout.block_len, layout.draft_block_len)
-    return (OFFSET_SPAN - 1) // widest
-
-
-def kv_offsets_32bit(err, layout: KVLayout) -> None:
-    """Kernels that address block-KV with uint32 offsets (neuron: NCC_IBTN127) need each buffer half below 2^32."""
-    halves = [("target", layout.half_bytes, layout.kv_heads, layout.head_dim)]
-    if layout.has_draft:
-        halves.append(("draft", layout.draft_half_bytes, layout.draft_kv_heads, layout.draft_head_dim))
-    for name, span, heads, head_dim in halves:
-        if span >= OFFSET_SPAN:
-            err("serving.num_blocks", layout.num_blocks,
-                f"one {name} KV buffer half spans {layout.num_blocks} blocks x {heads} KV head(s) per rank x "
-                f"{layout.block_size} x head_dim {head_dim} x {layout.itemsize} byte(s) = {span:,} bytes, not below "
-                f"2^32 ({OFFSET_SPAN:,}): the backend's kernels address KV with 32-bit offsets; at most "
-                f"{kv_offset_limit(layout)} blocks fit" + ("" if layout.fp8 else " (fp8_packed_kv quarters the span)"))
-            return
+    method = registry.speculative(s.method)
+    own = bool(s.draft_checkpoint and method.get("has_own_embed")(s.draft_checkpoint))
+    return target, method.get("weight_bytes")(dcfg, own)
 
 
 def backend_kv_limit(backend: str, layout: KVLayout) -> int | None:
@@ -113,7 +90,8 @@ def check_recipe(err, cfg, serving: dict, par: dict, fp8: bool, spec, compiler: 
     if cfg.num_attention_heads % tp or (Hk % tp and tp % Hk):
         return  # reported by the parallel rules
     try:
-        dcfg = Eagle3Config.from_hf_dict(spec.draft_hf_config, cfg) if spec else None
+        dcfg = registry.speculative(spec.method).get("config").from_hf_dict(spec.draft_hf_config, cfg) \
+            if spec else None
     except InvalidInput:
         return  # reported by the speculative section
     entry.get("kv_rule")(err, kv_layout(cfg, dcfg, nb, bs, fp8, ParallelLayout(tp, par["dp"], par["ep"])))

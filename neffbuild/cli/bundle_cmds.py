@@ -10,7 +10,7 @@ import click
 
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
-from neffbuild.runtime import layout
+from neffbuild.runtime import paths
 from neffbuild.runtime.manifest_schema import problems as schema_problems
 
 
@@ -41,7 +41,7 @@ def _diffable(path: str) -> dict:
 
 def _compile_seconds(path: str) -> dict[str, float]:
     """Per-label compile times from build-info.json (a per-build record; empty when absent or odd)."""
-    info = Path(path) / layout.BUILD_INFO_PATH
+    info = Path(path) / paths.BUILD_INFO_PATH
     try:
         if not info.is_file() or info.stat().st_size > 16 * 1024 * 1024:
             return {}
@@ -121,10 +121,10 @@ def _print_parallel(c, m: dict) -> None:
 def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
     import yaml
 
-    from neffbuild.bundle import handoff, layout
+    from neffbuild.bundle import handoff, paths
     from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
 
-    recipe_file = reader.safe_path(root, layout.RECIPE_PATH)
+    recipe_file = reader.safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
     config = handoff.vllm_config(manifest, recipe if isinstance(recipe, dict) else {})
     if as_json:

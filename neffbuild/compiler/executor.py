@@ -22,7 +22,9 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
 from neffbuild.compiler import memory_plan
-from neffbuild.compiler.worker import KILLED, TIMEOUT, Job, run_job, warm_up
+from neffbuild.compiler.jobs import KILLED, TIMEOUT, Job, JobResult, failure
+from neffbuild.compiler.ray_executor import RayExecutor
+from neffbuild.compiler.worker import run_job, warm_up
 
 
 class LocalExecutor:
@@ -51,8 +53,8 @@ class LocalExecutor:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.pool = None
 
-    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
-        """Yield one result dict per job, in completion order."""
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[JobResult]:
+        """Yield one result per job, in completion order."""
         pending = list(jobs)
         pending.reverse()  # pop() takes them in the given order
         gate = self.admission = memory_plan.admission_for(pending, self.jobs)
@@ -76,14 +78,14 @@ class LocalExecutor:
                         yield fut.result()
                     except BrokenProcessPool:
                         broken = True
-                        yield _failure(job, KILLED, "the worker process died (killed by a signal or out of memory)")
+                        yield failure(job, KILLED, "the worker process died (killed by a signal or out of memory)")
                 timed_out = [f for f, (_, t0) in running.items()
                              if self.timeout_s and time.monotonic() - t0 > self.timeout_s]
                 if broken or timed_out:
                     for fut in timed_out:
                         job, _ = running.pop(fut)
                         gate.finished(job.label)
-                        yield _failure(job, TIMEOUT, f"compile exceeded {self.timeout_s:.0f}s")
+                        yield failure(job, TIMEOUT, f"compile exceeded {self.timeout_s:.0f}s")
                     # Jobs caught in the same pool restart are retried on the new pool.
                     pending.extend(job for job, _ in running.values())
                     for job, _ in running.values():
@@ -104,7 +106,7 @@ class InlineExecutor:
     jobs = 1
     name = "inline"
 
-    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[JobResult]:
         for job in jobs:
             if on_start:
                 on_start(job)
@@ -117,19 +119,8 @@ EXECUTORS = ("local", "ray")
 def make_executor(name: str, *, jobs: int, cache_root, timeout_s: float | None = None, address: str | None = None,
                   shared_cache: bool = False):
     """The executor called ``name``: the local pool of ``jobs`` workers, or Ray."""
-    if name == "ray":
-        from neffbuild.compiler.ray_executor import RayExecutor
-
+    if name == "ray":  # Ray itself is imported when a RayExecutor is made (an optional extra)
         return RayExecutor(cache_root=cache_root, address=address, shared_cache=shared_cache, timeout_s=timeout_s)
     if name != "local":
         raise ValueError(f"unknown executor {name!r}")
     return LocalExecutor(jobs, timeout_s=timeout_s)
-
-
-def _failure(job: Job, kind: str, message: str) -> dict:
-    try:
-        with open(job.log_path, "a") as log:
-            log.write(f"\n== {kind}: {message}\n")
-    except OSError:
-        pass
-    return {"label": job.label, "status": "failed", "kind": kind, "error": message, "hit": False, "log": job.log_path}

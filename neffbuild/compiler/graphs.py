@@ -17,30 +17,32 @@ import torch
 from neffbuild import registry
 from neffbuild.compiler.graph_spec import (  # noqa: F401  (torch-free; re-exported)
     GraphSpec,
+    TargetGraph,
     draft_config_for,
     kv_layout_for,
     layout_for,
     spec_for,
+    target_graph,
+    target_graph_from,
 )
-from neffbuild.models.eagle3 import weights as draft_weights
-from neffbuild.models.eagle3.draft import Eagle3Draft
-from neffbuild.runtime import parallel, world
-from neffbuild.runtime.buckets import table_width
+from neffbuild.runtime import parallel, step_inputs, world
 from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
 
 
-def draft_example_inputs(spec: GraphSpec) -> tuple:
-    B, q, layout = spec.batch, spec.query_len, spec.kv_layout()
-    long = {"dtype": torch.long}
-    return (
-        torch.zeros(B, q, **long),  # input_ids
-        torch.zeros(B, q, **long),  # positions
-        torch.zeros(B, q, 3 * spec.config.hidden_size),  # hidden (the target's aux states)
-        torch.zeros(B, **long),  # num_valid
-        torch.zeros(B, table_width(spec.ctx, spec.block_size), **long),  # block_table
-        torch.full((B * q,), -1, **long),  # slot_mapping
-        torch.zeros(layout.draft_buffer_shape, dtype=layout.graph_dtype),  # kv_cache (the draft's group)
-    )
+def dims(graph: TargetGraph) -> step_inputs.Dims:
+    """The shape inputs of the step-input table (runtime/step_inputs.py) for one target."""
+    return step_inputs.Dims(graph.batch, graph.ctx, graph.query_len, graph.block_size, graph.num_swa,
+                            graph.kv_layout().to_json(), hidden_size=graph.config.hidden_size,
+                            sharded=graph.parallel.sharded)
+
+
+def _example(inp: step_inputs.Input, d: step_inputs.Dims) -> torch.Tensor:
+    return torch.full(inp.shape(d), inp.fill, dtype=getattr(torch, inp.dtype_of(d)))
+
+
+def draft_example_inputs(graph: TargetGraph) -> tuple:
+    d = dims(graph)
+    return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS)
 
 
 @contextlib.contextmanager
@@ -60,29 +62,17 @@ def placeholder_groups(par: parallel.ParallelLayout):
             _unregister_process_group(name)
 
 
-def example_inputs(spec: GraphSpec, *, caches: bool = True) -> tuple:
+def example_inputs(graph: TargetGraph, *, caches: bool = True) -> tuple:
     """Zeroed inputs of the target's shapes (pad write slots); ``caches=False`` leaves the KV caches out."""
-    if spec.family == DRAFT:
-        return draft_example_inputs(spec)
-    B, q = spec.batch, spec.query_len
-    layout = spec.kv_layout()
-    long = {"dtype": torch.long}
-    return (
-        torch.zeros(B, q, **long),  # input_ids
-        torch.zeros(B, q, **long),  # positions
-        torch.zeros(B, table_width(spec.ctx, spec.block_size), **long),  # block_table
-        torch.zeros(B, max(spec.num_swa, 1), **long),  # block_table_swa
-        torch.zeros(B, **long),  # swa_kv_pos_offset
-        torch.full((B * q,), -1, **long),  # slot_mapping
-        torch.full((B * q,), -1, **long),  # slot_mapping_swa
-        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers))
-        if caches else None,
-    ) + ((parallel.rank_tensor(0),) if spec.layout.sharded else ())
+    if graph.family == DRAFT:
+        return draft_example_inputs(graph)
+    d = dims(graph)
+    kv = tuple(_example(step_inputs.KV_CACHES, d) for _ in range(d.kv_layout["num_buffers"])) if caches else None
+    rank = (parallel.rank_tensor(0),) if d.sharded else ()
+    return tuple(_example(i, d) for i in step_inputs.STEP_INPUTS) + (kv,) + rank
 
 
-INPUT_NAMES = ("input_ids", "positions", "block_table", "block_table_swa", "swa_kv_pos_offset", "slot_mapping",
-               "slot_mapping_swa", "kv_caches", "rank")
-DRAFT_INPUT_NAMES = ("input_ids", "positions", "hidden", "num_valid", "block_table", "slot_mapping", "kv_cache")
+INPUT_NAMES, DRAFT_INPUT_NAMES = step_inputs.INPUT_NAMES, step_inputs.DRAFT_INPUT_NAMES
 
 
 def input_signature(inputs: tuple, family: str | None = None) -> list[dict]:
@@ -96,28 +86,28 @@ def input_signature(inputs: tuple, family: str | None = None) -> list[dict]:
     return out
 
 
-def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None):
+def build_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None = None):
     """(module, example inputs) for one target; placeholder weights unless given."""
-    if spec.family == DRAFT:
-        return _draft_graph(spec, weights)
-    cfg, arch, par = spec.config, registry.arch(spec.arch), spec.layout
+    if graph.family == DRAFT:
+        return _draft_graph(graph, weights)
+    cfg, arch, par = graph.config, registry.arch(graph.arch), graph.parallel
     if weights is None:  # one rank's shapes: every rank runs the same graph on its own shard
         shapes = arch.get("rank_shapes")(cfg, par)
         weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
     # EAGLE3 target families output the layers the draft fuses (the draft config's, default from the arch).
     aux = None
-    if spec.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
-        aux = spec.draft_config.aux_layers if spec.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
-    module = arch.get("decode")(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
-    return module, example_inputs(spec)
+    if graph.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
+        aux = graph.draft_config.aux_layers if graph.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
+    module = arch.get("decode")(cfg, weights, packed_k=graph.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
+    return module, example_inputs(graph)
 
 
-def _draft_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None):
-    dcfg = spec.draft_config
+def _draft_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None):
+    dcfg, method = graph.draft_config, registry.speculative(graph.speculative_method)
     if weights is None:
-        weights = draft_weights.placeholders(dcfg)
-        embed = torch.empty(registry.arch(spec.arch).get("placeholder_shapes")(spec.config)["embed"])
-        weights[draft_weights.DRAFT_EMBED if spec.draft_own_embed else "embed"] = embed
-    module = Eagle3Draft(dcfg, weights, num_speculative_tokens=spec.num_speculative_tokens,
-                         packed_k=spec.fp8_packed_kv).eval()
-    return module, draft_example_inputs(spec)
+        weights = method.get("placeholders")(dcfg)
+        embed = torch.empty(registry.arch(graph.arch).get("placeholder_shapes")(graph.config)["embed"])
+        weights[method.get("embed_name")(graph.draft_own_embed)] = embed
+    module = method.get("draft")(dcfg, weights, num_speculative_tokens=graph.num_speculative_tokens,
+                         packed_k=graph.fp8_packed_kv).eval()
+    return module, draft_example_inputs(graph)

@@ -1,6 +1,6 @@
 """Recipe: YAML -> validated, frozen ``Recipe``.
 
-``spec.py`` holds the frozen dataclasses, ``loading.py`` the safe file and YAML reading,
+``types.py`` holds the frozen dataclasses, ``loading.py`` the safe file and YAML reading,
 ``checks.py`` the typed primitives, ``validator.py`` the order the section rules run in
 (``*_rules.py``, one module per section). Validation collects every problem before raising
 (``RecipeError``), each naming the dotted path, the value and the rule. Validation never
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from neffbuild.errors import RecipeError
 from neffbuild.recipe.loading import parse_yaml, read_regular_file
-from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
+from neffbuild.recipe.types import ModelSpec, Recipe, Speculative
 from neffbuild.recipe.validator import Validator
 
 __all__ = ["ModelSpec", "Recipe", "Speculative", "from_dict", "load", "parse_yaml", "read_regular_file"]

@@ -14,10 +14,10 @@ from neffbuild import registry
 from neffbuild.errors import NO_VALUE, NeffbuildError, did_you_mean
 from neffbuild.recipe import config_rules
 from neffbuild.recipe.loading import read_regular_file
-from neffbuild.recipe.spec import ModelSpec, Speculative
+from neffbuild.recipe.types import ModelSpec, Speculative
 
 KNOWN_ARCHS = tuple(registry.ARCHITECTURES)
-SPEC_METHODS = ("eagle3",)
+SPEC_METHODS = tuple(registry.SPECULATIVE)
 
 
 def model(v, m: dict):
@@ -40,6 +40,10 @@ def model(v, m: dict):
     if hf is None:
         return None, None
     arch = arch if isinstance(arch, str) else ""
+    inline = isinstance(m.get("config"), dict)  # a typo here would silently compile the default
+    if inline and arch in registry.ARCHITECTURES and not registry.arch(arch).get("unknown_keys")(
+            v.err, hf, "model.config"):
+        return None, None
     cfg = arch_config(v, hf, "model.config", arch)
     return ModelSpec(arch=arch, hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
 
@@ -86,21 +90,10 @@ def arch_config(v, hf: dict, path: str, arch: str):
     """The architecture's config from Hugging Face keys (None: unknown architecture or bad keys)."""
     if arch not in registry.ARCHITECTURES:
         return None
-    config_cls = registry.arch(arch).get("config")
-    if not config_rules.check_numbers(v, hf, path, config_cls):
+    entry = registry.arch(arch)
+    if not config_rules.check_numbers(v, hf, path, entry.get("config"), entry.get("field_limits")()):
         return None
-    cfg = config_cls.from_hf_dict(hf)
-    if len(cfg.layer_types) != cfg.num_hidden_layers:
-        v.err(f"{path}.layer_types", len(cfg.layer_types),
-              f"must have num_hidden_layers ({cfg.num_hidden_layers}) entries")
-        return None
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        v.err(f"{path}.num_attention_heads", cfg.num_attention_heads,
-              f"must be a multiple of num_key_value_heads ({cfg.num_key_value_heads})")
-    if cfg.num_experts_per_tok > cfg.num_local_experts:
-        v.err(f"{path}.num_experts_per_tok", cfg.num_experts_per_tok,
-              f"must be <= num_local_experts ({cfg.num_local_experts})")
-    return cfg
+    return entry.get("build_config")(v.err, hf, path)
 
 
 def speculative(v, raw: dict, cfg) -> Speculative | None:
@@ -111,7 +104,7 @@ def speculative(v, raw: dict, cfg) -> Speculative | None:
         if isinstance(raw.get("speculative"), dict):
             v.err("speculative", {}, "is empty; set method, num_speculative_tokens and draft, or remove it")
         return None
-    method = v.choice(s, "method", "speculative.method", SPEC_METHODS, "eagle3")
+    method = v.choice(s, "method", "speculative.method", SPEC_METHODS, SPEC_METHODS[0])
     k = v.integer(s, "num_speculative_tokens", "speculative.num_speculative_tokens")
     d = v.section(s, "draft", "speculative.draft")
     ck = seed = None
@@ -124,8 +117,9 @@ def speculative(v, raw: dict, cfg) -> Speculative | None:
     draft_cfg = d.get("config")
     if draft_cfg is not None or (ck is not None and (ck / "config.json").exists()):
         draft_cfg = hf_config(v, draft_cfg, "speculative.draft.config", ck)
+        entry = registry.arch_of(cfg) if cfg is not None else registry.arch(KNOWN_ARCHS[0])
         if draft_cfg is not None and config_rules.check_numbers(
-                v, draft_cfg, "speculative.draft.config", type(cfg) if cfg is not None else _default_config()):
+                v, draft_cfg, "speculative.draft.config", entry.get("config"), entry.get("field_limits")()):
             draft_cfg = dict(draft_cfg)
         else:
             draft_cfg = None
@@ -135,10 +129,6 @@ def speculative(v, raw: dict, cfg) -> Speculative | None:
     if k is None:
         return None
     return Speculative(method, k, ck, seed, draft_cfg or {})
-
-
-def _default_config():
-    return registry.arch(next(iter(registry.ARCHITECTURES))).get("config")
 
 
 def _no_constant(name: str):

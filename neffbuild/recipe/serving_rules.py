@@ -1,5 +1,6 @@
 """Rules for ``serving`` and ``neuron_config`` (the bucket lists) and the rules across sections
-that need the model's config (pool size, sliding-window widths, GK layer pairing).
+that need the model's config (pool size, sliding-window widths, GK layer pairing: the last
+two are the architecture's registry parts, ``kv_pool_bytes``, ``kv_window``, ``check_gk_layout``).
 
 Bucket math and the blocks-needed formula come from the runtime's pure modules
 (``runtime/buckets.py``, ``runtime/blocks.py``), so what validates is what the runtime serves.
@@ -7,6 +8,7 @@ Bucket math and the blocks-needed formula come from the runtime's pure modules
 
 from __future__ import annotations
 
+from neffbuild import registry
 from neffbuild.recipe.checks import LIMITS
 from neffbuild.runtime.blocks import group_blocks, kv_groups, min_pool_blocks
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
@@ -90,13 +92,14 @@ def cross_checks(v, cfg, serving: dict, ctx, gk: bool, spec) -> None:
     if mml and mml > cfg.max_position_embeddings:
         v.err("serving.max_model_len", mml,
               f"must be <= model.config.max_position_embeddings ({cfg.max_position_embeddings})")
-    if nb and bs and nb * bs * cfg.num_kv_buffers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 > MAX_KV_BYTES:
+    arch = registry.arch_of(cfg)
+    if nb and bs and arch.get("kv_pool_bytes")(cfg, nb, bs) > MAX_KV_BYTES:
         v.err("serving.num_blocks", nb, f"the KV pool would exceed {MAX_KV_BYTES >> 30} GiB "
               "(num_blocks x block_size x layers x kv_heads x head_dim)")
     if mml and bs and nb:
-        pool_size(v, cfg, mml, bs, nb, mns, 1 + (spec.num_speculative_tokens if spec else 0))
+        pool_size(v, arch.get("kv_window")(cfg), mml, bs, nb, mns, 1 + (spec.num_speculative_tokens if spec else 0))
     if gk:
-        gk_layout(v, cfg)
+        arch.get("check_gk_layout")(v.err, cfg)
     if cfg.has_sliding_layers and bs:
         if bs > P_MAX:
             v.err("serving.block_size", bs, f"must be <= {P_MAX} for models with sliding-window layers")
@@ -117,9 +120,9 @@ def cross_checks(v, cfg, serving: dict, ctx, gk: bool, spec) -> None:
               f"leaves no room in max_model_len ({mml})")
 
 
-def pool_size(v, cfg, mml: int, bs: int, nb: int, mns: int | None, query_len: int) -> None:
+def pool_size(v, window: int | None, mml: int, bs: int, nb: int, mns: int | None, query_len: int) -> None:
     """The block manager's formula (runtime/blocks.py): whatever validates can serve."""
-    groups = kv_groups(cfg.sliding_window if cfg.has_sliding_layers else None)
+    groups = kv_groups(window)
     one = min_pool_blocks(mml, bs, groups, query_len)
     what = " + ".join(f"{group_blocks(mml, bs, g.window, query_len)} {g.name}" for g in groups) + " + 1 null block"
     if nb < one:
@@ -131,13 +134,3 @@ def pool_size(v, cfg, mml: int, bs: int, nb: int, mns: int | None, query_len: in
             f"than max_num_seqs ({mns}; that needs {min_pool_blocks(mml, bs, groups, query_len, mns)}); "
             f"long requests will queue")
 
-
-def gk_layout(v, cfg) -> None:
-    L = cfg.num_hidden_layers
-    if L % 2:
-        v.err("model.config.num_hidden_layers", L, "must be even for gk_decode (layers pair up on KV buffers)")
-    for i, t in enumerate(cfg.layer_types):
-        want = cfg.SLIDING if i % 2 == 0 else cfg.FULL
-        if t != want:
-            v.err(f"model.config.layer_types[{i}]", t,
-                  f"must be {want!r} for gk_decode (even layers sliding, odd full)")

@@ -14,7 +14,7 @@ from neffbuild import memory
 from neffbuild.errors import NO_VALUE
 from neffbuild.recipe import compiler_rules, model_rules, parallel_rules, serving_rules
 from neffbuild.recipe.checks import LIMITS, SCHEMA, Checks
-from neffbuild.recipe.spec import Recipe
+from neffbuild.recipe.types import Recipe
 
 __all__ = ["LIMITS", "SCHEMA", "Validator"]
 

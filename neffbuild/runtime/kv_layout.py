@@ -110,3 +110,11 @@ class KVLayout:
         if self.has_draft:
             out["draft"] = {"num_buffers": 1, "buffer_shape": list(self.draft_buffer_shape), "block_table": "full"}
         return out
+
+    @classmethod
+    def from_json(cls, kv: dict) -> KVLayout:
+        """The inverse of ``to_json`` (the manifest's ``graph_inputs.kv_layout``, schema-checked)."""
+        _, nb, h, bs, d = kv["buffer_shape"]
+        draft = kv.get("draft", {}).get("buffer_shape", (0, 0, 0, 0, 0))
+        return cls(kv["num_buffers"], nb, h, bs, d, fp8=kv["dtype"].startswith("float8"), packed_k=kv["packed_k"],
+                   draft_kv_heads=draft[2], draft_head_dim=draft[4])

@@ -10,8 +10,8 @@ reduce-scatter sums the experts' outputs and hands each rank back its own rows.
 
 Compiled graphs name their groups by fixed strings (``TP_GROUP``, ``EP_GROUP``), never by
 rank lists, so one artifact serves every rank: each rank registers ITS groups under those
-names (``join``) before running an artifact. Thin: standard library and torch only (torch
-only for ``rank_tensor``: ``ParallelLayout`` is plain arithmetic that plan and the validator use).
+names (``join``) before running an artifact. Standard library only at import (torch inside
+``rank_tensor``), so the recipe validator uses the same layout rules without torch.
 """
 
 from __future__ import annotations
@@ -81,6 +81,6 @@ class ParallelLayout:
 
 def rank_tensor(rank: int) -> torch.Tensor:
     """The rank id a sharded artifact takes as its last input (it picks the rank's experts)."""
-    import torch  # here, so the layout itself (plan, the validator) needs no torch
+    import torch  # lazy: ParallelLayout is torch-free (the recipe validator imports it)
 
     return torch.tensor([rank], dtype=torch.long)

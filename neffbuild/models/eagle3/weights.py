@@ -14,6 +14,7 @@ In the bundle the draft's tensors sit beside the target's in the one weights fil
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -42,6 +43,11 @@ QKV_KEYS = tuple(f"midlayer.self_attn.{n}_proj.weight" for n in "qkv")
 T2D = "t2d"
 DRAFT_EMBED = "draft_embed"  # only when the checkpoint brings its own embedding
 DRAFT_NAMES = tuple(CHECKPOINT_KEYS) + ("draft_qkv_w",)
+
+
+def embed_name(own_embed: bool) -> str:
+    """The bundle name of the token embedding the draft reads: its own, or the target's."""
+    return DRAFT_EMBED if own_embed else "embed"
 
 
 def placeholders(cfg: Eagle3Config) -> dict[str, torch.Tensor]:
@@ -78,8 +84,6 @@ def random_state_dict(cfg: Eagle3Config, seed: int, std: float = 0.2) -> dict[st
 
 def save_checkpoint(sd: dict[str, torch.Tensor], folder: str | Path, cfg: Eagle3Config) -> Path:
     """Write ``sd`` in the common layout (``model.safetensors`` + ``config.json``)."""
-    import json
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
