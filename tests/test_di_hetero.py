@@ -103,11 +103,12 @@ def _tp2_decode(bundle_path, prefill_tp, prompts, new):
 def test_tp2_decode_pulls_its_heads_from_any_prefill_tp(built_tp2, prefill_tp):
     """Decode T=2 (one KV head per rank) fed by P=1 (a slice of each remote block) or P=2 (rank to rank);
     both decode ranks are clients of one prefill group; tokens equal the unsharded model's."""
-    from neffbuild.cli.generate_cmd import run_reference
+    from neffbuild.serve.parts import Request
+    from neffbuild.serve.result import reference_tokens
 
     prompts, new = _prompts(LENGTHS), 4
     ranks = _tp2_decode(built_tp2, prefill_tp, prompts, new)
-    ref = run_reference(str(built_tp2), prompts, new)
+    ref = reference_tokens(str(built_tp2), [Request(str(n), p, new, index=n) for n, p in enumerate(prompts)])
     assert ranks[0]["tokens"] == ranks[1]["tokens"] == ref
     for r in ranks:
         assert all(t["transfers"] == 1 for t in r["transfers"])  # T >= P: one READ per request
@@ -175,3 +176,13 @@ def test_di_decode_step_costs_what_a_plain_step_costs(built):
                       "di_step_ms": round(statistics.median(di) * 1e3, 3), "ratio": round(ratio, 3),
                       "load": os.getloadavg()[0]}))
     assert ratio < 1.2
+
+
+def test_prefill_tp_must_split_the_heads_as_a_tp_degree_does(tiny_cfg):
+    from neffbuild.errors import InvalidInput
+    from neffbuild.serve.prefill_worker import check_prefill_tp
+
+    for ok in (1, 2, 4):  # 4 attention heads, 2 KV heads: tp 4 replicates each KV head on two ranks
+        check_prefill_tp(tiny_cfg, "gpt_oss", ok)
+    with pytest.raises(InvalidInput, match=r"--prefill-tp 3: tp 3 must divide the 4 attention heads"):
+        check_prefill_tp(tiny_cfg, "gpt_oss", 3)

@@ -200,7 +200,7 @@ def _rank_main(bundle_path: str, tp: int, rank: int, init_file: str, ready, stop
         return
     ready.put((rank, "ready", port))
     if rank == 0:
-        stop.wait()
+        stop.get()  # a queue, not an Event: setting an Event waits for every waiter, a killed one never answers
         me.stop()
     else:
         while True:
@@ -241,7 +241,7 @@ class PrefillGroup:
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="neffbuild-prefill-")
         init = os.path.join(self._tmp.name, "rendezvous")
-        self._ready, self._stop = ctx.Queue(), ctx.Event()
+        self._ready, self._stop = ctx.Queue(), ctx.Queue()
         self.processes = [ctx.Process(target=_rank_main, daemon=True, name=f"neffbuild-prefill-{r}",
                                       args=(self.bundle_path, self.tp, r, init, self._ready, self._stop,
                                             self._n_minus_1)) for r in range(self.tp)]
@@ -266,7 +266,7 @@ class PrefillGroup:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
+        self._stop.put("stop")
         for p in self.processes:
             p.join(timeout=10)
         for p in self.processes:

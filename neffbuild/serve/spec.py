@@ -68,7 +68,7 @@ class Eagle3Proposer:
         """Draft k tokens for every request with verified rows and room for a with-spec step; the draft label."""
         k, ready = self.k, []
         for r in reqs:
-            if r.verified is not None and r.computed + k + 1 <= self.spec.max_model_len:
+            if r.verified is not None and r.computed + k + 1 <= self.grid.max_model_len:
                 ready.append(r)
             else:
                 r.verified = None  # no room (for good) or no aux rows yet: this step runs without spec
