@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, GridSpec
+from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from tests.conftest import ROOT
@@ -39,14 +39,14 @@ def _cli(*args, **kw):
                           cwd=ROOT, check=False, **kw)
 
 
-def _smallest_bucket_every_step(steps, spec: GridSpec):
+def _smallest_bucket_every_step(steps, spec: Grid):
     for s in steps:
         ctx = min(c for c in (*spec.ctx_buckets, spec.max_model_len) if c >= s["needed_seq"])
         batch = min(b for b in spec.num_seqs_buckets if b >= s["num_reqs"])
         assert (s["ctx"], s["batch"]) == (ctx, batch), s
 
 
-def assert_continuous_batching(steps, reqs: list[dict], spec: GridSpec):
+def assert_continuous_batching(steps, reqs: list[dict], spec: Grid):
     """Batch buckets 1 and 4, the batch coming down, the context coming down once the long request left."""
     _smallest_bucket_every_step(steps, spec)
     batches = [s["batch"] for s in steps]
@@ -86,7 +86,7 @@ def test_continuous_batching_equals_solo_runs(built, tmp_path):
         _serve(session, [alone])
         assert (got["id"], got["arrival"], got["tokens"]) == (r.id, r.arrival, alone.tokens), r.id
         assert got["arrival"] <= got["first_step"] <= got["last_step"]
-    assert_continuous_batching(out["steps"], out["requests"], session.stepper.spec)
+    assert_continuous_batching(out["steps"], out["requests"], session.stepper.grid)
     assert "metrics" not in out and "neffbuild_neff_execution_count" not in res.stderr  # only when asked
 
 

@@ -68,8 +68,8 @@ class Engine:
     def __init__(self, stepper: Stepper, blocks: BlockManager, source: KVSource, proposer: Proposer | None = None,
                  *, max_batch: int | None = None, on_step: Callable[[StepPlan, object], None] | None = None):
         self.stepper, self.blocks, self.source, self.proposer = stepper, blocks, source, proposer
-        self.spec = stepper.spec
-        self.max_batch = max_batch or self.spec.num_seqs_buckets[-1]
+        self.grid = stepper.grid
+        self.max_batch = max_batch or self.grid.num_seqs_buckets[-1]
         self.k = proposer.k if proposer is not None else 0
         self.on_step = on_step
         self.stats = EngineStats()
@@ -78,7 +78,7 @@ class Engine:
 
     def peak_blocks(self, req: Request) -> int:
         """The most blocks a request holds over its life (prompt + tokens + drafts past the last)."""
-        n = min(len(req.prompt) + req.max_new_tokens + self.k, self.spec.max_model_len)
+        n = min(len(req.prompt) + req.max_new_tokens + self.k, self.grid.max_model_len)
         return blocks_needed(n, self.blocks.block_size, self.blocks.groups, 1 + self.k)
 
     def check_fits(self, reqs: list[Request]) -> None:

@@ -48,7 +48,7 @@ def check_bundle(bundle) -> None:
 
     gi = bundle.manifest["graph_inputs"]
     cfg = model_config(gi)
-    for name, shape in registry.arch(gi["arch"]).get("rank_shapes")(cfg, bundle.layout).items():
+    for name, shape in registry.arch(gi["arch"]).get("rank_shapes")(cfg, bundle.parallel).items():
         have = tuple(bundle.weights[name].shape) if name in bundle.weights else None
         if have != tuple(shape):
             raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
@@ -91,9 +91,9 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
 
     bundle = open_bundle(bundle_path, group=group)  # a sharded bundle joins the world here (every rank opens it)
     check_bundle(bundle)
-    hist = NeededSeqHistogram(bundle.spec.max_model_len)
+    hist = NeededSeqHistogram(bundle.grid.max_model_len)
     session = open_session(bundle, group=group, on_plan=lambda plan: hist.record(plan.needed_seq))
-    check_requests(requests, session.config.vocab_size, bundle.spec.max_model_len, opts.source)
+    check_requests(requests, session.config.vocab_size, bundle.grid.max_model_len, opts.source)
     for label in bundle.labels:  # load every artifact now: no decode step pays for loading
         bundle.artifact(label)
     source, proposer = _parts(bundle, session, opts, prefill)

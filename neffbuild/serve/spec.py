@@ -44,10 +44,10 @@ class Eagle3Proposer:
     """Drafts k tokens per request through the bundle's ``draft_b{B}_ctx{S}`` artifacts (or ``draft_fn``)."""
 
     def __init__(self, stepper: Stepper, dcfg: Eagle3Config, weights: dict, *, draft_fn: DraftFn | None = None):
-        self.stepper, self.dcfg, self.spec = stepper, dcfg, stepper.spec
-        self.k = self.spec.num_speculative_tokens
+        self.stepper, self.dcfg, self.grid = stepper, dcfg, stepper.grid
+        self.k = self.grid.num_speculative_tokens
         self.eager_draft = Eagle3Draft(dcfg, weights, num_speculative_tokens=self.k,
-                                       packed_k=stepper.layout.packed_k).eval()  # the prompt's catch-up only
+                                       packed_k=stepper.kv_layout.packed_k).eval()  # the prompt's catch-up only
         self.draft_fn = draft_fn
         self.plans: list[StepPlan] = []
 
@@ -78,7 +78,7 @@ class Eagle3Proposer:
             blocks.reserve(r.key, r.computed + k + 1, r.computed)
         top = max(r.computed for r in ready)
         if self.draft_fn is not None:
-            plan = plan_draft(self.spec, num_reqs=len(ready), max_computed=top)
+            plan = plan_draft(self.grid, num_reqs=len(ready), max_computed=top)
             drafts = self.draft_fn(plan, ready)
         else:
             full = block_rows(blocks, [r.key for r in ready], [r.computed + k + 1 for r in ready])[FULL_GROUP]
@@ -92,7 +92,7 @@ class Eagle3Proposer:
 def draft_config(bundle, target_cfg) -> Eagle3Config | None:
     """The bundle's draft config, or None when it was built without EAGLE3."""
     gi = bundle.manifest["graph_inputs"]
-    if not bundle.spec.num_speculative_tokens or "draft_config" not in gi:
+    if not bundle.grid.num_speculative_tokens or "draft_config" not in gi:
         return None
     return Eagle3Config.from_hf_dict(gi["draft_config"], target_cfg)
 
@@ -100,8 +100,8 @@ def draft_config(bundle, target_cfg) -> Eagle3Config | None:
 class EagerSpecArtifacts:
     """Eager target (with aux outputs) for target labels and the eager draft for draft labels."""
 
-    def __init__(self, spec, kv_layout, num_swa: int, target: torch.nn.Module, draft: torch.nn.Module):
-        self.spec, self.kv_layout, self.num_swa, self.target, self.draft = spec, kv_layout, num_swa, target, draft
+    def __init__(self, grid, kv_layout, num_swa: int, target: torch.nn.Module, draft: torch.nn.Module):
+        self.grid, self.kv_layout, self.num_swa, self.target, self.draft = grid, kv_layout, num_swa, target, draft
 
     def artifact(self, label: str):
         module = self.draft if label.startswith(DRAFT) else self.target
