@@ -22,13 +22,14 @@ ALLOWED = {
     "runtime": set(),
     "models": {"kernels", "runtime"},  # runtime: plain layout types only (tests/test_runtime.py checks the names)
     "grid": {"runtime"},
-    "recipe": {"runtime"},  # the pure bucket, block and label math, so a formula exists once
+    "recipe": {"runtime", "memory"},  # the pure bucket, block and label math, so a formula exists once
+    "memory": {"runtime"},  # a rank's bytes by the runtime's KV layout (neffbuild/memory.py, torch-free)
     "recommend": {"grid", "runtime"},
     "bundle": {"runtime"},
-    "compiler": {"models", "bundle", "kernels", "runtime", "grid"},
+    "compiler": {"models", "bundle", "kernels", "runtime", "grid", "memory"},
     "serve": {"models", "runtime"},
     "bench": {"compiler", "models", "runtime", "serve", "grid"},
-    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench"},
+    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory"},
 }
 # torch_neuronx: the neuron loader (runtime/loaders.py), imported lazily on a Neuron host.
 RUNTIME_THIRD_PARTY = {"torch", "safetensors", "nixl", "nixl_cu12", "prometheus_client", "torch_neuronx"}

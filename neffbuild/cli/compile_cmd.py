@@ -123,6 +123,8 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
         ctx.meta["json_printed"] = True
     else:
         progress.console.print(summary_table(res))
+    if res.memory_note:
+        click.echo(res.memory_note, err=True)
     if res.failed:
         lines = [f"  - {f.label}: {f.kind}: {f.error} (log: {f.log})" for f in res.failed]
         raise BuildFailed(f"{len(res.failed)} of {len(res.results)} targets failed; no bundle published.\n"

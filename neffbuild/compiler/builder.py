@@ -39,10 +39,12 @@ class BuildResult:
     results: list[JobResult] = field(default_factory=list)
     wall_s: float = 0.0
     failed_logs: Path | None = None
+    memory_note: str | None = None  # the local pool ran fewer compiles at once than jobs: host memory
+    memory: dict | None = None  # the pool's memory gate (free memory, max concurrent compiles)
 
     def to_json(self) -> dict:
         return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
-                "traced": self.traced,
+                "traced": self.traced, "memory_note": self.memory_note, "memory": self.memory,
                 "failed": [{"label": f.label, "kind": f.kind, "error": f.error, "log": f.log} for f in self.failed],
                 "wall_s": round(self.wall_s, 3)}
 
@@ -100,6 +102,9 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
                 result.failed.append(res)
             progress.finished(res)
         result.wall_s = time.monotonic() - started
+        result.memory_note = getattr(runner, "memory_note", None)
+        gate = getattr(runner, "admission", None)
+        result.memory = gate.to_json() if gate is not None else None
         if result.failed:
             result.failed_logs = _keep_logs(writer, out_dir)
             result.failed = [f.replace(log=str(result.failed_logs / Path(f.log).name)) for f in result.failed]

@@ -2,11 +2,13 @@
 
 ``LocalExecutor`` keeps ``jobs`` spawned workers warm for the whole build and never has
 more jobs in flight than workers, so "submitted" means "running" and a per-target timeout
-is exact. A worker that dies (OOM killer, signal) breaks the pool: its in-flight jobs are
-reported as ``killed_or_oom`` and the pool is rebuilt for the rest. Ctrl-C kills the
-workers and re-raises, so the caller can clean up. ``RayExecutor`` (ray_executor.py) runs
-the same jobs on a Ray cluster behind the same ``run`` interface; ``make_executor`` picks one.
-"""
+is exact. It starts no more compiles at once than the host's free memory holds
+(compiler/memory_plan.py: the estimates of the running ones plus the next; always at least
+one), says so in ``memory_note``, and never kills a compile for memory. A worker that dies
+(OOM killer, signal) breaks the pool: its in-flight jobs are reported as ``killed_or_oom``
+and the pool is rebuilt for the rest. Ctrl-C kills the workers and re-raises, so the caller
+can clean up. ``RayExecutor`` (ray_executor.py) runs the same jobs on a Ray cluster behind
+the same ``run`` interface; ``make_executor`` picks one."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
+from neffbuild.compiler import memory_plan
 from neffbuild.compiler.jobs import KILLED, TIMEOUT, Job, JobResult, failure
 from neffbuild.compiler.ray_executor import RayExecutor
 from neffbuild.compiler.worker import run_job, warm_up
@@ -31,10 +34,13 @@ class LocalExecutor:
         self.jobs = max(1, int(jobs))
         self.timeout_s = timeout_s
         self.pool: ProcessPoolExecutor | None = None
+        self.workers = self.jobs
+        self.admission = None  # memory_plan.Admission of the last run
+        self.memory_note: str | None = None  # set when host memory held the pool below ``jobs``
 
     def _start(self) -> None:
-        self.pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=multiprocessing.get_context("spawn"))
-        for f in [self.pool.submit(warm_up) for _ in range(self.jobs)]:
+        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+        for f in [self.pool.submit(warm_up) for _ in range(self.workers)]:
             f.result()
 
     def _kill(self) -> None:
@@ -51,12 +57,15 @@ class LocalExecutor:
         """Yield one result per job, in completion order."""
         pending = list(jobs)
         pending.reverse()  # pop() takes them in the given order
+        gate = self.admission = memory_plan.admission_for(pending, self.jobs)
+        self.workers = gate.workers()
         running: dict = {}
         try:
             self._start()
             while pending or running:
-                while pending and len(running) < self.jobs:
+                while pending and len(running) < self.workers and gate.may_start(pending[-1].label):
                     job = pending.pop()
+                    gate.started(job.label)
                     running[self.pool.submit(run_job, job)] = (job, time.monotonic())
                     if on_start:
                         on_start(job)
@@ -64,6 +73,7 @@ class LocalExecutor:
                 broken = False
                 for fut in done:
                     job, _t0 = running.pop(fut)
+                    gate.finished(job.label)
                     try:
                         yield fut.result()
                     except BrokenProcessPool:
@@ -74,15 +84,19 @@ class LocalExecutor:
                 if broken or timed_out:
                     for fut in timed_out:
                         job, _ = running.pop(fut)
+                        gate.finished(job.label)
                         yield failure(job, TIMEOUT, f"compile exceeded {self.timeout_s:.0f}s")
                     # Jobs caught in the same pool restart are retried on the new pool.
                     pending.extend(job for job, _ in running.values())
+                    for job, _ in running.values():
+                        gate.finished(job.label)
                     running.clear()
                     self._kill()
                     self._start()
             self.pool.shutdown(wait=True)
             self.pool = None
         finally:
+            self.memory_note = gate.note()
             self._kill()
 
 

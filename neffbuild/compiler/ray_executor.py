@@ -1,8 +1,8 @@
 """RayExecutor: the same jobs as LocalExecutor, run as Ray tasks on a cluster.
 
 Each target is one task with ``num_cpus`` and a ``memory`` reservation estimated from the
-target (its weights and KV pool, or 1.25x the peak memory a past compile of the same graph
-recorded in the cache), so Ray packs compiles by memory, not by a fixed count. Ray reuses
+target (compiler/memory_plan.py: its weights and KV pool, or 1.25x the peak memory a past
+compile of the same graph recorded in the cache), so Ray packs compiles by memory, not by a fixed count. Ray reuses
 its worker processes, so torch and the compiler stay imported between targets (warm).
 
 Artifacts come back one of two ways:
@@ -25,7 +25,6 @@ Ctrl-C (or any error in the driver) cancels every task before it propagates.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import socket
 import tempfile
@@ -35,16 +34,13 @@ from pathlib import Path
 
 import kernels
 import neffbuild
-from neffbuild import registry
+from neffbuild.compiler import memory_plan
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.jobs import COMPILER_ERROR, ENVIRONMENT, KILLED, TIMEOUT, Job, JobResult, failure, publish
-from neffbuild.compiler.worker import graph_summary, run_job
+from neffbuild.compiler.memory_plan import BASE_MEMORY, GIB  # noqa: F401  (re-exported)
+from neffbuild.compiler.worker import run_job
 from neffbuild.errors import NeffbuildError
 
-GIB = 1 << 30
-BASE_MEMORY = 2 * GIB  # one compile worker: torch + compiler imported, tracing and codegen of a small graph
-GRAPH_FACTOR = 3  # trace + export + compile each hold a copy of the graph's tensors at some point
-HISTORY_MARGIN = 1.25
 LOG_LIMIT = 8 << 20  # bytes of a task's log shipped back
 
 
@@ -58,23 +54,13 @@ def import_ray():
 
 
 def graph_bytes(job: Job) -> int:
-    """Bytes the traced graph holds: weights (bf16), the KV pool, fp32 attention scores of every layer."""
-    g, cfg = job.graph, job.graph.config
-    shapes = registry.arch(g.arch).get("placeholder_shapes")(cfg)
-    weights = sum(2 * math.prod(s) for s in shapes.values())
-    kv = g.kv_layout()
-    scores = 4 * g.batch * g.query_len * g.ctx * cfg.num_attention_heads * cfg.num_hidden_layers
-    return weights + kv.num_buffers * math.prod(kv.buffer_shape) * (1 if kv.fp8 else 2) + scores
+    """Bytes the traced graph holds (compiler/memory_plan.py)."""
+    return memory_plan.graph_bytes(job.graph)
 
 
 def estimate_memory(job: Job, history: list[dict]) -> int:
     """Memory to reserve for one compile: from past compiles of the same graph, else from its size."""
-    summary = graph_summary(job.graph)
-    past = [m["peak_rss_bytes"] for m in history
-            if m.get("peak_rss_bytes") and m.get("graph") == summary and m.get("label") == job.label]
-    if past:
-        return int(max(past) * HISTORY_MARGIN)
-    return BASE_MEMORY + GRAPH_FACTOR * graph_bytes(job)
+    return memory_plan.estimate_rss(job.graph, job.label, history)[0]
 
 
 def build_remote(job: Job, shared: bool, index: dict) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 from neffbuild import registry
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache, cache_key, pre_key
+from neffbuild.compiler.graph_spec import graph_summary
 from neffbuild.compiler.graphs import TargetGraph, build_graph, input_signature, placeholder_groups
 from neffbuild.compiler.jobs import (
     COMPILER_ERROR,
@@ -205,12 +206,6 @@ def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> Job
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (a warm worker's includes earlier jobs: an upper bound)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def graph_summary(graph: TargetGraph) -> dict:
-    return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
-            "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
-            "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}
 
 
 def warm_up() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from neffbuild import memory
 from neffbuild.errors import NO_VALUE
 from neffbuild.recipe import compiler_rules, model_rules, parallel_rules, serving_rules
 from neffbuild.recipe.checks import LIMITS, SCHEMA, Checks
@@ -48,6 +49,7 @@ class Validator(Checks):
         if cfg is not None:
             serving_rules.cross_checks(self, cfg, serving, ctx, gk, spec)
             parallel_rules.check(self.err, cfg, parallel, compiler, lnc)
+            memory.check_recipe(self.err, cfg, serving, parallel, fp8, spec, compiler)  # the backend's KV rule
         if self.problems:
             return None
         return Recipe(

@@ -19,7 +19,7 @@ _EXPORTS = {
     "StepPlan": "dispatch", "Grid": "dispatch", "plan_step": "dispatch", "label": "dispatch",
     "BlockManager": "blocks", "KVGroup": "blocks", "kv_groups": "blocks", "blocks_needed": "blocks",
     "min_pool_blocks": "blocks", "FULL_GROUP": "blocks", "SLIDING_GROUP": "blocks", "NULL_BLOCK": "blocks",
-    "KVLayout": "kv_cache", "allocate": "kv_cache",
+    "KVLayout": "kv_layout", "allocate": "kv_cache",
     "KVAgent": "kv_ingest", "KVRegions": "kv_ingest", "register_regions": "kv_ingest", "layer_buffers": "kv_ingest",
     "DIPrompt": "di_prompt", "di_prompt": "di_prompt",
 }

@@ -12,6 +12,7 @@ import dataclasses
 
 from neffbuild.errors import NO_VALUE, did_you_mean
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
+from neffbuild.runtime.kv_layout import KVLayout
 
 # Upper bounds: generous for real models (GPT-OSS-120B is far below each), small enough for memory.
 INT_LIMITS = {
@@ -32,7 +33,6 @@ IGNORED_KEYS = {
     "output_router_logits", "eos_token_id", "pad_token_id", "bos_token_id", "experts_per_token", "num_experts",
     "quantization_config", "_name_or_path",
 }
-KV_ELEMENT_BYTES = 4  # the bound below counts float32 elements (FP8 halves it; the bound stays conservative)
 
 
 def field_limits() -> tuple[dict, dict]:
@@ -79,8 +79,9 @@ def check_gk_layout(err, cfg: GptOssConfig) -> None:
 
 
 def kv_pool_bytes(cfg: GptOssConfig, num_blocks: int, block_size: int) -> int:
-    """Bytes of the whole KV pool: every buffer's K and V halves (float32 bound)."""
-    return num_blocks * block_size * cfg.num_kv_buffers * 2 * cfg.num_key_value_heads * cfg.head_dim * KV_ELEMENT_BYTES
+    """Bytes of the whole KV pool, every buffer's K and V halves, unsharded and float32 (a conservative bound;
+    FP8 quarters it): the runtime's one KV formula (runtime/kv_layout.py)."""
+    return KVLayout(cfg.num_kv_buffers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim).total_bytes
 
 
 def kv_window(cfg: GptOssConfig) -> int | None:
