@@ -173,7 +173,7 @@ class SpecLoop:
 class EagerSpecArtifacts:
     """Eager target (with aux outputs) for target labels and the eager draft for draft labels."""
 
-    spec: object
+    grid: object
     kv_layout: object
     num_swa: int
     target: torch.nn.Module
