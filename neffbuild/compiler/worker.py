@@ -19,8 +19,6 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-import torch._inductor.config
-
 from neffbuild import registry
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache, cache_key, pre_key
@@ -217,6 +215,8 @@ def warm_up() -> int:
     translation unit per kind (wrapper, kernels), so the pool only adds processes (one per
     core, in every worker) that compete with the workers themselves for the same cores.
     """
+    import torch._inductor.config  # workers only: the driver never compiles, and its start stays short
+
     torch._inductor.config.compile_threads = 1
     for arch in registry.ARCHITECTURES.values():
         arch.get("decode")
