@@ -238,6 +238,16 @@ class Bundle:
         self._lock = threading.Lock()
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the artifacts take: [0, vocab_size) (the step API checks every id against it)."""
+        return self.manifest["graph_inputs"]["model_config"]["vocab_size"]
+
+    @property
+    def aux_hidden_size(self) -> int:
+        """Width of the EAGLE3 draft's hidden input (3 x the target's hidden size)."""
+        return 3 * self.manifest["graph_inputs"]["model_config"]["hidden_size"]
+
+    @property
     def labels(self) -> list[str]:
         return sorted(self.entries)
 
