@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild.errors import NO_VALUE, Problem, RecipeError
+from neffbuild.recipe import gate_rules
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.recipe.validator import Validator
 
@@ -49,6 +50,7 @@ def _construct_mapping(loader, node, deep=False):
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", gate_rules.construct_int)  # no YAML 1.1 4:16, 0400
 
 
 def _file_error(source: str, message: str) -> RecipeError:

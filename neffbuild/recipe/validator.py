@@ -16,7 +16,7 @@ from pathlib import Path
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, NeffbuildError, Problem
-from neffbuild.recipe import config_rules, parallel_rules
+from neffbuild.recipe import config_rules, flag_rules, gate_rules, parallel_rules
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.runtime.blocks import group_blocks, kv_groups, min_pool_blocks
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
@@ -178,6 +178,7 @@ class Validator:
         if cfg is not None:
             self.cross_checks(cfg, serving, parallel, ctx, gk, spec)
             parallel_rules.check(self.err, cfg, parallel, compiler, lnc)
+        gate_rules.check(self, cfg, serving, fp8, spec, model, num_seqs, ctx)
         if self.problems:
             return None
         return Recipe(
@@ -209,13 +210,15 @@ class Validator:
         if not isinstance(flags, list) or not all(isinstance(f, str) and f.isprintable() for f in flags):
             self.err("compiler.flags", flags, "must be a list of strings without control characters")
             flags = []
-        return {
+        out = {
             "backend": self.choice(comp, "backend", "compiler.backend", BACKENDS, "auto"),
             "target": self.choice(comp, "target", "compiler.target", TARGETS, "trn2"),
             "optlevel": optlevel,
             "flags": tuple(flags),
             "target_flags": self.target_flags(comp.get("target_flags", {}), num_seqs, ctx, serving, raw),
         }
+        flag_rules.check(self, out["backend"], out["flags"], out["target_flags"])
+        return out
 
     def build(self, bld: dict) -> dict:
         jobs = self.integer(bld, "jobs", "build.jobs", default=None)
