@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from neffbuild.bundle import recipe_check
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
 from neffbuild.runtime import bundle as reader
@@ -140,6 +141,7 @@ def verify(ctx, bundle_path, as_json):
     Exit 1 naming each bad file or field.
     """
     problems = reader.check(Path(bundle_path), full=True)
+    problems = problems or recipe_check.problems(Path(bundle_path), reader.read_manifest(Path(bundle_path)))
     if as_json:
         echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})
         ctx.meta["json_printed"] = True

@@ -17,7 +17,7 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, parallel, weights_file, world
+from neffbuild.runtime import aoti_package, bundle_gate, layout, loaders, manifest_schema, parallel, weights_file, world
 from neffbuild.runtime.dispatch import GridSpec
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.runtime.manifest_schema import Problem
@@ -94,10 +94,7 @@ def _refuse_constant(name: str):
 def digest_problem(root: Path) -> Problem | None:
     """Whether manifest.sha256 holds the sha256 of manifest.json's bytes."""
     dpath = root / layout.MANIFEST_DIGEST_PATH
-    try:
-        line = dpath.read_text(encoding="ascii")[:200] if dpath.is_file() and not dpath.is_symlink() else None
-    except (OSError, UnicodeDecodeError):
-        line = None
+    line = bundle_gate.read_digest_line(dpath)  # bounded: never the whole file
     if line is None:
         return Problem(layout.MANIFEST_DIGEST_PATH, "missing or unreadable; the manifest is not covered by a digest")
     digest = hashlib.sha256(_manifest_bytes(root)).hexdigest()
@@ -120,7 +117,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
     problems += manifest_schema.problems(m)
     if problems:
         return problems
-    problems += _parallel_problems(m)
+    problems += _parallel_problems(m) + bundle_gate.problems(m)
     if problems:
         return problems
     problems += _file_problems(root, m["files"], full)
