@@ -60,3 +60,15 @@ def problems(root: Path, m: dict) -> list[Problem]:
         out.append(Problem("graph_inputs.model_config", f"differs from recipe.yaml model.config in {bad[:6]} "
                            "(the manifest was edited after the build)"))
     return out
+
+
+def verify_fully(root) -> None:
+    """What ``neffbuild verify`` checks (every sha256, each artifact's inputs, recipe.yaml); BundleError if any."""
+    from neffbuild.errors import BundleError
+    from neffbuild.runtime import bundle as reader
+
+    root = Path(root)
+    found = reader.check(root, full=True)
+    found = found or problems(root, reader.read_manifest(root))
+    if found:
+        raise BundleError(f"{root}: {len(found)} problem(s)\n" + "\n".join(f"  - {p}" for p in found))

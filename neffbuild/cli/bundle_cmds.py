@@ -141,7 +141,7 @@ def verify(ctx, bundle_path, as_json):
     Exit 1 naming each bad file or field.
     """
     problems = reader.check(Path(bundle_path), full=True)
-    problems = problems or recipe_check.problems(Path(bundle_path), reader.read_manifest(Path(bundle_path)))
+    problems = problems or recipe_check.problems(Path(bundle_path), reader.read_manifest(Path(bundle_path)))  # + yaml
     if as_json:
         echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})
         ctx.meta["json_printed"] = True

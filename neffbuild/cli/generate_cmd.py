@@ -23,8 +23,10 @@ from pathlib import Path
 
 import click
 
+from neffbuild.bundle.recipe_check import verify_fully
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import BundleError, InvalidInput, NeffbuildError
+from neffbuild.fsutil import output_problem, write_output
 from neffbuild.runtime.histogram import NeededSeqHistogram
 
 PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
@@ -303,6 +305,10 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, histo
     With --di the tokens must equal those of a plain run (same bundle, same prompts).
     """
     prompts = [_parse_prompt(p) for p in prompt_ids]
+    if histogram_path and output_problem(histogram_path, "--histogram"):  # refused before any work, exit 2
+        raise InvalidInput(output_problem(histogram_path, "--histogram"))
+    if check:  # --check accepts a bundle: every sha256 and recipe.yaml first, not the size-only open
+        verify_fully(bundle_path)
     if di and (dp or 1) > 1:
         raise InvalidInput("--di runs one decode process; use it without --dp")
     if di and spec:
@@ -356,10 +362,7 @@ def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, histo
 
 
 def _write_histogram(path: str, rows) -> None:
-    try:
-        NeededSeqHistogram(counts=rows).write_csv(path)
-    except OSError as exc:
-        raise InvalidInput(f"--histogram {path}: cannot write ({exc.strerror or exc})") from None
+    write_output(path, NeededSeqHistogram(counts=rows).to_csv(), "--histogram")  # in place, only what we own
     click.echo(f"histogram: {path} ({sum(n for _, n in rows)} decode steps)", err=True)
 
 
