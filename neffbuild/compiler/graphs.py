@@ -96,7 +96,32 @@ def _kv_layout(cfg, dcfg: Eagle3Config | None, num_blocks: int, block_size: int,
                     draft_kv_heads=dcfg.num_key_value_heads if dcfg else 0, draft_head_dim=dcfg.head_dim if dcfg else 0)
 
 
+_FAKE_MODE: list = []  # set by fake_example_inputs(): example inputs become fake tensors (no memory)
+
+
+@contextlib.contextmanager
+def fake_example_inputs():
+    """Example inputs as fake tensors of the same shapes, dtypes and device: tracing for a cache key
+    (``plan``) then never allocates the KV pool (num_blocks 2**24 is 64 GiB); the graph text is the same."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _FAKE_MODE.append(FakeTensorMode(allow_non_fake_inputs=True))
+    try:
+        yield
+    finally:
+        _FAKE_MODE.pop()
+
+
+def _inputs_mode():
+    return _FAKE_MODE[-1] if _FAKE_MODE else contextlib.nullcontext()
+
+
 def draft_example_inputs(spec: GraphSpec) -> tuple:
+    with _inputs_mode():
+        return _draft_example_inputs(spec)
+
+
+def _draft_example_inputs(spec: GraphSpec) -> tuple:
     B, q, layout = spec.batch, spec.query_len, spec.kv_layout()
     long = {"dtype": torch.long}
     return (
@@ -131,6 +156,11 @@ def example_inputs(spec: GraphSpec, *, caches: bool = True) -> tuple:
     """Zeroed inputs of the target's shapes (pad write slots); ``caches=False`` leaves the KV caches out."""
     if spec.family == DRAFT:
         return draft_example_inputs(spec)
+    with _inputs_mode():
+        return _example_inputs(spec, caches)
+
+
+def _example_inputs(spec: GraphSpec, caches: bool) -> tuple:
     B, q = spec.batch, spec.query_len
     layout = spec.kv_layout()
     long = {"dtype": torch.long}

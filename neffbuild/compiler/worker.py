@@ -90,16 +90,23 @@ def redirected_output(path: str):
             os.close(saved[1])
 
 
-def key_for(graph: GraphSpec, backend) -> tuple[str, object, list, str]:
-    """(cache key, exported graph, input signature, graph text) for one target."""
+def key_for(graph: GraphSpec, backend, *, fake: bool = False) -> tuple[str, object, list, str]:
+    """(cache key, exported graph, input signature, graph text) for one target.
+
+    ``fake``: trace on fake example inputs (``plan``: the same key, no KV pool allocated; the
+    exported graph is then only good for its text)."""
+    import contextlib
+
     from neffbuild.compiler.cache import cache_key
     from neffbuild.compiler.graphs import (
         build_graph,
+        fake_example_inputs,
         input_signature,
         placeholder_groups,
     )
 
-    module, inputs = build_graph(graph)
+    with fake_example_inputs() if fake else contextlib.nullcontext():
+        module, inputs = build_graph(graph)
     with placeholder_groups(graph.layout):
         exported = backend.export(module, inputs)
     text = backend.graph_text(exported)
