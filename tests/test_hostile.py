@@ -635,3 +635,246 @@ def test_dp2_out_of_pool_block_raises_on_both_ranks_same_step():
     assert r0["step"] == r1["step"] == 2 and r0["collectives"] == r1["collectives"] == 3
     assert "block id 40; block ids must be in [0, 40)" in r1["message"]
     assert "another DP rank" in r0["message"]
+
+
+# -- recipes are data; validate is the gate (issue 25) ------------------------------------------------
+
+EAGLE3_RAW = __import__("yaml").safe_load((ROOT / "recipes" / "gpt-oss-tiny-eagle3.yaml").read_text())
+TINY_RAW = __import__("yaml").safe_load(TINY.read_text())
+
+
+def _patched(base, *edits):
+    import copy
+
+    raw = copy.deepcopy(base)
+    for path, value in edits:
+        node = raw
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return raw
+
+
+def _garbage_checkpoint(tmp_path):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\x10" + bytes(7) + b"this is not a header")
+    return str(folder)
+
+
+GATE_CASES = [  # (id, recipe from tmp_path, field path in the JSON errors, needle); "+": not in the fuzz run
+    ("cxx-names-a-program", lambda t: _patched(TINY_RAW, (("compiler", "flags"), ['cpp.cxx=[null, "/bin/sh"]'])),
+     "compiler.flags[0]", "not an allowed inductor option"),
+    ("no-such-option", lambda t: _patched(TINY_RAW, (("compiler", "flags"), ["no_such_option=1"])),
+     "compiler.flags[0]", "not an allowed inductor option"),
+    ("+ target-flag-names-a-program", lambda t: _patched(
+        TINY_RAW, (("compiler", "target_flags"), {"decode_b1_ctx128": ['cpp.cxx=["/bin/sh"]']})),
+     "compiler.target_flags.decode_b1_ctx128[0]", "not an allowed"),
+    ("+ reserved-option", lambda t: _patched(
+        TINY_RAW, (("compiler", "flags"), ["aot_inductor.package_constants_in_so=true"])),
+     "compiler.flags[0]", "set by neffbuild itself"),
+    ("+ wrong-value-type", lambda t: _patched(TINY_RAW, (("compiler", "flags"), ["max_autotune=yes"])),
+     "compiler.flags[0]", "must be true or false"),
+    ("+ neuron-flag-with-a-path", lambda t: _patched(
+        TINY_RAW, (("compiler", "backend"), "neuron"), (("compiler", "flags"), ["--logfile=/etc/passwd"])),
+     "compiler.flags[0]", "no paths"),
+    ("packed-k-odd-block-size", lambda t: _patched(
+        TINY_RAW, (("neuron_config", "fp8_packed_kv"), True), (("serving", "block_size"), 15)),
+     "serving.block_size", "must be even with neuron_config.fp8_packed_kv"),
+    ("odd-head-dim", lambda t: _patched(TINY_RAW, (("model", "config", "head_dim"), 15)),
+     "model.config.head_dim", "must be even"),
+    ("odd-draft-head-dim", lambda t: _patched(EAGLE3_RAW, (("speculative", "draft", "config"), {"head_dim": 15})),
+     "speculative.draft.config.head_dim", "must be even"),
+    ("string-eagle-config", lambda t: _patched(
+        EAGLE3_RAW, (("speculative", "draft", "config"), {"eagle_config": "x"})),
+     "speculative.draft.config.eagle_config", "must be a mapping"),
+    ("+ aux-layer-ids-strings", lambda t: _patched(EAGLE3_RAW, (
+        ("speculative", "draft", "config"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ["a", "b", "c"]}})),
+     "speculative.draft.config.eagle_config.eagle_aux_hidden_state_layer_ids", "list of layer indices"),
+    ("garbage-draft-checkpoint", lambda t: _patched(EAGLE3_RAW, (("speculative", "draft"), {
+        "checkpoint": _garbage_checkpoint(t)})), "speculative.draft.checkpoint", "unreadable safetensors"),
+    ("+ garbage-target-checkpoint", lambda t: _patched(TINY_RAW, (("model",), {
+        "arch": "gpt_oss", "checkpoint": _garbage_checkpoint(t), "config": TINY_RAW["model"]["config"]})),
+     "model.checkpoint", "unreadable safetensors"),
+    ("grid-without-bound", lambda t: _patched(
+        TINY_RAW, (("serving", "max_num_seqs"), 1024), (("neuron_config", "num_seqs_buckets"), list(range(1, 1025))),
+        (("serving", "max_model_len"), 2048), (("neuron_config", "decode_context_length_buckets"),
+                                               list(range(128, 2048, 128)))),
+     "neuron_config", "the limit is 4096"),
+    ("+ grid-bound-counts-families", lambda t: _patched(
+        EAGLE3_RAW, (("serving", "max_num_seqs"), 1024), (("neuron_config", "num_seqs_buckets"), list(range(1, 1025)))),
+     "neuron_config", "x 3 families"),
+]
+
+
+@pytest.mark.parametrize("make,path,needle", [c[1:] for c in GATE_CASES], ids=[c[0] for c in GATE_CASES])
+def test_validate_gates_what_plan_and_compile_would_trip_on(tmp_path, make, path, needle):
+    import yaml
+
+    raw = make(tmp_path)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    code, out, err, unhandled = run_cli("validate", str(tmp_path / "r.yaml"), "--json")
+    assert unhandled is None and code == 2, (code, out, err)
+    errors = {e["path"]: e["message"] for e in strict_json(out)["errors"]}
+    assert path in errors and needle in errors[path], errors
+
+
+def test_inductor_backend_refuses_flags_outside_the_allow_list_itself():
+    from neffbuild.compiler.backends.inductor import parse_flags
+
+    assert parse_flags(["max_autotune=false", "cpp.threads=2"]) == {"max_autotune": False, "cpp.threads": 2}
+    for flag in ('cpp.cxx=[null, "/bin/sh"]', "no_such_option=1", "aot_inductor.package_constants_in_so=true"):
+        with pytest.raises(InvalidInput, match=r"compiler\.flags"):
+            parse_flags([flag])
+
+
+@pytest.mark.parametrize("line", ["num_blocks: 4:16", "num_blocks: 0400", "num_blocks: 1:0:0", "max_num_seqs: -010"],
+                         ids=["sexagesimal", "octal", "+ sexagesimal-3-parts", "+ negative-octal"])
+def test_yaml_11_integers_are_refused_not_reread(tmp_path, line):
+    key = line.split(":")[0]
+    text = TINY.read_text()
+    want = next(row for row in text.splitlines() if row.strip().startswith(key + ":"))
+    (tmp_path / "r.yaml").write_text(text.replace(want, "  " + line))
+    code, out, _, unhandled = run_cli("validate", str(tmp_path / "r.yaml"), "--json")
+    assert unhandled is None and code == 2 and "YAML 1.1 sexagesimal or octal integer" in out
+
+
+def test_plan_of_a_huge_pool_never_allocates_it(tmp_path):
+    """num_blocks 2**24 (a 64 GiB pool for this model): plan traces on fake inputs, in well under 1 GiB."""
+    import resource
+
+    import yaml
+
+    raw = _patched(TINY_RAW, (("serving", "num_blocks"), 2**24), (("serving", "max_num_seqs"), 1),
+                   (("neuron_config", "num_seqs_buckets"), [1]))
+    raw["neuron_config"].pop("decode_context_length_buckets")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "plan", str(tmp_path / "r.yaml"), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, check=False, timeout=300,
+                         env=dict(__import__("os").environ, NEFFBUILD_CACHE_DIR=str(tmp_path / "cache")))
+    assert res.returncode == 0, res.stderr
+    assert [t["label"] for t in strict_json(res.stdout)["targets"]] == ["decode_b1_ctx512"]
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 << 20  # KiB: under 2 GiB
+
+
+# -- write only what you own ----------------------------------------------------------------------------
+
+def _special_outputs(tmp_path, bundle):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "target").write_text("keep me")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    (tmp_path / "folder").mkdir()
+    return {"dev-null": ("/dev/null", "a device"), "fifo": (str(tmp_path / "fifo"), "a FIFO"),
+            "symlink": (str(tmp_path / "link"), "a symbolic link"),
+            "missing-parent": (str(tmp_path / "no" / "such" / "h.csv"), "does not exist"),
+            "into-a-bundle": (str(Path(bundle) / "weights" / "h.csv"), "inside the bundle"),
+            "+ folder": (str(tmp_path / "folder"), "a folder"),
+            "+ bundle-root": (str(Path(bundle) / "h.csv"), "inside the bundle")}
+
+
+OUTPUT_CASES = ["dev-null", "fifo", "symlink", "missing-parent", "into-a-bundle", "+ folder", "+ bundle-root"]
+
+
+@pytest.mark.parametrize("case", OUTPUT_CASES)
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_output_paths_that_are_not_ours_are_refused_before_any_work(built, tmp_path, command, case):
+    import os
+
+    bundle = built[1].bundle
+    path, needle = _special_outputs(tmp_path, bundle)[case]
+    before = sorted(os.listdir(bundle)), sorted(os.listdir(Path(bundle) / "weights"))
+    args = (["generate", str(bundle), "--prompt-ids", "1,2", "--histogram", path] if command == "generate"
+            else ["bench", str(bundle), "--plot", path])
+    code, out, err, unhandled = run_cli(*args, "--json")
+    assert unhandled is None and code == 2 and needle in strict_json(out)["error"]["message"], (out, err)
+    assert (sorted(os.listdir(bundle)), sorted(os.listdir(Path(bundle) / "weights"))) == before
+    assert Path("/dev/null").is_char_device() and (tmp_path / "target").read_text() == "keep me"
+    assert (tmp_path / "link").is_symlink() and Path(tmp_path / "fifo").is_fifo()
+
+
+def test_output_file_is_written_in_place_or_created(tmp_path):
+    import os
+
+    from neffbuild.fsutil import write_output
+
+    p = tmp_path / "h.csv"
+    p.write_text("old, longer than the new text")
+    inode = os.stat(p).st_ino
+    write_output(p, "new", "--histogram")
+    assert p.read_text() == "new" and os.stat(p).st_ino == inode  # in place: same file, no rename over it
+    write_output(tmp_path / "fresh.csv", b"x", "--histogram")
+    assert (tmp_path / "fresh.csv").read_bytes() == b"x"
+
+
+def test_cache_clear_of_home_removes_nothing(tmp_path):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("secret")
+    (home / "notes.txt").write_text("mine")
+    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "cache", "clear", "--yes"], capture_output=True,
+                         text=True, cwd=ROOT, check=False,
+                         env=dict(__import__("os").environ, HOME=str(home), NEFFBUILD_CACHE_DIR=str(home)))
+    assert res.returncode == 0 and "removed 0 entries" in res.stdout, res.stderr
+    assert (home / ".ssh" / "id_ed25519").read_text() == "secret" and (home / "notes.txt").read_text() == "mine"
+
+
+def test_cache_clear_removes_only_its_own_tree_and_counts_truly(tmp_path):
+    from neffbuild.compiler.cache import CACHE_VERSION, Cache
+
+    c = Cache(tmp_path).ensure()
+    for key in ("a", "b", "c"):
+        (c.entries_dir / key).mkdir()
+    (tmp_path / "mine.txt").write_text("keep")
+    code, out, err, _ = run_cli("cache", "clear", "--yes", "--cache-dir", str(tmp_path))
+    assert code == 0 and "removed 3 entries" in out, err
+    assert not (tmp_path / f"v{CACHE_VERSION}").exists() and (tmp_path / "mine.txt").read_text() == "keep"
+    # + a folder named like the cache's tree that holds someone else's files: refused, nothing removed
+    own = tmp_path / f"v{CACHE_VERSION}"
+    (own / "entries").mkdir(parents=True)
+    (own / "thesis.tex").write_text("years of work")
+    code, out, err, _ = run_cli("cache", "clear", "--yes", "--cache-dir", str(tmp_path))
+    assert code == 2 and "nothing removed" in err and (own / "thesis.tex").exists()
+
+
+# -- CLI: exit codes, JSON on errors, non-regular inputs, stdout kept for the JSON ----------------------
+
+def test_recommend_refuses_non_regular_histograms(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    for path, needle in ((str(tmp_path / "fifo"), "not a regular file"), ("/dev/zero", "not a regular file"),
+                         (str(tmp_path), "is a directory")):  # + a folder (click refuses it)
+        code, out, err, unhandled = run_cli("recommend", "--histogram", path, "--max-model-len", "512", "--json")
+        assert unhandled is None and code == 2 and needle in out, (path, out, err)
+
+
+def test_bench_refuses_bad_input_before_timing(built, eagle3_built):
+    code, out, _, unhandled = run_cli("bench", str(built[1].bundle), "--context", "100000", "--json")
+    assert unhandled is None and code == 2 and "above the bundle's max_model_len (512)" in out
+    code, out, _, unhandled = run_cli("bench", str(eagle3_built[1].bundle), "--json")
+    assert unhandled is None and code == 2 and "EAGLE3" in strict_json(out)["error"]["message"]
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["compile", str(TINY), "-o", "/tmp/never", "--cache-dir", "/dev/null/cache"], {}, "--cache-dir /dev/null/cache"),
+    (["compile", str(TINY), "-o", "/tmp/never", "--cache-dir", "/proc/neffbuild-cache"], {}, "cannot write there"),
+    (["validate", str(TINY)], {"NEFFBUILD_LOG": "garbage"}, "NEFFBUILD_LOG='garbage'"),
+    (["cache", "ls"], {"NEFFBUILD_LOG": "1e9"}, "NEFFBUILD_LOG"),
+], ids=["cache-dir-under-a-file", "+ cache-dir-on-proc", "log-garbage", "+ log-on-another-command"])
+def test_environment_and_folders_are_exit_2_with_json(args, env, needle):
+    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args, "--json"], capture_output=True,
+                         text=True, cwd=ROOT, check=False, timeout=120, env=dict(__import__("os").environ, **env))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert needle in strict_json(res.stdout)["error"]["message"]
+
+
+def test_native_output_stays_off_stdout_under_json():
+    """What UCX does under `generate --di --json`: a native library writes to file descriptor 1."""
+    code = ("import os, sys\nfrom neffbuild.cli.output import keep_native_output_off_stdout\n"
+            "keep_native_output_off_stdout()\nos.write(1, b'[UCX WARN] native noise\\n')\n"
+            "os.system('echo child noise')\nprint('{\"ok\": true}')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert strict_json(res.stdout) == {"ok": True}
+    assert "[UCX WARN] native noise" in res.stderr and "child noise" in res.stderr
