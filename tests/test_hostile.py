@@ -348,14 +348,39 @@ BUNDLES = [
     ("weights-negative", _rewrite_header(lambda h: h["norm"].update(data_offsets=[-4, 252])), "open",
      "outside the data area"),
     ("weights-dtype", _rewrite_header(lambda h: h["norm"].update(dtype="Q4")), "open", "unknown dtype"),
-    ("weights-missing-tensor", _rewrite_header(lambda h: h.pop("norm")), "open", "missing from the file"),
+    ("weights-missing-tensor", _rewrite_header(lambda h: h.pop("norm")), "open", "missing from the file|a gap of"),
     ("weights-huge-header", _weights(lambda rel, root: (root / rel).write_bytes(struct.pack("<Q", 2**63) + b"{}")),
      "open", "header length"),
     ("weights-3-bytes", _weights(lambda rel, root: (root / rel).write_bytes(b"abc")), "open", "too short"),
     ("weights-table-lie", lambda r, m: m["weights"]["tensors"]["embed"].update(shape=[2, 64]), "open",
      "weights.tensors.embed"),
     ("garbage-artifact", _garbage_artifact, "load", "not a readable AOTInductor package"),
+    # issue 25: what the safetensors library would refuse later, and manifest fields generate reads
+    ("weights-gap-at-end", lambda r, m: _weights_gap(r, m, at_end=True), "open", "cover it exactly"),
+    ("+ weights-gap-inside", lambda r, m: _weights_gap(r, m, at_end=False), "open", "a gap of 4 bytes"),
+    ("weights-metadata-not-str", _rewrite_header(lambda h: h.update(__metadata__={"format": 1})), "open",
+     "__metadata__ must map strings to strings"),
+    ("parallel-on-unsharded", lambda r, m: m.update(parallel={"tp": 1, "dp": 1, "ep": 1, "world_size": 1,
+                                                              "pieces": {}}), "open", "present on a bundle"),
+    ("+ model-config-without-vocab", gi(lambda g: g["model_config"].pop("vocab_size")), "open",
+     "model_config.vocab_size"),
 ]
+
+
+def _weights_gap(root, m, *, at_end):
+    p = root / m["weights"]["file"]
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    if at_end:
+        data += bytes(4)
+    else:
+        last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        b, e = header[last]["data_offsets"]
+        header[last]["data_offsets"] = [b + 4, e + 4]
+        data = data[:b] + bytes(4) + data[b:]
+    write_safetensors(p, header, data)
+    return [m["weights"]["file"]]
 
 
 @pytest.mark.slow
@@ -455,7 +480,7 @@ def _computed(row, value):
 
 def _table(group, fn):
     def edit(toks, comp, tables):
-        tables[group] = fn(tables[group])
+        tables[group] = fn(tables.get(group))
         return toks, comp, tables
     return edit
 
@@ -479,6 +504,7 @@ STEP_CASES = [  # (id, edit, needle); "+" marks cases the fuzz run did not try
     ("+ table-float", _table("full", lambda t: t.float()), "must hold integer block ids"),
     ("+ table-1d", _table("full", lambda t: t[0]), "must be [R=2, W>=1]"),
     ("+ unknown-group", _table("draft", lambda t: torch.ones(2, 4, dtype=torch.long)), "unknown KV group 'draft'"),
+    ("+ no-full-group", lambda toks, comp, tables: (toks, comp, {"sliding": tables["sliding"]}), "lacks the 'full'"),
     ("+ num-computed-negative", _computed(0, -4), "num_computed[0] is -4"),
 ]
 
@@ -878,3 +904,66 @@ def test_native_output_stays_off_stdout_under_json():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert strict_json(res.stdout) == {"ok": True}
     assert "[UCX WARN] native noise" in res.stderr and "child noise" in res.stderr
+
+
+@pytest.mark.slow
+def test_sparse_12gb_digest_is_an_error_not_a_memory_error(built, tmp_path):
+    import os
+
+    root = tmp_path / "b"
+    shutil.copytree(built[1].bundle, root)
+    os.truncate(root / layout.MANIFEST_DIGEST_PATH, 12 * 10**9)  # sparse: no disk used
+    with pytest.raises(BundleError, match="missing or unreadable"):
+        open_bundle(root)
+    assert "missing or unreadable" in str(check(root)[0])
+
+
+def _draft_heads(root, m):
+    m["graph_inputs"]["kv_layout"]["draft"]["buffer_shape"][2] += 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit,needle", [
+    (_draft_heads, "kv_layout.draft: got"),
+    (gi(lambda g: g["kv_layout"].pop("draft")), "missing with num_speculative_tokens"),
+], ids=["draft-layout-heads", "+ draft-layout-removed"])
+def test_tampered_draft_layout_is_refused(eagle3_built, tmp_path, edit, needle):
+    root = tampered(eagle3_built[1].bundle, tmp_path / "b", edit)
+    with pytest.raises(BundleError, match=needle):
+        open_bundle(root)
+    assert any(needle.split(":")[0] in str(p) for p in check(root))
+
+
+def _recipe_yaml_edited(root, m):
+    p = root / layout.RECIPE_PATH
+    p.write_text(p.read_text().replace("max_model_len: 512", "max_model_len: 1024"))
+    return [layout.RECIPE_PATH]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit,needle", [
+    (gi(lambda g: g["model_config"].update(rms_norm_eps=0.5)), "graph_inputs.model_config"),
+    (gi(lambda g: g["model_config"]["rope_parameters"].update(rope_theta=10.0)), "graph_inputs.model_config"),
+    (_recipe_yaml_edited, "does not hash to the manifest's recipe_sha256"),
+], ids=["model-config-edited", "+ rope-theta-edited", "+ recipe-yaml-edited"])
+def test_verify_cross_checks_model_config_with_recipe_yaml(built, tmp_path, edit, needle):
+    root = tampered(built[1].bundle, tmp_path / "b", edit)
+    code, out, err, unhandled = run_cli("verify", str(root), "--json")
+    assert unhandled is None and code == 1 and needle in out, (out, err)
+    code, out, err, unhandled = run_cli("generate", str(root), "--prompt-ids", "1,2", "--check", "--json")
+    assert unhandled is None and code == 1 and needle in out, (out, err)
+
+
+def _flip_weight_byte(root, m):
+    p = root / m["weights"]["file"]
+    raw = bytearray(p.read_bytes())
+    raw[-1] ^= 0xFF  # same size: the size-only open accepts it
+    p.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+def test_generate_check_verifies_every_sha256(built, tmp_path):
+    root = tampered(built[1].bundle, tmp_path / "b", _flip_weight_byte)
+    assert open_bundle(root) is not None  # the default open checks sizes only (documented)
+    code, out, err, unhandled = run_cli("generate", str(root), "--prompt-ids", "1,2", "--check", "--json")
+    assert unhandled is None and code == 1 and "sha256 mismatch" in strict_json(out)["error"]["message"], err

@@ -28,8 +28,9 @@ import torch
 from neffbuild.errors import StepInputError, short_repr
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 _BIG = 2**62
+LIST_LIMIT = 4096  # tables up to this many ids are checked as Python lists (a few us); larger ones with torch
 
 
 def _index(v) -> int | None:
@@ -71,7 +72,7 @@ def table_problem(where: str, table, R: int) -> str | None:
         return f"{where} must be a torch.Tensor [R, W], got {type(table).__name__}"
     if table.dtype not in _INT_DTYPES:
         return f"{where} must hold integer block ids, got dtype {table.dtype}"
-    if table.device.type != "cpu":
+    if not table.is_cpu:
         return f"{where} must be on the CPU (the step builds its inputs there), got device {table.device}"
     if table.dim() != 2 or table.shape[0] != R or (R and table.shape[1] == 0):
         return f"{where} must be [R={R}, W>=1], got {list(table.shape)}"
@@ -97,6 +98,8 @@ def ids_problem(where: str, table: torch.Tensor, *, num_blocks: int, block_size:
         r = max(range(len(live_hi)), key=live_hi.__getitem__)
         return (f"{where} is {table.shape[1]} columns wide; request {r} runs position {positions[r][1]} "
                 f"(block size {block_size}) and needs {live_hi[r]} columns")
+    if table.numel() <= LIST_LIMIT:  # the usual decode table: plain Python on its values is cheapest
+        return _ids_problem_small(where, table.tolist(), num_blocks, block_size, max_cols, live_lo, live_hi)
     reach = table[:, :max_cols]
     if reach.numel():
         lo, hi = torch.aminmax(reach)
@@ -107,10 +110,26 @@ def ids_problem(where: str, table: torch.Tensor, *, num_blocks: int, block_size:
         for r, (a, b) in enumerate(zip(live_lo, live_hi, strict=True)):
             row = table[r, a:b].tolist()
             if 0 in row:
-                c = a + row.index(0)
-                return (f"{where}: request {r} has the null block (0) in column {c}, which holds live positions "
-                        f"{c * block_size}..{c * block_size + block_size - 1} (its context or this step's tokens); "
-                        f"give every live position a block in [1, {num_blocks})")
+                return _null_message(where, r, a + row.index(0), block_size, num_blocks)
+    return None
+
+
+def _null_message(where: str, r: int, c: int, block_size: int, num_blocks: int) -> str:
+    return (f"{where}: request {r} has the null block (0) in column {c}, which holds live positions "
+            f"{c * block_size}..{c * block_size + block_size - 1} (its context or this step's tokens); "
+            f"give every live position a block in [1, {num_blocks})")
+
+
+def _ids_problem_small(where, rows: list, num_blocks, block_size, max_cols, live_lo, live_hi) -> str | None:
+    for r, row in enumerate(rows):
+        reach = row[:max_cols] if len(row) > max_cols else row
+        lo, hi = min(reach), max(reach)
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            return f"{where} holds block id {bad}; block ids must be in [0, {num_blocks}) (the KV pool)"
+        a, b = live_lo[r], live_hi[r]
+        if b > a and min(row[a:b]) < 1:
+            return _null_message(where, r, a + row[a:b].index(0), block_size, num_blocks)
     return None
 
 
