@@ -595,7 +595,7 @@ DRAFT_CASES = [
     ("block-id-outside-pool", lambda rows, t, m: (rows, t.index_fill(1, torch.tensor([0]), POOL), m), "block id"),
     ("token-minus-one", lambda rows, t, m: ([([-1, 4], rows[0][1], 30), rows[1]], t, m), "holds -1"),
     ("position-beyond-max-model-len", lambda rows, t, m: ([([3], rows[0][1][:1], 600)], t[:1], 601),
-     "max_model_len is 512"),
+     "max_model_len is 256"),
     ("row-count-mismatch", lambda rows, t, m: (rows, t[:1], m), "must be [R=2, W>=1]"),
     ("aux-rows-mismatch", lambda rows, t, m: ([([3, 4], rows[1][1], 30), rows[1]], t, m), "aux is [1, "),
     ("aux-width-from-caller", lambda rows, t, m: ([([3, 4], torch.zeros(2, 7), 30), rows[1]], t, m), "aux is [2, 7]"),
