@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import re
 
-RESERVED = {"aot_inductor.package_constants_in_so"}  # set by the backend itself (weights live outside the .pt2)
+# set by the backend itself: weights live outside the .pt2; the CPU target (compiler.target) picks -march/simdlen
+RESERVED = {"aot_inductor.package_constants_in_so", "cpp.march", "cpp.simdlen"}
 
 
 def _bool(v) -> bool:
@@ -26,10 +27,6 @@ def _bool(v) -> bool:
 
 def _int(lo: int, hi: int):
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
-
-
-def _one_of(*choices):
-    return lambda v: v in choices and type(v) is type(next(c for c in choices if c == v))
 
 
 # option -> (value check, what the value may be)
@@ -41,7 +38,6 @@ INDUCTOR_OPTIONS = {
         "cpp.dynamic_threads", "cpp.enable_unsafe_math_opt_flag", "cpp.enable_floating_point_contract_flag",
         "cpp.fallback_scatter_reduce_sum", "aot_inductor.debug_compile"), (_bool, "true or false")),
     "cpp.threads": (_int(-1, 1024), "an integer in [-1, 1024] (-1: all cores)"),
-    "cpp.simdlen": (lambda v: v is None or _one_of(0, 128, 256, 512)(v), "null, 0, 128, 256 or 512"),
     "cpp.min_chunk_size": (_int(1, 1 << 20), "an integer in [1, 1048576]"),
     "cpp.max_horizontal_fusion_size": (_int(1, 1 << 16), "an integer in [1, 65536]"),
     "max_fusion_size": (_int(1, 1 << 16), "an integer in [1, 65536]"),
