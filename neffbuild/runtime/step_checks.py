@@ -155,9 +155,7 @@ def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int
         why = _token_problem(f"step: tokens[{r}]", row, vocab)
         if why:
             return why
-    if not R:
-        return None
-    if not hasattr(tables, "items") or FULL_GROUP not in tables:
+    if not hasattr(tables, "items") or (R and FULL_GROUP not in tables):
         got = sorted(map(str, tables)) if hasattr(tables, "keys") else type(tables).__name__
         return f"step: block_tables lacks the {FULL_GROUP!r} group (got {got})"
     for g, t in tables.items():
@@ -166,6 +164,8 @@ def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int
         why = table_problem(f"step: block_tables[{g!r}]", t, R)
         if why:
             return why
+    if not R:  # an idle DP rank: its (empty) tables are still handed to the graph as padding rows
+        return None
     bs = layout.block_size
     # Live positions per row: [n, n + len(tokens)) below max_model_len (beyond it plan() raises ShapeNotCovered).
     last = [min(n + len(t), max_model_len) - 1 for n, t in zip(ns, tokens, strict=True)]
