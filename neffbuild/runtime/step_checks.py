@@ -30,6 +30,7 @@ from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 _BIG = 2**62
+_WHERE = {g: f"step: block_tables[{g!r}]" for g in (FULL_GROUP, SLIDING_GROUP)}
 LIST_LIMIT = 4096  # tables up to this many ids are checked as Python lists (a few us); larger ones with torch
 
 
@@ -161,7 +162,7 @@ def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int
     for g, t in tables.items():
         if g not in (FULL_GROUP, SLIDING_GROUP):
             return f"step: block_tables has an unknown KV group {g!r}; groups are {FULL_GROUP!r} and {SLIDING_GROUP!r}"
-        why = table_problem(f"step: block_tables[{g!r}]", t, R)
+        why = table_problem(_WHERE[g], t, R)
         if why:
             return why
     if not R:  # an idle DP rank: its (empty) tables are still handed to the graph as padding rows
@@ -174,10 +175,10 @@ def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int
     max_cols = -(-max_model_len // bs)
     common = {"num_blocks": layout.num_blocks, "block_size": bs, "max_cols": max_cols, "live_hi": hi,
               "positions": positions}
-    why = ids_problem(f"step: block_tables[{FULL_GROUP!r}]", tables[FULL_GROUP], live_lo=[0] * R, **common)
+    why = ids_problem(_WHERE[FULL_GROUP], tables[FULL_GROUP], live_lo=[0] * R, **common)
     if why is None and SLIDING_GROUP in tables:  # the sliding group holds only the window: its written columns
         lo = [min(n // bs, h) for n, h in zip(ns, hi, strict=True)]
-        why = ids_problem(f"step: block_tables[{SLIDING_GROUP!r}]", tables[SLIDING_GROUP], live_lo=lo, **common)
+        why = ids_problem(_WHERE[SLIDING_GROUP], tables[SLIDING_GROUP], live_lo=lo, **common)
     return why
 
 
