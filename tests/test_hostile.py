@@ -796,7 +796,7 @@ def _special_outputs(tmp_path, bundle):
             "symlink": (str(tmp_path / "link"), "a symbolic link"),
             "missing-parent": (str(tmp_path / "no" / "such" / "h.csv"), "does not exist"),
             "into-a-bundle": (str(Path(bundle) / "weights" / "h.csv"), "inside the bundle"),
-            "+ folder": (str(tmp_path / "folder"), "a folder"),
+            "+ folder": (str(tmp_path / "folder"), "is a directory"),  # click refuses it first, exit 2
             "+ bundle-root": (str(Path(bundle) / "h.csv"), "inside the bundle")}
 
 
