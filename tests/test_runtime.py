@@ -210,6 +210,6 @@ def test_stepper_fails_closed_before_running_anything():
         step.step(StepBatch([[1], [1]], [256, 3], {"full": table[:2]}))
     with pytest.raises(StepInputError, match=r"rows \[1\] run 2 tokens; must be 1 or 1\+k \(1\)"):
         step.step(StepBatch([[1], [1, 2]], [5, 5], {"full": table[:2]}))
-    with pytest.raises(StepInputError, match="must be \\[R=2, W\\]"):
+    with pytest.raises(StepInputError, match="must be \\[R=2, W>=1\\]"):
         step.step(StepBatch([[1], [1]], [5, 5], {"full": table}))
     assert ran == []
