@@ -34,8 +34,18 @@ def default_jobs() -> int:
     return os.cpu_count() or 1
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level() -> str:
-    return os.environ.get("NEFFBUILD_LOG", "WARNING").upper()
+    """NEFFBUILD_LOG as a logging level name; anything else is InvalidInput naming the variable (exit 2)."""
+    value = os.environ.get("NEFFBUILD_LOG", "WARNING").strip().upper() or "WARNING"
+    if value not in LOG_LEVELS:
+        from neffbuild.errors import InvalidInput
+
+        raise InvalidInput(f"NEFFBUILD_LOG={os.environ.get('NEFFBUILD_LOG', '')[:40]!r}: must be one of "
+                           f"{', '.join(LOG_LEVELS)} (case does not matter)")
+    return value
 
 
 def export_ucx_tls() -> str:

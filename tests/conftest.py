@@ -31,6 +31,17 @@ def assert_failed_target(res, out_dir: Path, *, label: str, cached: int, needle:
 
 
 @pytest.fixture
+def failing_cxx(tmp_path):
+    """A C++ compiler that answers --version and refuses every compile: env for a real compile failure
+    (recipe flags cannot fail a build on purpose any more: they come from an allow-list)."""
+    script = tmp_path / "failing-cxx"
+    script.write_text('#!/bin/sh\ncase "$1" in --version) echo "failing-cxx 1.0"; exit 0;; esac\n'
+                      'echo "failing-cxx: this compiler refuses every translation unit" >&2\nexit 1\n')
+    script.chmod(0o755)
+    return {"CXX": str(script)}
+
+
+@pytest.fixture
 def tiny_raw():
     return copy.deepcopy(yaml.safe_load(TINY.read_text()))
 

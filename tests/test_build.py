@@ -121,12 +121,13 @@ def test_plan_why_names_the_changed_flag(built, build_cache, hf_checkpoint, tmp_
     assert row["cache"] == "build" and "flags" in row["why"] and "max_autotune=false" in row["why"]
 
 
-def test_failing_target_is_classified_and_others_are_built(built, build_cache, hf_checkpoint, tmp_path):
-    path = write_recipe(tmp_path, hf_checkpoint, compiler__target_flags={"decode_b1_ctx128": ["not_an_option=1"]})
+def test_failing_target_is_classified_and_others_are_built(built, build_cache, hf_checkpoint, tmp_path, failing_cxx):
+    path = write_recipe(tmp_path, hf_checkpoint, compiler__target_flags={"decode_b1_ctx128": ["cpp.threads=1"]})
     out = tmp_path / "out"
-    res = _cli("compile", str(path), "-o", str(out), "--json", "--cache-dir", str(build_cache))
-    assert_failed_target(res, out, label="decode_b1_ctx128", cached=5, needle="not_an_option")
-    assert all(e["label"] != "decode_b1_ctx128" or "not_an_option" not in str(e.get("fingerprint"))
+    res = _cli("compile", str(path), "-o", str(out), "--json", "--cache-dir", str(build_cache),
+               env=dict(os.environ, **failing_cxx))  # the one changed target compiles, with a refusing compiler
+    assert_failed_target(res, out, label="decode_b1_ctx128", cached=5, needle="failing-cxx")
+    assert all(e["label"] != "decode_b1_ctx128" or "cpp.threads=1" not in str(e.get("fingerprint"))
                for e in Cache(build_cache).list())  # the failure was not cached
 
 

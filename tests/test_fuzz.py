@@ -209,3 +209,72 @@ def _json_ok(m) -> bool:
         return True
     except ValueError:
         return False
+
+
+# -- runtime step inputs (issue 25): a StepOutput or a NeffbuildError, never a signal, KV untouched on error
+
+_odd = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
+                 st.sampled_from([-1, 2**63, 10**30, 256, 255, 0]))
+_token = st.one_of(st.integers(-3, 300), _odd)
+_computed = st.one_of(st.integers(-3, 520), _odd)
+
+
+@st.composite
+def _tables(draw, rows: int):
+    import torch
+
+    from tests.conftest import POOL
+
+    kind = draw(st.sampled_from(["ids", "ids", "ids", "list", "float", "1d", "wrong-rows", "meta", "missing"]))
+    width = draw(st.integers(1, 34))
+    lo, hi = draw(st.sampled_from([(1, POOL), (1, POOL), (-2, POOL + 2), (0, 3)]))
+    t = torch.randint(lo, hi, (rows, width))
+    if kind == "list":
+        return {"full": t.tolist()}
+    if kind == "float":
+        return {"full": t.float()}
+    if kind == "1d":
+        return {"full": t.reshape(-1)}
+    if kind == "wrong-rows":
+        return {"full": torch.randint(1, POOL, (rows + 1, width))}
+    if kind == "meta":
+        return {"full": t.to("meta")}
+    if kind == "missing":
+        return {"sliding": t}
+    out = {"full": t}
+    if draw(st.booleans()):
+        out["sliding"] = torch.randint(lo, hi, (rows, draw(st.integers(1, 34))))
+    return out
+
+
+@st.composite
+def _steps(draw):
+    rows = draw(st.integers(0, 5))
+    tokens = [draw(st.lists(_token, min_size=1, max_size=2)) for _ in range(rows)]
+    computed = [draw(_computed) for _ in range(draw(st.sampled_from([rows, rows, rows, max(rows - 1, 0)])))]
+    return tokens, computed, draw(_tables(rows))
+
+
+@pytest.fixture(scope="module")
+def fuzz_stepper(built):
+    from neffbuild.runtime import Stepper
+    from neffbuild.runtime.bundle import open_bundle
+
+    return Stepper(open_bundle(built[1].bundle))
+
+
+@fuzz(150)
+@given(_steps())
+def test_fuzz_step_inputs(fuzz_stepper, step):
+    import torch
+
+    from neffbuild.runtime import StepBatch
+
+    tokens, computed, tables = step
+    before = [c.clone() for c in fuzz_stepper.kv_caches]
+    try:
+        out = fuzz_stepper.step(StepBatch(tokens, computed, tables))
+    except NeffbuildError:
+        assert all(torch.equal(a, b) for a, b in zip(before, fuzz_stepper.kv_caches, strict=True))
+        return
+    assert out.logits.shape == (len(tokens), 1, 256) and torch.isfinite(out.logits).all()

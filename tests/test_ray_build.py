@@ -75,14 +75,15 @@ def test_second_ray_build_is_all_cache_hits_and_traces_nothing(ray_built, ray_cl
     assert (Path(doc["bundle"]) / "manifest.json").read_bytes() == (first.bundle / "manifest.json").read_bytes()
 
 
-def test_failing_target_on_ray_is_reported_like_a_local_failure(ray_built, ray_cluster, hf_checkpoint, tmp_path):
+def test_failing_target_on_ray_is_reported_like_a_local_failure(ray_built, ray_cluster, hf_checkpoint, tmp_path,
+                                                               failing_cxx):
     _, folder, _ = ray_built
     path = write_recipe(tmp_path, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1,
-                        compiler__target_flags={"decode_b1_ctx128": ["not_an_option=1"]})
+                        compiler__target_flags={"decode_b1_ctx128": ["cpp.threads=1"]})
     out_dir = tmp_path / "out"
     res = _cli("compile", str(path), "-o", str(out_dir), "--cache-dir", str(folder / "cache"), "--json",
-               "--executor", "ray", "--address", ray_cluster)
-    assert_failed_target(res, out_dir, label="decode_b1_ctx128", cached=1, needle="not_an_option")
+               "--executor", "ray", "--address", ray_cluster, env=failing_cxx)  # CXX reaches the Ray workers
+    assert_failed_target(res, out_dir, label="decode_b1_ctx128", cached=1, needle="failing-cxx")
 
 
 def test_missing_ray_names_the_extra(tmp_path):

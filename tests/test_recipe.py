@@ -269,7 +269,7 @@ def test_relative_paths_resolve_against_recipe_folder(tmp_path):
     (tmp_path / "ck").mkdir()
     cfg = dict(BASE["model"]["config"])
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "ck" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")  # an empty safetensors file
     raw = copy.deepcopy(BASE)
     raw["model"] = {"arch": "gpt_oss", "checkpoint": "ck"}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))

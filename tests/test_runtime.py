@@ -204,13 +204,13 @@ def test_stepper_fails_closed_before_running_anything():
             ran.append(label)
 
     step = Stepper(Recording(Grid((1, 2), (128,), 256), KVLayout(1, 64, 1, 16, 4), 8, None))
-    table = torch.zeros((3, 16), dtype=torch.long)
+    table = torch.arange(1, 17).repeat(3, 1)
     with pytest.raises(ShapeNotCovered, match="batch of 3 requests is above the largest num_seqs bucket 2"):
         step.step(StepBatch([[1]] * 3, [5] * 3, {"full": table}))
     with pytest.raises(ShapeNotCovered, match="needed context 257 is above max_model_len 256"):
         step.step(StepBatch([[1], [1]], [256, 3], {"full": table[:2]}))
     with pytest.raises(StepInputError, match=r"rows \[1\] run 2 tokens; must be 1 or 1\+k \(1\)"):
         step.step(StepBatch([[1], [1, 2]], [5, 5], {"full": table[:2]}))
-    with pytest.raises(StepInputError, match="must be \\[R=2, W\\]"):
+    with pytest.raises(StepInputError, match="must be \\[R=2, W>=1\\]"):
         step.step(StepBatch([[1], [1]], [5, 5], {"full": table}))
     assert ran == []

@@ -54,6 +54,8 @@ def bench(bundle_path, as_json, plot_path, repeat, threads, extra_contexts, no_d
 
     from neffbuild.bench.run import run
 
+    _refuse_before_running(bundle_path, plot_path, extra_contexts)
+
     torch.set_num_threads(threads)
     result = run(bundle_path, repeat=repeat, dynamic=not no_dynamic, startup=not no_startup, dp=not no_dp,
                  extra_contexts=tuple(extra_contexts), progress=lambda msg: click.echo(f"bench: {msg}", err=True))
@@ -62,6 +64,28 @@ def bench(bundle_path, as_json, plot_path, repeat, threads, extra_contexts, no_d
 
         result["plot"] = str(plot(result, plot_path, f"{Path(bundle_path).name}\n{result['machine']}"))
     click.echo(json.dumps(result, sort_keys=True) if as_json else _render(result))
+
+
+def _refuse_before_running(bundle_path, plot_path, extra_contexts) -> None:
+    """Invalid input is exit 2 before minutes of timing: an unusable --plot path, a --context above
+    max_model_len, an EAGLE3 bundle (bench times the decode family; its artifacts take drafts)."""
+    from neffbuild.errors import InvalidInput
+    from neffbuild.fsutil import output_problem
+    from neffbuild.runtime.bundle import read_manifest
+
+    if plot_path and output_problem(plot_path, "--plot"):
+        raise InvalidInput(output_problem(plot_path, "--plot"))
+    gi = read_manifest(Path(bundle_path)).get("graph_inputs")
+    if not isinstance(gi, dict):
+        return  # run() opens the bundle and names what is wrong with it
+    mml = gi.get("max_model_len")
+    high = [c for c in extra_contexts if isinstance(mml, int) and c > mml]
+    if high:
+        raise InvalidInput(f"--context {high[0]}: above the bundle's max_model_len ({mml})")
+    if gi.get("num_speculative_tokens"):
+        raise InvalidInput(f"{bundle_path}: bench times the plain decode family; this EAGLE3 bundle has "
+                           "target_spec / target_nospec / draft artifacts instead (bench a bundle built without "
+                           "speculative:)")
 
 
 def register(group: click.Group) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from neffbuild.bundle import recipe_check
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
 from neffbuild.runtime import paths
@@ -146,6 +147,7 @@ def verify(ctx, bundle_path, as_json):
     from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
 
     problems = reader.check(Path(bundle_path), full=True)
+    problems = problems or recipe_check.problems(Path(bundle_path), reader.read_manifest(Path(bundle_path)))  # + yaml
     if as_json:
         echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})
         ctx.meta["json_printed"] = True

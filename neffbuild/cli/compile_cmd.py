@@ -7,10 +7,11 @@ import time
 import click
 
 from neffbuild import recipe as recipe_mod
-from neffbuild import registry
+from neffbuild import registry, settings
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.compiler.progress import Progress
 from neffbuild.errors import BuildFailed, InvalidInput
+from neffbuild.fsutil import writable_dir_problem
 
 
 class RichProgress(Progress):
@@ -110,6 +111,10 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     r = recipe_mod.load(recipe_path)
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
+    cache_problem = writable_dir_problem(cache_dir or r.cache_dir or settings.cache_dir(), "--cache-dir")
+    if cache_problem:  # before any worker starts: a clean exit 2, not a traceback from the cache
+        raise InvalidInput(cache_problem)
+
     from neffbuild.compiler.builder import compile_recipe  # torch: only once a build starts (torch-free --help)
 
     progress = RichProgress()

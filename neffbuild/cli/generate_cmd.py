@@ -13,8 +13,10 @@ import re
 
 import click
 
+from neffbuild.bundle.recipe_check import verify_fully
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import InvalidInput, NeffbuildError
+from neffbuild.fsutil import output_problem, write_output
 from neffbuild.runtime.histogram import NeededSeqHistogram
 
 PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
@@ -72,6 +74,11 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, pre
     from neffbuild.serve.result import reference_tokens
     from neffbuild.serve.run import Options
 
+    if histogram_path and output_problem(histogram_path, "--histogram"):  # refused before any work, exit 2
+        raise InvalidInput(output_problem(histogram_path, "--histogram"))
+    if check:  # --check accepts a bundle: every sha256 and recipe.yaml first, not the size-only open
+        verify_fully(bundle_path)
+
     if bool(prompt_ids) == bool(requests_path):
         raise InvalidInput("give the prompts as --prompt-ids ... or as --requests FILE.jsonl (one of them)")
     if requests_path:
@@ -120,10 +127,7 @@ def _print(res, requests, spec: bool) -> None:
 
 
 def _write_histogram(path: str, rows) -> None:
-    try:
-        NeededSeqHistogram(counts=rows).write_csv(path)
-    except OSError as exc:
-        raise InvalidInput(f"--histogram {path}: cannot write ({exc.strerror or exc})") from None
+    write_output(path, NeededSeqHistogram(counts=rows).to_csv(), "--histogram")  # in place, only what we own
     click.echo(f"histogram: {path} ({sum(n for _, n in rows)} decode steps)", err=True)
 
 

@@ -19,6 +19,8 @@ from neffbuild.errors import NeffbuildError
 class _Group(click.Group):
     def invoke(self, ctx):
         wants_json = "--json" in [*getattr(ctx, "_protected_args", []), *ctx.args]
+        if wants_json:
+            output.keep_native_output_off_stdout()  # UCX warnings and the like go to stderr, not into the JSON
         try:
             return super().invoke(ctx)
         except NeffbuildError as exc:

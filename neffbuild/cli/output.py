@@ -63,3 +63,21 @@ def error_doc(exc: Exception, exit_code: int) -> dict:
     if problems is not None:
         doc.update(valid=False, errors=[p.to_json() for p in problems], warnings=list(getattr(exc, "warnings", [])))
     return doc
+
+
+def keep_native_output_off_stdout() -> None:
+    """Under ``--json`` stdout carries one JSON document: point file descriptor 1 at stderr for whatever
+    native libraries (UCX, NIXL, compilers) and child processes print, and keep Python's own
+    ``sys.stdout`` on the real stdout. Only in a real process (a test runner's captured stdout is left as is)."""
+    import os
+    import sys
+
+    try:
+        if sys.stdout.fileno() != 1:
+            return
+    except (AttributeError, OSError, ValueError):
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(saved, "w", buffering=1, encoding=sys.stdout.encoding, errors="replace")

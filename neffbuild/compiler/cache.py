@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from neffbuild.errors import InvalidInput
 from neffbuild.fsutil import pid_alive, sha256_file
 
 # Bump when the key recipe or the entry layout changes; old entries are then ignored.
@@ -75,6 +76,22 @@ class Entry:
     meta: dict
 
 
+MARKER = "CACHEDIR.TAG"  # the cache-directory tag backup tools know; clear() needs it (or only cache folders)
+MARKER_TEXT = "Signature: 8a477f597d28d172789f06886806bc55\n# neffbuild compile cache (neffbuild cache clear)\n"
+OWN = {"entries", "tmp", "locks", "prekeys", MARKER}
+
+
+def not_a_cache(base: Path) -> str | None:
+    """Why ``base`` (``root/v{N}``) is not a neffbuild cache tree, or None."""
+    marker = base / MARKER
+    if marker.is_file() and not marker.is_symlink():
+        with contextlib.suppress(OSError):
+            if marker.read_text()[:200].startswith(MARKER_TEXT.splitlines()[0]):
+                return None
+    strangers = sorted(p.name for p in base.iterdir() if p.name not in OWN)[:3]
+    return f"{base} holds no {MARKER} and files a cache never writes ({strangers})" if strangers else None
+
+
 class Cache:
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser()
@@ -87,6 +104,9 @@ class Cache:
     def ensure(self) -> Cache:
         for d in (self.entries_dir, self.tmp_dir, self.locks_dir, self.prekeys_dir):
             d.mkdir(parents=True, exist_ok=True)
+        if not (self.base / MARKER).exists():
+            with contextlib.suppress(OSError):
+                (self.base / MARKER).write_text(MARKER_TEXT)
         return self
 
     # -- read
@@ -214,8 +234,23 @@ class Cache:
         return removed
 
     def clear(self) -> int:
-        n = len(list(self.entries_dir.iterdir())) if self.entries_dir.is_dir() else 0
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Remove this cache's own versioned tree (nothing else under root); the number of entries removed.
+
+        Refuses (InvalidInput, nothing removed) when ``v{CACHE_VERSION}/`` does not look like a cache:
+        ``NEFFBUILD_CACHE_DIR=$HOME`` must never cost the home folder.
+        """
+        if not self.base.is_dir() or self.base.is_symlink():
+            return 0
+        why = not_a_cache(self.base)
+        if why:
+            raise InvalidInput(f"{self.root}: {why}; nothing removed (is --cache-dir / NEFFBUILD_CACHE_DIR right?)")
+        n = sum(1 for d in self.entries_dir.iterdir() if d.is_dir()) if self.entries_dir.is_dir() else 0
+        for d in (self.entries_dir, self.tmp_dir, self.locks_dir, self.prekeys_dir):
+            if d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (self.base / MARKER).unlink(missing_ok=True)
+            self.base.rmdir()
         return n
 
 

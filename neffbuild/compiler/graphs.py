@@ -40,9 +40,30 @@ def _example(inp: step_inputs.Input, d: step_inputs.Dims) -> torch.Tensor:
     return torch.full(inp.shape(d), inp.fill, dtype=getattr(torch, inp.dtype_of(d)))
 
 
+_FAKE_MODE: list = []  # set by fake_example_inputs(): example inputs become fake tensors (no memory)
+
+
+@contextlib.contextmanager
+def fake_example_inputs():
+    """Example inputs as fake tensors of the same shapes, dtypes and device: tracing for a cache key
+    (``plan``) then never allocates the KV pool (num_blocks 2**24 is 64 GiB); the graph text is the same."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _FAKE_MODE.append(FakeTensorMode(allow_non_fake_inputs=True))
+    try:
+        yield
+    finally:
+        _FAKE_MODE.pop()
+
+
+def _inputs_mode():
+    return _FAKE_MODE[-1] if _FAKE_MODE else contextlib.nullcontext()
+
+
 def draft_example_inputs(graph: TargetGraph) -> tuple:
     d = dims(graph)
-    return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS)
+    with _inputs_mode():
+        return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS)
 
 
 @contextlib.contextmanager
@@ -67,9 +88,10 @@ def example_inputs(graph: TargetGraph, *, caches: bool = True) -> tuple:
     if graph.family == DRAFT:
         return draft_example_inputs(graph)
     d = dims(graph)
-    kv = tuple(_example(step_inputs.KV_CACHES, d) for _ in range(d.kv_layout["num_buffers"])) if caches else None
-    rank = (parallel.rank_tensor(0),) if d.sharded else ()
-    return tuple(_example(i, d) for i in step_inputs.STEP_INPUTS) + (kv,) + rank
+    with _inputs_mode():
+        kv = tuple(_example(step_inputs.KV_CACHES, d) for _ in range(d.kv_layout["num_buffers"])) if caches else None
+        rank = (parallel.rank_tensor(0),) if d.sharded else ()
+        return tuple(_example(i, d) for i in step_inputs.STEP_INPUTS) + (kv,) + rank
 
 
 INPUT_NAMES, DRAFT_INPUT_NAMES = step_inputs.INPUT_NAMES, step_inputs.DRAFT_INPUT_NAMES

@@ -45,7 +45,7 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict
         backend = get_backend(**dict(kwargs, flags=recipe.flags_for(t.label)))
         spec = target_graph(recipe, t)
         try:
-            key, _, signature, _ = key_for(spec, backend)
+            key, _, signature, _ = key_for(spec, backend, fake=True)  # never allocates the KV pool
         except NeffbuildError as exc:
             out[t.label] = {"cache": "error", "why": str(exc)}
             continue

@@ -105,7 +105,10 @@ class RayExecutor:
         kwargs = {"include_dashboard": False, "log_to_driver": False}
         if self.address:  # nodes of a real cluster may not have this checkout: ship the packages
             pkgs = [str(Path(m.__file__).parent) for m in (neffbuild, kernels)]
-            ray.init(address=self.address, runtime_env={"py_modules": pkgs}, **kwargs)
+            # The build's C++ compiler choice (CXX, read by inductor) is the driver's, as for local workers.
+            env = {k: os.environ[k] for k in ("CXX",) if k in os.environ}
+            ray.init(address=self.address, runtime_env={"py_modules": pkgs, **({"env_vars": env} if env else {})},
+                     **kwargs)
         else:  # Ray lowers its workers' priority by default; compiles are the build's work, not background work
             ray.init(_system_config={"worker_niceness": 0}, **kwargs)
         return True

@@ -23,7 +23,13 @@ from neffbuild import registry
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache, cache_key, pre_key
 from neffbuild.compiler.graph_spec import graph_summary
-from neffbuild.compiler.graphs import TargetGraph, build_graph, input_signature, placeholder_groups
+from neffbuild.compiler.graphs import (
+    TargetGraph,
+    build_graph,
+    fake_example_inputs,
+    input_signature,
+    placeholder_groups,
+)
 from neffbuild.compiler.jobs import (
     COMPILER_ERROR,
     ENVIRONMENT,
@@ -77,9 +83,13 @@ def redirected_output(path: str):
             os.close(saved[1])
 
 
-def key_for(graph: TargetGraph, backend) -> tuple[str, object, list, str]:
-    """(cache key, exported graph, input signature, graph text) for one target."""
-    module, inputs = build_graph(graph)
+def key_for(graph: TargetGraph, backend, *, fake: bool = False) -> tuple[str, object, list, str]:
+    """(cache key, exported graph, input signature, graph text) for one target.
+
+    ``fake``: trace on fake example inputs (``plan``: the same key, no KV pool allocated; the
+    exported graph is then only good for its text)."""
+    with fake_example_inputs() if fake else contextlib.nullcontext():
+        module, inputs = build_graph(graph)
     with placeholder_groups(graph.parallel):
         exported = backend.export(module, inputs)
     text = backend.graph_text(exported)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, did_you_mean
+from neffbuild.recipe import flag_rules
 from neffbuild.runtime.buckets import ctx_buckets_with_fallback
 from neffbuild.runtime.dispatch import families, label
 
@@ -25,13 +26,15 @@ def compiler(v, comp: dict, num_seqs, ctx, serving: dict, raw: dict) -> dict:
     if not isinstance(flags, list) or not all(isinstance(f, str) and f.isprintable() for f in flags):
         v.err("compiler.flags", flags, "must be a list of strings without control characters")
         flags = []
-    return {
+    out = {
         "backend": v.choice(comp, "backend", "compiler.backend", BACKENDS, "auto"),
         "target": v.choice(comp, "target", "compiler.target", TARGETS, "trn2"),
         "optlevel": optlevel,
         "flags": tuple(flags),
         "target_flags": target_flags(v, comp.get("target_flags", {}), num_seqs, ctx, serving, raw),
     }
+    flag_rules.check(v, out["backend"], out["flags"], out["target_flags"])  # recipes are data: no programs
+    return out
 
 
 def recipe_labels(num_seqs, ctx, max_model_len: int, raw: dict) -> set[str]:

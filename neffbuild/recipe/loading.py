@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild.errors import Problem, RecipeError
+from neffbuild.recipe import gate_rules
 
 MAX_RECIPE_BYTES = 1024 * 1024
 MAX_DEPTH = 32  # a recipe nests 4 levels; JSON config files a few more
@@ -42,6 +43,7 @@ def _construct_mapping(loader, node, deep=False):
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", gate_rules.construct_int)  # no YAML 1.1 4:16, 0400
 
 
 def _file_error(source: str, message: str) -> RecipeError:

@@ -12,7 +12,7 @@ import re
 
 from neffbuild import memory
 from neffbuild.errors import NO_VALUE
-from neffbuild.recipe import compiler_rules, model_rules, parallel_rules, serving_rules
+from neffbuild.recipe import compiler_rules, gate_rules, model_rules, parallel_rules, serving_rules
 from neffbuild.recipe.checks import LIMITS, SCHEMA, Checks
 from neffbuild.recipe.types import Recipe
 
@@ -50,6 +50,7 @@ class Validator(Checks):
             serving_rules.cross_checks(self, cfg, serving, ctx, gk, spec)
             parallel_rules.check(self.err, cfg, parallel, compiler, lnc)
             memory.check_recipe(self.err, cfg, serving, parallel, fp8, spec, compiler)  # the backend's KV rule
+        gate_rules.check(self, cfg, serving, fp8, spec, model, num_seqs, ctx)
         if self.problems:
             return None
         return Recipe(

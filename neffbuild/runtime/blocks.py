@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from neffbuild.errors import KVPoolExhausted
+from neffbuild.errors import InvalidInput, KVPoolExhausted
 
 NULL_BLOCK = 0  # the same constant as kv_cache.NULL_BLOCK (that module imports torch)
 FULL_GROUP, SLIDING_GROUP = "full", "sliding"
@@ -88,6 +88,14 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, groups: Sequence[KVGroup]):
+        for name, v, lo in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise InvalidInput(f"BlockManager: {name} must be an integer >= {lo}, got {v!r}")
+        groups = tuple(groups)
+        if not groups or any(not isinstance(g, KVGroup) or (g.window is not None and
+                                                            (not isinstance(g.window, int) or g.window < 1))
+                             for g in groups):
+            raise InvalidInput(f"BlockManager: groups must be KVGroups with window None or >= 1, got {groups!r}")
         self.block_size, self.groups = block_size, tuple(groups)
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() hands out 1, 2, 3, ...
         self.tables: dict[object, dict[str, list[int]]] = {}

@@ -17,7 +17,7 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import aoti_package, loaders, manifest_schema, parallel, paths, weights_file, world
+from neffbuild.runtime import aoti_package, bundle_gate, loaders, manifest_schema, parallel, paths, weights_file, world
 from neffbuild.runtime.graph_inputs import GraphInputs
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -92,10 +92,7 @@ def _refuse_constant(name: str):
 def digest_problem(root: Path) -> Problem | None:
     """Whether manifest.sha256 holds the sha256 of manifest.json's bytes."""
     dpath = root / paths.MANIFEST_DIGEST_PATH
-    try:
-        line = dpath.read_text(encoding="ascii")[:200] if dpath.is_file() and not dpath.is_symlink() else None
-    except (OSError, UnicodeDecodeError):
-        line = None
+    line = bundle_gate.read_digest_line(dpath)  # bounded: never the whole file
     if line is None:
         return Problem(paths.MANIFEST_DIGEST_PATH, "missing or unreadable; the manifest is not covered by a digest")
     digest = hashlib.sha256(_manifest_bytes(root)).hexdigest()
@@ -118,7 +115,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
     problems += manifest_schema.problems(m)
     if problems:
         return problems
-    problems += _parallel_problems(m)
+    problems += _parallel_problems(m) + bundle_gate.problems(m)
     if problems:
         return problems
     problems += _file_problems(root, m["files"], full)
@@ -228,6 +225,16 @@ class Bundle:
                 self.weights.update(weights_file.load(safe_path(root, pieces[name]["file"]), pieces[name]["tensors"]))
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the artifacts take: [0, vocab_size) (the step API checks every id against it)."""
+        return self.manifest["graph_inputs"]["model_config"]["vocab_size"]
+
+    @property
+    def aux_hidden_size(self) -> int:
+        """Width of the EAGLE3 draft's hidden input (3 x the target's hidden size)."""
+        return 3 * self.manifest["graph_inputs"]["model_config"]["hidden_size"]
 
     @property
     def labels(self) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -60,18 +59,11 @@ class NeededSeqHistogram:
         return buf.getvalue()
 
     def write_csv(self, path: str | os.PathLike) -> Path:
-        """Write the CSV atomically (temp file in the same folder, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_csv())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        """Write the CSV in place: only a regular file or a new name in an existing folder, never into a
+        bundle; anything else (a link, a device, a FIFO) is InvalidInput naming it (fsutil.write_output)."""
+        from neffbuild.fsutil import write_output
+
+        return write_output(path, self.to_csv(), "histogram")
 
     # -- Prometheus
     def boundaries(self) -> list[int]:
@@ -96,11 +88,16 @@ class NeededSeqHistogram:
         return "\n".join(lines) + "\n"
 
 
+MAX_CSV_BYTES = 64 << 20  # a needed_seq,count row per context length: far below this
+
+
 def read_csv(path: str | os.PathLike) -> NeededSeqHistogram:
     """Parse a ``needed_seq,count`` CSV; any malformed row raises InvalidInput naming the line."""
+    from neffbuild.fsutil import read_regular
+
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_regular(path, "histogram", MAX_CSV_BYTES).decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise InvalidInput(f"{path}: cannot read the histogram ({exc})") from None
     return parse_csv(text, str(path))
 

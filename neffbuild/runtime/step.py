@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from neffbuild.errors import StepInputError
-from neffbuild.runtime import attn_metadata, buckets, dp_sync, draft_inputs
+from neffbuild.runtime import attn_metadata, buckets, dp_sync, draft_inputs, step_checks
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 from neffbuild.runtime.dispatch import Grid, StepPlan, needs_nospec, plan_draft, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout, allocate, allocate_draft
@@ -56,24 +56,6 @@ class StepOutput:
     aux_hidden: torch.Tensor | None  # [R, plan.query_len, A] for EAGLE3 target families, else None
 
 
-def _problem(batch: StepBatch, k: int) -> str | None:
-    """Why a step is malformed, or None (checked before the collective so every rank learns of it)."""
-    R = len(batch.tokens)
-    if len(batch.num_computed) != R:
-        return f"step: {len(batch.num_computed)} num_computed values for {R} token rows"
-    bad = [r for r, t in enumerate(batch.tokens) if len(t) not in (1, 1 + k)]
-    if bad:
-        return f"step: rows {bad[:5]} run {len(batch.tokens[bad[0]])} tokens; must be 1 or 1+k ({1 + k})"
-    if any(int(n) < 0 for n in batch.num_computed):
-        return "step: num_computed must be >= 0"
-    if R and FULL_GROUP not in batch.block_tables:
-        return f"step: block_tables lacks the {FULL_GROUP!r} group (got {sorted(batch.block_tables)})"
-    shapes = {g: tuple(t.shape) for g, t in batch.block_tables.items()}
-    if R and any(len(s) != 2 or s[0] != R for s in shapes.values()):
-        return f"step: block tables must be [R={R}, W], got {shapes}"
-    return None
-
-
 class Stepper:
     """Runs one decode step per call for the rows an engine hands it; stateless about requests.
 
@@ -89,7 +71,10 @@ class Stepper:
         self.artifacts, self.group, self.on_plan = artifacts, group, on_plan
         self.metrics = StepMetrics(registry)
         self.grid, self.kv_layout, self.num_swa = artifacts.grid, artifacts.kv_layout, artifacts.num_swa
-        self.kv_caches = list(kv_caches) if kv_caches is not None else allocate(self.kv_layout, device)
+        device = getattr(artifacts, "device", device)  # a Bundle's artifacts run on its device
+        self.vocab_size, self.aux_hidden_size = step_checks.model_dims(artifacts)
+        self.kv_caches = (step_checks.check_kv_buffers(kv_caches, artifacts.kv_layout, device)
+                          if kv_caches is not None else allocate(self.kv_layout, device))
         self.draft_cache = allocate_draft(self.kv_layout, device)  # EAGLE3 bundles: the draft's own KV group
 
     # Old names, kept while branches written against them merge (use grid / kv_layout).
@@ -103,7 +88,8 @@ class Stepper:
         the same collective, ``plan.more`` tells every rank whether to go on (all stop together).
         """
         k, R = self.grid.num_speculative_tokens, len(batch.tokens)
-        problem = _problem(batch, k)
+        problem = step_checks.step_problem(batch, k=k, vocab=self.vocab_size, layout=self.kv_layout,
+                                           max_model_len=self.grid.max_model_len)
         base = buckets.needed_seq([int(n) for n in batch.num_computed]) if R and not problem else 0
         nospec = R > 0 and not problem and needs_nospec(
             self.grid, base, all_have_drafts=all(len(t) == 1 + k for t in batch.tokens))
@@ -144,9 +130,17 @@ class Stepper:
         target just verified; ``full_table`` [R, W]: their full-attention block ids (the draft's
         group uses them). Not DP-synced: the draft has no collectives.
         """
+        if self.draft_cache is None:
+            raise StepInputError("draft: this bundle has no EAGLE3 draft artifacts")
+        problem, max_computed = step_checks.draft_problem(
+            rows, full_table, k=self.grid.num_speculative_tokens, vocab=self.vocab_size,
+            aux_width=self.aux_hidden_size, layout=self.kv_layout,
+            max_model_len=self.grid.max_model_len, max_computed=max_computed)
+        if problem:
+            raise StepInputError(problem)
         plan = plan_draft(self.grid, num_reqs=len(rows), max_computed=max_computed)
         inputs = draft_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
-                                         block_size=self.kv_layout.block_size, hidden_size=rows[0][1].shape[-1])
+                                         block_size=self.kv_layout.block_size, hidden_size=self.aux_hidden_size)
         out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.draft_cache))
         return plan, _first(out)[: len(rows)]
 

@@ -3,7 +3,8 @@
 The header is read and checked here before the library sees the file, so a hostile file gets a
 ``BundleError`` naming the tensor and the rule instead of a native error or a huge allocation:
 header length bounded (and inside the file), UTF-8 JSON of bounded depth, known dtypes, shapes of
-non-negative ints whose byte count equals the tensor's span, spans inside the data area, no overlaps.
+non-negative ints whose byte count equals the tensor's span, spans that tile the data area (no overlaps,
+no gaps: the library's rule), ``__metadata__`` of strings only.
 Then ``safetensors.safe_open`` maps the file once (a private, copy-on-write mapping); every tensor is
 a view of that one mapping, so N artifacts bound to these tensors share one copy in memory.
 """
@@ -78,6 +79,10 @@ def read_header(path: Path) -> tuple[int, dict]:
     if not isinstance(header, dict):
         raise BundleError(f"{where}: safetensors header must be a JSON object")
     base = 8 + n
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise BundleError(f"{where}: __metadata__ must map strings to strings (the safetensors library refuses "
+                          "anything else)")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     check_entries(where, tensors, size - base)
     return base, tensors
@@ -115,6 +120,11 @@ def check_entries(where: str, tensors: dict, data_bytes: int) -> None:
     for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
         if begin_b < end_a:
             raise BundleError(f"{where}: tensors {a!r} and {b!r} overlap in the data area")
+        if begin_b > end_a:  # the library reads tensors as one packed run: a hole is refused there too
+            raise BundleError(f"{where}: a gap of {begin_b - end_a} bytes before tensor {b!r} in the data area")
+    if spans and (spans[0][0] != 0 or spans[-1][1] != data_bytes):
+        raise BundleError(f"{where}: the tensors cover bytes {spans[0][0]}..{spans[-1][1]} of a {data_bytes}-byte "
+                          "data area; the safetensors library needs them to cover it exactly")
 
 
 def load(path: Path, table: dict | None = None) -> dict[str, torch.Tensor]:

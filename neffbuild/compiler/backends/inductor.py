@@ -6,13 +6,12 @@ constants, so every artifact shares one copy (an artifact run before its constan
 bound crashes, so ``load`` always binds them).
 
 Compiler flags are inductor config assignments ``name=value`` (``value`` parsed as JSON,
-else kept as a string), e.g. ``max_autotune=true``. An unknown name is rejected by inductor.
+else kept as a string), e.g. ``max_autotune=true``, from the allow-list in recipe/flag_rules.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import platform
 import time
 from pathlib import Path
@@ -26,15 +25,17 @@ from neffbuild.runtime.loaders import load_inductor
 
 
 def parse_flags(flags) -> dict:
+    """Inductor config assignments from the allow-list only (recipe/flag_rules.py), checked again here:
+    a Recipe built without the validator must not reach an option that names a program or a path."""
+    from neffbuild.recipe.flag_rules import inductor_problem, parse_value
+
     out = {}
     for flag in flags:
-        if "=" not in flag:
-            raise InvalidInput(f"compiler.flags: {flag!r} must be name=value for the inductor backend")
+        why = inductor_problem(flag)
+        if why:
+            raise InvalidInput(f"compiler.flags: {flag!r}: {why}")
         name, value = flag.split("=", 1)
-        try:
-            out[name.strip()] = json.loads(value)
-        except ValueError:
-            out[name.strip()] = value
+        out[name.strip()] = parse_value(value.strip())
     return out
 
 
