@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
@@ -23,14 +24,12 @@ from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.runtime.step import StepBatch
 from neffbuild.serve.greedy import prometheus, tables_for
 from neffbuild.serve.session import open_session
-from tests.conftest import POOL, ROOT, assert_failed_target, write_recipe
+from tests.helpers import POOL, ROOT, TINY, assert_failed_target, cache_key, cli, seed_cache, write_recipe
 
 pytestmark = pytest.mark.slow
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
-                          cwd=ROOT, **kw)
+_cli = cli  # in-process (tests/helpers.py); the kill, Ctrl-C and concurrency tests below start real processes
 
 
 def test_artifacts_match_eager_on_prefilled_cache(built):
@@ -136,11 +135,14 @@ def _valid_cache(root: Path) -> None:
         assert Cache(root).get(folder.name) is not None, f"corrupt cache entry {folder}"
 
 
-def test_kill_9_at_random_moments_then_resume(hf_checkpoint, tmp_path):
+def test_kill_9_at_random_moments_then_resume(built, build_cache, hf_checkpoint, tmp_path):
+    """Kills while decode_b2_ctx512 compiles; decode_b4_ctx512 is the session bundle's entry (seeded), so the
+    resume compiles one key, not a second copy of a key the session already built."""
     import random
 
     path = write_recipe(tmp_path, hf_checkpoint, name="killme", num_seqs_buckets=[2, 4], ctx_buckets=[512])
-    cache, out = tmp_path / "cache", tmp_path / "out"
+    b4_key = cache_key(built.bundle, "decode_b4_ctx512")
+    cache, out = seed_cache(build_cache, tmp_path / "cache", [b4_key]), tmp_path / "out"
     args = [sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out), "--cache-dir", str(cache),
             "--jobs", "2"]
     rng = random.Random(int(os.environ.get("NEFFBUILD_TEST_SEED", "7")))
@@ -157,6 +159,7 @@ def test_kill_9_at_random_moments_then_resume(hf_checkpoint, tmp_path):
     res = subprocess.run(args + ["--json"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert not check(out / "killme-0.1.0")
+    assert cache_key(out / "killme-0.1.0", "decode_b4_ctx512") == b4_key  # the same graph as the session's
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp folders were not swept"
     _valid_cache(cache)
 
@@ -280,6 +283,29 @@ def test_inspect_and_diff(built, tmp_path):
     assert 'neffbuild_compilation_time_seconds{bucket="decode_b4_ctx512"}' in prom
 
 
+def test_diff_names_every_changed_recipe_field(built, build_cache, tmp_path):
+    """Two builds of one grid that differ only in random weights and version: no artifact changed (6 cache
+    hits: the graphs are the session bundle's), but diff names both fields and the weights."""
+    bundles = []
+    for seed, version in ((0, "0.1.0"), (1, "0.2.0")):
+        raw = yaml.safe_load(Path(built.recipe).read_text())
+        raw.update(version=version)
+        raw["model"] = dict(yaml.safe_load(TINY.read_text())["model"], random_seed=seed)  # the checkpoint's config
+        path = tmp_path / f"seed{seed}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        res = compile_recipe(R.load(path), tmp_path / f"out{seed}", jobs=1, cache_root=build_cache)
+        assert (res.built, res.cached, res.failed) == (0, 6, [])
+        bundles.append(res.bundle)
+    d = json.loads(_cli("diff", *bundles, "--json").stdout)
+    assert d["changed"] == [] and d["weights_changed"] is True
+    assert d["config"]["bundle.version"] == ["0.1.0", "0.2.0"]
+    assert d["config"]["recipe.model.random_seed"] == [0, 1] and d["config"]["recipe.version"] == ["0.1.0", "0.2.0"]
+    text = _cli("diff", *bundles).stdout
+    assert "config recipe.model.random_seed: 0 -> 1" in text and "config bundle.version: '0.1.0' -> '0.2.0'" in text
+    same = _cli("diff", bundles[0], bundles[0]).stdout
+    assert "config: no field changed" in same and "weights changed: False" in same
+
+
 def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
     path = write_recipe(tmp_path, hf_checkpoint, name="interrupt", num_seqs_buckets=[4], ctx_buckets=[512])
     out = tmp_path / "out"
@@ -292,6 +318,9 @@ def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
+    # stderr is a pipe here: progress came as lines before the interrupt, not as a bar shown at the end
+    assert any(line.startswith("compile") and line.endswith("loading weights") for line in err.splitlines()), err
+    assert "compile [0/1]" in err, err
     assert not out.exists() or not list(out.iterdir()), "nothing may be left in the output folder"
     _valid_cache(tmp_path / "cache")
 

@@ -13,7 +13,7 @@ from neffbuild import recipe as R
 from neffbuild.errors import ShapeNotCovered
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.dispatch import GridSpec, plan_step
-from tests.conftest import ROOT
+from tests.helpers import ROOT, cli
 
 SPEC = GridSpec((1, 2, 4), (128, 256), 512)
 
@@ -22,8 +22,7 @@ def _prompt_args(prompts) -> list[str]:
     return [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT)
+_cli = cli  # in-process (tests/helpers.py); `generate --dp` starts the ranks' processes itself
 
 
 @pytest.mark.parametrize("computed,num_reqs,label,needed", [
