@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locall
 # Fixtures that compile (or hand out something compiled): a test using one is `slow` whatever its own marks
 # say, so `make test-fast` (-m "not slow") compiles nothing.
 COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_ep2", "eagle3_built",
-                     "neuron_bundle", "build_cache", "ray_cluster"}
+                     "neuron_bundle", "build_cache", "compile_pool", "ray_cluster"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -85,21 +85,32 @@ def build_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def _session_bundle(tmp_path_factory, checkpoint, cache, name: str, jobs: int = 2, **changes) -> TestBundle:
+def _session_bundle(tmp_path_factory, checkpoint, cache, pool, name: str, **changes) -> TestBundle:
     folder = tmp_path_factory.mktemp(name)
-    return build_bundle(folder, cache, write_recipe(folder, checkpoint, name=name, **changes), jobs=jobs)
+    return build_bundle(folder, cache, write_recipe(folder, checkpoint, name=name, **changes), executor=pool)
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory, hf_checkpoint, build_cache):
+def compile_pool():
+    """One warm local pool of 2 workers for every session bundle (a fresh pool per build would pay the
+    workers' start-up, torch and inductor included, once per bundle)."""
+    from neffbuild.compiler.executor import LocalExecutor
+
+    pool = LocalExecutor(2, keep_warm=True)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
     """The test recipe: b1, b4 x ctx 128, 256 + fallback 512 (6 targets)."""
-    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-test")
+    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-test")
 
 
 @pytest.fixture(scope="session")
-def fp8_built(tmp_path_factory, hf_checkpoint, build_cache):
+def fp8_built(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
     """One packed-FP8-KV artifact (decode_b4_ctx512)."""
-    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, "fp8", jobs=1, num_seqs_buckets=[4],
+    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "fp8", num_seqs_buckets=[4],
                            ctx_buckets=[512], neuron_config__fp8_packed_kv=True)
 
 
@@ -121,25 +132,27 @@ def neuron_bundle(tmp_path_factory, hf_checkpoint):
     return TestBundle(path, folder / "out" / "gpt-oss-neuron-0.1.0", env=env)
 
 
-def _parallel(tmp_path_factory, checkpoint, cache, name: str, parallel: dict, ctx_buckets: list[int]) -> TestBundle:
-    return _session_bundle(tmp_path_factory, checkpoint, cache, name, num_seqs_buckets=[4], ctx_buckets=ctx_buckets,
-                           **{f"parallel__{k}": v for k, v in parallel.items()})
+def _parallel(tmp_path_factory, checkpoint, cache, pool, name: str, parallel: dict, ctx_buckets: list[int]):
+    return _session_bundle(tmp_path_factory, checkpoint, cache, pool, name, num_seqs_buckets=[4],
+                           ctx_buckets=ctx_buckets, **{f"parallel__{k}": v for k, v in parallel.items()})
 
 
 @pytest.fixture(scope="session")
-def built_tp2(tmp_path_factory, hf_checkpoint, build_cache):
+def built_tp2(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
     """A tp 2 / ep 2 bundle of the test recipe: 2 targets (one context bucket and the fallback)."""
-    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-tp2", {"tp": 2, "ep": 2}, [128])
+    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-tp2", {"tp": 2, "ep": 2},
+                     [128])
 
 
 @pytest.fixture(scope="session")
-def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache):
+def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
     """A dp 2 / ep 2 bundle (experts across DP ranks: the gather combine): 1 target (the fallback only)."""
-    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-dp2-ep2", {"dp": 2, "ep": 2}, [512])
+    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-dp2-ep2",
+                     {"dp": 2, "ep": 2}, [512])
 
 
 @pytest.fixture(scope="session")
-def eagle3_built(tmp_path_factory, build_cache):
+def eagle3_built(tmp_path_factory, build_cache, compile_pool):
     """The tiny EAGLE3 recipe at its largest batch bucket only (num_seqs_buckets [2]): 1 x 2 x 3 = 6 targets.
 
     Every spec test runs two requests (a DP rank with one is padded to the synced batch), so a b1 artifact
@@ -149,7 +162,7 @@ def eagle3_built(tmp_path_factory, build_cache):
     raw["neuron_config"]["num_seqs_buckets"] = [2]
     path = folder / EAGLE3_TINY.name
     path.write_text(yaml.safe_dump(raw))
-    return build_bundle(folder, build_cache, path)
+    return build_bundle(folder, build_cache, path, executor=compile_pool)
 
 
 @pytest.fixture(scope="session")

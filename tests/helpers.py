@@ -128,12 +128,13 @@ def write_recipe(folder: Path, checkpoint: Path, **changes) -> Path:
     return path
 
 
-def build_bundle(folder: Path, cache: Path, recipe: Path, *, jobs: int = 2, **kw) -> TestBundle:
-    """Compile ``recipe`` (a path) into ``folder/out`` through ``cache``; every target must build."""
+def build_bundle(folder: Path, cache: Path, recipe: Path, **kw) -> TestBundle:
+    """Compile ``recipe`` (a path) into ``folder/out`` through ``cache`` (``kw``: compile_recipe's, e.g. the
+    session's warm ``executor``); every target must build."""
     from neffbuild import recipe as recipe_mod
     from neffbuild.compiler.builder import compile_recipe
 
-    res = compile_recipe(recipe_mod.load(recipe), folder / "out", jobs=jobs, cache_root=cache, **kw)
+    res = compile_recipe(recipe_mod.load(recipe), folder / "out", cache_root=cache, **kw)
     assert not res.failed, res.failed
     return TestBundle(recipe, res.bundle, res)
 

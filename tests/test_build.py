@@ -100,8 +100,8 @@ def test_second_compile_is_all_cache_hits_and_manifest_is_identical(built, build
     print(f"second compile: {wall:.1f}s, 0 compiler invocations, 0 traces")
 
 
-def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(built, build_cache, hf_checkpoint,
-                                                                              tmp_path):
+def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(built, build_cache, compile_pool,
+                                                                              hf_checkpoint, tmp_path):
     path = write_recipe(tmp_path, hf_checkpoint, ctx_buckets=[128, 384])
     res = _cli("plan", str(path), "--json", env=dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache)))
     assert res.returncode == 0, res.stderr
@@ -110,7 +110,7 @@ def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(bu
     assert to_build == ["decode_b1_ctx384", "decode_b4_ctx384"]
     assert "shape" in rows["decode_b1_ctx384"]["why"] or "no cached entry" in rows["decode_b1_ctx384"]["why"]
     assert rows["decode_b1_ctx384"]["estimate_s"] > 0
-    res = compile_recipe(R.load(path), tmp_path / "out", jobs=2, cache_root=build_cache)
+    res = compile_recipe(R.load(path), tmp_path / "out", cache_root=build_cache, executor=compile_pool)
     assert (res.built, res.cached) == (2, 4)  # |num_seqs| x 1 family
 
 

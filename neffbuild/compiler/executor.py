@@ -25,9 +25,10 @@ from neffbuild.compiler.worker import KILLED, TIMEOUT, Job, run_job, warm_up
 class LocalExecutor:
     name = "local"
 
-    def __init__(self, jobs: int, *, timeout_s: float | None = None):
+    def __init__(self, jobs: int, *, timeout_s: float | None = None, keep_warm: bool = False):
         self.jobs = max(1, int(jobs))
         self.timeout_s = timeout_s
+        self.keep_warm = keep_warm  # keep the workers between runs (several builds in one process); close() ends them
         self.pool: ProcessPoolExecutor | None = None
 
     def _start(self) -> None:
@@ -50,8 +51,10 @@ class LocalExecutor:
         pending = list(jobs)
         pending.reverse()  # pop() takes them in the given order
         running: dict = {}
+        done_ok = False
         try:
-            self._start()
+            if self.pool is None:
+                self._start()
             while pending or running:
                 while pending and len(running) < self.jobs:
                     job = pending.pop()
@@ -78,10 +81,17 @@ class LocalExecutor:
                     running.clear()
                     self._kill()
                     self._start()
-            self.pool.shutdown(wait=True)
-            self.pool = None
+            done_ok = True
+            if not self.keep_warm:
+                self.pool.shutdown(wait=True)
+                self.pool = None
         finally:
-            self._kill()
+            if not (done_ok and self.keep_warm):
+                self._kill()
+
+    def close(self) -> None:
+        """End the workers (a ``keep_warm`` executor keeps them until then)."""
+        self._kill()
 
 
 class InlineExecutor:
