@@ -91,7 +91,8 @@ class TestBundle:
     """A bundle a test compiled: the recipe it came from, the bundle folder, the builder's result
     (None when a CLI subprocess built it) and the environment a subprocess needs to load it.
 
-    ``path, res = built`` and ``built[1].bundle`` unpack as (recipe, result); ``os.fspath`` is the bundle.
+    ``path, res = built`` and ``built[1].bundle`` unpack as (recipe, result); as a path (``os.fspath``,
+    ``str``, ``/``) it is the bundle folder, as the parallel fixtures were.
     """
 
     __test__ = False  # not a test class
@@ -108,6 +109,12 @@ class TestBundle:
 
     def __fspath__(self) -> str:
         return str(self.bundle)
+
+    def __str__(self) -> str:
+        return str(self.bundle)
+
+    def __truediv__(self, rel) -> Path:
+        return self.bundle / rel
 
 
 def write_recipe(folder: Path, checkpoint: Path, **changes) -> Path:

@@ -318,7 +318,11 @@ def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
     plain lines, before anything finishes): exit 130, nothing in the output folder, a valid cache."""
     path = write_recipe(tmp_path, hf_checkpoint, name="interrupt", num_seqs_buckets=[4], ctx_buckets=[512])
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out),
+    # As a terminal's shell starts it: SIGINT handled, even when this suite runs as a background job
+    # (which inherits SIGINT ignored, and the CLI would then never see the Ctrl-C).
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from neffbuild.cli.main import main; sys.argv = ['neffbuild', *sys.argv[1:]]; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code, "compile", str(path), "-o", str(out),
                              "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: list[str] = []

@@ -58,6 +58,15 @@ class RichProgress(Progress):
         self.bar.stop()
 
 
+def _field(result, name: str, default=None):
+    """A job result's field, from the result dict or a typed result's attribute."""
+    return result.get(name, default) if isinstance(result, dict) else getattr(result, name, default)
+
+
+def _result_ok(result) -> bool:
+    return result.get("status") == "ok" if isinstance(result, dict) else bool(result.ok)
+
+
 class LineProgress(Progress):
     """Without a terminal (a pipe, CI log): plain progress lines on stderr, none of them rewritten.
 
@@ -99,17 +108,18 @@ class LineProgress(Progress):
             self.active[label] = self.clock()
 
     def finished(self, result):
-        label = result["label"]
+        label = _field(result, "label")
         with self.lock:
             started = self.active.pop(label, None)
             self.done += 1
-            if result["status"] != "ok":
-                self._line(f"{label}: FAILED ({result.get('kind')}): {result.get('error', '')[:300]}")
-            elif result["hit"]:
+            if not _result_ok(result):
+                error = _field(result, "error") or ""
+                self._line(f"{label}: FAILED ({_field(result, 'kind')}): {error[:300]}")
+            elif _field(result, "hit"):
                 self._line(f"{label}: cache hit")
             else:
                 took = f" in {self.clock() - started:.0f}s" if started is not None else ""
-                self._line(f"{label}: compiled{took} (compiler {result['compile_seconds']:.1f}s)")
+                self._line(f"{label}: compiled{took} (compiler {_field(result, 'compile_seconds'):.1f}s)")
 
     def beat(self) -> None:
         """One tick: announce targets running longer than START_S; every EVERY_S, what still runs."""
