@@ -76,6 +76,9 @@ CASES = [
     ("model.config.num_experts_per_tok", 8, "model.config.num_experts_per_tok", "num_local_experts"),
     ("model.arch", "llama", "model.arch", "unknown architecture"),
     ("model.arch", "gpt-oss", "model.arch", "did you mean 'gpt_oss'"),
+    # A typo in an inline config key would compile the default layer count: refused, with a hint.
+    ("model.config.num_hiden_layers", 2, "model.config.num_hiden_layers", "did you mean 'num_hidden_layers'"),
+    ("model.config.frobnicate", 1, "model.config.frobnicate", "not a GPT-OSS config key"),
     ("model.checkpoint", "/nonexistent/ckpt", "model.checkpoint", "does not exist"),
     ("model.random_seed", DELETE, "model", "exactly one of"),
     ("model.random_seed", -1, "model.random_seed", "must be >= 0"),
@@ -346,8 +349,9 @@ def test_plan_of_the_production_grid_fits_an_80_column_pipe():
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
-    rows = [line for line in lines if line.split() and line.split()[0].startswith(("decode_", "draft_"))]
-    assert len(rows) == 48 and all(line.split()[-1] == "unknown" for line in rows)
+    rows = [line for line in lines if line.split() and line.split()[0].startswith(("decode_", "draft_"))
+            and line.split()[-1] == "unknown"]  # the plan table's rows (the memory table below has its own)
+    assert len(rows) == 48 and len({line.split()[0] for line in rows}) == 48
     why = [line for line in lines if line.startswith("why (all 48 graphs): backend 'neuron' needs the Neuron SDK")]
     assert len(why) == 1, res.stdout
     assert "to build: 0 of 48" not in res.stdout

@@ -10,13 +10,14 @@ import click
 
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import layout
+from neffbuild.runtime import paths
 from neffbuild.runtime.manifest_schema import problems as schema_problems
 
 
 def _manifest(path: str) -> dict:
     """The manifest of a bundle whose schema holds (what every read command may rely on)."""
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+
     m = reader.read_manifest(Path(path))
     found = schema_problems(m)
     if found:
@@ -26,6 +27,8 @@ def _manifest(path: str) -> dict:
 
 def _diffable(path: str) -> dict:
     """A manifest with the fields diff reads well typed (diff may compare a bundle that fails verify)."""
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+
     m = reader.read_manifest(Path(path))
     ok = (all(isinstance(m.get(k), dict) for k in ("graph_inputs", "toolchain", "files", "weights"))
           and isinstance(m.get("artifacts"), list)
@@ -38,7 +41,7 @@ def _diffable(path: str) -> dict:
 
 def _compile_seconds(path: str) -> dict[str, float]:
     """Per-label compile times from build-info.json (a per-build record; empty when absent or odd)."""
-    info = Path(path) / layout.BUILD_INFO_PATH
+    info = Path(path) / paths.BUILD_INFO_PATH
     try:
         if not info.is_file() or info.stat().st_size > 16 * 1024 * 1024:
             return {}
@@ -118,9 +121,10 @@ def _print_parallel(c, m: dict) -> None:
 def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
     import yaml
 
-    from neffbuild.bundle import handoff, layout
+    from neffbuild.bundle import handoff, paths
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
 
-    recipe_file = reader.safe_path(root, layout.RECIPE_PATH)
+    recipe_file = reader.safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
     config = handoff.vllm_config(manifest, recipe if isinstance(recipe, dict) else {})
     if as_json:
@@ -141,6 +145,8 @@ def verify(ctx, bundle_path, as_json):
 
     Exit 1 naming each bad file or field.
     """
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+
     problems = reader.check(Path(bundle_path), full=True)
     if as_json:
         echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})
@@ -168,9 +174,10 @@ def _bundle_recipe(path: str) -> dict:
     """The bundle's normalised recipe.yaml, flattened to dotted fields ({} when absent or unreadable)."""
     from neffbuild.errors import NeffbuildError
     from neffbuild.recipe import parse_yaml, read_regular_file
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
 
     try:
-        f = reader.safe_path(Path(path), layout.RECIPE_PATH)
+        f = reader.safe_path(Path(path), paths.RECIPE_PATH)
         if not f.is_file():
             return {}
         raw = parse_yaml(read_regular_file(f, "bundle recipe"), str(f))
