@@ -1,6 +1,8 @@
 # Two entry points do all the set-up on a fresh machine:
 #   make demo   compile the tiny recipe to artifacts/ with the embedded backend and inspect it
 #   make test   run the test suite (everything but the timing benchmarks)
+#   make test-fast  the tests that compile nothing (-m "not slow"; tests/conftest.py marks every test that
+#               uses a compiled fixture slow): a few minutes, for the edit-test loop
 #   make lint   ruff over every Python file in the tree (rules in pyproject.toml)
 #   make bench  the timing benchmarks (docs/benchmarks.md), from a fresh clone
 PY ?= python3
@@ -8,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean bench
+.PHONY: demo test test-fast lint venv clean bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +38,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not bench" tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not bench" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,3 +1,9 @@
+"""Session fixtures: the compiled test bundles every end-to-end test reuses (each a ``TestBundle``,
+tests/helpers.py), built once per session through one compile cache (``build_cache``).
+
+AOTInductor compiles per cold run (CI): built 6, fp8_built 1, built_tp2 2, built_dp2_ep2 1, eagle3_built 6.
+"""
+
 import copy
 import os
 from pathlib import Path
@@ -5,29 +11,35 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "recipes" / "gpt-oss-tiny.yaml"
-# Test bundles use a prime KV pool: any generated loop bound divisible by it scales with the
-# pool (neffbuild/compiler/codegen.py), which tests/test_stepcost.py forbids.
-POOL = 509
+from tests.helpers import (  # noqa: F401 - re-exported: tests import these from tests.conftest too
+    EAGLE3_TINY,
+    POOL,
+    ROOT,
+    STANDIN,
+    TINY,
+    TestBundle,
+    assert_failed_target,
+    build_bundle,
+    cli,
+    neuron_recipe,
+    standin_env,
+    write_recipe,
+)
 
 os.environ.setdefault("NEFFBUILD_CACHE_DIR", str(ROOT / ".ci-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locally; never reach a hub
 
 
-def assert_failed_target(res, out_dir: Path, *, label: str, cached: int, needle: str) -> dict:
-    """A `compile --json` with one target failing: exit 1, no bundle, the failure classified and its log kept."""
-    import json
+# Fixtures that compile (or hand out something compiled): a test using one is `slow` whatever its own marks
+# say, so `make test-fast` (-m "not slow") compiles nothing.
+COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_ep2", "eagle3_built",
+                     "neuron_bundle", "build_cache", "compile_pool", "ray_cluster"}
 
-    assert res.returncode == 1, res.stderr
-    doc = json.loads(res.stdout.strip().splitlines()[-1])
-    assert doc["bundle"] is None and doc["cached"] == cached
-    [fail] = doc["failed"]
-    assert fail["label"] == label and fail["kind"] == "compiler_error"
-    assert needle in Path(fail["log"]).read_text()
-    assert not (out_dir / "gpt-oss-test-0.1.0").exists()
-    assert "Traceback" not in res.stderr and label in res.stderr
-    return doc
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if COMPILED_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
@@ -73,22 +85,6 @@ def hf_checkpoint(tmp_path_factory, tiny_cfg):
     return folder
 
 
-def write_recipe(folder: Path, checkpoint: Path, **changes) -> Path:
-    """The test bundle's recipe: the tiny model from a transformers checkpoint, 6 targets."""
-    raw = yaml.safe_load(TINY.read_text())
-    raw["name"] = changes.pop("name", "gpt-oss-test")
-    raw["model"] = {"arch": "gpt_oss", "checkpoint": str(checkpoint)}
-    raw["neuron_config"]["num_seqs_buckets"] = changes.pop("num_seqs_buckets", [1, 4])
-    raw["neuron_config"]["decode_context_length_buckets"] = changes.pop("ctx_buckets", [128, 256])
-    raw["serving"]["num_blocks"] = changes.pop("num_blocks", POOL)
-    for key, value in changes.items():
-        section, name = key.split("__")
-        raw.setdefault(section, {})[name] = value
-    path = folder / f"{raw['name']}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
 @pytest.fixture(scope="session")
 def build_cache(tmp_path_factory):
     """The session bundles' compile cache: a fresh folder, or NEFFBUILD_TEST_CACHE when a developer sets it
@@ -100,109 +96,84 @@ def build_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.fixture(scope="session")
-def built(tmp_path_factory, hf_checkpoint, build_cache):
-    """Compile the test recipe once per session: (recipe path, BuildResult)."""
-    from neffbuild import recipe
-    from neffbuild.compiler.builder import compile_recipe
-
-    folder = tmp_path_factory.mktemp("build")
-    path = write_recipe(folder, hf_checkpoint)
-    res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=build_cache)
-    assert not res.failed, res.failed
-    return path, res
+def _session_bundle(tmp_path_factory, checkpoint, cache, pool, name: str, **changes) -> TestBundle:
+    folder = tmp_path_factory.mktemp(name)
+    return build_bundle(folder, cache, write_recipe(folder, checkpoint, name=name, **changes), executor=pool)
 
 
 @pytest.fixture(scope="session")
-def fp8_built(tmp_path_factory, hf_checkpoint, build_cache):
-    """One packed-FP8-KV artifact (decode_b4_ctx512): (recipe path, BuildResult)."""
-    from neffbuild import recipe
-    from neffbuild.compiler.builder import compile_recipe
+def compile_pool():
+    """One warm local pool of 2 workers for every session bundle (a fresh pool per build would pay the
+    workers' start-up, torch and inductor included, once per bundle)."""
+    from neffbuild.compiler.executor import LocalExecutor
 
-    folder = tmp_path_factory.mktemp("fp8")
-    path = write_recipe(folder, hf_checkpoint, name="fp8", num_seqs_buckets=[4], ctx_buckets=[512],
-                        neuron_config__fp8_packed_kv=True)
-    res = compile_recipe(recipe.load(path), folder / "out", jobs=1, cache_root=build_cache)
-    assert not res.failed, res.failed
-    return path, res
+    pool = LocalExecutor(2, keep_warm=True)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
+    """The test recipe: b1, b4 x ctx 128, 256 + fallback 512 (6 targets)."""
+    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-test")
+
+
+@pytest.fixture(scope="session")
+def fp8_built(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
+    """One packed-FP8-KV artifact (decode_b4_ctx512)."""
+    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "fp8", num_seqs_buckets=[4],
+                           ctx_buckets=[512], neuron_config__fp8_packed_kv=True)
 
 
 @pytest.fixture(scope="session")
 def built_fp8(fp8_built):
     """The same packed-FP8-K bundle (b4, fallback context 512): the BuildResult."""
-    return fp8_built[1]
-
-
-# The Neuron SDK stand-in (tests/sdk_standin): on the path only where a test asks for it.
-STANDIN = ROOT / "tests" / "sdk_standin"
-
-
-def standin_env(cache: Path, **extra) -> dict:
-    """Environment for a subprocess that sees the stand-in SDK as if it were installed."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(STANDIN)]), NEFFBUILD_CACHE_DIR=str(cache))
-    env.pop("NEURON_LOGICAL_NC_CONFIG", None)
-    return {**env, **extra}
-
-
-def neuron_recipe(folder: Path, checkpoint: Path, name: str, num_seqs_buckets=(1, 2), ctx_buckets=(128,)) -> Path:
-    """A backend: neuron recipe for trn2 with LNC 2 (the stand-in host's default)."""
-    return write_recipe(folder, checkpoint, name=name, num_seqs_buckets=list(num_seqs_buckets),
-                        ctx_buckets=list(ctx_buckets), serving__max_num_seqs=num_seqs_buckets[-1],
-                        compiler__backend="neuron", neuron_config__lnc=2)
+    return fp8_built.result
 
 
 @pytest.fixture(scope="session")
 def neuron_bundle(tmp_path_factory, hf_checkpoint):
-    """`neffbuild compile` of a backend: neuron recipe through the stand-in SDK: (bundle path, env)."""
-    import subprocess
-    import sys
-
+    """`neffbuild compile` of a backend: neuron recipe through the stand-in SDK (a subprocess: the stand-in
+    must not enter this process): a TestBundle whose ``env`` loads it."""
     folder = tmp_path_factory.mktemp("neuron")
     env = standin_env(folder / "cache")
     path = neuron_recipe(folder, hf_checkpoint, "gpt-oss-neuron")
-    out = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(folder / "out"),
-                          "--jobs", "2"], capture_output=True, text=True, cwd=ROOT, env=env)
+    out = cli("compile", path, "-o", folder / "out", "--jobs", "2", env=env, process=True)
     assert out.returncode == 0, out.stderr
-    return folder / "out" / "gpt-oss-neuron-0.1.0", env
+    return TestBundle(path, folder / "out" / "gpt-oss-neuron-0.1.0", env=env)
 
 
-def _build_parallel(tmp_path_factory, checkpoint, cache, name: str, parallel: dict, ctx_buckets: list[int]):
-    from neffbuild import recipe
-    from neffbuild.compiler.builder import compile_recipe
-
-    folder = tmp_path_factory.mktemp(name)
-    path = write_recipe(folder, checkpoint, name=name, num_seqs_buckets=[4], ctx_buckets=ctx_buckets,
-                        **{f"parallel__{k}": v for k, v in parallel.items()})
-    res = compile_recipe(recipe.load(path), folder / "out", jobs=2, cache_root=cache)
-    assert not res.failed, res.failed
-    return res.bundle
+def _parallel(tmp_path_factory, checkpoint, cache, pool, name: str, parallel: dict, ctx_buckets: list[int]):
+    return _session_bundle(tmp_path_factory, checkpoint, cache, pool, name, num_seqs_buckets=[4],
+                           ctx_buckets=ctx_buckets, **{f"parallel__{k}": v for k, v in parallel.items()})
 
 
 @pytest.fixture(scope="session")
-def built_tp2(tmp_path_factory, hf_checkpoint, build_cache):
+def built_tp2(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
     """A tp 2 / ep 2 bundle of the test recipe: 2 targets (one context bucket and the fallback)."""
-    return _build_parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-tp2", {"tp": 2, "ep": 2}, [128])
+    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-tp2", {"tp": 2, "ep": 2},
+                     [128])
 
 
 @pytest.fixture(scope="session")
-def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache):
+def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
     """A dp 2 / ep 2 bundle (experts across DP ranks: the gather combine): 1 target (the fallback only)."""
-    return _build_parallel(tmp_path_factory, hf_checkpoint, build_cache, "gpt-oss-dp2-ep2", {"dp": 2, "ep": 2}, [512])
-
-
-EAGLE3_TINY = ROOT / "recipes" / "gpt-oss-tiny-eagle3.yaml"
+    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-dp2-ep2",
+                     {"dp": 2, "ep": 2}, [512])
 
 
 @pytest.fixture(scope="session")
-def eagle3_built(tmp_path_factory, build_cache):
-    """The tiny EAGLE3 recipe compiled once per session (2 x 2 x 3 = 12 targets): (recipe path, BuildResult)."""
-    from neffbuild import recipe
-    from neffbuild.compiler.builder import compile_recipe
+def eagle3_built(tmp_path_factory, build_cache, compile_pool):
+    """The tiny EAGLE3 recipe at its largest batch bucket only (num_seqs_buckets [2]): 1 x 2 x 3 = 6 targets.
 
+    Every spec test runs two requests (a DP rank with one is padded to the synced batch), so a b1 artifact
+    would never be dispatched; recipes/gpt-oss-tiny-eagle3.yaml itself keeps both buckets (12 targets)."""
     folder = tmp_path_factory.mktemp("eagle3")
-    res = compile_recipe(recipe.load(EAGLE3_TINY), folder / "out", jobs=2, cache_root=build_cache)
-    assert not res.failed, res.failed
-    return EAGLE3_TINY, res
+    raw = yaml.safe_load(EAGLE3_TINY.read_text())
+    raw["neuron_config"]["num_seqs_buckets"] = [2]
+    path = folder / EAGLE3_TINY.name
+    path.write_text(yaml.safe_dump(raw))
+    return build_bundle(folder, build_cache, path, executor=compile_pool)
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
@@ -23,14 +25,12 @@ from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.runtime.step import StepBatch
 from neffbuild.serve.greedy import prometheus, tables_for
 from neffbuild.serve.session import open_session
-from tests.conftest import POOL, ROOT, assert_failed_target, write_recipe
+from tests.helpers import POOL, ROOT, TINY, assert_failed_target, cache_key, cli, seed_cache, write_recipe
 
 pytestmark = pytest.mark.slow
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
-                          cwd=ROOT, **kw)
+_cli = cli  # in-process (tests/helpers.py); the kill, Ctrl-C and concurrency tests below start real processes
 
 
 def test_artifacts_match_eager_on_prefilled_cache(built):
@@ -100,8 +100,8 @@ def test_second_compile_is_all_cache_hits_and_manifest_is_identical(built, build
     print(f"second compile: {wall:.1f}s, 0 compiler invocations, 0 traces")
 
 
-def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(built, build_cache, hf_checkpoint,
-                                                                              tmp_path):
+def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(built, build_cache, compile_pool,
+                                                                              hf_checkpoint, tmp_path):
     path = write_recipe(tmp_path, hf_checkpoint, ctx_buckets=[128, 384])
     res = _cli("plan", str(path), "--json", env=dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache)))
     assert res.returncode == 0, res.stderr
@@ -110,7 +110,7 @@ def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(bu
     assert to_build == ["decode_b1_ctx384", "decode_b4_ctx384"]
     assert "shape" in rows["decode_b1_ctx384"]["why"] or "no cached entry" in rows["decode_b1_ctx384"]["why"]
     assert rows["decode_b1_ctx384"]["estimate_s"] > 0
-    res = compile_recipe(R.load(path), tmp_path / "out", jobs=2, cache_root=build_cache)
+    res = compile_recipe(R.load(path), tmp_path / "out", cache_root=build_cache, executor=compile_pool)
     assert (res.built, res.cached) == (2, 4)  # |num_seqs| x 1 family
 
 
@@ -137,11 +137,14 @@ def _valid_cache(root: Path) -> None:
         assert Cache(root).get(folder.name) is not None, f"corrupt cache entry {folder}"
 
 
-def test_kill_9_at_random_moments_then_resume(hf_checkpoint, tmp_path):
+def test_kill_9_at_random_moments_then_resume(built, build_cache, hf_checkpoint, tmp_path):
+    """Kills while decode_b2_ctx512 compiles; decode_b4_ctx512 is the session bundle's entry (seeded), so the
+    resume compiles one key, not a second copy of a key the session already built."""
     import random
 
     path = write_recipe(tmp_path, hf_checkpoint, name="killme", num_seqs_buckets=[2, 4], ctx_buckets=[512])
-    cache, out = tmp_path / "cache", tmp_path / "out"
+    b4_key = cache_key(built.bundle, "decode_b4_ctx512")
+    cache, out = seed_cache(build_cache, tmp_path / "cache", [b4_key]), tmp_path / "out"
     args = [sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out), "--cache-dir", str(cache),
             "--jobs", "2"]
     rng = random.Random(int(os.environ.get("NEFFBUILD_TEST_SEED", "7")))
@@ -158,6 +161,7 @@ def test_kill_9_at_random_moments_then_resume(hf_checkpoint, tmp_path):
     res = subprocess.run(args + ["--json"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert not check(out / "killme-0.1.0")
+    assert cache_key(out / "killme-0.1.0", "decode_b4_ctx512") == b4_key  # the same graph as the session's
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp folders were not swept"
     _valid_cache(cache)
 
@@ -281,18 +285,63 @@ def test_inspect_and_diff(built, tmp_path):
     assert 'neffbuild_compilation_time_seconds{bucket="decode_b4_ctx512"}' in prom
 
 
+def test_diff_names_every_changed_recipe_field(built, build_cache, tmp_path):
+    """Two builds of one grid that differ only in random weights and version: no artifact changed (6 cache
+    hits: the graphs are the session bundle's), but diff names both fields and the weights."""
+    bundles = []
+    for seed, version in ((0, "0.1.0"), (1, "0.2.0")):
+        raw = yaml.safe_load(Path(built.recipe).read_text())
+        raw.update(version=version)
+        raw["model"] = dict(yaml.safe_load(TINY.read_text())["model"], random_seed=seed)  # the checkpoint's config
+        path = tmp_path / f"seed{seed}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        res = compile_recipe(R.load(path), tmp_path / f"out{seed}", jobs=1, cache_root=build_cache)
+        assert (res.built, res.cached, res.failed) == (0, 6, [])
+        bundles.append(res.bundle)
+    d = json.loads(_cli("diff", *bundles, "--json").stdout)
+    assert d["changed"] == [] and d["weights_changed"] is True
+    assert d["config"]["bundle.version"] == ["0.1.0", "0.2.0"]
+    assert d["config"]["recipe.model.random_seed"] == [0, 1] and d["config"]["recipe.version"] == ["0.1.0", "0.2.0"]
+    text = _cli("diff", *bundles).stdout
+    assert "config recipe.model.random_seed: 0 -> 1" in text and "config bundle.version: '0.1.0' -> '0.2.0'" in text
+    same = _cli("diff", bundles[0], bundles[0]).stdout
+    assert "config: no field changed" in same and "weights changed: False" in same
+
+
+def _read_lines(stream, into: list) -> threading.Thread:
+    t = threading.Thread(target=lambda: into.extend(iter(stream.readline, "")), daemon=True)
+    t.start()
+    return t
+
+
 def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
+    """Ctrl-C while the target compiles (its progress line says so: stderr is a pipe, so progress comes as
+    plain lines, before anything finishes): exit 130, nothing in the output folder, a valid cache."""
     path = write_recipe(tmp_path, hf_checkpoint, name="interrupt", num_seqs_buckets=[4], ctx_buckets=[512])
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out),
+    # As a terminal's shell starts it: SIGINT handled, even when this suite runs as a background job
+    # (which inherits SIGINT ignored, and the CLI would then never see the Ctrl-C).
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from neffbuild.cli.main import main; sys.argv = ['neffbuild', *sys.argv[1:]]; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code, "compile", str(path), "-o", str(out),
                              "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(8)
+    lines: list[str] = []
+    reader = _read_lines(proc.stderr, lines)
+    deadline = time.monotonic() + 120
+    while not any(line.rstrip().endswith("decode_b4_ctx512: started") for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.2)
+    time.sleep(1)
     assert proc.poll() is None, "compile ended before the interrupt"
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
-    _, err = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    err = "".join(lines)
     assert proc.returncode == 130, err
     assert "interrupted" in err
+    assert [line.split("s  ", 1)[1] for line in err.splitlines() if line.startswith("compile")][:3] == [
+        "loading weights", "1 targets (largest first)", "decode_b4_ctx512: started"], err
     assert not out.exists() or not list(out.iterdir()), "nothing may be left in the output folder"
     _valid_cache(tmp_path / "cache")
 

@@ -11,6 +11,7 @@ from neffbuild.errors import KVTransferError
 from neffbuild.runtime.blocks import SLIDING_GROUP, BlockManager, kv_groups
 from neffbuild.runtime.di_prompt import DIPrompt, di_prompt, strip_leading_null, truncate, unwritten_reads
 from tests.conftest import ROOT
+from tests.helpers import cli
 
 W, BS = 32, 16  # the tiny model's sliding window and the test bundles' block size
 # N % 16 in {0, 1, 15} and others; shorter than, equal to and longer than the window; 47 and 63 are the
@@ -151,9 +152,7 @@ def test_n_minus_1_rule_is_needed(built):
     assert 16 not in differ and 17 not in differ  # other residues are unaffected
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], check=False, capture_output=True,
-                          text=True, cwd=ROOT, **kw)
+_cli = cli  # in-process (tests/helpers.py); --di starts its prefill worker process itself
 
 
 @pytest.mark.slow

@@ -14,16 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from neffbuild.bundle import manifest, paths
 from neffbuild.cli.generate_cmd import _parse_prompt
-from neffbuild.cli.main import _register, cli
 from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime import aoti_package
 from neffbuild.runtime.bundle import check, open_bundle
 from tests.conftest import POOL, ROOT, TINY
+from tests.helpers import cli
 
 
 def strict_json(text: str):
@@ -34,11 +33,9 @@ def strict_json(text: str):
 
 
 def run_cli(*args):
-    """In-process CLI: (exit code, stdout, stderr, unhandled exception or None)."""
-    _register()
-    res = CliRunner().invoke(cli, list(args), catch_exceptions=True)
-    unhandled = res.exception if res.exception and not isinstance(res.exception, SystemExit) else None
-    return res.exit_code, res.stdout, res.stderr, unhandled
+    """In-process CLI (tests/helpers.py): (exit code, stdout, stderr, unhandled exception or None)."""
+    res = cli(*args)
+    return res.returncode, res.stdout, res.stderr, res.unhandled
 
 
 # -- recipe files: refused before validation, one JSON document with --json, exit 2
@@ -406,9 +403,7 @@ def test_manifest_edit_without_digest_is_caught(built, tmp_path):
 
 
 def _generate(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", *args], capture_output=True,
-                          check=False,
-                          text=True, cwd=ROOT, timeout=300)
+    return cli("generate", *args, process=True, timeout=300)  # a tampered bundle: its own process, whatever happens
 
 
 @pytest.mark.slow
@@ -428,8 +423,7 @@ def test_generate_on_a_broken_bundle_exits_1_with_json(built, tmp_path, edit, ne
 @pytest.mark.slow
 def test_verify_json_and_dp_prompt_error(built, tmp_path):
     root = tampered(built[1].bundle, tmp_path / "b", _extra_so)
-    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "verify", str(root), "--json"],
-                         capture_output=True, text=True, cwd=ROOT, check=False)
+    res = cli("verify", root, "--json")
     doc = strict_json(res.stdout)
     assert res.returncode == 1 and not doc["ok"] and doc["problems"][0]["path"] == "artifacts/evil.so"
     res = _generate(str(built[1].bundle), "--dp", "2", "--prompt-ids", "1,2", "--prompt-ids", "1,999", "--json")

@@ -73,18 +73,23 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_two_cold_builds_give_identical_manifests(hf_checkpoint, tmp_path):
-    """Fresh compile caches, same recipe: byte-identical manifests (timings differ, in build-info.json)."""
+def test_two_cold_builds_give_identical_manifests(built, build_cache, hf_checkpoint, tmp_path):
+    """Two independent compiles of one graph, in different caches and processes, give byte-identical manifests
+    (timings differ, in build-info.json). One compile is this test's, cold; the other is the session bundle's
+    decode_b1_ctx512 (the same key, compiled cold by the ``built`` fixture), bundled from a cache holding only it."""
     from neffbuild.compiler.builder import compile_recipe
-    from tests.conftest import write_recipe
+    from tests.helpers import cache_key, seed_cache, write_recipe
 
     path = write_recipe(tmp_path, hf_checkpoint, name="cold", num_seqs_buckets=[1], ctx_buckets=[512],
                         serving__max_num_seqs=1)
     r = R.load(path)
     assert r.decode_context_length_buckets == ()  # fallback only: one target
-    runs = [compile_recipe(r, tmp_path / f"out{n}", jobs=1, cache_root=tmp_path / f"cache{n}") for n in (1, 2)]
-    assert [(x.built, x.cached) for x in runs] == [(1, 0), (1, 0)]
+    session_key = cache_key(built.bundle, "decode_b1_ctx512")
+    caches = [tmp_path / "cache1", seed_cache(build_cache, tmp_path / "cache2", [session_key])]
+    runs = [compile_recipe(r, tmp_path / f"out{n}", jobs=1, cache_root=c) for n, c in enumerate(caches, 1)]
+    assert [(x.built, x.cached) for x in runs] == [(1, 0), (0, 1)]  # a cold compile, and the session's compile
     first, second = ((x.bundle / paths.MANIFEST_PATH).read_bytes() for x in runs)
     assert first == second
+    assert cache_key(runs[0].bundle, "decode_b1_ctx512") == session_key
     info = json.loads((runs[0].bundle / paths.BUILD_INFO_PATH).read_text())
     assert set(info["compile_seconds"]) == {"decode_b1_ctx512"}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import ROOT, STANDIN, neuron_recipe, standin_env
+from tests.helpers import ROOT, STANDIN, cli, neuron_recipe, standin_env
 
 pytestmark = pytest.mark.slow
 
@@ -23,12 +23,11 @@ PROMPTS = ["--prompt-ids", ",".join(str(i % 200 + 1) for i in range(120)), "--pr
 
 
 def _cli(env, *args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env)
+    return cli(*args, env=env, process=True)  # a process: the stand-in SDK must stay out of this one
 
 
 def test_neuron_bundle_compile_inspect_verify_generate_check(neuron_bundle):
-    bundle, env = neuron_bundle
+    bundle, env = neuron_bundle.bundle, neuron_bundle.env
     m = json.loads(_cli(env, "inspect", str(bundle), "--json").stdout)
     tc = m["toolchain"]
     assert (tc["backend"], tc["target"], tc["lnc"], tc["weights"]) == ("neuron", "trn2", 2, "separate")
@@ -79,7 +78,7 @@ def test_standin_catches_a_wrongly_traced_neff(fault, tmp_path, hf_checkpoint):
     ({"NEURON_LOGICAL_NC_CONFIG": "1"}, "set NEURON_LOGICAL_NC_CONFIG=2"),
 ])
 def test_neuron_bundle_refuses_another_target_or_lnc(neuron_bundle, extra, message):
-    bundle, env = neuron_bundle
+    bundle, env = neuron_bundle.bundle, neuron_bundle.env
     out = _cli({**env, **extra}, "generate", str(bundle), "--prompt-ids", "1,2", "--max-new-tokens", "2")
     assert out.returncode == 1 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr

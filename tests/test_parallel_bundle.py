@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT
 from tests.dist_util import run_ranks
+from tests.helpers import cli
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +19,7 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9], list(range(10, 130)), [200, 201]]
 N_NEW = 12
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
-                          cwd=ROOT, check=False)
+_cli = cli  # in-process; `generate` starts the ranks' processes itself
 
 
 def _generate(bundle, prompts, *extra):
@@ -55,9 +51,9 @@ def _unsharded_tokens(checkpoint, bundle, prompts):
 
 
 def test_tp2_ep2_tokens_equal_tp1_across_bucket_boundary(built_tp2, hf_checkpoint):
-    out = _generate(built_tp2, PROMPTS, "--check")
+    out = _generate(built_tp2.bundle, PROMPTS, "--check")
     assert out["check"]["ok"], out["check"]
-    assert out["tokens"] == _unsharded_tokens(hf_checkpoint, built_tp2, PROMPTS)
+    assert out["tokens"] == _unsharded_tokens(hf_checkpoint, built_tp2.bundle, PROMPTS)
     assert [r["rank"] for r in out["ranks"]] == [0, 1]
     labels = [[s["label"] for s in r["steps"]] for r in out["ranks"]]
     assert labels[0] == labels[1]
@@ -68,8 +64,8 @@ def test_dp2_ep2_each_rank_gets_single_process_tokens(built_dp2_ep2, hf_checkpoi
     """Experts split across the two DP ranks (gather + reduce-scatter inside the artifact); uneven
     prompt counts and lengths (rank 0 gets 2 prompts, rank 1 gets 1, so it also runs idle rows)."""
     prompts = PROMPTS[:3]
-    out = _generate(built_dp2_ep2, prompts)
-    assert out["tokens"] == _unsharded_tokens(hf_checkpoint, built_dp2_ep2, prompts)
+    out = _generate(built_dp2_ep2.bundle, prompts)
+    assert out["tokens"] == _unsharded_tokens(hf_checkpoint, built_dp2_ep2.bundle, prompts)
     r0, r1 = out["ranks"]
     assert (r0["dp_rank"], r1["dp_rank"]) == (0, 1)
     assert len(r0["steps"]) == len(r1["steps"]) == N_NEW - 1
@@ -81,8 +77,8 @@ def test_sharded_bundle_refuses_a_world_of_one(built_tp2):
     from neffbuild.runtime.bundle import open_bundle
 
     with pytest.raises(IncompatibleBundle, match=r"compiled for tp 2 x dp 1 = 2 ranks.*world of 1.*start 2 processes"):
-        open_bundle(built_tp2)
-    res = _cli("generate", str(built_tp2), "--prompt-ids", "1,2", "--dp", "2")
+        open_bundle(built_tp2.bundle)
+    res = _cli("generate", str(built_tp2.bundle), "--prompt-ids", "1,2", "--dp", "2")
     assert res.returncode == 2 and "compiled for dp 1" in res.stderr
 
 
@@ -101,7 +97,7 @@ def test_rank_maps_only_its_pieces_and_manifest_records_layout(built_tp2):
     from neffbuild.models.gpt_oss.weights import stacked_shapes
     from neffbuild.runtime.parallel import ParallelLayout
 
-    m = json.loads((built_tp2 / "manifest.json").read_text())
+    m = json.loads((built_tp2.bundle / "manifest.json").read_text())
     par = m["parallel"]
     assert (par["tp"], par["dp"], par["ep"], par["world_size"], par["ep_combine"]) == (2, 1, 2, 2, "all_reduce")
     assert sorted(par["pieces"]) == ["ep0", "ep1", "tp0", "tp1"]
@@ -111,11 +107,11 @@ def test_rank_maps_only_its_pieces_and_manifest_records_layout(built_tp2):
     numel = sum(math.prod(t["shape"]) for e in entries for t in e["tensors"].values())
     assert numel == sum(math.prod(s) for s in stacked_shapes(cfg).values())  # every weight stored exactly once
     assert set(par["pieces"]["tp1"]["tensors"]) == set(TP_SPLIT) and not set(TP_SPLIT) & set(m["weights"]["tensors"])
-    results = run_ranks(_mapped, 2, built_tp2)
+    results = run_ranks(_mapped, 2, built_tp2.bundle)
     assert results[0][0] == ["ep0.safetensors", "model.safetensors", "tp0.safetensors"]
     assert results[1][0] == ["ep1.safetensors", "model.safetensors", "tp1.safetensors"]
     assert results[0][1] == rank_shapes(cfg, ParallelLayout(2, 1, 2))
-    shown = _cli("inspect", str(built_tp2))
+    shown = _cli("inspect", str(built_tp2.bundle))
     assert "parallel: tp 2 x dp 1 = 2 ranks, ep 2" in shown.stdout.replace("\n", " ")
-    assert json.loads(_cli("inspect", str(built_tp2), "--json").stdout)["parallel"]["pieces"]["tp1"]["file"] == \
+    assert json.loads(_cli("inspect", str(built_tp2.bundle), "--json").stdout)["parallel"]["pieces"]["tp1"]["file"] == \
         "weights/tp1.safetensors"

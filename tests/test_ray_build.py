@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +12,14 @@ from neffbuild.compiler.builder import compile_recipe
 from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.serve.greedy import greedy
 from neffbuild.serve.session import open_session
-from tests.conftest import ROOT, assert_failed_target, write_recipe
+from tests.helpers import ROOT, assert_failed_target, cli, write_recipe
 
 pytestmark = pytest.mark.slow
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], check=False, capture_output=True,
-                          text=True, cwd=ROOT, env=dict(os.environ, **(env or {})), timeout=600)
+    """A process: this one already joined the session's Ray instance (and --executor ray would join it again)."""
+    return cli(*args, env=dict(os.environ, **(env or {})), process=True)
 
 
 def _decode(bundle_path, prompt, new_tokens):

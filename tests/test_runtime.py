@@ -13,7 +13,7 @@ from neffbuild import recipe as R
 from neffbuild.errors import ShapeNotCovered
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.dispatch import Grid, plan_step
-from tests.conftest import ROOT
+from tests.helpers import ROOT, cli
 
 SPEC = Grid((1, 2, 4), (128, 256), 512)
 
@@ -22,8 +22,7 @@ def _prompt_args(prompts) -> list[str]:
     return [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT)
+_cli = cli  # in-process (tests/helpers.py); `generate --dp` starts the ranks' processes itself
 
 
 @pytest.mark.parametrize("computed,num_reqs,label,needed", [
@@ -169,12 +168,15 @@ def test_generate_human_output_reports_speed(built):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["busy-idle", "uneven"])
 def test_dp2_ranks_agree_every_step(built, case):
+    """Both bucket boundaries (128 -> 256 -> 512) crossed under DP sync, with the fewest tokens that do it:
+    the longest prompt starts just below 128 and decodes until its needed_seq passes 256."""
     rng = random.Random(11)
     if case == "busy-idle":
-        prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 120))]]
+        prompts = [[rng.randrange(256) for _ in range(rng.randrange(100, 127))]]
     else:
-        prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 150))] for _ in range(3)]
-    n_new = 300
+        spans = ((100, 127), (5, 100), (5, 100))  # the longest on rank 0; rank 1 holds one short request
+        prompts = [[rng.randrange(256) for _ in range(rng.randrange(*span))] for span in spans]
+    n_new = 260 - max(map(len, prompts))  # the last step's needed_seq is 259: in the fallback (512)
     args = _prompt_args(prompts)
     dp = _cli("generate", str(built[1].bundle), *args, "--max-new-tokens", str(n_new), "--dp", "2", "--json")
     assert dp.returncode == 0, dp.stderr
@@ -184,6 +186,7 @@ def test_dp2_ranks_agree_every_step(built, case):
     assert len(r0["steps"]) == len(r1["steps"]) == n_new - 1
     assert [s["label"] for s in r0["steps"]] == [s["label"] for s in r1["steps"]]
     assert r0["collectives"] == r1["collectives"] == n_new - 1  # exactly one all-reduce per step
+    assert sorted({s["ctx"] for s in r0["steps"]}) == [128, 256, 512]  # both boundaries crossed
     assert dp["tokens"] == single["tokens"]
     assert dp["decode_seconds"] == pytest.approx(max(r["decode_seconds"] for r in dp["ranks"]), abs=1e-6)
     assert dp["tokens_per_second"] > 0

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from neffbuild.serve.greedy import greedy
 from neffbuild.serve.session import make_session
 from neffbuild.serve.spec import EagerSpecArtifacts, generate_spec
 from tests.conftest import ROOT
+from tests.helpers import cli
 
 K = 3
 GRID = Grid((1, 2, 4), (128,), 256, K)
@@ -89,9 +88,7 @@ def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
 
 # ----------------------------------------------------------------------------- compiled bundle (session fixture)
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+_cli = cli  # in-process (tests/helpers.py); --dp starts the ranks' processes itself
 
 
 def _prompt_args(prompts):
@@ -105,13 +102,27 @@ def test_eagle3_bundle_has_three_families_and_verifies(eagle3_built):
     assert res.returncode == 0, res.stderr
     m = json.loads(res.stdout)
     fams = sorted((a["family"], a["batch"], a["ctx"], a["query_len"]) for a in m["artifacts"])
-    assert fams == sorted((f, b, c, q) for b in (1, 2) for c in (128, 256)
+    assert fams == sorted((f, b, c, q) for b in (2,) for c in (128, 256)
                           for f, q in (("target_spec", 4), ("target_nospec", 1), ("draft", 4)))
     assert m["graph_inputs"]["kv_layout"]["draft"]["buffer_shape"] == [2, 128, 2, 16, 16]
     assert "draft_fc" in m["weights"]["tensors"] and "draft_d2t" in m["weights"]["tensors"]
     assert "draft" in _cli("inspect", str(bundle)).stdout
     res = _cli("verify", str(bundle))
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_vllm_config_of_an_eagle3_bundle_names_the_draft_model(eagle3_built):
+    """The speculative config always carries `model`; the tiny bundle's random draft has no checkpoint, so the
+    flags say so on stderr instead of leaving the key out."""
+    bundle = eagle3_built.bundle
+    doc = json.loads(_cli("inspect", bundle, "--vllm-config", "--json").stdout)
+    assert doc["speculative_config"] == {"method": "eagle3", "model": None, "num_speculative_tokens": K}
+    assert doc["additional_config"]["neuron_config"]["num_seqs_buckets"] == [2]
+    res = _cli("inspect", bundle, "--vllm-config")
+    assert res.returncode == 0, res.stderr
+    assert '--speculative-config \'{"method": "eagle3", "model": null, "num_speculative_tokens": 3}\'' in res.stderr
+    assert "warning: speculative_config.model" in res.stderr and "speculative.draft.checkpoint" in res.stderr
 
 
 @pytest.mark.slow

@@ -1,8 +1,6 @@
 """The per-step API as engines drive it: engine-owned tables, DP ranks that never hang, minimum pools."""
 
 import json
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +18,8 @@ from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.greedy import greedy
 from neffbuild.serve.session import eager_artifacts, make_session
-from tests.conftest import ROOT, TINY
+from tests.conftest import TINY
+from tests.helpers import cli
 
 
 def _hf_tokens(folder, prompts_and_counts):
@@ -238,8 +237,7 @@ def _serve_to_max_model_len(r, prompt):
 def test_validate_refuses_a_pool_below_one_sequence(tmp_path):
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(_tiny(35)))
-    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "validate", str(path), "--json"],
-                         capture_output=True, text=True, cwd=ROOT, check=False)
+    res = cli("validate", path, "--json")
     assert res.returncode == 2, res.stderr
     [err] = json.loads(res.stdout)["errors"]
     assert err["path"] == "serving.num_blocks" and err["value"] == 35

@@ -14,6 +14,7 @@ from neffbuild.compiler.codegen import loop_bounds, pool_loops
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime.bundle import load_aoti, open_bundle
 from tests.conftest import POOL, ROOT
+from tests.helpers import cli
 
 
 class _ViewWrite(nn.Module):
@@ -64,8 +65,7 @@ def test_artifact_that_cannot_load_is_a_load_error_and_no_bundle_appears(built, 
     meta.update(bytes=artifact.stat().st_size, sha256=sha256_file(artifact))
     meta_file.write_text(json.dumps(meta))
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out), "--json",
-                          "--cache-dir", str(cache_copy)], capture_output=True, text=True, cwd=ROOT, check=False)
+    res = cli("compile", path, "-o", out, "--json", "--cache-dir", cache_copy)
     assert res.returncode == 1, res.stderr
     doc = json.loads(res.stdout.strip().splitlines()[-1])
     [fail] = doc["failed"]

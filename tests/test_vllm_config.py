@@ -1,21 +1,18 @@
 """`neffbuild inspect BUNDLE --vllm-config`: vLLM's settings for exactly the compiled grid."""
 
 import json
-import subprocess
-import sys
 
 from neffbuild.bundle import handoff
 from neffbuild.grid import enumerate_targets
-from tests.conftest import POOL, ROOT
+from tests.helpers import POOL, cli
 
 
 def _cli(env, *args):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env)
+    return cli(*args)  # inspect reads the manifest only: no stand-in SDK needed, so in this process
 
 
 def test_vllm_config_of_a_built_bundle_names_exactly_the_compiled_grid(neuron_bundle):
-    bundle, env = neuron_bundle
+    bundle, env = neuron_bundle.bundle, neuron_bundle.env
     out = _cli(env, "inspect", str(bundle), "--vllm-config")
     assert out.returncode == 0, out.stderr
     nc = json.loads(out.stdout)["neuron_config"]
@@ -43,3 +40,13 @@ def test_fallback_only_bundle_leaves_context_buckets_out_and_eagle3_goes_to_spec
     assert config["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/ckpt/draft"}
     flags = handoff.vllm_flags(config)
     assert "--data-parallel-size 2" in flags and "--speculative-config '{\"method\": \"eagle3\"" in flags
+
+
+def test_random_draft_keeps_the_model_key_and_says_what_vllm_lacks():
+    recipe = {"speculative": {"method": "eagle3", "draft": {"random_seed": 1}}}
+    config = handoff.vllm_config(_manifest([128], k=3), recipe)
+    assert config["speculative_config"] == {"method": "eagle3", "model": None, "num_speculative_tokens": 3}
+    [warning] = config["warnings"]
+    assert "speculative_config.model" in warning and "random_seed: 1" in warning
+    assert "speculative.draft.checkpoint" in warning
+    assert handoff.vllm_config(_manifest([128]), {})["warnings"] == []  # no speculation: nothing missing

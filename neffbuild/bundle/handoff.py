@@ -6,7 +6,10 @@ vLLM Neuron reads its bucket grid from ``--additional-config '{"neuron_config": 
 (``--max-model-len``, ``--max-num-seqs``, ``--block-size``, the KV pool size, parallel
 degrees) must equal what the graphs were compiled for. A missing
 ``decode_context_length_buckets`` means "fallback only" to vLLM, so a bundle without
-context buckets leaves the key out.
+context buckets leaves the key out. vLLM loads the EAGLE3 draft itself, from
+``speculative_config.model``: the key is always present, the draft checkpoint's path when
+the recipe names one, else null with a warning saying how to get one (a random draft has
+no checkpoint vLLM could load).
 """
 
 from __future__ import annotations
@@ -31,11 +34,19 @@ def speculative_config(manifest: dict, recipe: dict) -> dict | None:
     if not k:
         return None
     spec = recipe.get("speculative") or {}
-    out = {"method": spec.get("method", "eagle3"), "num_speculative_tokens": k}
     draft = (spec.get("draft") or {}).get("checkpoint")
-    if draft:
-        out["model"] = draft
-    return out
+    return {"method": spec.get("method", "eagle3"), "model": draft or None, "num_speculative_tokens": k}
+
+
+def warnings(manifest: dict, recipe: dict) -> list[str]:
+    """What the printed settings cannot give vLLM (today: a draft without a checkpoint)."""
+    config = speculative_config(manifest, recipe)
+    if config is None or config["model"]:
+        return []
+    seed = ((recipe.get("speculative") or {}).get("draft") or {}).get("random_seed")
+    return [f"speculative_config.model: this bundle's {config['method']} draft has random weights "
+            f"(speculative.draft.random_seed: {seed}), so there is no draft checkpoint for vLLM to load; set "
+            "speculative.draft.checkpoint to the draft's folder and recompile"]
 
 
 def engine_args(manifest: dict) -> dict:
@@ -46,9 +57,10 @@ def engine_args(manifest: dict) -> dict:
 
 
 def vllm_config(manifest: dict, recipe: dict) -> dict:
-    """{additional_config, speculative_config, engine_args} for the compiled grid."""
+    """{additional_config, speculative_config, engine_args, warnings} for the compiled grid."""
     return {"additional_config": {"neuron_config": neuron_config(manifest, recipe)},
-            "speculative_config": speculative_config(manifest, recipe), "engine_args": engine_args(manifest)}
+            "speculative_config": speculative_config(manifest, recipe), "engine_args": engine_args(manifest),
+            "warnings": warnings(manifest, recipe)}
 
 
 def vllm_flags(config: dict) -> str:

@@ -133,6 +133,8 @@ def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
         return
     click.echo(json.dumps(config["additional_config"]))
     click.echo(f"vLLM flags for this bundle: {handoff.vllm_flags(config)}", err=True)
+    for w in config["warnings"]:
+        click.echo(f"warning: {w}", err=True)
 
 
 @click.command("verify")
@@ -157,13 +159,51 @@ def verify(ctx, bundle_path, as_json):
         click.echo(f"{bundle_path}: ok")
 
 
-def diff_manifests(a: dict, b: dict) -> dict:
+HEADER_FIELDS = ("name", "version", "recipe_sha256")
+
+
+def _flat(node, prefix: str, out: dict) -> dict:
+    """Nested mappings -> {"a.b.c": leaf}; lists and scalars are leaves."""
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            _flat(v, f"{prefix}.{k}", out)
+    else:
+        out[prefix] = node
+    return out
+
+
+def _bundle_recipe(path: str) -> dict:
+    """The bundle's normalised recipe.yaml, flattened to dotted fields ({} when absent or unreadable)."""
+    from neffbuild.errors import NeffbuildError
+    from neffbuild.recipe import parse_yaml, read_regular_file
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+
+    try:
+        f = reader.safe_path(Path(path), paths.RECIPE_PATH)
+        if not f.is_file():
+            return {}
+        raw = parse_yaml(read_regular_file(f, "bundle recipe"), str(f))
+    except NeffbuildError:
+        return {}
+    return _flat(raw, "recipe", {}) if isinstance(raw, dict) else {}
+
+
+def diff_manifests(a: dict, b: dict, recipe_a: dict | None = None, recipe_b: dict | None = None) -> dict:
+    """Targets added/removed/changed, and every changed field: bundle header, graph inputs, toolchain
+    and each recipe field (``recipe.model.random_seed``), so a change that shapes no graph still shows."""
     la, lb = {x["label"]: x for x in a["artifacts"]}, {x["label"]: x for x in b["artifacts"]}
     config = {}
+    for k in HEADER_FIELDS:
+        if a.get(k) != b.get(k):
+            config[f"bundle.{k}"] = [a.get(k), b.get(k)]
     for section in ("graph_inputs", "toolchain"):
         for k in sorted(set(a[section]) | set(b[section])):
             if a[section].get(k) != b[section].get(k):
                 config[f"{section}.{k}"] = [a[section].get(k), b[section].get(k)]
+    ra, rb = recipe_a or {}, recipe_b or {}
+    for k in sorted(set(ra) | set(rb)):
+        if ra.get(k) != rb.get(k):
+            config[k] = [ra.get(k), rb.get(k)]
     return {
         "added": sorted(set(lb) - set(la)),
         "removed": sorted(set(la) - set(lb)),
@@ -180,14 +220,17 @@ def diff_manifests(a: dict, b: dict) -> dict:
 @click.argument("b", type=click.Path(file_okay=False, exists=True))
 @json_option("Print the difference as one JSON document.")
 def diff(a, b, as_json):
-    """What changed from bundle A to bundle B: targets added/removed, artifacts changed, config."""
-    d = diff_manifests(_diffable(a), _diffable(b))
+    """What changed from bundle A to bundle B: targets added/removed, artifacts changed, and every changed
+    field of the bundle header, graph inputs, toolchain and recipe (each named by its dotted path)."""
+    d = diff_manifests(_diffable(a), _diffable(b), _bundle_recipe(a), _bundle_recipe(b))
     if as_json:
         echo_json(d)
         return
     for key in ("added", "removed", "changed"):
         click.echo(f"{key} ({len(d[key])}): {', '.join(d[key]) or '-'}")
     click.echo(f"unchanged: {len(d['unchanged'])}; weights changed: {d['weights_changed']}")
+    if not d["config"]:
+        click.echo("config: no field changed")
     for k, (old, new) in d["config"].items():
         click.echo(f"config {k}: {old!r} -> {new!r}")
 

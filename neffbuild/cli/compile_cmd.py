@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 
 import click
@@ -55,6 +57,96 @@ class RichProgress(Progress):
 
     def close(self):
         self.bar.stop()
+
+
+def _field(result, name: str, default=None):
+    """A job result's field, from the result dict or a typed result's attribute."""
+    return result.get(name, default) if isinstance(result, dict) else getattr(result, name, default)
+
+
+def _result_ok(result) -> bool:
+    return result.get("status") == "ok" if isinstance(result, dict) else bool(result.ok)
+
+
+class LineProgress(Progress):
+    """Without a terminal (a pipe, CI log): plain progress lines on stderr, none of them rewritten.
+
+    A target still running after ``START_S`` gets a "started" line (so cache hits, which finish at
+    once, print one line each), and every ``EVERY_S`` a line says what is still running.
+    """
+
+    START_S, EVERY_S = 2.0, 30.0
+
+    def __init__(self, clock=time.monotonic, tick_s: float = 0.5):
+        from rich.console import Console
+
+        self.console = Console(stderr=True)  # the summary table (compile_ prints it through this)
+        self.clock, self.t0, self.tick_s = clock, clock(), tick_s
+        self.total, self.done = 0, 0
+        self.active: dict[str, float] = {}  # label -> start time
+        self.announced: set[str] = set()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.last_summary = self.t0
+        self.thread = threading.Thread(target=self._beat, name="compile-progress", daemon=True)
+
+    def _line(self, text: str) -> None:
+        count = f" [{self.done}/{self.total}]" if self.total else ""
+        click.echo(f"compile{count} {self.clock() - self.t0:5.0f}s  {text}", err=True)
+
+    def stage(self, message):
+        with self.lock:
+            self._line(message)
+
+    def start(self, total):
+        with self.lock:
+            self.total = total
+            self._line(f"{total} targets (largest first)")
+        self.thread.start()
+
+    def running(self, label):
+        with self.lock:
+            self.active[label] = self.clock()
+
+    def finished(self, result):
+        label = _field(result, "label")
+        with self.lock:
+            started = self.active.pop(label, None)
+            self.done += 1
+            if not _result_ok(result):
+                error = _field(result, "error") or ""
+                self._line(f"{label}: FAILED ({_field(result, 'kind')}): {error[:300]}")
+            elif _field(result, "hit"):
+                self._line(f"{label}: cache hit")
+            else:
+                took = f" in {self.clock() - started:.0f}s" if started is not None else ""
+                self._line(f"{label}: compiled{took} (compiler {_field(result, 'compile_seconds'):.1f}s)")
+
+    def beat(self) -> None:
+        """One tick: announce targets running longer than START_S; every EVERY_S, what still runs."""
+        now = self.clock()
+        with self.lock:
+            for label, since in self.active.items():
+                if label not in self.announced and now - since >= self.START_S:
+                    self.announced.add(label)
+                    self._line(f"{label}: started")
+            if self.active and now - self.last_summary >= self.EVERY_S:
+                self.last_summary = now
+                self._line("still running: " + ", ".join(f"{lb} ({now - t:.0f}s)" for lb, t in self.active.items()))
+
+    def _beat(self):
+        while not self.stop.wait(self.tick_s):
+            self.beat()
+
+    def close(self):
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+
+def make_progress() -> Progress:
+    """A live bar on a terminal; progress lines everywhere else (a bar would print nothing until the end)."""
+    return RichProgress() if sys.stderr.isatty() else LineProgress()
 
 
 def summary_table(res):
@@ -117,7 +209,7 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
 
     from neffbuild.compiler.builder import compile_recipe  # torch: only once a build starts (torch-free --help)
 
-    progress = RichProgress()
+    progress = make_progress()
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
                              timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache)

@@ -49,38 +49,73 @@ def plan(recipe_path, as_json, check_cache, backend, device_memory):
                    "parallel": parallel_rules.layout_json(r), "memory": memory})
         return
     from rich.console import Console
-    from rich.table import Table
 
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
-    table = Table(title=f"{r.name} {r.version}: {len(tgts)} graphs")
-    table.add_column("label", no_wrap=True, min_width=max(len(t.label) for t in tgts))
-    table.add_column("family", no_wrap=True)
-    for col in ("batch", "ctx", "query_len"):
-        table.add_column(col, justify="right")
-    if states:
-        table.add_column("cache")
-        table.add_column("why / estimate")
-    for t in tgts:
-        cells = [t.label, t.family, str(t.batch), str(t.ctx), str(t.query_len)]
-        if states:
-            s = states[t.label]
-            cells += [s["cache"], s.get("why", "") + (f" (~{s['estimate_s']:.0f}s)" if s.get("estimate_s") else "")]
-        table.add_row(*cells)
     console = Console()
-    console.print(table)
+    console.print(_table(r, tgts, states))
+    notes = _notes(tgts, states)
+    for note in notes:
+        console.print(note, overflow="fold")
     console.print(f"NEFF count: {grid.count_formula(r)}")
     console.print(parallel_rules.describe(r))
     memory_view.print_plan_memory(console, memory, r.jobs or settings.default_jobs())
     if states:
-        todo = [s for s in states.values() if s["cache"] == "build"]
-        est = [s["estimate_s"] for s in todo if s.get("estimate_s")]
+        console.print(_summary(r, tgts, states))
+
+
+def _note(state: dict) -> str:
+    return state.get("why", "") + (f" (~{state['estimate_s']:.0f}s)" if state.get("estimate_s") else "")
+
+
+def _table(r, tgts, states):
+    """One line per graph at any width: short columns only; the reasons go below the table (_notes)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"{r.name} {r.version}: {len(tgts)} graphs", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("label", no_wrap=True)
+    table.add_column("family", no_wrap=True)
+    for col in ("batch", "ctx", "q"):
+        table.add_column(col, justify="right", no_wrap=True)
+    if states:
+        table.add_column("cache", no_wrap=True)
+    for t in tgts:
+        cells = [t.label, t.family, str(t.batch), str(t.ctx), str(t.query_len)]
+        if states:
+            cells.append(states[t.label]["cache"])
+        table.add_row(*cells)
+    return table
+
+
+def _notes(tgts, states) -> list[str]:
+    """Why each graph is not cached, once per distinct reason (48 rows of one reason are one line)."""
+    by_note: dict[str, list[str]] = {}
+    for t in tgts:
+        note = _note(states[t.label]) if t.label in states else ""
+        if note:
+            by_note.setdefault(note, []).append(t.label)
+    out = []
+    for note, labels in by_note.items():
+        who = f"all {len(labels)} graphs" if len(labels) == len(tgts) else ", ".join(labels)
+        out.append(f"why ({who}): {note}")
+    return out
+
+
+def _summary(r, tgts, states) -> str:
+    """'to build: N of M' counting only what the cache could decide; unknown and error rows said as such."""
+    count = {c: sum(1 for s in states.values() if s["cache"] == c) for c in ("build", "cached", "unknown", "error")}
+    if count["unknown"] == len(tgts):
+        return f"cache state unknown for all {len(tgts)} graphs (see why above): nothing was looked up"
+    todo = [s for s in states.values() if s["cache"] == "build"]
+    line = f"to build: {len(todo)} of {len(tgts)} ({count['cached']} cached"
+    line += "".join(f", {count[c]} {c}" for c in ("unknown", "error") if count[c]) + ")"
+    est = [s["estimate_s"] for s in todo if s.get("estimate_s")]
+    if est:
         jobs = r.jobs or settings.default_jobs()
-        line = f"to build: {len(todo)} of {len(tgts)}"
-        if est:
-            minutes = sum(est) / max(1, min(jobs, len(todo))) / 60
-            line += f", about {minutes:.1f} min with {jobs} jobs (from past compiles)"
-        console.print(line)
+        minutes = sum(est) / max(1, min(jobs, len(todo))) / 60
+        line += f", about {minutes:.1f} min with {jobs} jobs (from past compiles)"
+    return line
 
 
 def register(group: click.Group) -> None:

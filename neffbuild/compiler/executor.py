@@ -30,9 +30,10 @@ from neffbuild.compiler.worker import run_job, warm_up
 class LocalExecutor:
     name = "local"
 
-    def __init__(self, jobs: int, *, timeout_s: float | None = None):
+    def __init__(self, jobs: int, *, timeout_s: float | None = None, keep_warm: bool = False):
         self.jobs = max(1, int(jobs))
         self.timeout_s = timeout_s
+        self.keep_warm = keep_warm  # keep the workers between runs (several builds in one process); close() ends them
         self.pool: ProcessPoolExecutor | None = None
         self.workers = self.jobs
         self.admission = None  # memory_plan.Admission of the last run
@@ -60,8 +61,10 @@ class LocalExecutor:
         gate = self.admission = memory_plan.admission_for(pending, self.jobs)
         self.workers = gate.workers()
         running: dict = {}
+        done_ok = False
         try:
-            self._start()
+            if self.pool is None:
+                self._start()
             while pending or running:
                 while pending and len(running) < self.workers and gate.may_start(pending[-1].label):
                     job = pending.pop()
@@ -93,11 +96,18 @@ class LocalExecutor:
                     running.clear()
                     self._kill()
                     self._start()
-            self.pool.shutdown(wait=True)
-            self.pool = None
+            done_ok = True
+            if not self.keep_warm:
+                self.pool.shutdown(wait=True)
+                self.pool = None
         finally:
             self.memory_note = gate.note()
-            self._kill()
+            if not (done_ok and self.keep_warm):
+                self._kill()
+
+    def close(self) -> None:
+        """End the workers (a ``keep_warm`` executor keeps them until then)."""
+        self._kill()
 
 
 class InlineExecutor:

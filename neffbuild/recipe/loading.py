@@ -85,21 +85,29 @@ def _check_shape(text: str, source: str) -> None:
             raise _file_error(source, f"expands to more than {MAX_NODES} values (aliases included)")
 
 
+def _reason(exc: Exception, limit: int = 300) -> str:
+    """The parser's own words, shortened at the end only (the source path is already in the error's header)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def parse_yaml(text: str, source: str) -> object:
     """Parse recipe YAML safely: bounded depth, aliases and size; located syntax errors."""
     try:
         _check_shape(text, source)
         return yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecipeError:
+        raise  # a limit _check_shape hit: already one error naming the file and the reason; never wrapped again
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         raise _file_error(source, f"YAML error at {where}: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
-        raise _file_error(source, f"YAML error: {str(exc)[:200]}") from None
+        raise _file_error(source, f"YAML error: {_reason(exc)}") from None
     except RecursionError:
         raise _file_error(source, "nested too deeply") from None
     except Exception as exc:
-        raise _file_error(source, f"YAML value error: {type(exc).__name__}: {str(exc)[:200]}") from None
+        raise _file_error(source, f"YAML value error: {type(exc).__name__}: {_reason(exc)}") from None
 
 
 def read_regular_file(path: Path, what: str, limit: int = MAX_RECIPE_BYTES) -> str:
