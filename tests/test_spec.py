@@ -18,7 +18,6 @@ from neffbuild.serve.eager import EagerArtifacts
 from neffbuild.serve.greedy import greedy
 from neffbuild.serve.session import make_session
 from neffbuild.serve.spec import EagerSpecArtifacts, generate_spec
-from tests.conftest import ROOT
 from tests.helpers import cli
 
 K = 3
