@@ -104,6 +104,10 @@ class BundleError(NeffbuildError):
     """A bundle is malformed, corrupt or tampered with; the message names the file."""
 
 
+class SignatureError(BundleError):
+    """A bundle is unsigned, signed by an untrusted key, or differs from what was signed; names the file or key."""
+
+
 class IncompatibleBundle(BundleError):
     """A bundle is well formed but was built for another format or toolchain."""
 

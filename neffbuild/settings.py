@@ -4,6 +4,8 @@ NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
 UCX_TLS              UCX transports for NIXL (DI); `tcp` is always kept (default: tcp,sm,self)
+NEFFBUILD_TRUSTED_KEYS  PEM public keys (paths joined by the OS path separator, `:`) whose
+                     signature `open_bundle` requires before it loads anything (default: none)
 NEURON_LOGICAL_NC_CONFIG  the Neuron runtime's logical NeuronCore config (read to refuse a
                      bundle compiled for another LNC; the SDK's own variable)
 """
@@ -52,3 +54,9 @@ def export_ucx_tls() -> str:
 def neuron_logical_nc_config() -> int | None:
     value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
     return int(value) if value.isdigit() else None
+
+
+def trusted_keys() -> list[str]:
+    """NEFFBUILD_TRUSTED_KEYS as a list of key paths (empty: no signature required)."""
+    value = os.environ.get("NEFFBUILD_TRUSTED_KEYS", "")
+    return [part for part in value.split(os.pathsep) if part.strip()]
