@@ -15,6 +15,7 @@ that the chain resolved.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -222,6 +223,70 @@ class S3Remote:
             raise self._classify(exc, "get", key) from None
         finally:
             part.unlink(missing_ok=True)
+
+    def put_file_if_absent(self, key: str, path: Path, *, part_size: int = 64 << 20, on_bytes=None) -> bool:
+        """Stream a file into ``key`` only if absent: True if created, False if the key existed.
+
+        Up to ``part_size`` bytes: one create-only PUT. Larger: a multipart upload (memory bounded by one
+        part; files over S3's 5 GiB single-PUT limit work) completed with ``If-None-Match: *``, aborted on
+        any failure. ``on_bytes(n)`` is called as bytes are sent (per part), for progress bars.
+        """
+        path = Path(path)
+        size = path.stat().st_size
+        if size <= part_size:
+            created = self.put_if_absent(key, path)
+            if on_bytes:
+                on_bytes(size)
+            return created
+        upload = self._call("put", key, self.client.create_multipart_upload, Bucket=self.url.bucket, Key=key)
+        uid = upload["UploadId"]
+        try:
+            parts = []
+            with open(path, "rb") as fh:
+                for number in range(1, -(-size // part_size) + 1):
+                    body = fh.read(part_size)
+                    r = self._call("put", key, self.client.upload_part, Bucket=self.url.bucket, Key=key,
+                                   UploadId=uid, PartNumber=number, Body=body)
+                    parts.append({"ETag": r["ETag"], "PartNumber": number})
+                    if on_bytes:
+                        on_bytes(len(body))
+            try:
+                self.client.complete_multipart_upload(Bucket=self.url.bucket, Key=key, UploadId=uid,
+                                                      MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+            except self._botocore.exceptions.ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 412 or exc.response.get("Error", {}).get("Code") in ("PreconditionFailed",
+                                                                                   "ConditionalRequestConflict"):
+                    self._abort(key, uid)
+                    return False
+                raise self._classify(exc, "put", key) from None
+            return True
+        except BaseException:
+            self._abort(key, uid)
+            raise
+
+    def _abort(self, key: str, upload_id: str) -> None:
+        with contextlib.suppress(Exception):  # best effort: a bucket lifecycle rule cleans up what this cannot
+            self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=key, UploadId=upload_id)
+
+    def iter_from(self, key: str, start: int = 0, chunk: int = 1 << 20):
+        """The object's bytes from offset ``start`` to the end (a ranged read), as chunks; None when missing."""
+        kwargs = {"Bucket": self.url.bucket, "Key": key, **({"Range": f"bytes={int(start)}-"} if start else {})}
+        try:
+            body = self.client.get_object(**kwargs)["Body"]
+        except self._botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise self._classify(exc, "get", key) from None
+        except Exception as exc:
+            raise self._classify(exc, "get", key) from None
+        return self._chunks(body, key, chunk)
+
+    def _chunks(self, body, key: str, chunk: int):
+        try:
+            yield from body.iter_chunks(chunk)
+        except Exception as exc:
+            raise self._classify(exc, "get", key) from None
 
     def head(self, key: str) -> dict | None:
         """``{"size", "etag", "last_modified"}`` of the key, or None when it is missing."""

@@ -39,11 +39,12 @@ def load_private_key(path: str | Path, password: bytes | None = None):
     return key
 
 
-def sign(root: str | Path, key, *, check: bool = True) -> dict:
+def sign(root: str | Path, key, *, check: bool = True, name: str | None = None) -> dict:
     """Write ``root/model.sig`` signed with ``key`` (a private key object or a PEM path); its summary.
 
     check: refuse a bundle that fails the reader's checks (digest, schema, sizes), and any
     listed file whose sha256 differs from the manifest: never sign a corrupt bundle.
+    name: the statement's subject (default: the folder's name, ``<name>-<version>``).
     """
     from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -62,7 +63,7 @@ def sign(root: str | Path, key, *, check: bool = True) -> dict:
         if rel in listed and listed[rel]["sha256"] != digest:
             raise BundleError(f"{root}: not signed: {rel}: sha256 mismatch with the manifest (corrupt or modified)")
         resources.append((rel, digest))
-    name = root.name
+    name = name or root.name
     payload = json.dumps(signature.statement(name, resources), sort_keys=True, separators=(",", ":")).encode()
     pub = key.public_key()
     sig = key.sign(signature.pae(signature.PAYLOAD_TYPE, payload), ec.ECDSA(signature.ec_hash(pub)))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import click
 
+from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import BundleError, InvalidInput, NeffbuildError
 from neffbuild.runtime.histogram import NeededSeqHistogram
@@ -293,15 +294,18 @@ def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
 @click.option("--histogram", "histogram_path", type=click.Path(dir_okay=False), default=None,
               help="Write the needed_seq of every decode step as CSV (needed_seq,count), "
                    "the input of `neffbuild recommend`.")
+@ship_cmds.trust_option("Refuse BUNDLE unless its signature by this public key covers every file (checked "
+                        "before anything of the bundle is loaded).")
 @json_option('Print {"tokens", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", "check"]} '
              'on stdout (errors too); --spec adds "acceptance_rate" and each step\'s "family".')
-def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, histogram_path, as_json):
+def generate(bundle_path, prompt_ids, max_new_tokens, dp, di, spec, check, histogram_path, trust, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that fits; the step log
     shows which artifact ran. Use --check in CI to accept a bundle before shipping it.
     With --di the tokens must equal those of a plain run (same bundle, same prompts).
     """
+    ship_cmds.require_signature(bundle_path, trust)  # before any file of the bundle is read
     prompts = [_parse_prompt(p) for p in prompt_ids]
     if di and (dp or 1) > 1:
         raise InvalidInput("--di runs one decode process; use it without --dp")

@@ -210,9 +210,7 @@ def signed_resources(path: Path, payload_type: str, payload: bytes) -> dict[str,
     ser = pred.get("serialization")
     if not isinstance(ser, dict) or ser.get("method") != "files" or ser.get("hash_type") != "sha256":
         raise SignatureError(f"{path}: serialization {ser!r:.120}: neffbuild verifies method 'files' with sha256")
-    if not set(ser.get("ignore_paths") or []) <= {layout.SIGNATURE_PATH}:
-        raise SignatureError(f"{path}: the signature leaves {ser['ignore_paths']!r:.120} uncovered; every file of a "
-                             "bundle must be signed")
+    # ignore_paths needs no check: every file present must be a signed resource (verify_bundle), ignored or not
     table = {}
     for r in pred["resources"]:
         ok = isinstance(r, dict) and isinstance(r.get("name"), str) and r.get("algorithm") == "sha256"
@@ -248,19 +246,21 @@ def verify_bundle(root: str | Path, trusted_keys) -> Verified:
     env = doc["dsseEnvelope"]
     table = signed_resources(path, str(env.get("payloadType")), base64.b64decode(env["payload"]))
     present = bundle_files(root)
-    problems = [f"{rel}: not covered by the signature (a file was added or renamed)"
+    problems = [(rel, "not covered by the signature (a file was added or renamed)")
                 for rel in present if rel not in table]
-    problems += [f"{rel}: signed but missing (a file was removed or renamed)"
+    problems += [(rel, "signed but missing (a file was removed or renamed)")
                  for rel in sorted(set(table) - set(present))]
     total = 0
     for rel in present:
         if rel in table and not problems:
             total += (root / rel).stat().st_size
             if sha256_file(root / rel) != table[rel]:
-                problems.append(f"{rel}: sha256 differs from the signed digest (modified after signing)")
+                problems.append((rel, "sha256 differs from the signed digest (modified after signing)"))
     if problems:
         more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
-        raise SignatureError(f"{root}: signature check failed: " + "; ".join(problems[:MAX_PROBLEMS]) + more)
+        raise SignatureError(f"{root}: signature check failed: "
+                             + "; ".join(f"{r}: {m}" for r, m in problems[:MAX_PROBLEMS]) + more,
+                             paths=tuple(r for r, _ in problems))
     return Verified(key.source, key.hint, len(present), total)
 
 
