@@ -268,3 +268,18 @@ def test_compile_sign_key_signs_and_records_provenance(built, build_cache, keys,
     assert len(prov["checkpoint"]["checkpoint"]) == 64
     code, text, _, _ = run_cli("inspect", str(root))
     assert "provenance: built by urn:neffbuild:host:" in text and "from cache: 6" in text
+
+
+def test_runtime_imports_cryptography_only_with_trusted_keys(signed, keys):
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    code = ("import sys; from neffbuild.runtime import open_bundle; b = open_bundle(sys.argv[1]); "
+            "before = 'cryptography' in sys.modules; open_bundle(sys.argv[1], trusted_keys=[sys.argv[2]]); "
+            "print(before, 'cryptography' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "NEFFBUILD_TRUSTED_KEYS"}
+    out = subprocess.run([sys.executable, "-c", code, str(signed), str(keys["a"][1])], capture_output=True,
+                         text=True, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
