@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -105,7 +106,8 @@ def s3_part(tmp: Path, tiny: Path, size: int, mib: int) -> None:
         os.environ.update({k: v for k, v in server.env("rw").items() if k.startswith("AWS_")})
         url = server.url()
         p = _timed(lambda: remote.push(tiny, url))
-        q = _timed(lambda: remote.pull(f"{url}/{tiny.name}", tmp / "pulled"))
+        m = json.loads((tiny / "manifest.json").read_text())
+        q = _timed(lambda: remote.pull(f"{url}/{m['name']}-{m['version']}", tmp / "pulled"))
         c = _timed(lambda: shutil.copytree(tiny, tmp / "copied"))
         mb = size / 2**20
         print(f"bundle {mb:.1f} MiB: push {p:.3f} s ({mb / p:.0f} MiB/s), pull {q:.3f} s ({mb / q:.0f} MiB/s), "
