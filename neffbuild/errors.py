@@ -1,11 +1,14 @@
 """One exception hierarchy for everything a user can see.
 
 The CLI maps these to exit codes in one place (``cli/main.py``): an ``InvalidInput``
-exits 2, any other ``NeffbuildError`` exits 1. This module imports nothing.
+exits 2, any other ``NeffbuildError`` exits 1. The validation primitives every checker shares
+(recipe, model config, manifest schema) live here too: ``Problem``, ``short_repr`` and
+``did_you_mean``. This module imports only the standard library.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 
@@ -21,13 +24,22 @@ class InvalidInput(NeffbuildError):
     exit_code = 2
 
 
+class _NoValue:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_NO_VALUE = _NoValue()
+NO_VALUE = _NO_VALUE
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One validation finding: dotted path, offending value, and the rule it broke."""
+    """One validation finding: dotted path, the rule it broke, and the offending value (if one is shown)."""
 
     path: str
-    value: object
     message: str
+    value: object = NO_VALUE
 
     def __str__(self) -> str:
         if self.value is _NO_VALUE:
@@ -60,13 +72,10 @@ def short_repr(value, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
 
 
-class _NoValue:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_NO_VALUE = _NoValue()
-NO_VALUE = _NO_VALUE
+def did_you_mean(word: object, choices) -> str:
+    """``"; did you mean 'x'?"`` for the closest choice, or ``""`` when none is close."""
+    hint = difflib.get_close_matches(str(word), sorted(str(c) for c in choices), n=1)
+    return f"; did you mean {hint[0]!r}?" if hint else ""
 
 
 class RecipeError(InvalidInput):

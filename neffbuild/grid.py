@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from neffbuild.runtime.buckets import ctx_buckets_with_fallback
-from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_NOSPEC, TARGET_SPEC, label
+from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_NOSPEC, TARGET_SPEC, families, label
 
-__all__ = ["DECODE", "DRAFT", "FAMILIES", "TARGET_NOSPEC", "TARGET_SPEC", "Target", "label", "targets"]
+__all__ = ["DECODE", "DRAFT", "FAMILIES", "TARGET_NOSPEC", "TARGET_SPEC", "Target", "families", "label", "targets"]
 
 
 @dataclass(frozen=True, order=True)
@@ -25,14 +25,6 @@ class Target:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def families(num_speculative_tokens: int) -> list[tuple[str, int]]:
-    """(family, query_len) pairs compiled for each (batch, ctx) cell."""
-    if num_speculative_tokens <= 0:
-        return [(DECODE, 1)]
-    k = num_speculative_tokens
-    return [(TARGET_SPEC, 1 + k), (TARGET_NOSPEC, 1), (DRAFT, 1 + k)]
 
 
 def enumerate_targets(num_seqs_buckets, ctx_buckets, max_model_len: int,

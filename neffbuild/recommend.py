@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from neffbuild.runtime.buckets import P_MAX, round_up
+from neffbuild.runtime.dispatch import families
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,9 @@ class Constraints:
 
 def constraints_for(recipe) -> Constraints:
     """The bucket rules the recipe's validator applies, so the recommendation validates."""
-    from neffbuild import grid
-
     tile = math.lcm(P_MAX, recipe.block_size)
     return Constraints(recipe.max_model_len, tile, recipe.num_swa * recipe.block_size,
-                       len(recipe.num_seqs_buckets), len(grid.families(recipe.num_speculative_tokens)))
+                       len(recipe.num_seqs_buckets), len(families(recipe.num_speculative_tokens)))
 
 
 def report(rows: list[tuple[int, int]], con: Constraints, max_buckets: int,

@@ -10,11 +10,10 @@ Adding a backend or an architecture = one new module plus one entry below.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from dataclasses import dataclass
 
-from neffbuild.errors import InvalidInput
+from neffbuild.errors import InvalidInput, did_you_mean
 
 
 def resolve(ref: str):
@@ -37,14 +36,18 @@ class Entry:
 # Backend parts: compile_side (a compiler/backends Backend class, build side only), loader
 # (runtime: path, weights, toolchain, device -> step callable), host_problem (runtime:
 # toolchain -> why this host cannot run the artifacts, or None), available (-> bool), layout_rule
-# (optional, recipe validation: err, tp, compiler section, lnc -> reports what the backend cannot build).
+# (optional, recipe validation: err, tp, compiler section, lnc -> reports what the backend cannot build),
+# kv_rule / kv_limit (optional, torch-free: err, one rank's KVLayout -> reports a pool the kernels cannot
+# address; KVLayout -> the largest num_blocks they can; neuron's block-KV DMA uses 32-bit offsets).
 BACKENDS = {
     "neuron": Entry("neuron", {
         "compile_side": "neffbuild.compiler.backends.neuron:NeuronBackend",
         "loader": "neffbuild.runtime.loaders:load_neuron",
         "host_problem": "neffbuild.runtime.loaders:neuron_problem",
         "available": "neffbuild.compiler.backends.neuron:available",
-        "layout_rule": "neffbuild.recipe.parallel_rules:neuron_instance_limit",
+        "layout_rule": "neffbuild.compiler.backends.neuron_rules:neuron_instance_limit",
+        "kv_rule": "neffbuild.compiler.backends.neuron_rules:kv_offsets_32bit",
+        "kv_limit": "neffbuild.compiler.backends.neuron_rules:kv_offset_limit",
     }),
     "inductor": Entry("inductor", {
         "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",
@@ -61,16 +64,27 @@ AUTO = "auto"  # the first available backend, in the order above
 # pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
 # -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of
 # (the bundle's weight pieces), unshard (pieces -> the full weights, the --check reference).
+# placeholder_shapes, rank_shapes, local_config and rank_weight_bytes (config, layout -> bytes of the
+# pieces one rank maps, as stored) are torch-free: plan and the validator size a rank with them.
+# Recipe-time rules (torch-free, err(path, value, rule) reporting): field_limits, unknown_keys
+# (inline config keys), build_config, check_gk_layout, kv_pool_bytes, kv_window.
 ARCHITECTURES = {
     "gpt_oss": Entry("gpt_oss", {
         "config": "neffbuild.models.gpt_oss.config:GptOssConfig",
+        "field_limits": "neffbuild.models.gpt_oss.rules:field_limits",
+        "unknown_keys": "neffbuild.models.gpt_oss.rules:unknown_keys",
+        "build_config": "neffbuild.models.gpt_oss.rules:build_config",
+        "check_gk_layout": "neffbuild.models.gpt_oss.rules:check_gk_layout",
+        "kv_pool_bytes": "neffbuild.models.gpt_oss.rules:kv_pool_bytes",
+        "kv_window": "neffbuild.models.gpt_oss.rules:kv_window",
         "weights": "neffbuild.models.gpt_oss.weights:model_weights",
-        "placeholder_shapes": "neffbuild.models.gpt_oss.weights:stacked_shapes",
+        "placeholder_shapes": "neffbuild.models.gpt_oss.shapes:stacked_shapes",
         "decode": "neffbuild.models.gpt_oss.decode:GptOssDecode",
         "aux_layers": "neffbuild.models.gpt_oss.decode:default_aux_layers",
         "prefill": "neffbuild.models.gpt_oss.prefill:prefill",
-        "rank_shapes": "neffbuild.models.gpt_oss.sharding:rank_shapes",
-        "local_config": "neffbuild.models.gpt_oss.sharding:local_config",
+        "rank_shapes": "neffbuild.models.gpt_oss.shapes:rank_shapes",
+        "local_config": "neffbuild.models.gpt_oss.shapes:local_config",
+        "rank_weight_bytes": "neffbuild.models.gpt_oss.shapes:rank_weight_bytes",
         "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
         "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",
@@ -79,12 +93,30 @@ ARCHITECTURES = {
 }
 
 
+# Speculative-decoding methods (a recipe's speculative.method): config (dataclass with
+# from_hf_dict(hf, target_config), torch-free), weights (config, checkpoint, seed -> the bundle's
+# draft_* tensors), placeholders (config -> traceable placeholder weights), has_own_embed (checkpoint
+# -> bool, headers only, torch-free), weight_bytes (config, own embedding? -> stored bytes, torch-free),
+# embed_name (own embedding? -> the bundle name of the embedding the draft reads),
+# draft (the draft graph module), prefill (eager draft prefill; serve/ uses it).
+SPECULATIVE = {
+    "eagle3": Entry("eagle3", {
+        "config": "neffbuild.models.eagle3.config:Eagle3Config",
+        "weights": "neffbuild.models.eagle3.weights:draft_weights",
+        "placeholders": "neffbuild.models.eagle3.weights:placeholders",
+        "has_own_embed": "neffbuild.models.eagle3.shapes:has_own_embed",
+        "weight_bytes": "neffbuild.models.eagle3.shapes:weight_bytes",
+        "embed_name": "neffbuild.models.eagle3.weights:embed_name",
+        "draft": "neffbuild.models.eagle3.draft:Eagle3Draft",
+        "prefill": "neffbuild.models.eagle3.draft:prefill",
+    }),
+}
+
+
 def _lookup(table: dict[str, Entry], name: str, what: str, path: str) -> Entry:
     if name in table:
         return table[name]
-    hint = difflib.get_close_matches(str(name), list(table), n=1)
-    raise InvalidInput(f"{path}: unknown {what} {name!r}; known: {', '.join(table)}"
-                       + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    raise InvalidInput(f"{path}: unknown {what} {name!r}; known: {', '.join(table)}{did_you_mean(name, table)}")
 
 
 def backend(name: str) -> Entry:
@@ -93,6 +125,10 @@ def backend(name: str) -> Entry:
 
 def arch(name: str) -> Entry:
     return _lookup(ARCHITECTURES, name, "architecture", "model.arch")
+
+
+def speculative(name: str) -> Entry:
+    return _lookup(SPECULATIVE, name, "speculative method", "speculative.method")
 
 
 def arch_of(config) -> Entry:

@@ -11,12 +11,17 @@ NEFFBUILD_TRUSTED_KEYS  PEM public keys (paths joined by the OS path separator, 
                      signature `open_bundle` requires before it loads anything (default: none)
 NEURON_LOGICAL_NC_CONFIG  the Neuron runtime's logical NeuronCore config (read to refuse a
                      bundle compiled for another LNC; the SDK's own variable)
+NEFFBUILD_FREE_MEMORY  host memory the local compile pool may plan with (a size: 6GiB, 512MiB or
+                     bytes; default: MemAvailable from /proc/meminfo)
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+
+from neffbuild.errors import InvalidInput
 
 
 def cache_dir() -> Path:
@@ -77,3 +82,33 @@ def trusted_keys() -> list[str]:
     """NEFFBUILD_TRUSTED_KEYS as a list of key paths (empty: no signature required)."""
     value = os.environ.get("NEFFBUILD_TRUSTED_KEYS", "")
     return [part for part in value.split(os.pathsep) if part.strip()]
+
+
+def parse_size(text: str, what: str = "memory size") -> int:
+    """``12GiB``, ``500MB``, ``1.5G`` or a plain byte count -> bytes (binary units: G = GiB = 2^30)."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):].removesuffix("b").removesuffix("i")
+    try:
+        value = float(num)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise InvalidInput(f"{what} {text!r} is not a size (e.g. 12GiB, 512MiB, or a byte count)")
+    return int(value * units[unit])
+
+
+def free_memory_bytes() -> tuple[int | None, str]:
+    """(bytes of host memory free for compiles, where that came from): NEFFBUILD_FREE_MEMORY, else MemAvailable."""
+    value = os.environ.get("NEFFBUILD_FREE_MEMORY", "").strip()
+    if value:
+        return parse_size(value, "NEFFBUILD_FREE_MEMORY"), "NEFFBUILD_FREE_MEMORY"
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None, "unknown"

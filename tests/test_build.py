@@ -15,7 +15,7 @@ import torch
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
 from neffbuild.compiler.cache import Cache
-from neffbuild.compiler.graphs import build_graph, spec_for
+from neffbuild.compiler.graphs import build_graph, target_graph
 from neffbuild.errors import BundleError, IncompatibleBundle
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.runtime import attn_metadata
@@ -76,7 +76,7 @@ def test_artifacts_match_eager_on_prefilled_cache(built):
 def test_artifacts_share_one_weight_copy(built):
     """Bound as user-managed constants: editing the mmapped weights in place changes every artifact."""
     b = open_bundle(built[1].bundle)
-    spec = spec_for(R.load(built[0]), [t for t in __import__("neffbuild.grid").grid.targets(R.load(built[0]))
+    spec = target_graph(R.load(built[0]), [t for t in __import__("neffbuild.grid").grid.targets(R.load(built[0]))
                                        if t.label == "decode_b1_ctx128"][0])
     _, inputs = build_graph(spec)
     before = {lb: b.artifact(lb)(*inputs[:7], tuple(t.clone() for t in inputs[7])) for lb in ("decode_b1_ctx128",)}

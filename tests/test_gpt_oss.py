@@ -6,7 +6,7 @@ import torch
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import GridSpec
+from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.greedy import greedy as run_greedy
 from neffbuild.serve.greedy import tables_for
@@ -21,7 +21,7 @@ def make_session(recipe, stacked, *, fp8=False, packed=False):
     cfg = recipe.model.config
     layout = KVLayout(cfg.num_kv_buffers, recipe.num_blocks, cfg.num_key_value_heads, recipe.block_size,
                       cfg.head_dim, fp8=fp8, packed_k=packed)
-    spec = GridSpec(recipe.num_seqs_buckets, recipe.decode_context_length_buckets, recipe.max_model_len)
+    spec = Grid(recipe.num_seqs_buckets, recipe.decode_context_length_buckets, recipe.max_model_len)
     return _make_session(cfg, stacked, eager_artifacts(cfg, stacked, spec, layout, recipe.num_swa))
 
 
@@ -181,10 +181,10 @@ def test_layer_plan_is_decided_in_init(tiny_cfg, stacked):
 
 def test_spec_family_graph_exports_with_aux_hidden_states(tiny_recipe, stacked):
     """q = 1+k with EAGLE3 aux outputs: torch.export traces it and the exported graph equals eager."""
-    from neffbuild.compiler.graphs import build_graph, spec_for
+    from neffbuild.compiler.graphs import build_graph, target_graph
     from neffbuild.grid import Target
 
-    spec = spec_for(tiny_recipe, Target("target_spec", 2, 128, 4, "decode_b2_s4_ctx128"))
+    spec = target_graph(tiny_recipe, Target("target_spec", 2, 128, 4, "decode_b2_s4_ctx128"))
     module, inputs = build_graph(spec, stacked)
     ins = list(inputs)
     ins[0] = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
@@ -205,12 +205,12 @@ def test_spec_family_graph_exports_with_aux_hidden_states(tiny_recipe, stacked):
 def test_exported_graph_needs_only_the_bundles_weights(recipe_name):
     """Every constant an artifact expects is a stacked weight the bundle stores (gpt-oss-small once needed inv_freq)."""
     from neffbuild import grid, recipe
-    from neffbuild.compiler.graphs import build_graph, spec_for
+    from neffbuild.compiler.graphs import build_graph, target_graph
     from tests.conftest import ROOT
 
     r = recipe.load(ROOT / "recipes" / f"{recipe_name}.yaml")
     target = min(grid.targets(r), key=lambda t: (t.batch, t.ctx))
-    module, inputs = build_graph(spec_for(r, target))
+    module, inputs = build_graph(target_graph(r, target))
     ep = torch.export.export(module, inputs, strict=False)
     kinds = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
     lifted = {s.target for s in ep.graph_signature.input_specs if s.kind.name in kinds}

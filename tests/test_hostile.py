@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from neffbuild.bundle import layout, manifest
+from neffbuild.bundle import manifest, paths
 from neffbuild.cli.generate_cmd import _parse_prompt
 from neffbuild.cli.main import _register, cli
 from neffbuild.errors import BundleError, InvalidInput
@@ -239,7 +239,7 @@ def test_failed_package_load_leaves_no_temp_folder(tmp_path):
 
 def tampered(src: Path, dest: Path, edit) -> Path:
     shutil.copytree(src, dest)
-    m = json.loads((dest / layout.MANIFEST_PATH).read_text())
+    m = json.loads((dest / paths.MANIFEST_PATH).read_text())
     out = edit(dest, m)
     if isinstance(out, str):
         text = out
@@ -251,9 +251,9 @@ def tampered(src: Path, dest: Path, edit) -> Path:
                 if a["file"] == rel:
                     a.update(m["files"][rel])
         text = manifest.dumps(m)
-    (dest / layout.MANIFEST_PATH).write_text(text)
+    (dest / paths.MANIFEST_PATH).write_text(text)
     digest = __import__("hashlib").sha256(text.encode()).hexdigest()
-    (dest / layout.MANIFEST_DIGEST_PATH).write_text(f"{digest}  {layout.MANIFEST_PATH}\n")
+    (dest / paths.MANIFEST_DIGEST_PATH).write_text(f"{digest}  {paths.MANIFEST_PATH}\n")
     return dest
 
 
@@ -374,8 +374,8 @@ def test_tampered_bundle_is_refused(built, tmp_path, edit, stage, needle):
 def test_manifest_edit_without_digest_is_caught(built, tmp_path):
     root = tmp_path / "b"
     shutil.copytree(built[1].bundle, root)
-    text = (root / layout.MANIFEST_PATH).read_text().replace('"max_model_len": 512', '"max_model_len": 1024')
-    (root / layout.MANIFEST_PATH).write_text(text)
+    text = (root / paths.MANIFEST_PATH).read_text().replace('"max_model_len": 512', '"max_model_len": 1024')
+    (root / paths.MANIFEST_PATH).write_text(text)
     with pytest.raises(BundleError, match=r"manifest\.sha256"):
         open_bundle(root)
 

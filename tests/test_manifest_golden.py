@@ -13,12 +13,12 @@ import pytest
 
 from neffbuild import grid
 from neffbuild import recipe as R
-from neffbuild.bundle import layout, manifest
+from neffbuild.bundle import manifest, paths
 from neffbuild.compiler.graphs import (
     example_inputs,
     input_signature,
     kv_layout_for,
-    spec_for,
+    target_graph,
 )
 from neffbuild.models.gpt_oss.weights import stacked_shapes
 from neffbuild.runtime.manifest_schema import problems
@@ -37,15 +37,16 @@ def golden_text() -> str:
     r = R.load(TINY)
     files, artifacts = {}, []
     for t in grid.targets(r):
-        rel = layout.artifact_path(t.label, "pt2")
+        rel = paths.artifact_path(t.label, "pt2")
         files[rel] = _fake(t.label)
         artifacts.append({"label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx,
                           "query_len": t.query_len, "file": rel, **files[rel],
                           "cache_key": _fake("k" + t.label)["sha256"],
-                          "input_signature": input_signature(example_inputs(spec_for(r, t))), "compile_label": t.label})
-    files[layout.WEIGHTS_PATH] = _fake("weights")
-    files[layout.RECIPE_PATH] = _fake(r.to_yaml())
-    weights = {"file": layout.WEIGHTS_PATH, "tensors": {k: {"dtype": "float32", "shape": list(v)}
+                          "input_signature": input_signature(example_inputs(target_graph(r, t))),
+                          "compile_label": t.label})
+    files[paths.WEIGHTS_PATH] = _fake("weights")
+    files[paths.RECIPE_PATH] = _fake(r.to_yaml())
+    weights = {"file": paths.WEIGHTS_PATH, "tensors": {k: {"dtype": "float32", "shape": list(v)}
                                                         for k, v in sorted(stacked_shapes(r.model.config).items())}}
     m = manifest.build(r, toolchain=TOOLCHAIN, kv_layout=kv_layout_for(r), artifacts=list(reversed(artifacts)),
                        weights=weights, files=files)
@@ -83,7 +84,7 @@ def test_two_cold_builds_give_identical_manifests(hf_checkpoint, tmp_path):
     assert r.decode_context_length_buckets == ()  # fallback only: one target
     runs = [compile_recipe(r, tmp_path / f"out{n}", jobs=1, cache_root=tmp_path / f"cache{n}") for n in (1, 2)]
     assert [(x.built, x.cached) for x in runs] == [(1, 0), (1, 0)]
-    first, second = ((x.bundle / layout.MANIFEST_PATH).read_bytes() for x in runs)
+    first, second = ((x.bundle / paths.MANIFEST_PATH).read_bytes() for x in runs)
     assert first == second
-    info = json.loads((runs[0].bundle / layout.BUILD_INFO_PATH).read_text())
+    info = json.loads((runs[0].bundle / paths.BUILD_INFO_PATH).read_text())
     assert set(info["compile_seconds"]) == {"decode_b1_ctx512"}

@@ -33,11 +33,11 @@ def test_neuron_backend_unavailable_is_a_clear_error():
                     "from public indexes, run on a Trainium host")
 def test_neuron_compiles_tiny_decode(tmp_path):
     from neffbuild import grid, recipe
-    from neffbuild.compiler.graphs import build_graph, spec_for
+    from neffbuild.compiler.graphs import build_graph, target_graph
     from tests.conftest import TINY
 
     r = recipe.load(TINY)
     t = grid.targets(r)[0]
-    module, inputs = build_graph(spec_for(r, t))
+    module, inputs = build_graph(target_graph(r, t))
     be = get_backend("neuron", target=r.target, optlevel=r.optlevel, lnc=r.lnc)
     assert be.compile(be.export(module, inputs), tmp_path).stat().st_size > 0

@@ -77,7 +77,7 @@ def test_sharded_graph_traces_without_peers_and_key_covers_layout(tiny_recipe):
     from torch._C._distributed_c10d import _resolve_process_group
 
     from neffbuild.compiler.backends import get_backend
-    from neffbuild.compiler.graphs import spec_for
+    from neffbuild.compiler.graphs import target_graph
     from neffbuild.compiler.worker import key_for
     from neffbuild.grid import Target
     from neffbuild.runtime.parallel import TP_GROUP
@@ -86,7 +86,7 @@ def test_sharded_graph_traces_without_peers_and_key_covers_layout(tiny_recipe):
     keys, texts = {}, {}
     for lay in [(1, 1, 1), (1, 2, 1), (2, 1, 2), (2, 2, 2), (1, 2, 2)]:
         r = tiny_recipe.replace(tp=lay[0], dp=lay[1], ep=lay[2])
-        keys[lay], _, sig, texts[lay] = key_for(spec_for(r, target), backend)
+        keys[lay], _, sig, texts[lay] = key_for(target_graph(r, target), backend)
         assert (sig[-1]["name"] == "rank") == (lay[0] > 1 or lay[2] > 1)
     assert keys[(1, 1, 1)] == keys[(1, 2, 1)]  # an unsharded graph is the same for any dp
     assert len({keys[k] for k in keys if k != (1, 2, 1)}) == 4  # (2,1,2) and (2,2,2) trace alike: the layout keys them

@@ -64,13 +64,14 @@ def test_ray_bundle_verifies_and_decodes_like_the_local_build(ray_built, built):
         assert toks == ref_toks
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
 
-def test_second_ray_build_is_all_cache_hits(ray_built, ray_cluster):
+def test_second_ray_build_is_all_cache_hits_and_traces_nothing(ray_built, ray_cluster):
     path, folder, first = ray_built
     out = _cli("compile", str(path), "-o", str(folder / "again"), "--cache-dir", str(folder / "cache"), "--json",
                "--executor", "ray", "--address", ray_cluster)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert (doc["built"], doc["cached"], doc["failed"]) == (0, 2, [])
+    assert doc["traced"] == 0  # the first Ray build recorded every pre-key in the driver's cache: nothing traced
     assert (Path(doc["bundle"]) / "manifest.json").read_bytes() == (first.bundle / "manifest.json").read_bytes()
 
 
@@ -97,12 +98,12 @@ def test_missing_ray_names_the_extra(tmp_path):
 
 def test_memory_estimate_uses_past_peaks_of_the_same_graph(tiny_recipe):
     from neffbuild import grid
-    from neffbuild.compiler.graphs import spec_for
+    from neffbuild.compiler.graphs import target_graph
     from neffbuild.compiler.ray_executor import BASE_MEMORY, estimate_memory, graph_bytes
     from neffbuild.compiler.worker import Job, graph_summary
 
     small, big = (t for t in grid.targets(tiny_recipe) if t.label in ("decode_b1_ctx128", "decode_b4_ctx512"))
-    jobs = [Job(t.label, spec_for(tiny_recipe, t), {}, "", "") for t in (small, big)]
+    jobs = [Job(t.label, target_graph(tiny_recipe, t), {}, "", "") for t in (small, big)]
     assert graph_bytes(jobs[1]) > graph_bytes(jobs[0]) > 0
     assert estimate_memory(jobs[0], []) > BASE_MEMORY
     past = [{"label": small.label, "graph": graph_summary(jobs[0].graph), "peak_rss_bytes": 4 << 30},

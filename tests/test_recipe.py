@@ -77,6 +77,9 @@ CASES = [
     ("model.config.num_experts_per_tok", 8, "model.config.num_experts_per_tok", "num_local_experts"),
     ("model.arch", "llama", "model.arch", "unknown architecture"),
     ("model.arch", "gpt-oss", "model.arch", "did you mean 'gpt_oss'"),
+    # A typo in an inline config key would compile the default layer count: refused, with a hint.
+    ("model.config.num_hiden_layers", 2, "model.config.num_hiden_layers", "did you mean 'num_hidden_layers'"),
+    ("model.config.frobnicate", 1, "model.config.frobnicate", "not a GPT-OSS config key"),
     ("model.checkpoint", "/nonexistent/ckpt", "model.checkpoint", "does not exist"),
     ("model.random_seed", DELETE, "model", "exactly one of"),
     ("model.random_seed", -1, "model.random_seed", "must be >= 0"),

@@ -12,7 +12,8 @@ from neffbuild.errors import InvalidInput, RecipeError
 from tests.conftest import ROOT
 
 
-@pytest.mark.parametrize("table", [registry.BACKENDS, registry.ARCHITECTURES], ids=["backends", "architectures"])
+@pytest.mark.parametrize("table", [registry.BACKENDS, registry.ARCHITECTURES, registry.SPECULATIVE],
+                         ids=["backends", "architectures", "speculative"])
 def test_every_registered_part_imports(table):
     for entry in table.values():
         for part in entry.parts:
@@ -55,3 +56,31 @@ def test_runtime_gets_a_loader_without_the_compile_side():
             "print([m for m in sys.modules if m.startswith(('neffbuild.compiler', 'neffbuild.models'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+# serve/spec.py and cli/generate_cmd.py belong to the engine work, which moves them to
+# registry.speculative(method) lookups; until then they are the only other modules naming EAGLE3's code.
+EAGLE3_PENDING = {"neffbuild/serve/spec.py", "neffbuild/cli/generate_cmd.py"}
+
+
+def test_only_models_and_the_registry_import_eagle3():
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "neffbuild/*.py"],
+                           capture_output=True, text=True, cwd=ROOT).stdout.split()
+    uses = re.compile(r"models\.eagle3|Eagle3Config|Eagle3Draft")
+    offenders = {f for f in files if not re.match(r"^neffbuild/(registry\.py|models/)", f)
+                 and uses.search((ROOT / f).read_text())}
+    assert files and offenders <= EAGLE3_PENDING, offenders - EAGLE3_PENDING
+
+
+def test_unknown_inline_config_key_exits_2_with_a_did_you_mean(tmp_path):
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "recipes" / "gpt-oss-tiny.yaml").read_text())
+    raw["model"]["config"]["num_hiden_layers"] = 2
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "validate", str(path)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert res.returncode == 2, res.stderr
+    assert "model.config.num_hiden_layers: unknown key; did you mean 'num_hidden_layers'?" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -12,10 +12,10 @@ from neffbuild import grid
 from neffbuild import recipe as R
 from neffbuild.errors import ShapeNotCovered
 from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import GridSpec, plan_step
+from neffbuild.runtime.dispatch import Grid, plan_step
 from tests.conftest import ROOT
 
-SPEC = GridSpec((1, 2, 4), (128, 256), 512)
+SPEC = Grid((1, 2, 4), (128, 256), 512)
 
 
 def _prompt_args(prompts) -> list[str]:
@@ -34,31 +34,31 @@ def _cli(*args):
     ([10, 20, 30], 3, "decode_b4_ctx128", 31),
 ])
 def test_plan_step(computed, num_reqs, label, needed):
-    p = plan_step(computed, num_reqs, spec=SPEC)
+    p = plan_step(computed, num_reqs, grid=SPEC)
     assert (p.label, p.needed_seq, p.padding) == (label, needed, p.batch - num_reqs)
 
 
 def test_shape_not_covered():
     with pytest.raises(ShapeNotCovered, match=r"batch of 5 .* largest num_seqs bucket 4"):
-        plan_step([1] * 5, 5, spec=SPEC)
+        plan_step([1] * 5, 5, grid=SPEC)
     with pytest.raises(ShapeNotCovered, match=r"needed context 513 is above max_model_len 512"):
-        plan_step([512], 1, spec=SPEC)
+        plan_step([512], 1, grid=SPEC)
 
 
 def test_eagle3_family_choice():
-    spec = GridSpec((1, 2), (128,), 512, num_speculative_tokens=3)
-    assert plan_step([10], 1, 3, spec=spec).label == "decode_b1_s4_ctx128"
-    assert plan_step([10], 1, 0, spec=spec).label == "decode_b1_s1_ctx128"  # no drafts
-    assert plan_step([10], 1, 3, spec=spec, after_transfer=True).family == "target_nospec"
-    assert plan_step([509], 1, 3, spec=spec).label == "decode_b1_s1_ctx512"  # no room for drafts
-    assert plan_step([124], 1, 3, spec=spec).label == "decode_b1_s4_ctx128"  # needed 128
-    assert plan_step([125], 1, 3, spec=spec).label == "decode_b1_s4_ctx512"
+    spec = Grid((1, 2), (128,), 512, num_speculative_tokens=3)
+    assert plan_step([10], 1, 3, grid=spec).label == "decode_b1_s4_ctx128"
+    assert plan_step([10], 1, 0, grid=spec).label == "decode_b1_s1_ctx128"  # no drafts
+    assert plan_step([10], 1, 3, grid=spec, after_transfer=True).family == "target_nospec"
+    assert plan_step([509], 1, 3, grid=spec).label == "decode_b1_s1_ctx512"  # no room for drafts
+    assert plan_step([124], 1, 3, grid=spec).label == "decode_b1_s4_ctx128"  # needed 128
+    assert plan_step([125], 1, 3, grid=spec).label == "decode_b1_s4_ctx512"
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-tiny", "gpt-oss-120b-di-decode"])
 def test_reachable_shapes_equal_compiled_shapes(name):
     r = R.load(ROOT / "recipes" / f"{name}.yaml")
-    spec = GridSpec(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len, r.num_speculative_tokens)
+    spec = Grid(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len, r.num_speculative_tokens)
     compiled = {t.label for t in grid.targets(r) if t.family != "draft"}
     reachable = set()
     points = sorted({0, r.max_model_len - 1} | {c + d for c in r.decode_context_length_buckets for d in (-5, -4, -1, 0)}
@@ -67,7 +67,7 @@ def test_reachable_shapes_equal_compiled_shapes(name):
         for top in points:
             for drafts in ({0, r.num_speculative_tokens} if r.num_speculative_tokens else {0}):
                 if top + 1 + drafts <= r.max_model_len or drafts:
-                    reachable.add(plan_step([top] * n, n, drafts, spec=spec).label)
+                    reachable.add(plan_step([top] * n, n, drafts, grid=spec).label)
     assert reachable == compiled
     drafts = {t.label for t in grid.targets(r) if t.family == "draft"}
     assert len(drafts) == (len(compiled) // 2 if r.num_speculative_tokens else 0)  # one draft per (batch, ctx)
@@ -202,7 +202,7 @@ def test_stepper_fails_closed_before_running_anything():
         def artifact(self, label):
             ran.append(label)
 
-    step = Stepper(Recording(GridSpec((1, 2), (128,), 256), KVLayout(1, 64, 1, 16, 4), 8, None))
+    step = Stepper(Recording(Grid((1, 2), (128,), 256), KVLayout(1, 64, 1, 16, 4), 8, None))
     table = torch.zeros((3, 16), dtype=torch.long)
     with pytest.raises(ShapeNotCovered, match="batch of 3 requests is above the largest num_seqs bucket 2"):
         step.step(StepBatch([[1]] * 3, [5] * 3, {"full": table}))

@@ -14,7 +14,7 @@ from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.models.gpt_oss.weights import random_state_dict, stack
-from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, GridSpec, needs_nospec, plan_draft, plan_synced
+from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_nospec, plan_draft, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.eager import EagerArtifacts
 from neffbuild.serve.greedy import greedy
@@ -23,7 +23,7 @@ from neffbuild.serve.spec import EagerSpecArtifacts, SpecLoop
 from tests.conftest import ROOT
 
 K = 3
-GRID = GridSpec((1, 2, 4), (128,), 256, K)
+GRID = Grid((1, 2, 4), (128,), 256, K)
 
 
 @pytest.mark.parametrize("computed, drafts, veto", [
@@ -204,8 +204,8 @@ def test_compiled_draft_matches_eager(eagle3_built):
     """The draft artifact proposes the eager graph's tokens and writes the same draft KV in place."""
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.draft_inputs import build_draft
     from neffbuild.runtime.kv_cache import allocate_draft
-    from neffbuild.runtime.spec_inputs import build_draft
 
     bundle = open_bundle(eagle3_built[1].bundle)
     gi = bundle.manifest["graph_inputs"]

@@ -16,7 +16,7 @@ from neffbuild.errors import NeffbuildError, RecipeError
 from neffbuild.models.gpt_oss.prefill import prefill
 from neffbuild.models.gpt_oss.weights import model_weights
 from neffbuild.runtime import StepBatch, Stepper, dp_sync
-from neffbuild.runtime.dispatch import GridSpec
+from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.greedy import greedy
 from neffbuild.serve.session import eager_artifacts, make_session
@@ -41,7 +41,7 @@ class Engine:
 
     def __init__(self, bundle, cfg):
         self.bundle, self.cfg = bundle, cfg
-        self.bs, self.width = bundle.kv_layout.block_size, bundle.spec.max_model_len // bundle.kv_layout.block_size
+        self.bs, self.width = bundle.kv_layout.block_size, bundle.grid.max_model_len // bundle.kv_layout.block_size
         self.free = list(range(bundle.kv_layout.num_blocks - 1, 0, -1))
         self.reqs = {}
 
@@ -105,7 +105,7 @@ def test_engine_owned_tables_join_leave_across_buckets(built, hf_checkpoint):
 def _eager_stepper(cfg, weights, k):
     """The tiny model's eager graph (max_model_len 512, block 16, num_swa 8) behind a Stepper."""
     layout = KVLayout(cfg.num_kv_buffers, 80, cfg.num_key_value_heads, 16, cfg.head_dim)
-    return Stepper(eager_artifacts(cfg, weights, GridSpec((1, 2), (128,), 512, k), layout, 8))
+    return Stepper(eager_artifacts(cfg, weights, Grid((1, 2), (128,), 512, k), layout, 8))
 
 
 def test_spec_step_equals_single_token_steps_and_family_rules():
@@ -139,7 +139,7 @@ def test_spec_step_equals_single_token_steps_and_family_rules():
 
 # -- DP: local problems travel through the one collective -------------------------------------------
 
-SPEC = GridSpec((1, 2), (128,), 256)
+SPEC = Grid((1, 2), (128,), 256)
 # scenario -> (rank, step) -> rows of (tokens, num_computed); every scenario fails at step 3
 SCENARIOS = {
     "context": lambda rank, i: [([1], 253 + i)] if rank == 0 else [([2], 10 + i), ([3], 20 + i)],  # 256 -> 257
@@ -226,7 +226,7 @@ def _serve_to_max_model_len(r, prompt):
     cfg = r.model.config
     weights = model_weights(cfg, None, 0)
     layout = KVLayout(cfg.num_kv_buffers, r.num_blocks, cfg.num_key_value_heads, r.block_size, cfg.head_dim)
-    spec = GridSpec(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len)
+    spec = Grid(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len)
     session = make_session(cfg, weights, eager_artifacts(cfg, weights, spec, layout, r.num_swa))
     blocks, free = session.block_manager(), []
     gen = greedy(session.stepper, session.prefill, blocks, [prompt], r.max_model_len - len(prompt),

@@ -80,7 +80,7 @@ def test_4x_pool_changes_step_time_by_less_than_1_2x(tiny_recipe, tmp_path):
     import statistics
     import time
 
-    from neffbuild.compiler.graphs import build_graph, spec_for
+    from neffbuild.compiler.graphs import build_graph, target_graph
     from neffbuild.grid import Target
     from neffbuild.models.gpt_oss.weights import model_weights
 
@@ -88,7 +88,7 @@ def test_4x_pool_changes_step_time_by_less_than_1_2x(tiny_recipe, tmp_path):
     weights = model_weights(cfg, None, 0)
     backend, runs = InductorBackend(), {}
     for nb in (4099, 4 * 4099):  # a whole-pool copy per step would cost ms here; the step is about 1 ms
-        spec = spec_for(tiny_recipe.replace(num_blocks=nb), Target("decode", 1, 128, 1, "decode_b1_ctx128"))
+        spec = target_graph(tiny_recipe.replace(num_blocks=nb), Target("decode", 1, 128, 1, "decode_b1_ctx128"))
         module, inputs = build_graph(spec)
         (tmp_path / str(nb)).mkdir()
         path = backend.compile(backend.export(module, inputs), tmp_path / str(nb))

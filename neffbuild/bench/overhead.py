@@ -29,7 +29,7 @@ from neffbuild.bench.steps import make_case
 from neffbuild.runtime.kv_cache import allocate
 t1 = time.perf_counter()
 b = open_bundle(sys.argv[1])
-case = make_case(b, int(sys.argv[2]), min(b.spec.num_seqs_buckets))
+case = make_case(b, int(sys.argv[2]), min(b.grid.num_seqs_buckets))
 t2 = time.perf_counter()
 fn = b.artifact(case.plan.label)  # imports torch's AOTInductor loader, dlopens the artifact, binds the weights
 t3 = time.perf_counter()
@@ -46,7 +46,7 @@ from neffbuild.runtime.bundle import open_bundle
 from neffbuild.bench.steps import compile_graph, make_case
 from neffbuild.runtime.kv_cache import allocate
 b = open_bundle(sys.argv[1])
-case = make_case(b, int(sys.argv[2]), min(b.spec.num_seqs_buckets))
+case = make_case(b, int(sys.argv[2]), min(b.grid.num_seqs_buckets))
 t0 = time.perf_counter()
 with tempfile.TemporaryDirectory() as tmp:
     s, fn = compile_graph(b, batch=case.plan.batch, ctx=case.plan.ctx, dynamic=False, workdir=Path(tmp))
@@ -71,14 +71,14 @@ def cold_start(bundle_path: str, context: int, *, compile_too: bool = True) -> d
 
 
 def plan_and_metadata(bundle, context: int, repeat: int = 2000) -> dict:
-    bs, mml = bundle.kv_layout.block_size, bundle.spec.max_model_len
+    bs, mml = bundle.kv_layout.block_size, bundle.grid.max_model_len
     row = torch.arange(1, 1 + mml // bs)[None]
     computed, tokens = torch.tensor([context - 1]), torch.tensor([[1]])
     from neffbuild.runtime import attn_metadata
     from neffbuild.runtime.dispatch import plan_for
 
     def once():
-        plan = plan_for(bundle.spec, batch_count=1, needed=context, num_reqs=1)
+        plan = plan_for(bundle.grid, batch_count=1, needed=context, num_reqs=1)
         attn_metadata.build(tokens, computed, row, row, batch=plan.batch, ctx=plan.ctx, block_size=bs,
                             num_swa=bundle.num_swa)
 

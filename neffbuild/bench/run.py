@@ -28,18 +28,18 @@ def run(bundle_path: str | Path, *, repeat: int = 20, dynamic: bool = True, eage
     from neffbuild.runtime.bundle import open_bundle
 
     bundle = open_bundle(bundle_path)
-    cfg = steps.graph_spec(bundle, batch=1, ctx=bundle.spec.max_model_len).config
+    cfg = steps.graph_spec(bundle, batch=1, ctx=bundle.grid.max_model_len).config
     progress("copy bandwidth")
     bandwidth = B.copy_bandwidth()
     progress("step times" + (" (compiling the dynamic-width artifact first)" if dynamic else ""))
     result = {"bundle": str(bundle_path), "machine": machine(), "copy_bandwidth_gbs": round(bandwidth / 1e9, 2),
               "steps": steps.step_times(bundle, repeat=repeat, dynamic=dynamic, eager=eager,
                                                extra_contexts=extra_contexts),
-              "num_blocks": bundle.kv_layout.num_blocks, "max_model_len": bundle.spec.max_model_len}
+              "num_blocks": bundle.kv_layout.num_blocks, "max_model_len": bundle.grid.max_model_len}
     batch = result["steps"]["batch"]
     weights = B.weight_bytes(bundle.weights, cfg, tokens=batch)
     for row in result["steps"]["rows"]:
-        ctxs = {"bucketed": row["ctx_bucket"], "fallback": bundle.spec.max_model_len,
+        ctxs = {"bucketed": row["ctx_bucket"], "fallback": bundle.grid.max_model_len,
                 "dynamic": -(-row["context"] // bundle.kv_layout.block_size) * bundle.kv_layout.block_size}
         row["bytes"] = {v: weights + B.kv_bytes(cfg, bundle.kv_layout, batch=batch, ctx=c, num_swa=bundle.num_swa)
                         for v, c in ctxs.items()}

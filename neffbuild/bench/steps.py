@@ -10,6 +10,7 @@ interleaved (one of each variant per round) so drift on a shared host hits all a
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -18,19 +19,22 @@ from pathlib import Path
 
 import torch
 
-from neffbuild.compiler.graphs import GraphSpec, build_graph
+from neffbuild import registry
+from neffbuild.compiler.graphs import TargetGraph, build_graph, target_graph_from
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.buckets import round_up
+from neffbuild.runtime.bundle import load_aoti
 from neffbuild.runtime.dispatch import DECODE, plan_for
 from neffbuild.runtime.kv_cache import allocate
+from neffbuild.runtime.parallel import ParallelLayout
 
 VARIANTS = ("bucketed", "fallback", "dynamic", "eager")
 
 
-def graph_spec(bundle, *, batch: int, ctx: int) -> GraphSpec:
-    gi = bundle.manifest["graph_inputs"]
-    return GraphSpec(gi["arch"], gi["model_config"], DECODE, batch, ctx, 1, gi["block_size"], gi["num_blocks"],
-                     gi["num_swa"], gi["fp8_packed_kv"])
+def graph_spec(bundle, *, batch: int, ctx: int) -> TargetGraph:
+    """The bundle's decode graph at (batch, ctx), from its GraphInputs (an unsharded graph: one process)."""
+    gi = bundle.graph_inputs
+    return target_graph_from(dataclasses.replace(gi, parallel=ParallelLayout()), DECODE, batch, ctx, 1)
 
 
 def contexts(max_model_len: int) -> list[int]:
@@ -39,9 +43,6 @@ def contexts(max_model_len: int) -> list[int]:
 
 def compile_graph(bundle, *, batch: int, ctx: int, dynamic: bool, workdir: Path):
     """(seconds, loaded artifact) for the decode graph at (batch, ctx); a dynamic table width if asked."""
-    from neffbuild import registry
-    from neffbuild.runtime.bundle import load_aoti
-
     backend = registry.backend(bundle.manifest["toolchain"]["backend"]).get("compile_side")()  # the bundle's
 
     module, inputs = build_graph(graph_spec(bundle, batch=batch, ctx=ctx))
@@ -68,10 +69,10 @@ class Case:
 
 
 def make_case(bundle, context: int, batch: int) -> Case:
-    bs, mml = bundle.kv_layout.block_size, bundle.spec.max_model_len
+    bs, mml = bundle.kv_layout.block_size, bundle.grid.max_model_len
     row = torch.arange(1, 1 + mml // bs)[None]  # the request's blocks (block 0 is the null block)
     computed, tokens = torch.tensor([context - 1]), torch.tensor([[1]])
-    plan = plan_for(bundle.spec, batch_count=1, needed=context, num_reqs=1)
+    plan = plan_for(bundle.grid, batch_count=1, needed=context, num_reqs=1)
     case = Case(context, plan)
     for variant, ctx in (("bucketed", plan.ctx), ("fallback", mml), ("dynamic", round_up(context, bs)),
                          ("eager", plan.ctx)):
@@ -89,10 +90,8 @@ def _stats(samples: list[float]) -> dict:
 def step_times(bundle, *, repeat: int = 20, warmup: int = 2, dynamic: bool = True, eager: bool = True,
                extra_contexts: tuple[int, ...] = (), workdir: Path | None = None) -> dict:
     """{"rows": [{context, label, variant -> stats}], "dynamic_compile_s": float|None}."""
-    from neffbuild import registry
-
-    mml = bundle.spec.max_model_len
-    batch = min(bundle.spec.num_seqs_buckets)
+    mml = bundle.grid.max_model_len
+    batch = min(bundle.grid.num_seqs_buckets)
     cases = [make_case(bundle, c, batch) for c in sorted(set(contexts(mml)) | set(extra_contexts))]
     fallback = next(p.label for p in (c.plan for c in cases) if p.ctx == mml)
     runners = {"bucketed": None, "fallback": bundle.artifact(fallback)}

@@ -1,5 +1,4 @@
-"""Bundle layout constants. They live in ``neffbuild.runtime.layout`` so the thin reader can
-use them without importing the build side; this module re-exports them for the writer."""
+"""The old name of ``bundle/paths.py`` ("layout" now means only the KV and parallel layouts), kept
+while branches written against it merge."""
 
-from neffbuild.runtime.layout import *  # noqa: F403
-from neffbuild.runtime.layout import __doc__ as _spec  # noqa: F401
+from neffbuild.bundle.paths import *  # noqa: F403

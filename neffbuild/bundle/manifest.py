@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from neffbuild.bundle import layout
+from neffbuild.bundle import paths
+from neffbuild.runtime.graph_inputs import GraphInputs
 
 
 def dumps(manifest: dict) -> str:
@@ -13,29 +14,15 @@ def dumps(manifest: dict) -> str:
 
 
 def graph_inputs(recipe, kv_layout) -> dict:
-    return {
-        "num_seqs_buckets": list(recipe.num_seqs_buckets),
-        "decode_context_length_buckets": list(recipe.decode_context_length_buckets),
-        "max_model_len": recipe.max_model_len,
-        "block_size": recipe.block_size,
-        "num_blocks": recipe.num_blocks,
-        "num_swa": recipe.num_swa,
-        "tp": recipe.tp, "dp": recipe.dp, "ep": recipe.ep, "lnc": recipe.lnc,
-        "fp8_packed_kv": recipe.fp8_packed_kv,
-        "num_speculative_tokens": recipe.num_speculative_tokens,
-        "kv_layout": kv_layout.to_json(),
-        "arch": recipe.model.arch,
-        "model_config": recipe.model.config.to_hf_dict(),
-        # EAGLE3: the draft's config keys as the recipe gave them (the reader derives the rest from model_config)
-        **({"draft_config": recipe.speculative.draft_hf_config} if recipe.speculative else {}),
-    }
+    """The manifest's ``graph_inputs``: the one type readers decode it with (runtime/graph_inputs.py)."""
+    return GraphInputs.from_recipe(recipe, kv_layout).to_json()
 
 
 def build(recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict, files: dict,
           parallel: dict | None = None) -> dict:
     out = {
-        "format": layout.BUNDLE_FORMAT,
-        "format_version": layout.BUNDLE_FORMAT_VERSION,
+        "format": paths.BUNDLE_FORMAT,
+        "format_version": paths.BUNDLE_FORMAT_VERSION,
         "name": recipe.name,
         "version": recipe.version,
         "recipe_sha256": recipe.sha256(),

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from neffbuild.bundle import layout, manifest, provenance, signing
+from neffbuild.bundle import manifest, paths, provenance, signing
 from neffbuild.errors import InvalidInput
 from neffbuild.fsutil import pid_alive, sha256_file
 
@@ -28,14 +28,14 @@ TMP_MARK = ".tmp-"
 class BundleWriter:
     def __init__(self, out_dir: str | Path, name: str, version: str):
         self.out_dir = Path(out_dir)
-        self.final = self.out_dir / layout.bundle_dirname(name, version)
+        self.final = self.out_dir / paths.bundle_dirname(name, version)
         self.started = time.time()
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             sweep(self.out_dir)
             self.tmp = self.out_dir / f".{self.final.name}{TMP_MARK}{os.getpid()}"
             shutil.rmtree(self.tmp, ignore_errors=True)
-            for d in (layout.WEIGHTS_DIR, layout.ARTIFACTS_DIR, layout.LOGS_DIR, layout.METRICS_DIR):
+            for d in (paths.WEIGHTS_DIR, paths.ARTIFACTS_DIR, paths.LOGS_DIR, paths.METRICS_DIR):
                 (self.tmp / d).mkdir(parents=True)
         except OSError as exc:
             raise InvalidInput(f"--out {out_dir}: cannot create the bundle folder there ({exc.strerror or exc}); "
@@ -44,14 +44,14 @@ class BundleWriter:
     def path(self, rel: str) -> Path:
         return self.tmp / rel
 
-    def write_weights(self, tensors: dict[str, torch.Tensor], rel: str = layout.WEIGHTS_PATH) -> dict:
+    def write_weights(self, tensors: dict[str, torch.Tensor], rel: str = paths.WEIGHTS_PATH) -> dict:
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(self.path(rel)))
         return {"file": rel,
                 "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
                             for k, v in sorted(tensors.items())}}
 
     def add_artifact(self, label: str, ext: str, source: Path) -> str:
-        rel = layout.artifact_path(label, ext)
+        rel = paths.artifact_path(label, ext)
         shutil.copyfile(source, self.path(rel))
         return rel
 
@@ -64,7 +64,7 @@ class BundleWriter:
         files = {}
         for p in sorted(self.tmp.rglob("*")):
             rel = p.relative_to(self.tmp).as_posix()
-            if not p.is_file() or rel in layout.UNCHECKED_PATHS or rel.split("/")[0] in layout.UNCHECKED_DIRS:
+            if not p.is_file() or rel in paths.UNCHECKED_PATHS or rel.split("/")[0] in paths.UNCHECKED_DIRS:
                 continue
             files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         return files
@@ -73,23 +73,23 @@ class BundleWriter:
                report_context: dict, parallel: dict | None = None, sign_key=None) -> Path:
         """Write the manifest and its digest, then the per-build records (provenance included); with
         ``sign_key`` sign every file (bundle/signing.py); publish with a rename."""
-        self.write_text(layout.RECIPE_PATH, recipe.to_yaml())
+        self.write_text(paths.RECIPE_PATH, recipe.to_yaml())
         m = manifest.build(recipe, toolchain=toolchain, kv_layout=kv_layout, artifacts=artifacts, weights=weights,
                            files=self.checksums(), parallel=parallel)
         text = manifest.dumps(m)
-        self.write_text(layout.MANIFEST_PATH, text)
+        self.write_text(paths.MANIFEST_PATH, text)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        self.write_text(layout.MANIFEST_DIGEST_PATH, f"{digest}  {layout.MANIFEST_PATH}\n")
+        self.write_text(paths.MANIFEST_DIGEST_PATH, f"{digest}  {paths.MANIFEST_PATH}\n")
         seconds = report_context.get("seconds", {})
-        self.write_text(layout.COMPILE_METRICS_PATH, compile_metrics(seconds))
-        self.write_text(layout.REPORT_PATH, render_report(m, **report_context))
+        self.write_text(paths.COMPILE_METRICS_PATH, compile_metrics(seconds))
+        self.write_text(paths.REPORT_PATH, render_report(m, **report_context))
         info = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
                 "python": platform.python_version(),
                 **{k: v for k, v in report_context.items() if k not in ("hits", "seconds")},
                 "compile_seconds": dict(sorted(seconds.items())),
                 "cache_hits": sorted(k for k, v in report_context.get("hits", {}).items() if v)}
-        self.write_text(layout.BUILD_INFO_PATH, json.dumps(info, sort_keys=True, indent=1) + "\n")
-        self.write_text(layout.PROVENANCE_PATH, provenance.dumps(provenance.statement(
+        self.write_text(paths.BUILD_INFO_PATH, json.dumps(info, sort_keys=True, indent=1) + "\n")
+        self.write_text(paths.PROVENANCE_PATH, provenance.dumps(provenance.statement(
             recipe, m, digest, report_context.get("hits", {}), started=self.started,
             extra={"executor": report_context.get("executor")})))
         if sign_key is not None:  # last: the signature covers every other file, provenance included
@@ -143,7 +143,7 @@ def render_report(m: dict, *, hits: dict, seconds: dict, built: int, cached: int
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("neffbuild.bundle", "templates"),
                              autoescape=jinja2.select_autoescape(["html", "j2"]))
-    weights_mb = m["files"].get(layout.WEIGHTS_PATH, {}).get("bytes", 0) / 1e6
+    weights_mb = m["files"].get(paths.WEIGHTS_PATH, {}).get("bytes", 0) / 1e6
     total_mb = sum(a["bytes"] for a in m["artifacts"]) / 1e6
     return env.get_template("report.html.j2").render(
         m=m, hits=hits, seconds=seconds, built=built, cached=cached, wall_s=wall_s, weights_mb=weights_mb,

@@ -11,14 +11,15 @@ import click
 from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import layout
+from neffbuild.runtime import paths
 from neffbuild.runtime.manifest_schema import Problem
 from neffbuild.runtime.manifest_schema import problems as schema_problems
 
 
 def _manifest(path: str) -> dict:
     """The manifest of a bundle whose schema holds (what every read command may rely on)."""
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+
     m = reader.read_manifest(Path(path))
     found = schema_problems(m)
     if found:
@@ -28,6 +29,8 @@ def _manifest(path: str) -> dict:
 
 def _diffable(path: str) -> dict:
     """A manifest with the fields diff reads well typed (diff may compare a bundle that fails verify)."""
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+
     m = reader.read_manifest(Path(path))
     ok = (all(isinstance(m.get(k), dict) for k in ("graph_inputs", "toolchain", "files", "weights"))
           and isinstance(m.get("artifacts"), list)
@@ -40,7 +43,7 @@ def _diffable(path: str) -> dict:
 
 def _compile_seconds(path: str) -> dict[str, float]:
     """Per-label compile times from build-info.json (a per-build record; empty when absent or odd)."""
-    info = Path(path) / layout.BUILD_INFO_PATH
+    info = Path(path) / paths.BUILD_INFO_PATH
     try:
         if not info.is_file() or info.stat().st_size > 16 * 1024 * 1024:
             return {}
@@ -123,9 +126,10 @@ def _print_parallel(c, m: dict) -> None:
 def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
     import yaml
 
-    from neffbuild.bundle import handoff, layout
+    from neffbuild.bundle import handoff, paths
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
 
-    recipe_file = reader.safe_path(root, layout.RECIPE_PATH)
+    recipe_file = reader.safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
     config = handoff.vllm_config(manifest, recipe if isinstance(recipe, dict) else {})
     if as_json:
@@ -146,6 +150,8 @@ def verify(ctx, bundle_path, trust, as_json):
     With --trust (or NEFFBUILD_TRUSTED_KEYS) the signature is checked first. Exit 1 naming each
     bad file or field, or the key.
     """
+    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+
     signed = ship_cmds.check_signature(bundle_path, trust)
     problems = [Problem(path, message) for path, message in signed] or reader.check(Path(bundle_path), full=True)
     if as_json:

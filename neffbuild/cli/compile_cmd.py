@@ -9,7 +9,7 @@ import click
 from neffbuild import recipe as recipe_mod
 from neffbuild import registry
 from neffbuild.cli.output import echo_json, json_option
-from neffbuild.compiler.builder import Progress, compile_recipe
+from neffbuild.compiler.progress import Progress
 from neffbuild.errors import BuildFailed, InvalidInput
 
 
@@ -41,14 +41,14 @@ class RichProgress(Progress):
         self.bar.update(self.task, description="running: " + ", ".join(self.active))
 
     def finished(self, result):
-        label = result["label"]
+        label = result.label
         if label in self.active:
             self.active.remove(label)
-        if result["status"] == "ok":
-            state = ("[green]cache hit[/green]" if result["hit"]
-                     else f"[yellow]compiled[/yellow] {result['compile_seconds']:.1f}s")
+        if result.ok:
+            state = ("[green]cache hit[/green]" if result.hit
+                     else f"[yellow]compiled[/yellow] {result.compile_seconds:.1f}s")
         else:
-            state = f"[red]FAILED[/red] ({result.get('kind')}): {result.get('error', '')[:200]}"
+            state = f"[red]FAILED[/red] ({result.kind}): {(result.error or '')[:200]}"
         self.bar.console.print(f"  {label}: {state}")
         self.bar.update(self.task, advance=1, description="running: " + ", ".join(self.active))
 
@@ -62,12 +62,12 @@ def summary_table(res):
     table = Table(title="build summary")
     for col in ("label", "result", "compile s", "MB"):
         table.add_column(col)
-    for r in sorted(res.results, key=lambda r: r["label"]):
-        if r["status"] == "ok":
-            table.add_row(r["label"], "cache hit" if r["hit"] else "compiled", f"{r['compile_seconds']:.1f}",
-                          f"{r['bytes'] / 1e6:.2f}")
+    for r in sorted(res.results, key=lambda r: r.label):
+        if r.ok:
+            table.add_row(r.label, "cache hit" if r.hit else "compiled", f"{r.compile_seconds:.1f}",
+                          f"{r.bytes / 1e6:.2f}")
         else:
-            table.add_row(r["label"], f"FAILED: {r.get('kind')}", "", "")
+            table.add_row(r.label, f"FAILED: {r.kind}", "", "")
     return table
 
 
@@ -118,6 +118,8 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     r = recipe_mod.load(recipe_path)
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
+    from neffbuild.compiler.builder import compile_recipe  # torch: only once a build starts (torch-free --help)
+
     progress = RichProgress()
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
@@ -130,8 +132,10 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
         ctx.meta["json_printed"] = True
     else:
         progress.console.print(summary_table(res))
+    if res.memory_note:
+        click.echo(res.memory_note, err=True)
     if res.failed:
-        lines = [f"  - {f['label']}: {f.get('kind')}: {f.get('error')} (log: {f['log']})" for f in res.failed]
+        lines = [f"  - {f.label}: {f.kind}: {f.error} (log: {f.log})" for f in res.failed]
         raise BuildFailed(f"{len(res.failed)} of {len(res.results)} targets failed; no bundle published.\n"
                           + "\n".join(lines))
     click.echo(f"bundle: {res.bundle} ({res.built} compiled, {res.cached} cached, {res.wall_s:.1f}s)", err=True)

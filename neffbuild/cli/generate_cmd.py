@@ -49,7 +49,7 @@ def check_bundle(bundle) -> None:
 
     gi = bundle.manifest["graph_inputs"]
     cfg = _config(gi)
-    for name, shape in registry.arch(gi["arch"]).get("rank_shapes")(cfg, bundle.layout).items():
+    for name, shape in registry.arch(gi["arch"]).get("rank_shapes")(cfg, bundle.parallel).items():
         have = tuple(bundle.weights[name].shape) if name in bundle.weights else None
         if have != tuple(shape):
             raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
@@ -77,9 +77,9 @@ def run_di_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int)
     load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     bundle = open_bundle(bundle_path)
     check_bundle(bundle)
-    hist = NeededSeqHistogram(bundle.spec.max_model_len)
+    hist = NeededSeqHistogram(bundle.grid.max_model_len)
     session = open_session(bundle, on_plan=lambda plan: hist.record(plan.needed_seq))
-    _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
+    _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.grid.max_model_len)
     for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
         bundle.artifact(label)
     with PrefillWorker(bundle_path) as worker:
@@ -100,10 +100,10 @@ def run_rank(bundle_path: str, prompts: list[list[int]], max_new_tokens: int, *,
 
     bundle = open_bundle(bundle_path, group=group)  # a sharded bundle joins the world here (every rank opens it)
     check_bundle(bundle)
-    hist = NeededSeqHistogram(bundle.spec.max_model_len)
+    hist = NeededSeqHistogram(bundle.grid.max_model_len)
     session = open_session(bundle, reference=reference, group=group,
                            on_plan=lambda plan: hist.record(plan.needed_seq))
-    _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.spec.max_model_len)
+    _check_prompts(prompts, max_new_tokens, session.config.vocab_size, bundle.grid.max_model_len)
     if not reference:
         for label in bundle.labels:  # load every artifact now: decode_seconds must not include loading
             bundle.artifact(label)
@@ -125,7 +125,7 @@ def _run_spec(bundle, session, prompts, max_new_tokens: int, collectives_before:
     from neffbuild.serve.spec import SpecLoop
 
     gi = bundle.manifest["graph_inputs"]
-    if not bundle.spec.num_speculative_tokens or "draft_config" not in gi:
+    if not bundle.grid.num_speculative_tokens or "draft_config" not in gi:
         raise InvalidInput(f"--spec: bundle {bundle.root.name} was built without speculative decoding; drop --spec "
                            f"or build a recipe with a speculative: section")
     dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], session.config)

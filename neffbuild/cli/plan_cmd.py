@@ -6,6 +6,7 @@ import click
 
 from neffbuild import grid, registry, settings
 from neffbuild import recipe as recipe_mod
+from neffbuild.cli import memory_view
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.recipe import parallel_rules
 
@@ -17,12 +18,15 @@ from neffbuild.recipe import parallel_rules
               help="Look each target up in the compile cache (traces the graph; needs torch).")
 @click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend for the cache lookup.")
-def plan(recipe_path, as_json, check_cache, backend):
+@memory_view.device_memory_option("says whether a rank fits and the largest serving.num_blocks that does.")
+def plan(recipe_path, as_json, check_cache, backend, device_memory):
     """Show every graph RECIPE compiles: label, family, batch, ctx, query_len.
 
     With --cache (the default) each row also says whether it is cached or to build, why a
     miss misses (the nearest cached entry and the fields that differ) and an estimated
-    build time from past compiles.
+    build time from past compiles. After the table: what one rank holds (weights, KV, the
+    largest artifact), each target's expected compile memory, and with --device-memory
+    whether a rank fits (docs/recipe.md, "Memory").
     """
     r = recipe_mod.load(recipe_path)
     if backend:
@@ -33,6 +37,7 @@ def plan(recipe_path, as_json, check_cache, backend):
         from neffbuild.compiler.planner import cache_states
 
         states = cache_states(r, tgts)
+    memory = memory_view.plan_memory(r, tgts, states, device_memory)
     if as_json:
         rows = []
         for t in tgts:
@@ -41,7 +46,7 @@ def plan(recipe_path, as_json, check_cache, backend):
                 row.update(states[t.label])
             rows.append(row)
         echo_json({"count": len(tgts), "formula": grid.count_formula(r), "targets": rows, "warnings": list(r.warnings),
-                   "parallel": parallel_rules.layout_json(r)})
+                   "parallel": parallel_rules.layout_json(r), "memory": memory})
         return
     from rich.console import Console
     from rich.table import Table
@@ -66,6 +71,7 @@ def plan(recipe_path, as_json, check_cache, backend):
     console.print(table)
     console.print(f"NEFF count: {grid.count_formula(r)}")
     console.print(parallel_rules.describe(r))
+    memory_view.print_plan_memory(console, memory, r.jobs or settings.default_jobs())
     if states:
         todo = [s for s in states.values() if s["cache"] == "build"]
         est = [s["estimate_s"] for s in todo if s.get("estimate_s")]

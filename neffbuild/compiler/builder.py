@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild import grid, registry, settings
-from neffbuild.bundle import layout
+from neffbuild.bundle import paths
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
-from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, spec_for
-from neffbuild.compiler.worker import Job, cached_result
+from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, target_graph
+from neffbuild.compiler.jobs import Job, JobResult
+from neffbuild.compiler.progress import Progress
+from neffbuild.compiler.worker import cached_result
 from neffbuild.errors import InvalidInput
-from neffbuild.models.eagle3.weights import draft_weights
 
 
 @dataclass
@@ -34,25 +35,18 @@ class BuildResult:
     built: int = 0
     cached: int = 0
     traced: int = 0  # targets traced to compute their key (a warm rebuild traces none)
-    failed: list[dict] = field(default_factory=list)
-    results: list[dict] = field(default_factory=list)
+    failed: list[JobResult] = field(default_factory=list)
+    results: list[JobResult] = field(default_factory=list)
     wall_s: float = 0.0
     failed_logs: Path | None = None
+    memory_note: str | None = None  # the local pool ran fewer compiles at once than jobs: host memory
+    memory: dict | None = None  # the pool's memory gate (free memory, max concurrent compiles)
 
     def to_json(self) -> dict:
         return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
-                "traced": self.traced,
-                "failed": [{k: f.get(k) for k in ("label", "kind", "error", "log")} for f in self.failed],
+                "traced": self.traced, "memory_note": self.memory_note, "memory": self.memory,
+                "failed": [{"label": f.label, "kind": f.kind, "error": f.error, "log": f.log} for f in self.failed],
                 "wall_s": round(self.wall_s, 3)}
-
-
-class Progress:
-    """Callbacks the CLI implements; the default does nothing."""
-
-    def start(self, total: int) -> None: ...
-    def running(self, label: str) -> None: ...
-    def finished(self, result: dict) -> None: ...
-    def stage(self, message: str) -> None: ...
 
 
 def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
@@ -89,36 +83,39 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         weights = _load_weights(recipe)
         if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
             s = recipe.speculative
+            draft_weights = registry.speculative(s.method).get("weights")
             weights.update(draft_weights(draft_config_for(recipe), s.draft_checkpoint, s.draft_random_seed))
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
-        weights_path = None if parallel else str(writer.path(layout.WEIGHTS_PATH))
-        jobs_list = [Job(t.label, spec_for(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
-                         str(writer.path(layout.log_path(t.label))), weights_path) for t in targets]
+        weights_path = None if parallel else str(writer.path(paths.WEIGHTS_PATH))
+        jobs_list = [Job(t.label, target_graph(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
+                         str(writer.path(paths.log_path(t.label))), weights_path) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
         for res in _run(jobs_list, runner, progress):
             result.results.append(res)
-            result.traced += bool(res.get("traced"))
-            if res["status"] == "ok":
-                result.cached += res["hit"]
-                result.built += not res["hit"]
+            result.traced += res.traced
+            if res.ok:
+                result.cached += res.hit
+                result.built += not res.hit
             else:
                 result.failed.append(res)
             progress.finished(res)
         result.wall_s = time.monotonic() - started
+        result.memory_note = getattr(runner, "memory_note", None)
+        gate = getattr(runner, "admission", None)
+        result.memory = gate.to_json() if gate is not None else None
         if result.failed:
             result.failed_logs = _keep_logs(writer, out_dir)
-            for f in result.failed:
-                f["log"] = str(result.failed_logs / Path(f["log"]).name)
+            result.failed = [f.replace(log=str(result.failed_logs / Path(f.log).name)) for f in result.failed]
             writer.abort()
             return result
         progress.stage("writing bundle")
-        ordered = sorted(result.results, key=lambda r: r["label"])
-        artifacts = [_add_artifact(writer, by_label[r["label"]], r) for r in ordered]
-        hits = {r["label"]: r["hit"] for r in result.results}
-        seconds = {r["label"]: r["compile_seconds"] for r in result.results}  # per build: build-info.json
+        ordered = sorted(result.results, key=lambda r: r.label)
+        artifacts = [_add_artifact(writer, by_label[r.label], r) for r in ordered]
+        hits = {r.label: r.hit for r in result.results}
+        seconds = {r.label: r.compile_seconds for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
             weights=weights_entry, parallel=parallel, sign_key=sign_key,
@@ -158,7 +155,7 @@ def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, d
         if name == "shared":
             shared = writer.write_weights(tensors)
         else:
-            entries[name] = writer.write_weights(tensors, layout.weights_piece_path(name))
+            entries[name] = writer.write_weights(tensors, paths.weights_piece_path(name))
     info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=arch.get("shard_layout")(par),
                 rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
                 kv_heads={f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
@@ -177,20 +174,20 @@ def _load_weights(recipe) -> dict:
                            f"({str(exc)[:200]})") from None
 
 
-def _add_artifact(writer: BundleWriter, t, res: dict) -> dict:
+def _add_artifact(writer: BundleWriter, t, res: JobResult) -> dict:
     """Copy one built artifact into the bundle; its manifest entry."""
-    rel = writer.add_artifact(t.label, res["ext"], Path(res["artifact"]))
+    rel = writer.add_artifact(t.label, res.ext, Path(res.artifact))
     return {
         "label": t.label, "family": t.family, "batch": t.batch, "ctx": t.ctx, "query_len": t.query_len,
-        "file": rel, "sha256": res["sha256"], "bytes": res["bytes"],
-        "cache_key": res["cache_key"], "input_signature": res["input_signature"],
+        "file": rel, "sha256": res.sha256, "bytes": res.bytes,
+        "cache_key": res.cache_key, "input_signature": res.input_signature,
         "compile_label": t.label,  # the Prometheus bucket label is the target label
     }
 
 
-def _placement(runner, results: list[dict]) -> dict:
+def _placement(runner, results: list[JobResult]) -> dict:
     """Where each target was built: a per-build record (build-info.json), never the manifest."""
-    nodes = {r["label"]: r["node"] for r in results if r.get("node")}
+    nodes = {r.label: r.node for r in results if r.node}
     record = {"executor": getattr(runner, "name", type(runner).__name__)}
     return dict(record, built_on=dict(sorted(nodes.items()))) if nodes else record
 
@@ -198,5 +195,5 @@ def _placement(runner, results: list[dict]) -> dict:
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:
     dest = Path(out_dir) / f"{writer.final.name}.failed-logs"
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(writer.path(layout.LOGS_DIR), dest)
+    shutil.copytree(writer.path(paths.LOGS_DIR), dest)
     return dest

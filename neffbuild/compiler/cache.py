@@ -138,6 +138,20 @@ class Cache:
                 out.append(dict(entry.meta, path=str(entry.path)))
         return out
 
+    def metas(self) -> list[dict]:
+        """Every entry's recorded meta, artifacts not hashed (advisory reads: memory and size estimates)."""
+        out = []
+        if not self.entries_dir.is_dir():
+            return out
+        for folder in sorted(self.entries_dir.iterdir()):
+            try:
+                meta = json.loads((folder / META).read_text(encoding="utf-8"))
+            except (OSError, ValueError, RecursionError):
+                continue
+            if isinstance(meta, dict) and _meta_ok(meta):
+                out.append(meta)
+        return out
+
     # -- write
     @contextlib.contextmanager
     def lock(self, key: str):

@@ -2,11 +2,13 @@
 
 ``LocalExecutor`` keeps ``jobs`` spawned workers warm for the whole build and never has
 more jobs in flight than workers, so "submitted" means "running" and a per-target timeout
-is exact. A worker that dies (OOM killer, signal) breaks the pool: its in-flight jobs are
-reported as ``killed_or_oom`` and the pool is rebuilt for the rest. Ctrl-C kills the
-workers and re-raises, so the caller can clean up. ``RayExecutor`` (ray_executor.py) runs
-the same jobs on a Ray cluster behind the same ``run`` interface; ``make_executor`` picks one.
-"""
+is exact. It starts no more compiles at once than the host's free memory holds
+(compiler/memory_plan.py: the estimates of the running ones plus the next; always at least
+one), says so in ``memory_note``, and never kills a compile for memory. A worker that dies
+(OOM killer, signal) breaks the pool: its in-flight jobs are reported as ``killed_or_oom``
+and the pool is rebuilt for the rest. Ctrl-C kills the workers and re-raises, so the caller
+can clean up. ``RayExecutor`` (ray_executor.py) runs the same jobs on a Ray cluster behind
+the same ``run`` interface; ``make_executor`` picks one."""
 
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from neffbuild.compiler.worker import KILLED, TIMEOUT, Job, run_job, warm_up
+from neffbuild.compiler import memory_plan
+from neffbuild.compiler.jobs import KILLED, TIMEOUT, Job, JobResult, failure
+from neffbuild.compiler.ray_executor import RayExecutor
+from neffbuild.compiler.worker import run_job, warm_up
 
 
 class LocalExecutor:
@@ -29,10 +34,13 @@ class LocalExecutor:
         self.jobs = max(1, int(jobs))
         self.timeout_s = timeout_s
         self.pool: ProcessPoolExecutor | None = None
+        self.workers = self.jobs
+        self.admission = None  # memory_plan.Admission of the last run
+        self.memory_note: str | None = None  # set when host memory held the pool below ``jobs``
 
     def _start(self) -> None:
-        self.pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=multiprocessing.get_context("spawn"))
-        for f in [self.pool.submit(warm_up) for _ in range(self.jobs)]:
+        self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+        for f in [self.pool.submit(warm_up) for _ in range(self.workers)]:
             f.result()
 
     def _kill(self) -> None:
@@ -45,16 +53,19 @@ class LocalExecutor:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.pool = None
 
-    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
-        """Yield one result dict per job, in completion order."""
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[JobResult]:
+        """Yield one result per job, in completion order."""
         pending = list(jobs)
         pending.reverse()  # pop() takes them in the given order
+        gate = self.admission = memory_plan.admission_for(pending, self.jobs)
+        self.workers = gate.workers()
         running: dict = {}
         try:
             self._start()
             while pending or running:
-                while pending and len(running) < self.jobs:
+                while pending and len(running) < self.workers and gate.may_start(pending[-1].label):
                     job = pending.pop()
+                    gate.started(job.label)
                     running[self.pool.submit(run_job, job)] = (job, time.monotonic())
                     if on_start:
                         on_start(job)
@@ -62,25 +73,30 @@ class LocalExecutor:
                 broken = False
                 for fut in done:
                     job, _t0 = running.pop(fut)
+                    gate.finished(job.label)
                     try:
                         yield fut.result()
                     except BrokenProcessPool:
                         broken = True
-                        yield _failure(job, KILLED, "the worker process died (killed by a signal or out of memory)")
+                        yield failure(job, KILLED, "the worker process died (killed by a signal or out of memory)")
                 timed_out = [f for f, (_, t0) in running.items()
                              if self.timeout_s and time.monotonic() - t0 > self.timeout_s]
                 if broken or timed_out:
                     for fut in timed_out:
                         job, _ = running.pop(fut)
-                        yield _failure(job, TIMEOUT, f"compile exceeded {self.timeout_s:.0f}s")
+                        gate.finished(job.label)
+                        yield failure(job, TIMEOUT, f"compile exceeded {self.timeout_s:.0f}s")
                     # Jobs caught in the same pool restart are retried on the new pool.
                     pending.extend(job for job, _ in running.values())
+                    for job, _ in running.values():
+                        gate.finished(job.label)
                     running.clear()
                     self._kill()
                     self._start()
             self.pool.shutdown(wait=True)
             self.pool = None
         finally:
+            self.memory_note = gate.note()
             self._kill()
 
 
@@ -90,7 +106,7 @@ class InlineExecutor:
     jobs = 1
     name = "inline"
 
-    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[JobResult]:
         for job in jobs:
             if on_start:
                 on_start(job)
@@ -103,19 +119,8 @@ EXECUTORS = ("local", "ray")
 def make_executor(name: str, *, jobs: int, cache_root, timeout_s: float | None = None, address: str | None = None,
                   shared_cache: bool = False):
     """The executor called ``name``: the local pool of ``jobs`` workers, or Ray."""
-    if name == "ray":
-        from neffbuild.compiler.ray_executor import RayExecutor
-
+    if name == "ray":  # Ray itself is imported when a RayExecutor is made (an optional extra)
         return RayExecutor(cache_root=cache_root, address=address, shared_cache=shared_cache, timeout_s=timeout_s)
     if name != "local":
         raise ValueError(f"unknown executor {name!r}")
     return LocalExecutor(jobs, timeout_s=timeout_s)
-
-
-def _failure(job: Job, kind: str, message: str) -> dict:
-    try:
-        with open(job.log_path, "a") as log:
-            log.write(f"\n== {kind}: {message}\n")
-    except OSError:
-        pass
-    return {"label": job.label, "status": "failed", "kind": kind, "error": message, "hit": False, "log": job.log_path}

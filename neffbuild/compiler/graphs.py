@@ -11,103 +11,38 @@ tracing and compiling).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 
 from neffbuild import registry
-from neffbuild.models.eagle3 import weights as draft_weights
-from neffbuild.models.eagle3.config import Eagle3Config
-from neffbuild.models.eagle3.draft import Eagle3Draft
-from neffbuild.runtime import parallel, world
-from neffbuild.runtime.buckets import table_width
+from neffbuild.compiler.graph_spec import (  # noqa: F401  (torch-free; re-exported)
+    GraphSpec,
+    TargetGraph,
+    draft_config_for,
+    kv_layout_for,
+    layout_for,
+    spec_for,
+    target_graph,
+    target_graph_from,
+)
+from neffbuild.runtime import parallel, step_inputs, world
 from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
-from neffbuild.runtime.kv_cache import KVLayout
 
 
-@dataclass(frozen=True)
-class GraphSpec:
-    """Everything that shapes one compiled graph (picklable, sent to workers)."""
-
-    arch: str
-    hf_config: dict
-    family: str
-    batch: int
-    ctx: int
-    query_len: int
-    block_size: int
-    num_blocks: int
-    num_swa: int
-    fp8_packed_kv: bool
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-    draft_hf_config: dict | None = None  # EAGLE3 recipes: the draft's config (aux layers, widths)
-    num_speculative_tokens: int = 0
-    draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
-
-    @property
-    def config(self):
-        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
-
-    @property
-    def draft_config(self) -> Eagle3Config | None:
-        return None if self.draft_hf_config is None else Eagle3Config.from_hf_dict(self.draft_hf_config, self.config)
-
-    @property
-    def layout(self) -> parallel.ParallelLayout:
-        return parallel.ParallelLayout(self.tp, self.dp, self.ep)
-
-    def kv_layout(self) -> KVLayout:
-        return _kv_layout(self.config, self.draft_config, self.num_blocks, self.block_size, self.fp8_packed_kv,
-                          self.layout)
+def dims(graph: TargetGraph) -> step_inputs.Dims:
+    """The shape inputs of the step-input table (runtime/step_inputs.py) for one target."""
+    return step_inputs.Dims(graph.batch, graph.ctx, graph.query_len, graph.block_size, graph.num_swa,
+                            graph.kv_layout().to_json(), hidden_size=graph.config.hidden_size,
+                            sharded=graph.parallel.sharded)
 
 
-def spec_for(recipe, target) -> GraphSpec:
-    s = recipe.speculative
-    own_embed = bool(s and s.draft_checkpoint and draft_weights.has_own_embed(s.draft_checkpoint))
-    return GraphSpec(recipe.model.arch, recipe.model.hf_config, target.family, target.batch, target.ctx,
-                     target.query_len, recipe.block_size, recipe.num_blocks, recipe.num_swa, recipe.fp8_packed_kv,
-                     recipe.tp, recipe.dp, recipe.ep, draft_hf_config=s.draft_hf_config if s else None,
-                     num_speculative_tokens=recipe.num_speculative_tokens, draft_own_embed=own_embed)
+def _example(inp: step_inputs.Input, d: step_inputs.Dims) -> torch.Tensor:
+    return torch.full(inp.shape(d), inp.fill, dtype=getattr(torch, inp.dtype_of(d)))
 
 
-def draft_config_for(recipe) -> Eagle3Config | None:
-    s = recipe.speculative
-    return Eagle3Config.from_hf_dict(s.draft_hf_config, recipe.model.config) if s else None
-
-
-def layout_for(recipe) -> parallel.ParallelLayout:
-    return parallel.ParallelLayout(recipe.tp, recipe.dp, recipe.ep)
-
-
-def kv_layout_for(recipe) -> KVLayout:
-    """One rank's KV layout (its KV heads; the EAGLE3 draft's group is not sharded)."""
-    return _kv_layout(recipe.model.config, draft_config_for(recipe), recipe.num_blocks, recipe.block_size,
-                      recipe.fp8_packed_kv, layout_for(recipe))
-
-
-def _kv_layout(cfg, dcfg: Eagle3Config | None, num_blocks: int, block_size: int, fp8_packed_kv: bool,
-               par) -> KVLayout:
-    # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too).
-    local = registry.arch_of(cfg).get("local_config")(cfg, par)  # this rank's KV heads
-    return KVLayout(cfg.num_kv_buffers, num_blocks, local.num_key_value_heads, block_size, cfg.head_dim,
-                    fp8=fp8_packed_kv, packed_k=fp8_packed_kv,
-                    draft_kv_heads=dcfg.num_key_value_heads if dcfg else 0, draft_head_dim=dcfg.head_dim if dcfg else 0)
-
-
-def draft_example_inputs(spec: GraphSpec) -> tuple:
-    B, q, layout = spec.batch, spec.query_len, spec.kv_layout()
-    long = {"dtype": torch.long}
-    return (
-        torch.zeros(B, q, **long),  # input_ids
-        torch.zeros(B, q, **long),  # positions
-        torch.zeros(B, q, 3 * spec.config.hidden_size),  # hidden (the target's aux states)
-        torch.zeros(B, **long),  # num_valid
-        torch.zeros(B, table_width(spec.ctx, spec.block_size), **long),  # block_table
-        torch.full((B * q,), -1, **long),  # slot_mapping
-        torch.zeros(layout.draft_buffer_shape, dtype=layout.graph_dtype),  # kv_cache (the draft's group)
-    )
+def draft_example_inputs(graph: TargetGraph) -> tuple:
+    d = dims(graph)
+    return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS)
 
 
 @contextlib.contextmanager
@@ -127,29 +62,17 @@ def placeholder_groups(par: parallel.ParallelLayout):
             _unregister_process_group(name)
 
 
-def example_inputs(spec: GraphSpec, *, caches: bool = True) -> tuple:
+def example_inputs(graph: TargetGraph, *, caches: bool = True) -> tuple:
     """Zeroed inputs of the target's shapes (pad write slots); ``caches=False`` leaves the KV caches out."""
-    if spec.family == DRAFT:
-        return draft_example_inputs(spec)
-    B, q = spec.batch, spec.query_len
-    layout = spec.kv_layout()
-    long = {"dtype": torch.long}
-    return (
-        torch.zeros(B, q, **long),  # input_ids
-        torch.zeros(B, q, **long),  # positions
-        torch.zeros(B, table_width(spec.ctx, spec.block_size), **long),  # block_table
-        torch.zeros(B, max(spec.num_swa, 1), **long),  # block_table_swa
-        torch.zeros(B, **long),  # swa_kv_pos_offset
-        torch.full((B * q,), -1, **long),  # slot_mapping
-        torch.full((B * q,), -1, **long),  # slot_mapping_swa
-        tuple(torch.zeros(layout.buffer_shape, dtype=layout.graph_dtype) for _ in range(layout.num_buffers))
-        if caches else None,
-    ) + ((parallel.rank_tensor(0),) if spec.layout.sharded else ())
+    if graph.family == DRAFT:
+        return draft_example_inputs(graph)
+    d = dims(graph)
+    kv = tuple(_example(step_inputs.KV_CACHES, d) for _ in range(d.kv_layout["num_buffers"])) if caches else None
+    rank = (parallel.rank_tensor(0),) if d.sharded else ()
+    return tuple(_example(i, d) for i in step_inputs.STEP_INPUTS) + (kv,) + rank
 
 
-INPUT_NAMES = ("input_ids", "positions", "block_table", "block_table_swa", "swa_kv_pos_offset", "slot_mapping",
-               "slot_mapping_swa", "kv_caches", "rank")
-DRAFT_INPUT_NAMES = ("input_ids", "positions", "hidden", "num_valid", "block_table", "slot_mapping", "kv_cache")
+INPUT_NAMES, DRAFT_INPUT_NAMES = step_inputs.INPUT_NAMES, step_inputs.DRAFT_INPUT_NAMES
 
 
 def input_signature(inputs: tuple, family: str | None = None) -> list[dict]:
@@ -163,28 +86,28 @@ def input_signature(inputs: tuple, family: str | None = None) -> list[dict]:
     return out
 
 
-def build_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None = None):
+def build_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None = None):
     """(module, example inputs) for one target; placeholder weights unless given."""
-    if spec.family == DRAFT:
-        return _draft_graph(spec, weights)
-    cfg, arch, par = spec.config, registry.arch(spec.arch), spec.layout
+    if graph.family == DRAFT:
+        return _draft_graph(graph, weights)
+    cfg, arch, par = graph.config, registry.arch(graph.arch), graph.parallel
     if weights is None:  # one rank's shapes: every rank runs the same graph on its own shard
         shapes = arch.get("rank_shapes")(cfg, par)
         weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
     # EAGLE3 target families output the layers the draft fuses (the draft config's, default from the arch).
     aux = None
-    if spec.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
-        aux = spec.draft_config.aux_layers if spec.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
-    module = arch.get("decode")(cfg, weights, packed_k=spec.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
-    return module, example_inputs(spec)
+    if graph.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
+        aux = graph.draft_config.aux_layers if graph.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
+    module = arch.get("decode")(cfg, weights, packed_k=graph.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
+    return module, example_inputs(graph)
 
 
-def _draft_graph(spec: GraphSpec, weights: dict[str, torch.Tensor] | None):
-    dcfg = spec.draft_config
+def _draft_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None):
+    dcfg, method = graph.draft_config, registry.speculative(graph.speculative_method)
     if weights is None:
-        weights = draft_weights.placeholders(dcfg)
-        embed = torch.empty(registry.arch(spec.arch).get("placeholder_shapes")(spec.config)["embed"])
-        weights[draft_weights.DRAFT_EMBED if spec.draft_own_embed else "embed"] = embed
-    module = Eagle3Draft(dcfg, weights, num_speculative_tokens=spec.num_speculative_tokens,
-                         packed_k=spec.fp8_packed_kv).eval()
-    return module, draft_example_inputs(spec)
+        weights = method.get("placeholders")(dcfg)
+        embed = torch.empty(registry.arch(graph.arch).get("placeholder_shapes")(graph.config)["embed"])
+        weights[method.get("embed_name")(graph.draft_own_embed)] = embed
+    module = method.get("draft")(dcfg, weights, num_speculative_tokens=graph.num_speculative_tokens,
+                         packed_k=graph.fp8_packed_kv).eval()
+    return module, draft_example_inputs(graph)

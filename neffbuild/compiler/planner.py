@@ -6,8 +6,8 @@ from neffbuild import settings
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.builder import backend_kwargs
 from neffbuild.compiler.cache import Cache
-from neffbuild.compiler.graphs import spec_for
-from neffbuild.compiler.worker import key_for
+from neffbuild.compiler.graphs import target_graph
+from neffbuild.compiler.worker import graph_summary, key_for
 from neffbuild.errors import BackendUnavailable, NeffbuildError
 
 
@@ -40,12 +40,10 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict
         get_backend(**kwargs)
     except BackendUnavailable as exc:
         return {t.label: {"cache": "unknown", "why": str(exc).split(";")[0]} for t in targets}
-    from neffbuild.compiler.worker import graph_summary
-
     out = {}
     for t in targets:
         backend = get_backend(**dict(kwargs, flags=recipe.flags_for(t.label)))
-        spec = spec_for(recipe, t)
+        spec = target_graph(recipe, t)
         try:
             key, _, signature, _ = key_for(spec, backend)
         except NeffbuildError as exc:

@@ -1,8 +1,8 @@
 """RayExecutor: the same jobs as LocalExecutor, run as Ray tasks on a cluster.
 
 Each target is one task with ``num_cpus`` and a ``memory`` reservation estimated from the
-target (its weights and KV pool, or 1.25x the peak memory a past compile of the same graph
-recorded in the cache), so Ray packs compiles by memory, not by a fixed count. Ray reuses
+target (compiler/memory_plan.py: its weights and KV pool, or 1.25x the peak memory a past
+compile of the same graph recorded in the cache), so Ray packs compiles by memory, not by a fixed count. Ray reuses
 its worker processes, so torch and the compiler stay imported between targets (warm).
 
 Artifacts come back one of two ways:
@@ -13,8 +13,9 @@ Artifacts come back one of two ways:
 - ``shared_cache=True``: every node mounts the cache folder at the same path, tasks use it
   directly (flock per key, atomic publish) and return only metadata.
 
-Either way the driver receives the same result dicts as from LocalExecutor, appends each
-task's log to the bundle's log file and adds ``node`` (where it was built). A task killed
+Either way the driver receives the same ``JobResult``s as from LocalExecutor, appends each
+task's log to the bundle's log file, adds ``node`` (where it was built) and publishes through
+the one ``jobs.publish`` (entry and pre-key), so a warm Ray rebuild traces nothing. A task killed
 for memory (or lost with its node) is retried once with twice the memory; a second loss
 is ``killed_or_oom``. The per-target timeout is counted from submission; at most as many
 tasks as the cluster has CPU slots are in flight, so submitted is (nearly) running.
@@ -24,21 +25,22 @@ Ctrl-C (or any error in the driver) cancels every task before it propagates.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from neffbuild.compiler.executor import _failure
-from neffbuild.compiler.worker import COMPILER_ERROR, ENVIRONMENT, KILLED, TIMEOUT, Job, graph_summary
+import kernels
+import neffbuild
+from neffbuild.compiler import memory_plan
+from neffbuild.compiler.cache import Cache
+from neffbuild.compiler.jobs import COMPILER_ERROR, ENVIRONMENT, KILLED, TIMEOUT, Job, JobResult, failure, publish
+from neffbuild.compiler.memory_plan import BASE_MEMORY, GIB  # noqa: F401  (re-exported)
+from neffbuild.compiler.worker import run_job
 from neffbuild.errors import NeffbuildError
 
-GIB = 1 << 30
-BASE_MEMORY = 2 * GIB  # one compile worker: torch + compiler imported, tracing and codegen of a small graph
-GRAPH_FACTOR = 3  # trace + export + compile each hold a copy of the graph's tensors at some point
-HISTORY_MARGIN = 1.25
 LOG_LIMIT = 8 << 20  # bytes of a task's log shipped back
 
 
@@ -52,34 +54,17 @@ def import_ray():
 
 
 def graph_bytes(job: Job) -> int:
-    """Bytes the traced graph holds: weights (bf16), the KV pool, fp32 attention scores of every layer."""
-    from neffbuild import registry
-
-    g, cfg = job.graph, job.graph.config
-    shapes = registry.arch(g.arch).get("placeholder_shapes")(cfg)
-    weights = sum(2 * math.prod(s) for s in shapes.values())
-    kv = g.kv_layout()
-    scores = 4 * g.batch * g.query_len * g.ctx * cfg.num_attention_heads * cfg.num_hidden_layers
-    return weights + kv.num_buffers * math.prod(kv.buffer_shape) * (1 if kv.fp8 else 2) + scores
+    """Bytes the traced graph holds (compiler/memory_plan.py)."""
+    return memory_plan.graph_bytes(job.graph)
 
 
 def estimate_memory(job: Job, history: list[dict]) -> int:
     """Memory to reserve for one compile: from past compiles of the same graph, else from its size."""
-    summary = graph_summary(job.graph)
-    past = [m["peak_rss_bytes"] for m in history
-            if m.get("peak_rss_bytes") and m.get("graph") == summary and m.get("label") == job.label]
-    if past:
-        return int(max(past) * HISTORY_MARGIN)
-    return BASE_MEMORY + GRAPH_FACTOR * graph_bytes(job)
+    return memory_plan.estimate_rss(job.graph, job.label, history)[0]
 
 
 def build_remote(job: Job, shared: bool, index: dict) -> dict:
     """Runs in a Ray worker: one job, its log text and (object-store mode) the artifact's bytes."""
-    import tempfile
-
-    from neffbuild.compiler.cache import Cache
-    from neffbuild.compiler.worker import run_job
-
     with tempfile.TemporaryDirectory(prefix="neffbuild-ray-") as scratch:
         log = os.path.join(scratch, "target.log")
         cache_root = job.cache_root if shared else os.path.join(scratch, "cache")
@@ -88,8 +73,8 @@ def build_remote(job: Job, shared: bool, index: dict) -> dict:
         out = {"result": result, "node": socket.gethostname()}
         with open(log, "rb") as f:
             out["log"] = f.read()[-LOG_LIMIT:].decode(errors="replace")
-        if not shared and result["status"] == "ok" and not result["hit"]:
-            entry = Cache(local.cache_root).get(result["cache_key"])
+        if not shared and result.ok and not result.hit:
+            entry = Cache(local.cache_root).get(result.cache_key)
             out["artifact_bytes"], out["meta"] = entry.path.read_bytes(), entry.meta
         return out
 
@@ -103,7 +88,7 @@ class RayExecutor:
         self.cache_root, self.address, self.shared = Path(cache_root), address, shared_cache
         self.timeout_s, self.num_cpus = timeout_s, num_cpus
 
-    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[dict]:
+    def run(self, jobs: Iterable[Job], on_start: Callable[[Job], None] | None = None) -> Iterator[JobResult]:
         """Yield one result dict per job, in completion order (LocalExecutor's contract)."""
         started_here = self._connect()
         try:
@@ -119,9 +104,6 @@ class RayExecutor:
             return False
         kwargs = {"include_dashboard": False, "log_to_driver": False}
         if self.address:  # nodes of a real cluster may not have this checkout: ship the packages
-            import kernels
-            import neffbuild
-
             pkgs = [str(Path(m.__file__).parent) for m in (neffbuild, kernels)]
             ray.init(address=self.address, runtime_env={"py_modules": pkgs}, **kwargs)
         else:  # Ray lowers its workers' priority by default; compiles are the build's work, not background work
@@ -133,8 +115,6 @@ class _Run:
     """One build's task bookkeeping: submit, wait, retry, time out, cancel."""
 
     def __init__(self, ex: RayExecutor, jobs: list[Job], on_start):
-        from neffbuild.compiler.cache import Cache
-
         self.ex, self.ray, self.on_start = ex, ex.ray, on_start
         self.cache = Cache(ex.cache_root).ensure()
         history = self.cache.list()
@@ -150,7 +130,7 @@ class _Run:
         # A reservation above every node's memory would wait forever: cap it at the largest node.
         self.largest = max((n["Resources"].get("memory", 0) for n in self.ray.nodes() if n.get("Alive")), default=0)
 
-    def results(self) -> Iterator[dict]:
+    def results(self) -> Iterator[JobResult]:
         try:
             while self.pending or self.running:
                 while self.pending and len(self.running) < self.capacity:
@@ -174,8 +154,8 @@ class _Run:
         if self.on_start and attempt == 0:
             self.on_start(job)
 
-    def _collect(self, ref) -> dict | None:
-        """The job's result dict, or None when it was resubmitted."""
+    def _collect(self, ref) -> JobResult | None:
+        """The job's result, or None when it was resubmitted."""
         exc_mod = self.ray.exceptions
         job, _, attempt = self.running.pop(ref)
         try:
@@ -187,30 +167,32 @@ class _Run:
                 self._submit(job, attempt=1)
                 return None
             why = f"the Ray task died twice (last: {type(exc).__name__}: killed or out of memory)"
-            return _failure(job, KILLED, why)
+            return failure(job, KILLED, why)
         except exc_mod.RayError as exc:  # run_job never raises: this is the cluster, not the compiler
-            return _failure(job, ENVIRONMENT, f"Ray task failed: {type(exc).__name__}: {str(exc)[:500]}")
+            return failure(job, ENVIRONMENT, f"Ray task failed: {type(exc).__name__}: {str(exc)[:500]}")
         return self._finish(job, out)
 
-    def _finish(self, job: Job, out: dict) -> dict:
-        res = dict(out["result"], log=job.log_path, node=out["node"])
+    def _finish(self, job: Job, out: dict) -> JobResult:
+        """The task's result in the driver's terms: its log appended here, its artifact (bytes shipped
+        back, or the driver's own entry on a driver hit) published with its pre-key (compiler/jobs.py)."""
+        res = out["result"].replace(log=job.log_path, node=out["node"])
         _note(job, out["log"])
-        if res["status"] != "ok" or self.ex.shared:
-            return res
-        key = res["cache_key"]
-        with self.cache.lock(key):
-            entry = self.cache.get(key)
-            if entry is None and "artifact_bytes" in out:
-                tmp = self.cache.new_tmp(key)
-                path = tmp / Path(out["meta"]["file"]).name
-                path.write_bytes(out["artifact_bytes"])
-                meta = {k: v for k, v in out["meta"].items() if k not in ("key", "file", "bytes", "sha256", "created")}
-                entry = self.cache.publish(key, tmp, path, meta)
-        if entry is None:
-            return _failure(job, COMPILER_ERROR, f"cache entry {key} vanished from the driver's cache during the build")
-        return dict(res, artifact=str(entry.path))
+        if not res.ok or self.ex.shared:
+            return res  # shared cache: the task published the entry and its pre-key itself
 
-    def _timeouts(self) -> Iterator[dict]:
+        def produce(tmp: Path):
+            path = tmp / Path(out["meta"]["file"]).name
+            path.write_bytes(out["artifact_bytes"])
+            drop = ("key", "file", "bytes", "sha256", "created")  # the cache writes these itself
+            return path, {k: v for k, v in out["meta"].items() if k not in drop}
+
+        entry = publish(self.cache, res.cache_key, res.pre_key, produce if "artifact_bytes" in out else None)
+        if entry is None:
+            return failure(job, COMPILER_ERROR,
+                           f"cache entry {res.cache_key} vanished from the driver's cache during the build")
+        return res.replace(artifact=str(entry.path))
+
+    def _timeouts(self) -> Iterator[JobResult]:
         if not self.ex.timeout_s:
             return
         now = time.monotonic()
@@ -218,7 +200,7 @@ class _Run:
             if now - t0 > self.ex.timeout_s:
                 self.ray.cancel(ref, force=True)
                 del self.running[ref]
-                yield _failure(job, TIMEOUT, f"compile exceeded {self.ex.timeout_s:.0f}s")
+                yield failure(job, TIMEOUT, f"compile exceeded {self.ex.timeout_s:.0f}s")
 
 
 def _note(job: Job, text: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from neffbuild.compiler.graphs import DRAFT, GraphSpec, example_inputs
+from neffbuild.compiler.graphs import DRAFT, TargetGraph, example_inputs
 from neffbuild.errors import BuildFailed
 
 
@@ -22,7 +22,7 @@ class LoadFailed(BuildFailed):
     """A compiled artifact failed to load, bind the bundle's weights, or run one step."""
 
 
-def _inputs(spec: GraphSpec) -> tuple:
+def _inputs(spec: TargetGraph) -> tuple:
     if spec.family == DRAFT:  # the draft's own KV group (one layer): zeroed in full
         return example_inputs(spec)
     args = list(example_inputs(spec, caches=False))
@@ -34,7 +34,7 @@ def _inputs(spec: GraphSpec) -> tuple:
     return tuple(args)
 
 
-def smoke_run(backend, artifact: Path, spec: GraphSpec, weights: dict[str, torch.Tensor]) -> None:
+def smoke_run(backend, artifact: Path, spec: TargetGraph, weights: dict[str, torch.Tensor]) -> None:
     """Raise LoadFailed unless the artifact loads with ``weights`` and returns finite logits of the right shape."""
     try:
         runner = backend.load(Path(artifact), weights)

@@ -1,27 +1,17 @@
 """Rules for a model config block (the target's and the draft's): strict types, sizes that fit.
 
-Every integer has an upper bound, so nothing downstream allocates from a hostile number (a list
-of 10**30 layer types, a 10**400 vocabulary); floats are finite real numbers; ``rope_parameters``
-is checked key by key. Used by ``validator.py`` for ``model.config`` and
-``speculative.draft.config``.
+Every integer has an upper bound (the architecture's ``field_limits`` registry part), so nothing
+downstream allocates from a hostile number (a list of 10**30 layer types, a 10**400 vocabulary);
+floats are finite real numbers; ``rope_parameters`` is checked key by key. Used by
+``model_rules.py`` for ``model.config`` and ``speculative.draft.config``.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 
-from neffbuild.errors import NO_VALUE
+from neffbuild.errors import NO_VALUE, did_you_mean
 
-INT64_MAX = 2**63 - 1
-# Upper bounds: generous for real models (GPT-OSS-120B is far below each), small enough for memory.
-INT_LIMITS = {
-    "hidden_size": 2**16, "intermediate_size": 2**18, "num_hidden_layers": 1024, "num_attention_heads": 1024,
-    "num_key_value_heads": 1024, "head_dim": 1024, "num_local_experts": 4096, "num_experts_per_tok": 4096,
-    "vocab_size": 2**22, "max_position_embeddings": 2**24, "sliding_window": 2**24,
-}
-FLOAT_RULES = {"rms_norm_eps": (0.0, 1.0), "swiglu_alpha": (0.0, 1e6), "swiglu_limit": (0.0, 1e6),
-               "rope_theta": (0.0, 1e12)}
 ROPE_FLOATS = {"factor": (0.0, 1e6), "beta_fast": (0.0, 1e6), "beta_slow": (0.0, 1e6), "rope_theta": (0.0, 1e12),
                "attention_factor": (0.0, 1e6), "mscale": (0.0, 1e6), "mscale_all_dim": (0.0, 1e6)}
 ROPE_TYPES = ("yarn", "default")
@@ -50,8 +40,7 @@ def check_rope(v, rope, path: str) -> bool:
     ok = True
     for key, value in rope.items():
         if key not in ROPE_KEYS:
-            hint = difflib.get_close_matches(str(key), sorted(ROPE_KEYS), n=1)
-            v.err(f"{path}.{key}", NO_VALUE, "unknown key" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+            v.err(f"{path}.{key}", NO_VALUE, "unknown key" + did_you_mean(key, ROPE_KEYS))
             ok = False
         elif key in ROPE_FLOATS:
             ok &= check_float(v, value, f"{path}.{key}", *ROPE_FLOATS[key])
@@ -71,16 +60,20 @@ def check_rope(v, rope, path: str) -> bool:
     return ok
 
 
-def check_numbers(v, hf: dict, path: str, config_cls) -> bool:
-    """Every int field of the architecture's config in range, floats finite, rope block valid, layer_types bounded."""
+def check_numbers(v, hf: dict, path: str, config_cls, limits: tuple[dict, dict]) -> bool:
+    """Every int field of the architecture's config in range, floats finite, rope block valid, layer_types bounded.
+
+    ``limits``: the architecture's ``field_limits()`` registry part (int bounds, float ranges).
+    """
+    int_limits, float_rules = limits
     ok = True
     for key in config_cls.INT_FIELDS:
-        if key in hf and v.check_int(hf[key], f"{path}.{key}", maximum=INT_LIMITS.get(key, 2**31 - 1)) is None:
+        if key in hf and v.check_int(hf[key], f"{path}.{key}", maximum=int_limits.get(key, 2**31 - 1)) is None:
             ok = False
     sw = hf.get("sliding_window")
-    if sw is not None and v.check_int(sw, f"{path}.sliding_window", maximum=INT_LIMITS["sliding_window"]) is None:
+    if sw is not None and v.check_int(sw, f"{path}.sliding_window", maximum=int_limits["sliding_window"]) is None:
         ok = False
-    for key, (lo, hi) in FLOAT_RULES.items():
+    for key, (lo, hi) in float_rules.items():
         if key in hf:
             ok &= check_float(v, hf[key], f"{path}.{key}", lo, hi)
     for key in ("rope_parameters", "rope_scaling"):
@@ -88,9 +81,9 @@ def check_numbers(v, hf: dict, path: str, config_cls) -> bool:
             ok &= check_rope(v, hf[key], f"{path}.{key}")
     types = hf.get("layer_types")
     sliding, full = config_cls.SLIDING, config_cls.FULL
-    if types is not None and (not isinstance(types, list) or len(types) > INT_LIMITS["num_hidden_layers"]
+    most = int_limits["num_hidden_layers"]
+    if types is not None and (not isinstance(types, list) or len(types) > most
                               or any(t not in (sliding, full) for t in types)):
-        v.err(f"{path}.layer_types", types, f"must be a list of {sliding!r} / {full!r} (at most "
-              f"{INT_LIMITS['num_hidden_layers']} entries)")
+        v.err(f"{path}.layer_types", types, f"must be a list of {sliding!r} / {full!r} (at most {most} entries)")
         ok = False
     return ok

@@ -1,14 +1,14 @@
 """Validation rules for the ``parallel`` section (tp, dp, ep) and what each backend can build.
 
 World = tp x dp ranks; attention heads split over TP (KV heads split, or replicated when
-there are fewer than tp), experts over EP groups of ``ep`` ranks taken from the world.
+there are fewer than tp), experts over EP groups of ``ep`` ranks taken from the world. A
+backend's own limits are its ``layout_rule`` registry part (compiler/backends/neuron_rules.py).
 """
 
 from __future__ import annotations
 
-# Physical NeuronCores of the largest instance per target (trn1.32xlarge, trn2.48xlarge): a TP
-# group's in-graph collectives stay inside one instance, so tp x lnc must fit in it.
-NEURON_CORES_PER_INSTANCE = {"trn1": 32, "trn2": 128}
+from neffbuild import registry
+from neffbuild.runtime.parallel import ParallelLayout
 
 
 def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
@@ -32,26 +32,15 @@ def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
 def _backend_limits(err, tp: int, compiler: dict, lnc: int) -> None:
     """The backend's own layout rule, named in the registry (inductor has none: it builds any
     valid layout, collectives over gloo on CPU, NCCL on CUDA)."""
-    from neffbuild import registry
-
     entry = registry.BACKENDS.get(compiler.get("backend"))
     if entry is not None and "layout_rule" in entry.parts:
         entry.get("layout_rule")(err, tp, compiler, lnc)
 
 
-def neuron_instance_limit(err, tp: int, compiler: dict, lnc: int) -> None:
-    """A TP group must fit the NeuronCores of one instance."""
-    cores = NEURON_CORES_PER_INSTANCE.get(compiler.get("target"))
-    if cores and tp * lnc > cores:
-        err("parallel.tp", tp, f"tp x neuron_config.lnc ({tp * lnc}) must fit the {cores} NeuronCores of one "
-                               f"{compiler.get('target')} instance (the neuron backend cannot build a TP group across "
-                               "instances)")
-
-
 def layout_json(recipe) -> dict:
     """The layout as validate/plan --json report it, with what one rank holds."""
     tp, dp, ep, cfg = recipe.tp, recipe.dp, recipe.ep, recipe.model.config
-    combine = "none" if ep == 1 else ("all_reduce" if tp % ep == 0 else "gather_reduce_scatter")
+    combine = ParallelLayout(tp, dp, ep).ep_combine  # the runtime's one rule
     return {"tp": tp, "dp": dp, "ep": ep, "world_size": tp * dp, "ep_groups": tp * dp // ep, "ep_combine": combine,
             "sharded": tp > 1 or ep > 1,
             "per_rank": {"attention_heads": cfg.num_attention_heads // tp,

@@ -16,10 +16,10 @@ import importlib
 _EXPORTS = {
     "open_bundle": "bundle", "Bundle": "bundle",
     "Stepper": "step", "StepBatch": "step", "StepOutput": "step", "Artifacts": "step",
-    "StepPlan": "dispatch", "GridSpec": "dispatch", "plan_step": "dispatch", "label": "dispatch",
+    "StepPlan": "dispatch", "Grid": "dispatch", "plan_step": "dispatch", "label": "dispatch",
     "BlockManager": "blocks", "KVGroup": "blocks", "kv_groups": "blocks", "blocks_needed": "blocks",
     "min_pool_blocks": "blocks", "FULL_GROUP": "blocks", "SLIDING_GROUP": "blocks", "NULL_BLOCK": "blocks",
-    "KVLayout": "kv_cache", "allocate": "kv_cache",
+    "KVLayout": "kv_layout", "allocate": "kv_cache",
     "KVAgent": "kv_ingest", "KVRegions": "kv_ingest", "register_regions": "kv_ingest", "layer_buffers": "kv_ingest",
     "DIPrompt": "di_prompt", "di_prompt": "di_prompt",
 }
@@ -27,7 +27,7 @@ _ERRORS = ("NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBund
            "StepInputError", "KVTransferError", "NixlUnavailable")
 
 __all__ = [  # noqa: RUF022 - grouped as above: runtime names, then errors
-    "open_bundle", "Bundle", "Stepper", "StepBatch", "StepOutput", "Artifacts", "StepPlan", "GridSpec", "plan_step",
+    "open_bundle", "Bundle", "Stepper", "StepBatch", "StepOutput", "Artifacts", "StepPlan", "Grid", "plan_step",
     "label", "BlockManager", "KVGroup", "kv_groups", "blocks_needed", "min_pool_blocks", "FULL_GROUP",
     "SLIDING_GROUP", "NULL_BLOCK", "KVLayout", "allocate",
     "KVAgent", "KVRegions", "register_regions", "layer_buffers", "DIPrompt", "di_prompt",

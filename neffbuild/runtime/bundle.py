@@ -15,12 +15,10 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from neffbuild.errors import BundleError, IncompatibleBundle, ShapeNotCovered
+from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import aoti_package, layout, loaders, manifest_schema, parallel, signature, weights_file, world
-from neffbuild.runtime.dispatch import GridSpec
-from neffbuild.runtime.kv_cache import KVLayout
-from neffbuild.runtime.manifest_schema import Problem
+from neffbuild.runtime import aoti_package, loaders, manifest_schema, parallel, paths, signature, weights_file, world
+from neffbuild.runtime.graph_inputs import GraphInputs
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_DEPTH = 32
@@ -31,7 +29,7 @@ __all__ = ["Bundle", "Problem", "check", "open_bundle", "read_manifest", "safe_p
 def safe_path(root: Path, rel: object) -> Path:
     """Resolve a manifest path inside the bundle, refusing escapes and symlinks."""
     if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
-        raise BundleError(f"{root}: manifest path {manifest_schema.short(rel)} is not a relative POSIX path")
+        raise BundleError(f"{root}: manifest path {short_repr(rel)} is not a relative POSIX path")
     pure = PurePosixPath(rel)
     if pure.is_absolute() or ".." in pure.parts:
         raise BundleError(f"{root}: manifest path {rel!r} points outside the bundle")
@@ -53,9 +51,9 @@ def _no_duplicate_keys(pairs: list) -> dict:
 
 
 def _manifest_bytes(root: Path) -> bytes:
-    mpath = root / layout.MANIFEST_PATH
+    mpath = root / paths.MANIFEST_PATH
     if not mpath.is_file() or mpath.is_symlink():
-        raise BundleError(f"{root}: no {layout.MANIFEST_PATH} (a regular file); not a neffbuild bundle")
+        raise BundleError(f"{root}: no {paths.MANIFEST_PATH} (a regular file); not a neffbuild bundle")
     try:
         size = mpath.stat().st_size
         if size > MAX_MANIFEST_BYTES:
@@ -67,7 +65,7 @@ def _manifest_bytes(root: Path) -> bytes:
 
 def read_manifest(root: Path) -> dict:
     """The parsed manifest: bounded size and depth, no duplicate keys, this format and a supported version."""
-    mpath = root / layout.MANIFEST_PATH
+    mpath = root / paths.MANIFEST_PATH
     raw = _manifest_bytes(root)
     try:
         text = raw.decode("utf-8")
@@ -75,14 +73,14 @@ def read_manifest(root: Path) -> dict:
             raise ValueError(f"nested deeper than {MAX_MANIFEST_DEPTH} levels")
         m = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise BundleError(f"{mpath}: unreadable manifest ({manifest_schema.short(str(exc), 160)})") from None
-    if not isinstance(m, dict) or m.get("format") != layout.BUNDLE_FORMAT:
-        got = manifest_schema.short(m.get("format") if isinstance(m, dict) else None)
-        raise IncompatibleBundle(f"{mpath}: format is {got}, expected {layout.BUNDLE_FORMAT!r}")
+        raise BundleError(f"{mpath}: unreadable manifest ({short_repr(str(exc), 160)})") from None
+    if not isinstance(m, dict) or m.get("format") != paths.BUNDLE_FORMAT:
+        got = short_repr(m.get("format") if isinstance(m, dict) else None)
+        raise IncompatibleBundle(f"{mpath}: format is {got}, expected {paths.BUNDLE_FORMAT!r}")
     v = m.get("format_version")
-    if not isinstance(v, int) or isinstance(v, bool) or v not in layout.SUPPORTED_FORMAT_VERSIONS:
-        raise IncompatibleBundle(f"{mpath}: format_version {manifest_schema.short(v)} is not supported by this "
-                                 f"reader (supported: {list(layout.SUPPORTED_FORMAT_VERSIONS)}); rebuild the bundle "
+    if not isinstance(v, int) or isinstance(v, bool) or v not in paths.SUPPORTED_FORMAT_VERSIONS:
+        raise IncompatibleBundle(f"{mpath}: format_version {short_repr(v)} is not supported by this "
+                                 f"reader (supported: {list(paths.SUPPORTED_FORMAT_VERSIONS)}); rebuild the bundle "
                                  "or use the neffbuild that built it")
     return m
 
@@ -93,16 +91,16 @@ def _refuse_constant(name: str):
 
 def digest_problem(root: Path) -> Problem | None:
     """Whether manifest.sha256 holds the sha256 of manifest.json's bytes."""
-    dpath = root / layout.MANIFEST_DIGEST_PATH
+    dpath = root / paths.MANIFEST_DIGEST_PATH
     try:
         line = dpath.read_text(encoding="ascii")[:200] if dpath.is_file() and not dpath.is_symlink() else None
     except (OSError, UnicodeDecodeError):
         line = None
     if line is None:
-        return Problem(layout.MANIFEST_DIGEST_PATH, "missing or unreadable; the manifest is not covered by a digest")
+        return Problem(paths.MANIFEST_DIGEST_PATH, "missing or unreadable; the manifest is not covered by a digest")
     digest = hashlib.sha256(_manifest_bytes(root)).hexdigest()
     if line.split(" ")[0].strip() != digest:
-        return Problem(layout.MANIFEST_PATH, f"sha256 {digest} differs from {layout.MANIFEST_DIGEST_PATH} "
+        return Problem(paths.MANIFEST_PATH, f"sha256 {digest} differs from {paths.MANIFEST_DIGEST_PATH} "
                        "(the manifest was modified or corrupted)")
     return None
 
@@ -115,7 +113,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
         m = read_manifest(root)
         digest = digest_problem(root)
     except BundleError as exc:
-        return [Problem(layout.MANIFEST_PATH, str(exc))]
+        return [Problem(paths.MANIFEST_PATH, str(exc))]
     problems = [digest] if digest else []
     problems += manifest_schema.problems(m)
     if problems:
@@ -154,7 +152,7 @@ def _file_problems(root: Path, files: dict, full: bool) -> list[Problem]:
             problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {info['bytes']}"))
         elif full and sha256_file(p) != info["sha256"]:
             problems.append(Problem(rel, "sha256 mismatch (corrupt or modified)"))
-    for d in (layout.ARTIFACTS_DIR, layout.WEIGHTS_DIR):
+    for d in (paths.ARTIFACTS_DIR, paths.WEIGHTS_DIR):
         folder = root / d
         if folder.is_dir() and not folder.is_symlink():
             for p in sorted(folder.rglob("*")):
@@ -169,19 +167,19 @@ def _parallel_problems(m: dict) -> list[Problem]:
     if par is None:
         return []
     if not isinstance(par, dict) or not isinstance(par.get("pieces"), dict):
-        return [Problem(layout.MANIFEST_PATH, "field 'parallel' must be an object with 'pieces'")]
+        return [Problem(paths.MANIFEST_PATH, "field 'parallel' must be an object with 'pieces'")]
     try:
         lay = parallel.ParallelLayout.from_json(par)
     except (TypeError, ValueError):
-        return [Problem(layout.MANIFEST_PATH, f"parallel: tp/dp/ep must be integers, got {par}")]
+        return [Problem(paths.MANIFEST_PATH, f"parallel: tp/dp/ep must be integers, got {par}")]
     if lay.world_size != par.get("world_size") or min(lay.tp, lay.dp, lay.ep) < 1 or lay.world_size % lay.ep:
-        return [Problem(layout.MANIFEST_PATH, f"parallel: inconsistent {lay} / world_size {par.get('world_size')}")]
+        return [Problem(paths.MANIFEST_PATH, f"parallel: inconsistent {lay} / world_size {par.get('world_size')}")]
     wanted = {n for r in range(lay.world_size) for n in _rank_pieces(lay, r)}
-    problems = [Problem(layout.MANIFEST_PATH, f"parallel.pieces lacks {n!r}")
+    problems = [Problem(paths.MANIFEST_PATH, f"parallel.pieces lacks {n!r}")
                 for n in sorted(wanted - set(par["pieces"]))]
     for name, e in par["pieces"].items():
         if not isinstance(e, dict) or not isinstance(e.get("tensors"), dict) or e.get("file") not in m["files"]:
-            problems.append(Problem(layout.MANIFEST_PATH,
+            problems.append(Problem(paths.MANIFEST_PATH,
                                     f"parallel.pieces.{name}: needs tensors and a file listed in files"))
     return problems
 
@@ -219,15 +217,9 @@ class Bundle:
     def __init__(self, root: Path, manifest: dict, device: str, rank: world.RankContext | None = None):
         self.root, self.manifest, self.device = root, manifest, device
         self.context = rank  # None: an unsharded bundle, any world
-        gi = manifest["graph_inputs"]
-        self.spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]),
-                             gi["max_model_len"], gi["num_speculative_tokens"])
-        kv = gi["kv_layout"]
-        _, nb, h, bs, d = kv["buffer_shape"]
-        draft = kv.get("draft", {}).get("buffer_shape", (0, 0, 0, 0, 0))
-        self.kv_layout = KVLayout(kv["num_buffers"], nb, h, bs, d, fp8=kv["dtype"].startswith("float8"),
-                                  packed_k=kv["packed_k"], draft_kv_heads=draft[2], draft_head_dim=draft[4])
-        self.num_swa = gi["num_swa"]
+        self.graph_inputs = GraphInputs.from_json(manifest["graph_inputs"])
+        self.grid, self.kv_layout = self.graph_inputs.grid, self.graph_inputs.kv_layout
+        self.num_swa = self.graph_inputs.num_swa
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
         self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
         if rank is not None:  # a sharded rank maps the replicated piece plus its own TP and EP pieces, nothing else
@@ -242,9 +234,13 @@ class Bundle:
         return sorted(self.entries)
 
     @property
-    def layout(self) -> parallel.ParallelLayout:
+    def parallel(self) -> parallel.ParallelLayout:
         """The parallel layout the artifacts were compiled for (tp = dp = ep = 1 when unsharded)."""
-        return self.context.layout if self.context else parallel.ParallelLayout.from_json(self.manifest["graph_inputs"])
+        return self.context.layout if self.context else self.graph_inputs.parallel
+
+    # Old names, kept while branches written against them merge (one meaning per word: use grid / parallel).
+    spec = property(lambda self: self.grid)
+    layout = property(lambda self: self.parallel)
 
     @property
     def group(self):

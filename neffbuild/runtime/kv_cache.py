@@ -7,6 +7,7 @@ FP8 K the K half is also viewed as ``[num_blocks, kv_heads, block_size // 2, hea
 Block 0 is the null block: never handed to a request, it absorbs padding rows' reads
 (block allocation: runtime/blocks.py).
 FP8 buffers are passed to compiled graphs as their uint8 bytes (``graph_view``).
+The layout and its byte counts live in ``kv_layout.py`` (torch-free, so ``plan`` sizes pools by it).
 With EAGLE3 the draft has a KV group of its own: one more buffer of the same kind
 (``draft_buffer_shape``, its own heads), addressed through the full-attention group's
 block table, so it needs no block accounting of its own.
@@ -14,53 +15,10 @@ block table, so it needs no block accounting of its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from neffbuild.runtime.blocks import NULL_BLOCK  # noqa: F401  (re-exported: block 0 is the null block)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    num_buffers: int
-    num_blocks: int
-    kv_heads: int
-    block_size: int
-    head_dim: int
-    fp8: bool = False
-    packed_k: bool = False
-    draft_kv_heads: int = 0  # EAGLE3: the draft's own KV group (one buffer); 0 = none
-    draft_head_dim: int = 0
-
-    @property
-    def has_draft(self) -> bool:
-        return self.draft_kv_heads > 0
-
-    @property
-    def draft_buffer_shape(self) -> tuple[int, ...]:
-        """The draft's buffer: same blocks (ids from the full-attention group's table), its own heads."""
-        return (2, self.num_blocks, self.draft_kv_heads, self.block_size, self.draft_head_dim)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self.fp8 else torch.float32
-
-    @property
-    def graph_dtype(self) -> torch.dtype:
-        """What compiled graphs take: FP8 buffers as uint8 bytes (same storage, a free view)."""
-        return torch.uint8 if self.fp8 else torch.float32
-
-    @property
-    def buffer_shape(self) -> tuple[int, ...]:
-        return (2, self.num_blocks, self.kv_heads, self.block_size, self.head_dim)
-
-    def to_json(self) -> dict:
-        out = {"num_buffers": self.num_buffers, "buffer_shape": list(self.buffer_shape),
-               "dtype": str(self.dtype).removeprefix("torch."), "packed_k": self.packed_k}
-        if self.has_draft:
-            out["draft"] = {"num_buffers": 1, "buffer_shape": list(self.draft_buffer_shape), "block_table": "full"}
-        return out
+from neffbuild.runtime.kv_layout import KVLayout  # the layout and its bytes (torch-free)
 
 
 def allocate(layout: KVLayout, device: str = "cpu") -> list[torch.Tensor]:

@@ -4,16 +4,17 @@
 must cover, labels and files that agree, the weights table, and each artifact's recorded input
 signature against the one the runtime will call it with). Each problem names the dotted field.
 The digest file (``manifest.sha256``, in ``sha256sum`` format) covers the manifest's own bytes.
-Standard library and the runtime's pure modules only.
+Standard library, the runtime's pure modules and the shared ``errors.Problem``.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
 
-from neffbuild.runtime import layout
+from neffbuild.errors import Problem
+from neffbuild.errors import short_repr as short
+from neffbuild.runtime import paths, step_inputs
 from neffbuild.runtime.buckets import table_width
 from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_SPEC, label
 
@@ -21,22 +22,6 @@ HEX64 = re.compile(r"[0-9a-f]{64}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MAX_DIM = 2**31 - 1
 KV_DTYPES = {False: "float32", True: "float8_e4m3fn"}  # fp8_packed_kv -> the buffer dtype (kv_cache.KVLayout)
-STEP_INPUTS = ("input_ids", "positions", "block_table", "block_table_swa", "swa_kv_pos_offset", "slot_mapping",
-               "slot_mapping_swa")
-
-
-@dataclass(frozen=True)
-class Problem:
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
-
-
-def short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_int(v, lo: int = 0, hi: int = MAX_DIM) -> bool:
@@ -100,7 +85,7 @@ def _files(c: _Checker, files: dict) -> dict:
         if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and HEX64.fullmatch(info["sha256"])
                 and is_int(info.get("bytes"), 0, 2**62)):
             c.bad(f"files.{rel}", f"got {short(info)}, must be {{sha256: 64 hex digits, bytes: integer >= 0}}")
-        if rel in layout.UNCHECKED_PATHS or rel.split("/")[0] in layout.UNCHECKED_DIRS:
+        if rel in paths.UNCHECKED_PATHS or rel.split("/")[0] in paths.UNCHECKED_DIRS:
             c.bad(f"files.{rel}", "a per-build record must not be listed")
     return files
 
@@ -207,7 +192,7 @@ def _artifacts(c: _Checker, arts: list, gi: dict, files: dict) -> None:
 
 def _artifact_fields(c: _Checker, p: str, a: dict, lab: str, files: dict) -> None:
     f = a.get("file")
-    prefix = f"{layout.ARTIFACTS_DIR}/{lab}."
+    prefix = f"{paths.ARTIFACTS_DIR}/{lab}."
     if not (isinstance(f, str) and f.startswith(prefix) and re.fullmatch(r"[a-z0-9]{1,8}", f[len(prefix):])):
         c.bad(f"{p}.file", f"got {short(f)}, must be {prefix}<ext> (each label has its own file)")
     elif f not in files:
@@ -218,31 +203,22 @@ def _artifact_fields(c: _Checker, p: str, a: dict, lab: str, files: dict) -> Non
         c.bad(f"{p}.cache_key", "must be a string")
 
 
+def dims(gi: dict, batch: int, ctx: int, query_len: int) -> step_inputs.Dims:
+    """The shape inputs of one grid cell from (schema-checked) graph_inputs."""
+    hidden = gi.get("model_config", {}).get("hidden_size", 0)
+    return step_inputs.Dims(batch, ctx, query_len, gi["block_size"], gi["num_swa"], gi["kv_layout"],
+                            hidden_size=int(hidden) if is_int(hidden) else 0,
+                            sharded=gi.get("tp", 1) > 1 or gi.get("ep", 1) > 1)
+
+
 def expected_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[dict]:
-    """The inputs the runtime calls an artifact with (runtime/attn_metadata.py + kv_cache.graph_view)."""
-    kv, bs = gi["kv_layout"], gi["block_size"]
-    long = "int64"
-    shapes = ([batch, query_len], [batch, query_len], [batch, table_width(ctx, bs)], [batch, max(gi["num_swa"], 1)],
-              [batch], [batch * query_len], [batch * query_len])
-    out = [{"name": n, "shape": s, "dtype": long} for n, s in zip(STEP_INPUTS, shapes, strict=True)]
-    graph_dtype = "uint8" if kv["dtype"].startswith("float8") else kv["dtype"]
-    out += [{"name": f"kv_caches[{j}]", "shape": list(kv["buffer_shape"]), "dtype": graph_dtype}
-            for j in range(kv["num_buffers"])]
-    if gi.get("tp", 1) > 1 or gi.get("ep", 1) > 1:  # a sharded graph also takes the rank id (docs/bundle-format.md)
-        out.append({"name": "rank", "shape": [1], "dtype": long})
-    return out
+    """The inputs the runtime calls a target artifact with (the table in runtime/step_inputs.py)."""
+    return step_inputs.signature(dims(gi, batch, ctx, query_len))
 
 
 def expected_draft_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[dict]:
-    """The inputs of an EAGLE3 draft artifact (runtime/spec_inputs.py; docs/bundle-format.md)."""
-    kv, long, hidden = gi["kv_layout"], "int64", 3 * int(gi["model_config"]["hidden_size"])
-    graph_dtype = "uint8" if kv["dtype"].startswith("float8") else kv["dtype"]
-    rows = [("input_ids", [batch, query_len], long), ("positions", [batch, query_len], long),
-            ("hidden", [batch, query_len, hidden], "float32"), ("num_valid", [batch], long),
-            ("block_table", [batch, table_width(ctx, gi["block_size"])], long),
-            ("slot_mapping", [batch * query_len], long),
-            ("kv_cache", list(kv.get("draft", {}).get("buffer_shape", [])), graph_dtype)]
-    return [{"name": n, "shape": s, "dtype": d} for n, s, d in rows]
+    """The inputs of an EAGLE3 draft artifact (runtime/step_inputs.py; docs/bundle-format.md)."""
+    return step_inputs.signature(dims(gi, batch, ctx, query_len), draft=True)
 
 
 def _signature(c: _Checker, p: str, a: dict, gi: dict) -> None:

@@ -10,14 +10,17 @@ reduce-scatter sums the experts' outputs and hands each rank back its own rows.
 
 Compiled graphs name their groups by fixed strings (``TP_GROUP``, ``EP_GROUP``), never by
 rank lists, so one artifact serves every rank: each rank registers ITS groups under those
-names (``join``) before running an artifact. Thin: standard library and torch only.
+names (``join``) before running an artifact. Standard library only at import (torch inside
+``rank_tensor``), so the recipe validator uses the same layout rules without torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 TP_GROUP = "neffbuild_tp"  # the group an attention all-reduce runs over
 EP_GROUP = "neffbuild_ep"  # the group the MoE combine runs over
@@ -78,4 +81,6 @@ class ParallelLayout:
 
 def rank_tensor(rank: int) -> torch.Tensor:
     """The rank id a sharded artifact takes as its last input (it picks the rank's experts)."""
+    import torch  # lazy: ParallelLayout is torch-free (the recipe validator imports it)
+
     return torch.tensor([rank], dtype=torch.long)

@@ -23,9 +23,9 @@ from typing import Protocol
 import torch
 
 from neffbuild.errors import StepInputError
-from neffbuild.runtime import attn_metadata, buckets, dp_sync, spec_inputs
+from neffbuild.runtime import attn_metadata, buckets, dp_sync, draft_inputs
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
-from neffbuild.runtime.dispatch import GridSpec, StepPlan, needs_nospec, plan_draft, plan_synced
+from neffbuild.runtime.dispatch import Grid, StepPlan, needs_nospec, plan_draft, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout, allocate, allocate_draft
 from neffbuild.runtime.metrics import StepMetrics
 
@@ -33,7 +33,7 @@ from neffbuild.runtime.metrics import StepMetrics
 class Artifacts(Protocol):
     """What a Stepper runs: a Bundle satisfies it; serve.eager wraps an eager graph the same way."""
 
-    spec: GridSpec
+    grid: Grid
     kv_layout: KVLayout
     num_swa: int
 
@@ -88,21 +88,25 @@ class Stepper:
                  on_plan: Callable[[StepPlan], None] | None = None, device: str = "cpu", registry=None):
         self.artifacts, self.group, self.on_plan = artifacts, group, on_plan
         self.metrics = StepMetrics(registry)
-        self.spec, self.layout, self.num_swa = artifacts.spec, artifacts.kv_layout, artifacts.num_swa
-        self.kv_caches = list(kv_caches) if kv_caches is not None else allocate(self.layout, device)
-        self.draft_cache = allocate_draft(self.layout, device)  # EAGLE3 bundles: the draft's own KV group
+        self.grid, self.kv_layout, self.num_swa = artifacts.grid, artifacts.kv_layout, artifacts.num_swa
+        self.kv_caches = list(kv_caches) if kv_caches is not None else allocate(self.kv_layout, device)
+        self.draft_cache = allocate_draft(self.kv_layout, device)  # EAGLE3 bundles: the draft's own KV group
+
+    # Old names, kept while branches written against them merge (use grid / kv_layout).
+    spec = property(lambda self: self.grid)
+    layout = property(lambda self: self.kv_layout)
 
     def plan(self, batch: StepBatch) -> StepPlan:
         """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike."""
-        k, R = self.spec.num_speculative_tokens, len(batch.tokens)
+        k, R = self.grid.num_speculative_tokens, len(batch.tokens)
         problem = _problem(batch, k)
         base = buckets.needed_seq([int(n) for n in batch.num_computed]) if R and not problem else 0
         nospec = R > 0 and not problem and needs_nospec(
-            self.spec, base, all_have_drafts=all(len(t) == 1 + k for t in batch.tokens))
+            self.grid, base, all_have_drafts=all(len(t) == 1 + k for t in batch.tokens))
         count, base, nospec, bad = dp_sync.sync_step(R, base, self.group, spec_flags=(nospec, problem is not None))
         if bad:
             raise StepInputError(problem or "another DP rank was handed a malformed step (see its error)")
-        plan = plan_synced(self.spec, batch_count=count, needed_base=base, nospec=bool(nospec), num_reqs=R)
+        plan = plan_synced(self.grid, batch_count=count, needed_base=base, nospec=bool(nospec), num_reqs=R)
         if count == 0:
             plan = replace(plan, any_work=False)
         if self.on_plan is not None:
@@ -122,7 +126,7 @@ class Stepper:
         inputs = attn_metadata.build(
             tokens, torch.tensor([int(n) for n in batch.num_computed], dtype=torch.long), full,
             batch.block_tables.get(SLIDING_GROUP, full), batch=plan.batch, ctx=plan.ctx,
-            block_size=self.layout.block_size, num_swa=self.num_swa)
+            block_size=self.kv_layout.block_size, num_swa=self.num_swa)
         out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.kv_caches))
         self.metrics.record(f"decode_b{plan.batch}", plan.batch, plan.padding)
         logits, aux = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) > 1 else (_first(out), None)
@@ -136,9 +140,9 @@ class Stepper:
         target just verified; ``full_table`` [R, W]: their full-attention block ids (the draft's
         group uses them). Not DP-synced: the draft has no collectives.
         """
-        plan = plan_draft(self.spec, num_reqs=len(rows), max_computed=max_computed)
-        inputs = spec_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
-                                         block_size=self.layout.block_size, hidden_size=rows[0][1].shape[-1])
+        plan = plan_draft(self.grid, num_reqs=len(rows), max_computed=max_computed)
+        inputs = draft_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
+                                         block_size=self.kv_layout.block_size, hidden_size=rows[0][1].shape[-1])
         out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.draft_cache))
         return plan, _first(out)[: len(rows)]
 

@@ -160,7 +160,7 @@ def generate_di(session, port: int, prompts: Sequence[Sequence[int]], max_new_to
     cfg, stepper = session.config, session.stepper
     blocks = session.block_manager()
     agent = KVAgent(f"decode-{os.getpid()}-{next(_REQUEST_IDS)}", stepper.kv_caches, cfg.num_hidden_layers,
-                    packed_fp8=stepper.layout.packed_k)
+                    packed_fp8=stepper.kv_layout.packed_k)
     try:
         agent.connect(port)
         rids, transfers = [], []

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neffbuild.runtime.dispatch import GridSpec
+from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
 
 
@@ -14,7 +14,7 @@ from neffbuild.runtime.kv_cache import KVLayout
 class EagerArtifacts:
     """Every label runs the same eager module (it takes any shape): the oracle for compiled steps."""
 
-    spec: GridSpec
+    grid: Grid
     kv_layout: KVLayout
     num_swa: int
     module: torch.nn.Module

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from neffbuild import registry
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager, kv_groups
-from neffbuild.runtime.dispatch import GridSpec, StepPlan
+from neffbuild.runtime.dispatch import Grid, StepPlan
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.runtime.step import Stepper
@@ -28,17 +28,17 @@ class Session:
 
     def block_manager(self) -> BlockManager:
         """A fresh block manager over the stepper's pool, with the model's KV groups."""
-        layout, cfg = self.stepper.layout, self.config
+        layout, cfg = self.stepper.kv_layout, self.config
         return BlockManager(layout.num_blocks, layout.block_size,
                             kv_groups(cfg.sliding_window if cfg.has_sliding_layers else None))
 
 
-def eager_artifacts(cfg, weights: dict, spec: GridSpec, layout: KVLayout, num_swa: int) -> EagerArtifacts:
+def eager_artifacts(cfg, weights: dict, grid: Grid, layout: KVLayout, num_swa: int) -> EagerArtifacts:
     """The eager graph on ``weights`` for every label (with aux outputs when the grid has EAGLE3 families)."""
     arch = registry.arch_of(cfg)
-    aux = arch.get("aux_layers")(cfg.num_hidden_layers) if spec.num_speculative_tokens else None
+    aux = arch.get("aux_layers")(cfg.num_hidden_layers) if grid.num_speculative_tokens else None
     decode = arch.get("decode")(cfg, weights, packed_k=layout.packed_k, aux_layers=aux).eval()
-    return EagerArtifacts(spec, layout, num_swa, decode)
+    return EagerArtifacts(grid, layout, num_swa, decode)
 
 
 def make_session(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable[[StepPlan], None] | None = None,
@@ -73,7 +73,7 @@ def open_session(bundle, *, reference: bool = False, group=None,
         if ctx is not None:
             raise ValueError("reference=True needs an unsharded bundle; compare a sharded one with "
                              "neffbuild.cli.generate_cmd.run_reference (the joined weights)")
-        artifacts = eager_artifacts(cfg, bundle.weights, bundle.spec, bundle.kv_layout, bundle.num_swa)
+        artifacts = eager_artifacts(cfg, bundle.weights, bundle.grid, bundle.kv_layout, bundle.num_swa)
     if ctx is None:
         return make_session(cfg, bundle.weights, artifacts, group=group, on_plan=on_plan)
     return make_session(cfg, bundle.weights, artifacts, group=bundle.group, on_plan=on_plan, parallel=ctx.layout,

@@ -74,8 +74,8 @@ class SpecLoop:
     def __init__(self, stepper: Stepper, blocks: BlockManager, cfg, dcfg: Eagle3Config, weights: dict, *,
                  proposer: Proposer | None = None):
         self.stepper, self.blocks, self.cfg, self.dcfg, self.weights = stepper, blocks, cfg, dcfg, weights
-        self.spec, self.k = stepper.spec, stepper.spec.num_speculative_tokens
-        self.packed_k = stepper.layout.packed_k
+        self.grid, self.k = stepper.grid, stepper.grid.num_speculative_tokens
+        self.packed_k = stepper.kv_layout.packed_k
         self.target_prefill = registry.arch_of(cfg).get("prefill")
         self.eager_draft = Eagle3Draft(dcfg, weights, num_speculative_tokens=self.k, packed_k=self.packed_k).eval()
         self.proposer = proposer
@@ -148,7 +148,7 @@ class SpecLoop:
         """Draft k tokens for every request with room for a with-spec step after this one."""
         k, ready = self.k, []
         for r in reqs:
-            if r.verified is not None and r.computed + k + 1 <= self.spec.max_model_len:
+            if r.verified is not None and r.computed + k + 1 <= self.grid.max_model_len:
                 ready.append(r)
             else:
                 r.verified = None  # no room: this request runs without spec until it ends
@@ -158,7 +158,7 @@ class SpecLoop:
             self.blocks.reserve(r.rid, r.computed + k + 1, r.computed)
         top = max(r.computed for r in ready)
         if self.proposer is not None:
-            plan = plan_draft(self.spec, num_reqs=len(ready), max_computed=top)
+            plan = plan_draft(self.grid, num_reqs=len(ready), max_computed=top)
             drafts = self.proposer(plan, ready)
         else:
             full = tables_for(self.blocks, [r.rid for r in ready], [r.computed + k + 1 for r in ready])[FULL_GROUP]

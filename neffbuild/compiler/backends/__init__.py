@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from neffbuild import registry
-from neffbuild.compiler.backends.base import Backend
 from neffbuild.errors import BackendUnavailable
+
+if TYPE_CHECKING:  # base.py imports torch; the package stays torch-free for neuron_rules (recipe validation)
+    from neffbuild.compiler.backends.base import Backend
 
 NAMES = tuple(registry.BACKENDS)
 

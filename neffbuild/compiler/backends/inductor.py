@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from neffbuild.compiler.backends.base import Backend
+from neffbuild.compiler.reproducible import normalize_pt2
 from neffbuild.errors import InvalidInput
+from neffbuild.runtime.loaders import load_inductor
 
 
 def parse_flags(flags) -> dict:
@@ -72,14 +74,10 @@ class InductorBackend(Backend):
         self.profile = {"total_s": round(total, 2), "cpp_s": round(sum(s for _, s in cpp), 2),
                         "lowering_s": round(total - sum(s for _, s in cpp), 2),
                         "cpp_builds": [(name, round(s, 2)) for name, s in cpp]}
-        from neffbuild.compiler.reproducible import normalize_pt2
-
         normalize_pt2(path)  # same graph, same bytes: two cold builds give one manifest
         return path
 
     def load(self, path: Path, constants: dict[str, torch.Tensor], device: str = "cpu"):
-        from neffbuild.runtime.loaders import load_inductor
-
         return load_inductor(Path(path), constants, self.fingerprint(), device)
 
     def fingerprint(self) -> dict:

@@ -14,6 +14,7 @@ In the bundle the draft's tensors sit beside the target's in the one weights fil
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from neffbuild.errors import InvalidInput
 from neffbuild.models.eagle3.config import Eagle3Config
+from neffbuild.models.eagle3.shapes import EMBED, has_own_embed, shapes  # noqa: F401  (torch-free; re-exported)
 
 # bundle name -> checkpoint name (q/k/v are concatenated into draft_qkv_w)
 CHECKPOINT_KEYS = {
@@ -38,20 +40,14 @@ CHECKPOINT_KEYS = {
     "draft_d2t": "d2t",
 }
 QKV_KEYS = tuple(f"midlayer.self_attn.{n}_proj.weight" for n in "qkv")
-T2D, EMBED = "t2d", "embed_tokens.weight"
+T2D = "t2d"
 DRAFT_EMBED = "draft_embed"  # only when the checkpoint brings its own embedding
 DRAFT_NAMES = tuple(CHECKPOINT_KEYS) + ("draft_qkv_w",)
 
 
-def shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
-    """Bundle-name shapes of the draft's tensors (without the optional own embedding)."""
-    H, d, I, Vd = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.draft_vocab_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    return {
-        "draft_fc": (H, 3 * H), "draft_ln_embed": (H,), "draft_ln_hidden": (H,), "draft_qkv_w": (qkv, 2 * H),
-        "draft_o_w": (H, cfg.num_attention_heads * d), "draft_ln_mlp": (H,), "draft_gate_w": (I, H),
-        "draft_up_w": (I, H), "draft_down_w": (H, I), "draft_norm": (H,), "draft_lm_head": (Vd, H), "draft_d2t": (Vd,),
-    }
+def embed_name(own_embed: bool) -> str:
+    """The bundle name of the token embedding the draft reads: its own, or the target's."""
+    return DRAFT_EMBED if own_embed else "embed"
 
 
 def placeholders(cfg: Eagle3Config) -> dict[str, torch.Tensor]:
@@ -88,8 +84,6 @@ def random_state_dict(cfg: Eagle3Config, seed: int, std: float = 0.2) -> dict[st
 
 def save_checkpoint(sd: dict[str, torch.Tensor], folder: str | Path, cfg: Eagle3Config) -> Path:
     """Write ``sd`` in the common layout (``model.safetensors`` + ``config.json``)."""
-    import json
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
@@ -149,13 +143,3 @@ def draft_weights(cfg: Eagle3Config, checkpoint: Path | None, random_seed: int |
     if checkpoint is not None:
         return to_bundle(cfg, load_checkpoint(checkpoint), str(checkpoint))
     return to_bundle(cfg, random_state_dict(cfg, random_seed or 0), f"random draft (seed {random_seed})")
-
-
-def has_own_embed(checkpoint: str | Path) -> bool:
-    """Whether a draft checkpoint brings its own token embedding (read from the headers only)."""
-    folder = Path(checkpoint)
-    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]:
-        with safe_open(str(f), framework="pt") as fh:
-            if any(k.removeprefix("model.") == EMBED for k in fh.keys()):  # noqa: SIM118 - not a dict
-                return True
-    return False

@@ -13,17 +13,13 @@ when ep > 1). A rank maps ``shared`` plus its own TP and EP pieces (``piece_name
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from neffbuild.errors import InvalidInput
 from neffbuild.models.gpt_oss.config import GptOssConfig
-from neffbuild.models.gpt_oss.weights import stacked_shapes
+from neffbuild.models.gpt_oss.shapes import EP_SPLIT, TP_SPLIT, local_config, rank_shapes  # noqa: F401 (torch-free)
 from neffbuild.runtime.parallel import ParallelLayout
 
-TP_SPLIT = {"qkv_w": 1, "qkv_b": 1, "o_w": 2, "sinks": 1}  # name -> axis split over TP
-EP_SPLIT = {"gate_up_w": 1, "gate_up_b": 1, "down_w": 1, "down_b": 1}  # name -> axis split over EP
 SHARED = "shared"
 
 
@@ -35,12 +31,6 @@ def check_layout(cfg: GptOssConfig, par: ParallelLayout) -> None:
                            f"{Hk} KV heads")
     if E % par.ep or par.world_size % par.ep:
         raise InvalidInput(f"ep {par.ep} must divide the {E} experts and the world of {par.world_size} ranks")
-
-
-def local_config(cfg: GptOssConfig, par: ParallelLayout) -> GptOssConfig:
-    """The config a rank's attention sees: its query heads and (possibly replicated) KV heads."""
-    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // par.tp,
-                               num_key_value_heads=max(1, cfg.num_key_value_heads // par.tp))
 
 
 def kv_heads_of(cfg: GptOssConfig, par: ParallelLayout, tp_rank: int) -> range:
@@ -106,22 +96,6 @@ def piece_names(par: ParallelLayout, rank: int) -> list[str]:
 def shard(cfg: GptOssConfig, stacked: dict, par: ParallelLayout, rank: int) -> dict[str, torch.Tensor]:
     """All stacked tensors as rank ``rank`` holds them (the union of its pieces)."""
     return {k: v for _, part in iter_pieces(cfg, stacked, par, piece_names(par, rank)) for k, v in part.items()}
-
-
-def rank_shapes(cfg: GptOssConfig, par: ParallelLayout) -> dict[str, tuple[int, ...]]:
-    """Shapes of one rank's stacked tensors (the same on every rank), without any weight."""
-    full = stacked_shapes(cfg)
-    d = cfg.head_dim
-    local = local_config(cfg, par)
-    out = dict(full)
-    q, k = local.num_attention_heads * d, local.num_key_value_heads * d
-    L, H = cfg.num_hidden_layers, cfg.hidden_size
-    out.update(qkv_w=(L, q + 2 * k, H), qkv_b=(L, q + 2 * k), o_w=(L, H, q), sinks=(L, local.num_attention_heads))
-    for name, axis in EP_SPLIT.items():
-        shape = list(full[name])
-        shape[axis] //= par.ep
-        out[name] = tuple(shape)
-    return out
 
 
 def shard_layout(par: ParallelLayout) -> dict[str, dict]:

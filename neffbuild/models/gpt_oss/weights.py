@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from neffbuild.errors import InvalidInput
 from neffbuild.models.gpt_oss.config import GptOssConfig
+from neffbuild.models.gpt_oss.shapes import stacked_shapes  # torch-free; re-exported here
 
 # FP4 (e2m1) code points, indexed by the 4-bit nibble.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -169,17 +170,3 @@ def model_weights(cfg: GptOssConfig, checkpoint: Path | None, random_seed: int |
     """Stacked GK weights from a checkpoint folder or a random seed."""
     sd = load_checkpoint(checkpoint) if checkpoint is not None else random_state_dict(cfg, random_seed or 0)
     return stack(cfg, sd)
-
-
-def stacked_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of the stacked GK tensors, without materialising any weight."""
-    L, H, d, E, I, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.head_dim, cfg.num_local_experts,
-                        cfg.intermediate_size, cfg.vocab_size)
-    Hq, Hk = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return {
-        "embed": (V, H), "norm": (H,), "lm_head": (V, H),
-        "qkv_w": (L, Hq + 2 * Hk, H), "qkv_b": (L, Hq + 2 * Hk),
-        "ln_attn": (L, H), "ln_mlp": (L, H), "sinks": (L, cfg.num_attention_heads),
-        "o_w": (L, H, Hq), "o_b": (L, H), "router_w": (L, E, H), "router_b": (L, E),
-        "gate_up_w": (L, E, H, 2 * I), "gate_up_b": (L, E, 2 * I), "down_w": (L, E, I, H), "down_b": (L, E, H),
-    }

@@ -1,0 +1,114 @@
+"""What shapes one compiled graph (``TargetGraph``), and one rank's KV layout: torch-free.
+
+``compiler/graphs.py`` turns a TargetGraph into a traced module (torch); this module only
+describes it, so ``plan`` (memory, compile RSS) and the executors' memory estimates read a
+target's shapes without importing torch. ``graphs.py`` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neffbuild import memory, registry
+from neffbuild.runtime import parallel
+from neffbuild.runtime.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class TargetGraph:
+    """Everything that shapes one compiled graph (picklable, sent to workers)."""
+
+    arch: str
+    hf_config: dict
+    family: str
+    batch: int
+    ctx: int
+    query_len: int
+    block_size: int
+    num_blocks: int
+    num_swa: int
+    fp8_packed_kv: bool
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    draft_hf_config: dict | None = None  # EAGLE3 recipes: the draft's config (aux layers, widths)
+    num_speculative_tokens: int = 0
+    draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
+    speculative_method: str | None = None  # a registry.SPECULATIVE name, with draft_hf_config
+
+    @property
+    def config(self):
+        return registry.arch(self.arch).get("config").from_hf_dict(self.hf_config)
+
+    @property
+    def draft_config(self):
+        if self.draft_hf_config is None:
+            return None
+        return registry.speculative(self.speculative_method).get("config").from_hf_dict(self.draft_hf_config,
+                                                                                        self.config)
+
+    @property
+    def parallel(self) -> parallel.ParallelLayout:
+        return parallel.ParallelLayout(self.tp, self.dp, self.ep)
+
+    layout = parallel  # the old name, kept while branches written against it merge
+
+    def kv_layout(self) -> KVLayout:
+        return _kv_layout(self.config, self.draft_config, self.num_blocks, self.block_size, self.fp8_packed_kv,
+                          self.parallel)
+
+
+# Old names, kept while branches written against them merge ("spec" now means speculative decoding only).
+GraphSpec = TargetGraph
+
+
+def spec_for(recipe, target) -> TargetGraph:
+    return target_graph(recipe, target)
+
+
+def target_graph_from(gi, family: str, batch: int, ctx: int, query_len: int) -> TargetGraph:
+    """The TargetGraph of one grid cell of an existing bundle (``runtime.graph_inputs.GraphInputs``)."""
+    p = gi.parallel
+    return TargetGraph(gi.arch, gi.model_config, family, batch, ctx, query_len, gi.block_size, gi.num_blocks,
+                     gi.num_swa, gi.fp8_packed_kv, p.tp, p.dp, p.ep, draft_hf_config=gi.draft_config,
+                     num_speculative_tokens=gi.grid.num_speculative_tokens,
+                     speculative_method=next(iter(registry.SPECULATIVE)) if gi.draft_config is not None else None)
+
+
+def target_graph(recipe, target) -> TargetGraph:
+    s = recipe.speculative
+    method = registry.speculative(s.method) if s else None
+    own_embed = bool(s and s.draft_checkpoint and method.get("has_own_embed")(s.draft_checkpoint))
+    return TargetGraph(recipe.model.arch, recipe.model.hf_config, target.family, target.batch, target.ctx,
+                     target.query_len, recipe.block_size, recipe.num_blocks, recipe.num_swa, recipe.fp8_packed_kv,
+                     recipe.tp, recipe.dp, recipe.ep, draft_hf_config=s.draft_hf_config if s else None,
+                     num_speculative_tokens=recipe.num_speculative_tokens, draft_own_embed=own_embed,
+                     speculative_method=s.method if s else None)
+
+
+def draft_config_for(recipe):
+    """The speculative method's draft config (None without a speculative section)."""
+    s = recipe.speculative
+    return registry.speculative(s.method).get("config").from_hf_dict(s.draft_hf_config, recipe.model.config) \
+        if s else None
+
+
+def layout_for(recipe) -> parallel.ParallelLayout:
+    return parallel.ParallelLayout(recipe.tp, recipe.dp, recipe.ep)
+
+
+def kv_layout_for(recipe) -> KVLayout:
+    """One rank's KV layout (its KV heads; the EAGLE3 draft's group is not sharded)."""
+    return _kv_layout(recipe.model.config, draft_config_for(recipe), recipe.num_blocks, recipe.block_size,
+                      recipe.fp8_packed_kv, layout_for(recipe))
+
+
+def _kv_layout(cfg, dcfg, num_blocks: int, block_size: int, fp8_packed_kv: bool, par) -> KVLayout:
+    return memory.kv_layout(cfg, dcfg, num_blocks, block_size, fp8_packed_kv, par)
+
+
+def graph_summary(graph: TargetGraph) -> dict:
+    """The shape fields a cache entry records (``graph``): plan's diff and the memory estimates match on them."""
+    return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
+            "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
+            "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}

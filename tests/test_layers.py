@@ -1,0 +1,168 @@
+"""The house's arrows (DESIGN.md section 2), checked on the AST: every import, at module top or
+inside a function, between neffbuild's parts; no import cycle between modules; the thin runtime
+imports no third-party package but torch, safetensors, nixl and prometheus_client; the CLI
+starts without torch. ``test_a_planted_upward_import_fails`` shows the check bites."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = {"neffbuild", "errors", "settings", "fsutil", "registry"}  # base modules: every part may import them
+# part -> the parts it may import (besides the base modules and itself).
+ALLOWED = {
+    "base": set(),
+    "kernels": set(),
+    "runtime": set(),
+    "models": {"kernels", "runtime"},  # runtime: plain layout types only (tests/test_runtime.py checks the names)
+    "grid": {"runtime"},
+    "recipe": {"runtime", "memory"},  # the pure bucket, block and label math, so a formula exists once
+    "memory": {"runtime"},  # a rank's bytes by the runtime's KV layout (neffbuild/memory.py, torch-free)
+    "recommend": {"grid", "runtime"},
+    "bundle": {"runtime"},
+    "compiler": {"models", "bundle", "kernels", "runtime", "grid", "memory"},
+    "serve": {"models", "runtime"},
+    "bench": {"compiler", "models", "runtime", "serve", "grid"},
+    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory"},
+}
+# torch_neuronx: the neuron loader (runtime/loaders.py), imported lazily on a Neuron host.
+RUNTIME_THIRD_PARTY = {"torch", "safetensors", "nixl", "nixl_cu12", "prometheus_client", "torch_neuronx"}
+
+
+def modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted([*root.glob("neffbuild/**/*.py"), *root.glob("kernels/**/*.py")]):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = path
+    return out
+
+
+def part(module: str) -> str:
+    bits = module.split(".")
+    if bits[0] == "kernels":
+        return "kernels"
+    return "base" if len(bits) == 1 or bits[1] in BASE else bits[1]
+
+
+def imports(path: Path, known: dict) -> set[str]:
+    """Project modules and top-level third-party packages ``path`` imports, anywhere in the file."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name if a.name in known else a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                out.add(full if full in known else node.module if node.module in known
+                        else node.module.split(".")[0])
+    return out
+
+
+def problems(root: Path) -> list[str]:
+    known = modules(root)
+    graph = {m: {i for i in imports(p, known) if i in known and i != m} for m, p in known.items()}
+    out = []
+    for m, targets in graph.items():
+        for t in sorted(targets):
+            src, dst = part(m), part(t)
+            if dst != src and dst != "base" and dst not in ALLOWED[src]:
+                out.append(f"{known[m].relative_to(root)} imports {t}: {src} -> {dst} is not an allowed arrow")
+            if src == "base" and dst == "base" and not (t == "neffbuild.errors" or m == "neffbuild"):
+                out.append(f"{known[m].relative_to(root)} imports {t}: base modules import only errors")
+    for m, p in known.items():
+        if part(m) == "runtime":
+            third = {i for i in imports(p, known) if i not in known and i not in ("neffbuild", "kernels")}
+            bad = sorted(i for i in third if i not in sys.stdlib_module_names and i not in RUNTIME_THIRD_PARTY)
+            out += [f"{p.relative_to(root)} imports {b}: the runtime's only third-party imports are "
+                    f"{sorted(RUNTIME_THIRD_PARTY)}" for b in bad]
+    out += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        x = stack.pop()
+                        on.discard(x)
+                        comp.append(x)
+                        if x == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+            elif w not in index:
+                index[w] = low[w] = counter[0]
+                counter[0] += 1
+                stack.append(w)
+                on.add(w)
+                work.append((w, iter(sorted(graph[w]))))
+            elif w in on:
+                low[v] = min(low[v], index[w])
+    return out
+
+
+def test_every_import_follows_an_allowed_arrow_and_nothing_cycles():
+    assert set(map(part, modules(ROOT))) <= set(ALLOWED), "a new part needs a row in ALLOWED"
+    assert problems(ROOT) == []
+
+
+def _copy(tmp_path: Path) -> Path:
+    for pkg in ("neffbuild", "kernels"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("file", "line", "needle"), [
+    ("neffbuild/runtime/buckets.py", "\ndef _up():\n    from neffbuild.recipe import load\n", "runtime -> recipe"),
+    ("neffbuild/models/gpt_oss/config.py", "\nimport neffbuild.compiler.cache\n", "models -> compiler"),
+    ("neffbuild/runtime/dispatch.py", "\ndef _c():\n    import yaml\n", "imports yaml"),
+    ("neffbuild/compiler/cache.py", "\ndef _c():\n    from neffbuild.compiler import builder\n", "import cycle"),
+])
+def test_a_planted_upward_import_fails(tmp_path, file, line, needle):
+    root = _copy(tmp_path)
+    assert problems(root) == []
+    with open(root / file, "a") as f:
+        f.write(line)
+    found = problems(root)
+    assert found and any(needle in p for p in found), found
+
+
+START = ("import sys, runpy; sys.argv = ['neffbuild', *sys.argv[1:]]\n"
+         "try:\n    runpy.run_module('neffbuild.cli.main', run_name='__main__')\n"
+         "except SystemExit as e:\n    code = e.code\n"
+         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code, file=sys.stderr)")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["validate", "recipes/gpt-oss-tiny.yaml"],
+                                  ["validate", "recipes/gpt-oss-tiny.yaml", "--json"],
+                                  ["plan", "recipes/gpt-oss-tiny.yaml", "--no-cache"], ["cache", "ls"],
+                                  ["compile", "--help"], ["compile", "--no-such-flag"], ["validate"],
+                                  ["inspect", "--help"]])
+def test_the_cli_starts_without_torch(args, tmp_path):
+    res = subprocess.run([sys.executable, "-c", START, *args], capture_output=True, text=True, cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "NEFFBUILD_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path),
+                              "PYTHONPATH": str(ROOT)})
+    assert res.stderr.strip().splitlines()[-1].startswith("NO-TORCH"), res.stderr
