@@ -125,6 +125,17 @@ class BundleError(NeffbuildError):
     """A bundle is malformed, corrupt or tampered with; the message names the file."""
 
 
+class SignatureError(BundleError):
+    """A bundle is unsigned, signed by an untrusted key, or differs from what was signed; names the file or key.
+
+    ``paths``: the bundle files at fault (``model.sig`` itself for a key or format problem).
+    """
+
+    def __init__(self, message: str, paths: tuple[str, ...] = ("model.sig",)):
+        self.paths = tuple(paths)
+        super().__init__(message)
+
+
 class IncompatibleBundle(BundleError):
     """A bundle is well formed but was built for another format or toolchain."""
 

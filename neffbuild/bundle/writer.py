@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from neffbuild.bundle import manifest, paths
+from neffbuild.bundle import manifest, paths, provenance, signing
 from neffbuild.errors import InvalidInput
 from neffbuild.fsutil import pid_alive, sha256_file
 
@@ -29,6 +29,7 @@ class BundleWriter:
     def __init__(self, out_dir: str | Path, name: str, version: str):
         self.out_dir = Path(out_dir)
         self.final = self.out_dir / paths.bundle_dirname(name, version)
+        self.started = time.time()
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             sweep(self.out_dir)
@@ -69,8 +70,9 @@ class BundleWriter:
         return files
 
     def finish(self, recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict,
-               report_context: dict, parallel: dict | None = None) -> Path:
-        """Write the manifest and its digest, then the per-build records; publish with a rename."""
+               report_context: dict, parallel: dict | None = None, sign_key=None) -> Path:
+        """Write the manifest and its digest, then the per-build records (provenance included); with
+        ``sign_key`` sign every file (bundle/signing.py); publish with a rename."""
         self.write_text(paths.RECIPE_PATH, recipe.to_yaml())
         m = manifest.build(recipe, toolchain=toolchain, kv_layout=kv_layout, artifacts=artifacts, weights=weights,
                            files=self.checksums(), parallel=parallel)
@@ -87,6 +89,11 @@ class BundleWriter:
                 "compile_seconds": dict(sorted(seconds.items())),
                 "cache_hits": sorted(k for k, v in report_context.get("hits", {}).items() if v)}
         self.write_text(paths.BUILD_INFO_PATH, json.dumps(info, sort_keys=True, indent=1) + "\n")
+        self.write_text(paths.PROVENANCE_PATH, provenance.dumps(provenance.statement(
+            recipe, m, digest, report_context.get("hits", {}), started=self.started,
+            extra={"executor": report_context.get("executor")})))
+        if sign_key is not None:  # last: the signature covers every other file, provenance included
+            signing.sign(self.tmp, sign_key, name=self.final.name)
         return self.publish()
 
     def publish(self) -> Path:

@@ -9,9 +9,11 @@ from pathlib import Path
 import click
 
 from neffbuild.bundle import recipe_check
+from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
 from neffbuild.runtime import paths
+from neffbuild.runtime.manifest_schema import Problem
 from neffbuild.runtime.manifest_schema import problems as schema_problems
 
 
@@ -77,8 +79,9 @@ def inspect_(bundle_path, as_json, vllm):
     totals = {"artifacts": len(m["artifacts"]), "artifact_bytes": sum(a["bytes"] for a in m["artifacts"]),
               "compile_seconds": round(sum(seconds.values()), 3),
               "bundle_bytes": sum(f["bytes"] for f in m["files"].values())}
+    shipped = ship_cmds.inspect_fields(bundle_path)
     if as_json:
-        echo_json(dict(m, totals=totals, compile_seconds=seconds))
+        echo_json(dict(m, totals=totals, compile_seconds=seconds, **shipped))
         return
     from rich.table import Table
 
@@ -91,6 +94,8 @@ def inspect_(bundle_path, as_json, vllm):
             f"{gi['max_model_len']}; block_size {gi['block_size']}, num_blocks {gi['num_blocks']}, "
             f"num_swa {gi['num_swa']}, fp8_packed_kv {gi['fp8_packed_kv']}, k {gi['num_speculative_tokens']}")
     _print_parallel(c, m)
+    for line in ship_cmds.inspect_lines(shipped):
+        c.print(line, markup=False)
     t = Table()
     for col in ("label", "family", "batch", "ctx", "query_len", "MB", "compile s"):
         t.add_column(col, justify="left" if col in ("label", "family") else "right", no_wrap=col == "label")
@@ -139,16 +144,19 @@ def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
 
 @click.command("verify")
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
+@ship_cmds.trust_option("Also require BUNDLE's signature (model.sig) by this public key over every file.")
 @json_option('Print {"ok": bool, "problems": [{"path", "message"}]}.')
 @click.pass_context
-def verify(ctx, bundle_path, as_json):
+def verify(ctx, bundle_path, trust, as_json):
     """Check the manifest digest and schema, every checksum and each artifact's declared inputs.
 
-    Exit 1 naming each bad file or field.
+    With --trust (or NEFFBUILD_TRUSTED_KEYS) the signature is checked first. Exit 1 naming each
+    bad file or field, or the key.
     """
     from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
 
-    problems = reader.check(Path(bundle_path), full=True)
+    signed = ship_cmds.check_signature(bundle_path, trust)
+    problems = [Problem(path, message) for path, message in signed] or reader.check(Path(bundle_path), full=True)
     problems = problems or recipe_check.problems(Path(bundle_path), reader.read_manifest(Path(bundle_path)))  # + yaml
     if as_json:
         echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})

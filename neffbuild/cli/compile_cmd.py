@@ -186,9 +186,12 @@ def summary_table(res):
 @click.option("--shared-cache", is_flag=True,
               help="With --executor ray: the cache folder is mounted at the same path on every node, so tasks "
                    "read and publish it directly instead of returning artifacts through Ray's object store.")
+@click.option("--sign-key", "sign_key", type=click.Path(dir_okay=False), default=None, metavar="KEY.pem",
+              help="Sign the bundle with this EC private key (PEM) before it is published: model.sig in the "
+                   "OpenSSF model-signing format over every file (see `neffbuild sign`).")
 @json_option('Print {"bundle", "built", "cached", "failed"} on stdout (errors too); progress goes to stderr.')
 def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor, address, shared_cache,
-             as_json):
+             sign_key, as_json):
     """Compile every graph of RECIPE into a versioned bundle under OUT.
 
     Targets build largest first on a pool of warm workers, through a content-addressed
@@ -200,6 +203,11 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     """
     if executor != "ray" and (address or shared_cache):
         raise InvalidInput("--address and --shared-cache need --executor ray")
+    key = None
+    if sign_key:  # a bad key fails now, not after the build
+        from neffbuild.bundle.signing import load_private_key
+
+        key = load_private_key(sign_key)
     r = recipe_mod.load(recipe_path)
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
@@ -212,7 +220,8 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     progress = make_progress()
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
-                             timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache)
+                             timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache,
+                             sign_key=key)
     finally:
         progress.close()
     if as_json:

@@ -14,6 +14,7 @@ import re
 import click
 
 from neffbuild.bundle.recipe_check import verify_fully
+from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import InvalidInput, NeffbuildError
 from neffbuild.fsutil import output_problem, write_output
@@ -59,16 +60,19 @@ def _parse_prompt(text: str) -> list[int]:
 @click.option("--histogram", "histogram_path", type=click.Path(dir_okay=False), default=None,
               help="Write the needed_seq of every decode step as CSV (needed_seq,count), "
                    "the input of `neffbuild recommend`.")
+@ship_cmds.trust_option("Refuse BUNDLE unless its signature by this public key covers every file (checked "
+                        "before anything of the bundle is loaded).")
 @json_option('Print {"tokens", "requests", "steps", "decode_seconds", "tokens_per_second"[, "ranks", "transfers", '
              '"check"]} on stdout (errors too); --spec adds "acceptance_rate".')
 def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, prefill_tp, spec, check, metrics,
-             histogram_path, as_json):
+             histogram_path, trust, as_json):
     """Greedy-generate through BUNDLE's compiled artifacts (prefill runs eagerly).
 
     Each step picks the smallest compiled (batch, context) bucket that covers the live
     batch; requests join at their arrival step and leave at their own max_new_tokens.
     Use --check in CI to accept a bundle before shipping it.
     """
+    ship_cmds.require_signature(bundle_path, trust)  # before any file of the bundle is read
     from neffbuild.serve import requests as reqs_mod
     from neffbuild.serve.result import generate as run
     from neffbuild.serve.result import reference_tokens

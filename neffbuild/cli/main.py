@@ -65,7 +65,7 @@ def _register() -> None:
     import importlib
 
     for name in ("validate_cmd", "plan_cmd", "compile_cmd", "bundle_cmds", "cache_cmds", "generate_cmd",
-                 "recommend_cmd", "bench_cmd"):
+                 "recommend_cmd", "bench_cmd", "ship_cmds"):
         importlib.import_module(f"neffbuild.cli.{name}").register(cli)
 
 

@@ -57,11 +57,12 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
                    timeout_s: float | None = None, executor="local", address: str | None = None,
-                   shared_cache: bool = False) -> BuildResult:
+                   shared_cache: bool = False, sign_key=None) -> BuildResult:
     """Build every target of ``recipe`` into a bundle under ``out_dir``.
 
     ``executor``: "local" (a pool of ``jobs`` workers), "ray" (``address``, ``shared_cache``:
     see compiler/ray_executor.py) or an executor object with ``run(jobs, on_start)``.
+    ``sign_key``: an EC private key; the bundle is signed before it is published (bundle/signing.py).
     """
     progress = progress or Progress()
     started = time.monotonic()
@@ -117,7 +118,7 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         seconds = {r.label: r.compile_seconds for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
             recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
-            weights=weights_entry, parallel=parallel,
+            weights=weights_entry, parallel=parallel, sign_key=sign_key,
             report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3), **_placement(runner, result.results)},
         )

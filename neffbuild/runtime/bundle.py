@@ -17,7 +17,17 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import aoti_package, bundle_gate, loaders, manifest_schema, parallel, paths, weights_file, world
+from neffbuild.runtime import (
+    aoti_package,
+    bundle_gate,
+    loaders,
+    manifest_schema,
+    parallel,
+    paths,
+    signature,
+    weights_file,
+    world,
+)
 from neffbuild.runtime.graph_inputs import GraphInputs
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -294,7 +304,7 @@ def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
 
 
 def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False,
-                group=None) -> Bundle:
+                group=None, trusted_keys=None) -> Bundle:
     """Open a bundle for serving.
 
     verify: "sizes" (default: the manifest digest, every file present with its size), "full"
@@ -308,12 +318,18 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     both); ``group`` is that world when the job holds more processes (default: the whole
     world). Opening it creates and registers the rank's TP and EP groups and maps only the
     rank's weight pieces; ``bundle.group`` is then the group DP sync runs over.
+
+    trusted_keys: PEM public keys (paths or bytes); default ``NEFFBUILD_TRUSTED_KEYS``. When any
+    are given, the bundle's signature (``model.sig``) is verified over every file before anything
+    else of the bundle is read (runtime/signature.py); an unsigned, mis-signed or modified bundle
+    raises SignatureError naming the file or key. None given: no signature is required.
     """
     if verify not in ("sizes", "full", "none"):
         raise ValueError(f"verify must be 'sizes', 'full' or 'none', got {verify!r}")
     root = Path(path)
     if not root.is_dir():
         raise BundleError(f"{root}: not a bundle directory")
+    signature.require(root, trusted_keys)  # before any file of the bundle is parsed or loaded
     manifest = read_manifest(root)
     problems = check(root, full=verify == "full") if verify != "none" else manifest_schema.problems(manifest)
     if problems:

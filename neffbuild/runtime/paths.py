@@ -21,11 +21,18 @@ LOGS_DIR = "logs"
 METRICS_DIR = "metrics"
 COMPILE_METRICS_PATH = "metrics/compile.prom"
 REPORT_PATH = "report.html"
+# Signature file (OpenSSF model-signing format, key mode) over every other file: written by
+# `neffbuild sign` after the bundle is complete; model-signing's default file name.
+SIGNATURE_PATH = "model.sig"
+# SLSA v1 provenance statement (recipe hash, checkpoint digest, toolchain, builder host, cache hits).
+PROVENANCE_PATH = "provenance.json"
 
 # Per-build records: they differ between two builds of the same inputs, so they are not
 # listed in the manifest's checksums (which must be byte-identical for identical inputs).
 # The manifest and its digest cover each other and are not listed either.
-UNCHECKED_PATHS = (MANIFEST_PATH, MANIFEST_DIGEST_PATH, BUILD_INFO_PATH, REPORT_PATH)
+# The signature covers them all (it is written last); provenance names the host, so it is per build.
+UNCHECKED_PATHS = (MANIFEST_PATH, MANIFEST_DIGEST_PATH, BUILD_INFO_PATH, REPORT_PATH, SIGNATURE_PATH,
+                   PROVENANCE_PATH)
 UNCHECKED_DIRS = (LOGS_DIR, METRICS_DIR)
 
 
