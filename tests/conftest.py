@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.s3_server import s3_server  # noqa: F401  (the moto S3 server fixture, for every test module)
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "gpt-oss-tiny.yaml"
 # Test bundles use a prime KV pool: any generated loop bound divisible by it scales with the

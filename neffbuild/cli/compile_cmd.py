@@ -45,7 +45,8 @@ class RichProgress(Progress):
         if label in self.active:
             self.active.remove(label)
         if result["status"] == "ok":
-            state = ("[green]cache hit[/green]" if result["hit"]
+            state = (("[green]remote hit[/green]" if result.get("remote_hit") else "[green]cache hit[/green]")
+                     if result["hit"]
                      else f"[yellow]compiled[/yellow] {result['compile_seconds']:.1f}s")
         else:
             state = f"[red]FAILED[/red] ({result.get('kind')}): {result.get('error', '')[:200]}"
@@ -64,7 +65,10 @@ def summary_table(res):
         table.add_column(col)
     for r in sorted(res.results, key=lambda r: r["label"]):
         if r["status"] == "ok":
-            table.add_row(r["label"], "cache hit" if r["hit"] else "compiled", f"{r['compile_seconds']:.1f}",
+            state = ("remote hit" if r.get("remote_hit") else "cache hit") if r["hit"] else "compiled"
+            if r.get("push") == "pushed":
+                state += ", pushed"
+            table.add_row(r["label"], state, f"{r['compile_seconds']:.1f}",
                           f"{r['bytes'] / 1e6:.2f}")
         else:
             table.add_row(r["label"], f"FAILED: {r.get('kind')}", "", "")
@@ -93,9 +97,20 @@ def summary_table(res):
 @click.option("--shared-cache", is_flag=True,
               help="With --executor ray: the cache folder is mounted at the same path on every node, so tasks "
                    "read and publish it directly instead of returning artifacts through Ray's object store.")
-@json_option('Print {"bundle", "built", "cached", "failed"} on stdout (errors too); progress goes to stderr.')
+@click.option("--cache-remote", default=None, metavar="s3://BUCKET/PREFIX",
+              help="A shared remote cache tier behind the local cache (default: $NEFFBUILD_CACHE_REMOTE). "
+                   "Credentials and endpoint come from the standard AWS chain (AWS_ENDPOINT_URL_S3 for an "
+                   "S3-compatible server). Needs the s3 extra: pip install 'neffbuild[s3]'.")
+@click.option("--cache-remote-mode", type=click.Choice(["auto", "rw", "ro"]), default="auto", show_default=True,
+              help="auto: write until a write is refused, then read-only for the run. rw: always try to write. "
+                   "ro: never write.")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Build only the I-th of N deterministic slices of the grid into the cache (no bundle); a "
+                   "later compile with every shard's entries in the remote tier assembles the bundle.")
+@json_option('Print {"bundle", "built", "cached", "local_hits", "remote_hits", "misses", "pushes", '
+             '"remote_errors", "remote", "failed"} on stdout (errors too); progress goes to stderr.')
 def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor, address, shared_cache,
-             as_json):
+             cache_remote, cache_remote_mode, shard, as_json):
     """Compile every graph of RECIPE into a versioned bundle under OUT.
 
     Targets build largest first on a pool of warm workers, through a content-addressed
@@ -107,15 +122,24 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     """
     if executor != "ray" and (address or shared_cache):
         raise InvalidInput("--address and --shared-cache need --executor ray")
+    from neffbuild import settings
+    from neffbuild.compiler import remote_tier
+
+    cache_remote = cache_remote or settings.cache_remote()
+    remote_tier.open_tier(cache_remote, cache_remote_mode)  # a bad URL is exit 2 before any work
+    shard_t = remote_tier.parse_shard(shard) if shard else None
     r = recipe_mod.load(recipe_path)
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
     progress = RichProgress()
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
-                             timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache)
+                             timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache,
+                             remote=cache_remote, remote_mode=cache_remote_mode, shard=shard_t)
     finally:
         progress.close()
+    for w in (res.remote or {}).get("warnings", []):
+        click.echo(f"warning: {w}", err=True)
     if as_json:
         echo_json(res.to_json())
         ctx.meta["json_printed"] = True
@@ -125,7 +149,20 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
         lines = [f"  - {f['label']}: {f.get('kind')}: {f.get('error')} (log: {f['log']})" for f in res.failed]
         raise BuildFailed(f"{len(res.failed)} of {len(res.results)} targets failed; no bundle published.\n"
                           + "\n".join(lines))
-    click.echo(f"bundle: {res.bundle} ({res.built} compiled, {res.cached} cached, {res.wall_s:.1f}s)", err=True)
+    click.echo(counts_line(res), err=True)
+
+
+def counts_line(res) -> str:
+    """The one-line summary: where the bundle went and where each target came from."""
+    doc = res.to_json()
+    head = f"shard {res.shard}: {len(res.results)} targets into the cache (no bundle)" if res.shard else \
+        f"bundle: {res.bundle}"
+    line = f"{head} ({res.built} compiled, {res.cached} cached, {res.wall_s:.1f}s)"
+    if res.remote:
+        line += (f"; cache: {doc['local_hits']} local hits, {doc['remote_hits']} remote hits, {doc['misses']} misses, "
+                 f"{doc['pushes']} pushes, {doc['remote_errors']} remote errors; remote {res.remote['url']} "
+                 f"{res.remote['state']}")
+    return line
 
 
 def register(group: click.Group) -> None:

@@ -17,10 +17,14 @@ from neffbuild.recipe import parallel_rules
               help="Look each target up in the compile cache (traces the graph; needs torch).")
 @click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend for the cache lookup.")
-def plan(recipe_path, as_json, check_cache, backend):
+@click.option("--cache-remote", default=None, metavar="s3://BUCKET/PREFIX",
+              help="Also look local misses up in this remote cache tier (default: $NEFFBUILD_CACHE_REMOTE); "
+                   "rows then say local, remote or build.")
+def plan(recipe_path, as_json, check_cache, backend, cache_remote):
     """Show every graph RECIPE compiles: label, family, batch, ctx, query_len.
 
-    With --cache (the default) each row also says whether it is cached or to build, why a
+    With --cache (the default) each row also says whether it is in the local cache, in the
+    remote tier (--cache-remote) or to build, why a
     miss misses (the nearest cached entry and the fields that differ) and an estimated
     build time from past compiles.
     """
@@ -32,7 +36,7 @@ def plan(recipe_path, as_json, check_cache, backend):
     if check_cache:
         from neffbuild.compiler.planner import cache_states
 
-        states = cache_states(r, tgts)
+        states = cache_states(r, tgts, remote=cache_remote or settings.cache_remote())
     if as_json:
         rows = []
         for t in tgts:

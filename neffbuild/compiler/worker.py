@@ -39,6 +39,7 @@ class Job:
     cache_root: str
     log_path: str
     weights_path: str | None = None  # the bundle's weights, for the smoke run (None: skip it)
+    remote: tuple[str, str] | None = None  # (s3:// URL, mode) of the remote cache tier (compiler/remote_cache.py)
 
 
 @functools.cache
@@ -181,6 +182,8 @@ def _build(job: Job, backend, result: dict):
     cache = Cache(job.cache_root)
     with cache.lock(key):
         entry = cache.get(key)
+        if entry is None and job.remote:  # the second tier: fetched, checked, published locally
+            entry = _remote_fetch(job, cache, key, result)
         hit = entry is not None
         if entry is None:
             tmp = cache.new_tmp(key)
@@ -200,6 +203,18 @@ def _build(job: Job, backend, result: dict):
             print(f"== cache hit {key}", flush=True)
     cache.put_pre(pre_key_for(job.graph, backend), key)
     return entry, hit
+
+
+def _remote_fetch(job: Job, cache, key: str, result: dict):
+    from neffbuild.compiler.remote_cache import RemoteStats, for_worker
+
+    remote = for_worker(*job.remote)
+    remote.stats = RemoteStats()
+    entry = remote.fetch(cache, key)
+    result["remote"] = dict(remote.stats.to_json(), state=remote.state)
+    if entry is not None:
+        print(f"== remote cache hit {key} ({remote.url})", flush=True)
+    return entry
 
 
 def _driver_hit(job: Job, backend, result: dict, lookup: Callable[[str], dict | None]) -> bool:

@@ -20,6 +20,7 @@ from neffbuild.recipe import config_rules, parallel_rules
 from neffbuild.recipe.spec import ModelSpec, Recipe, Speculative
 from neffbuild.runtime.blocks import group_blocks, kv_groups, min_pool_blocks
 from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
+from neffbuild.runtime.cpu_features import targets as cpu_targets
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # fullmatch: no trailing newline, no control characters
 SEMVER_RE = re.compile(r"[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}(?:-[0-9A-Za-z.-]{1,64})?(?:\+[0-9A-Za-z.-]{1,64})?")
@@ -29,7 +30,7 @@ LIMITS = {"max_model_len": 2**24, "max_num_seqs": 4096, "block_size": 4096, "num
 MAX_KV_BYTES = 2**40  # 1 TiB of KV pool is beyond any host; a typo in num_blocks is caught here
 BACKENDS = registry.backend_choices()
 KNOWN_ARCHS = tuple(registry.ARCHITECTURES)
-TARGETS = ("trn1", "trn2")
+TARGETS = ("trn1", "trn2", *cpu_targets())  # neuron targets, then inductor -march values
 SPEC_METHODS = ("eagle3",)
 
 # Allowed keys per section; anything else is an error with a "did you mean".
