@@ -66,7 +66,9 @@ class RemoteCache:
     # -- plumbing
     @property
     def client(self) -> s3.S3Remote | None:
-        if self._client is None and self.down is None:
+        if self.down is not None:
+            return None
+        if self._client is None:
             try:
                 self._client = s3.S3Remote(self.url)
             except s3.RemoteError as exc:
@@ -114,7 +116,11 @@ class RemoteCache:
                 return None
             tmp = cache.new_tmp(key)
             artifact = tmp / meta["file"]
-            found = client.get_to_file(self._key("entries", key, meta["file"]), artifact)
+            try:
+                found = client.get_to_file(self._key("entries", key, meta["file"]), artifact)
+            except s3.RemoteError:
+                _rmtree(tmp)
+                raise
             if not found or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
                 self.stats.errors += 1
                 self.warn(f"remote cache: entry {key[:16]}: the artifact does not match the sha256/size its "
