@@ -3,6 +3,7 @@ host lacking a required CPU feature refuses the bundle before any artifact code 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -89,6 +90,8 @@ def test_bundle_needing_a_missing_cpu_feature_is_refused_before_native_code(buil
     m = json.loads(mpath.read_text())
     m["toolchain"]["cpu_target"]["features"] = [*m["toolchain"]["cpu_target"]["features"], "avx10_9", "amx_fp99"]
     mpath.write_text(json.dumps(m, indent=1))
+    digest = hashlib.sha256(mpath.read_bytes()).hexdigest()
+    (bundle / "manifest.sha256").write_text(f"{digest}  manifest.json\n")
 
     def no_native(*a, **k):
         raise AssertionError("artifact code was loaded")
