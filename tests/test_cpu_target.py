@@ -45,12 +45,13 @@ def test_recipe_takes_cpu_targets(tiny_raw, tmp_path, value, ok):
 
     from neffbuild.errors import RecipeError
 
+    if value.startswith("x86-64-v2") and cpu_features.targets() == ("native",):
+        pytest.skip("x86-64 levels exist on x86 only")
     tiny_raw["compiler"]["target"] = value
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(tiny_raw))
-    if ok or (cpu_features.targets() == ("native",) and value.startswith("x86")):
-        if ok:
-            assert R.load(path).target == value
+    if ok:
+        assert R.load(path).target == value
         return
     with pytest.raises(RecipeError, match=r"compiler\.target"):
         R.load(path)
