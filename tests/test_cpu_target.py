@@ -23,13 +23,6 @@ FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": []}
 x86 = pytest.mark.skipif(cpu_features.targets() == ("native",), reason="x86-64 micro-architecture levels only")
 
 
-def _gen(bundle):
-    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", str(bundle), "--prompt-ids",
-                          "5,9,13,2", "--max-new-tokens", "8", "--json"], capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)["tokens"]
-
-
 def test_default_target_is_the_portable_baseline_and_neuron_targets_mean_unset():
     fp = get_backend("inductor", target="trn2").fingerprint()
     assert fp["cpu_target"]["target"] == cpu_features.DEFAULT_TARGET or cpu_features.targets() == ("native",)
@@ -57,36 +50,53 @@ def test_recipe_takes_cpu_targets(tiny_raw, tmp_path, value, ok):
         R.load(path)
 
 
+@pytest.fixture(scope="module")
+def v2_build(tmp_path_factory, hf_checkpoint):
+    """The 1-target bundle built for x86-64-v2 (1 compile): (recipe, cache dir, BuildResult)."""
+    if cpu_features.targets() == ("native",):
+        pytest.skip("x86-64 micro-architecture levels only")
+    folder = tmp_path_factory.mktemp("isa")
+    path = write_recipe(folder, hf_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
+    res = compile_recipe(R.load(path), folder / "out", jobs=1, cache_root=folder / "c")
+    assert not res.failed and res.built == 1
+    return R.load(path), folder / "c", res
+
+
 @x86
 @pytest.mark.slow
-def test_target_changes_key_is_recorded_and_decodes_the_same(hf_checkpoint, built, tmp_path):
+def test_target_changes_key_is_recorded_and_decodes_the_same(v2_build):
     from neffbuild.compiler.planner import cache_states
 
-    path = write_recipe(tmp_path, hf_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
-    r = R.load(path)
+    r, cache, res = v2_build
     [t] = grid.targets(r)
-    keys = {target: cache_states(r.replace(target=target), [t], cache_root=tmp_path / "c")[t.label]["cache_key"]
+    keys = {target: cache_states(r.replace(target=target), [t], cache_root=cache)[t.label]
             for target in ("x86-64-v2", "native", "x86-64-v3")}
-    assert len(set(keys.values())) == 3
-    res = compile_recipe(r, tmp_path / "out", jobs=1, cache_root=tmp_path / "c")
-    assert not res.failed and res.built == 1
+    assert len({k["cache_key"] for k in keys.values()}) == 3
+    assert [k["cache"] for k in keys.values()] == ["local", "build", "build"]
+    assert "cpu_target" in keys["native"]["why"]  # plan says why the other targets miss
     log = (res.bundle / "logs" / f"{t.label}.log").read_text()
     assert "'-march=x86-64-v2'" in log and "-march=native" not in log  # the generated compile commands
     m = json.loads((res.bundle / "manifest.json").read_text())
-    assert m["artifacts"][0]["cache_key"] == keys["x86-64-v2"]
+    assert m["artifacts"][0]["cache_key"] == keys["x86-64-v2"]["cache_key"]
     ins = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "inspect", str(res.bundle)],
                          capture_output=True, text=True, cwd=ROOT)
     assert "cpu target: x86-64-v2 (-march=x86-64-v2" in ins.stdout and "sse4_2" in ins.stdout
     assert m["toolchain"]["cpu_target"]["target"] == "x86-64-v2" and m["toolchain"]["cxx"]
-    assert _gen(res.bundle) == _gen(built[1].bundle)  # same tokens as the default-target bundle
+    gen = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", str(res.bundle), "--prompt-ids",
+                          "5,9,13,2", "--max-new-tokens", "8", "--check", "--json"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["check"]["ok"]  # the same tokens as the eager model
 
 
-def test_bundle_needing_a_missing_cpu_feature_is_refused_before_native_code(built, tmp_path, monkeypatch):
+@x86
+@pytest.mark.slow
+def test_bundle_needing_a_missing_cpu_feature_is_refused_before_native_code(v2_build, tmp_path, monkeypatch):
     from neffbuild.runtime import aoti_package, loaders
     from neffbuild.runtime.bundle import open_bundle
 
     bundle = tmp_path / "b"
-    shutil.copytree(built[1].bundle, bundle)
+    shutil.copytree(v2_build[2].bundle, bundle)
     mpath = bundle / "manifest.json"
     m = json.loads(mpath.read_text())
     m["toolchain"]["cpu_target"]["features"] = [*m["toolchain"]["cpu_target"]["features"], "avx10_9", "amx_fp99"]

@@ -1,8 +1,8 @@
 """The remote compile-cache tier against a real S3 server (moto, IAM enforced) through boto3.
 
-Compiles are the cost: this file adds 2 AOTInductor compiles (the first push, the rebuild
-after a corrupted object); every other build starts from a copy of the session cache
-(`built`'s entries cover both targets used here) or from the remote.
+Compiles are the cost: this file adds 3 AOTInductor compiles (the first push, the rebuild
+after a corrupted object, the second target of the shard recipe); every other build starts
+from a copy of a cache built here or from the remote.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def _doc(res) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _seeded(build_cache: Path, dest: Path) -> Path:
-    """A copy of the session cache (local hits for every target used here, no compile)."""
-    shutil.copytree(build_cache, dest, ignore=shutil.ignore_patterns("*.lock", "tmp"))
+def _seeded(dest: Path, *caches: Path) -> Path:
+    """A copy of caches built here (local hits without compiling)."""
+    for c in caches:
+        shutil.copytree(c, dest, ignore=shutil.ignore_patterns("*.lock", "tmp"), dirs_exist_ok=True)
     return dest
 
 
@@ -117,16 +118,16 @@ def test_corrupted_remote_object_is_a_miss_and_stays(first_push, rc_recipe, s3_s
     assert c.get_object(Bucket=s3_server.bucket, Key=art)["Body"].read() == bad  # never deleted or overwritten
 
 
-def test_read_only_credentials_read_and_never_write(first_push, rc_recipe, s3_server, build_cache, tmp_path,
+def test_read_only_credentials_read_and_never_write(first_push, rc_recipe, s3_server, tmp_path,
                                                     monkeypatch):
-    src_url, _, _ = first_push
+    src_url, seed, _ = first_push
     _env(monkeypatch, s3_server, "ro")
     hit = compile_recipe(R.load(rc_recipe), tmp_path / "o1", jobs=1, cache_root=tmp_path / "c1", remote=src_url)
     assert (hit.to_json()["remote_hits"], hit.built) == (1, 0)  # reading works with read-only keys
     env = dict(s3_server.env("ro"), NEFFBUILD_LOG="DEBUG")  # botocore's debug logs sign with the key id
     url = s3_server.url()  # empty: a local hit the remote lacks would be pushed with write access
     res = _cli(env, "compile", str(rc_recipe), "-o", str(tmp_path / "o2"), "--cache-dir",
-               str(_seeded(build_cache, tmp_path / "c2")), "--cache-remote", url, "--json")
+               str(_seeded(tmp_path / "c2", seed)), "--cache-remote", url, "--json")
     assert res.returncode == 0, res.stderr
     doc = _doc(res)
     assert (doc["built"], doc["pushes"], doc["remote"]["state"]) == (0, 0, "read-only")
@@ -138,21 +139,22 @@ def test_read_only_credentials_read_and_never_write(first_push, rc_recipe, s3_se
     assert "Traceback" not in res.stderr
 
 
-def test_remote_down_build_succeeds_and_says_so(rc_recipe, s3_server, build_cache, tmp_path):
+def test_remote_down_build_succeeds_and_says_so(first_push, rc_recipe, s3_server, tmp_path):
     env = s3_server.env("rw")
     env.update(AWS_ENDPOINT_URL_S3=closed_endpoint(), NEFFBUILD_CACHE_REMOTE="s3://neffbuild-test/down")
     res = _cli(env, "compile", str(rc_recipe), "-o", str(tmp_path / "o"), "--cache-dir",
-               str(_seeded(build_cache, tmp_path / "c")))
+               str(_seeded(tmp_path / "c", first_push[1])))
     assert res.returncode == 0, res.stderr
     assert "remote s3://neffbuild-test/down unreachable" in res.stderr and "building without it" in res.stderr
     assert "1 remote errors" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_concurrent_compiles_push_each_key_once(rc_recipe, s3_server, build_cache, tmp_path):
+def test_concurrent_compiles_push_each_key_once(first_push, rc_recipe, s3_server, tmp_path):
+    """Both builds hold every entry locally (copies of one cache), so both race to push the same key."""
     url = s3_server.url()
     env = s3_server.env("rw")
     procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(rc_recipe), "-o",
-                               str(tmp_path / f"o{n}"), "--cache-dir", str(_seeded(build_cache, tmp_path / f"c{n}")),
+                               str(tmp_path / f"o{n}"), "--cache-dir", str(_seeded(tmp_path / f"c{n}", first_push[1])),
                                "--cache-remote", url, "--json"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     docs = []
@@ -165,13 +167,13 @@ def test_concurrent_compiles_push_each_key_once(rc_recipe, s3_server, build_cach
     assert len([k for k in keys if k.endswith("/meta.json")]) == 1 and len(keys) == 2
 
 
-def test_shards_then_assembling_compile_builds_nothing(hf_checkpoint, s3_server, build_cache, tmp_path,
+def test_shards_then_assembling_compile_builds_nothing(first_push, hf_checkpoint, s3_server, tmp_path,
                                                        monkeypatch):
     path = write_recipe(tmp_path, hf_checkpoint, name="shards", **TWO)
     url = s3_server.url()
     env = s3_server.env("rw")
     procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o",
-                               str(tmp_path / f"o{i}"), "--cache-dir", str(_seeded(build_cache, tmp_path / f"c{i}")),
+                               str(tmp_path / f"o{i}"), "--cache-dir", str(_seeded(tmp_path / f"c{i}", first_push[1])),
                                "--cache-remote", url, "--shard", f"{i}/2", "--json"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
     docs = []
@@ -186,7 +188,8 @@ def test_shards_then_assembling_compile_builds_nothing(hf_checkpoint, s3_server,
     _env(monkeypatch, s3_server)
     final = compile_recipe(R.load(path), tmp_path / "final", jobs=1, cache_root=tmp_path / "fresh", remote=url)
     assert (final.built, final.to_json()["remote_hits"]) == (0, 2)
-    one_shot = compile_recipe(R.load(path), tmp_path / "one", jobs=1, cache_root=_seeded(build_cache, tmp_path / "s"))
+    both = _seeded(tmp_path / "s", tmp_path / "c1", tmp_path / "c2")  # every entry the shards built or held
+    one_shot = compile_recipe(R.load(path), tmp_path / "one", jobs=1, cache_root=both)
     assert _bundle_bytes(final.bundle) == _bundle_bytes(one_shot.bundle)
     a, b = (json.loads((x.bundle / "manifest.json").read_text()) for x in (final, one_shot))
     assert a["artifacts"] == b["artifacts"] and a["toolchain"] == b["toolchain"]
