@@ -81,8 +81,8 @@ class InductorBackend(Backend):
         with torch.no_grad(), _timed_cpp_builds(cpp):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
         total = time.monotonic() - t0
-        self.profile = {"total_s": round(total, 2), "cpp_s": round(sum(s for _, s in cpp), 2),
-                        "lowering_s": round(total - sum(s for _, s in cpp), 2),
+        self.profile = {"total_s": round(total, 2), "cpp_s": round(sum(c[1] for c in cpp), 2),
+                        "lowering_s": round(total - sum(c[1] for c in cpp), 2),
                         "cpp_builds": [(name, round(s, 2)) for name, s, _ in cpp],
                         "march": sorted({m for *_, cmd in cpp for m in cmd.split() if m.startswith("-march")})}
         from neffbuild.compiler.reproducible import normalize_pt2
