@@ -19,7 +19,7 @@ from neffbuild.errors import IncompatibleBundle
 from neffbuild.runtime import cpu_features
 from tests.conftest import ROOT, write_recipe
 
-FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": []}
+FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": [512], "serving__max_num_seqs": 1}  # 1 target: b1, ctx 512
 x86 = pytest.mark.skipif(cpu_features.targets() == ("native",), reason="x86-64 micro-architecture levels only")
 
 

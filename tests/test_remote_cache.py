@@ -22,8 +22,8 @@ from tests.conftest import ROOT, write_recipe
 from tests.s3_server import closed_endpoint
 
 pytestmark = pytest.mark.slow
-FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": []}  # 1 target: decode_b1_ctx<max>
-TWO = {"num_seqs_buckets": [1], "ctx_buckets": [128]}  # 2 targets
+FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": [512], "serving__max_num_seqs": 1}  # 1 target: b1, ctx 512
+TWO = {"num_seqs_buckets": [1], "ctx_buckets": [128], "serving__max_num_seqs": 1}  # 2 targets
 
 
 def _env(monkeypatch, server, who="rw", endpoint=None):
