@@ -16,6 +16,7 @@ that the chain resolved.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ class S3Remote:
                  attempts: int = 2):
         self.url = url if isinstance(url, S3Url) else parse_url(url)
         boto3, botocore = _import_boto3()
+        for name in ("boto3", "botocore", "s3transfer", "urllib3"):  # their DEBUG logs print signed headers
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).getEffectiveLevel()))
         from botocore.config import Config
 
         self._botocore = botocore

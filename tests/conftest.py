@@ -25,6 +25,7 @@ from tests.helpers import (  # noqa: F401 - re-exported: tests import these from
     standin_env,
     write_recipe,
 )
+from tests.s3_server import s3_server  # noqa: F401  (the moto S3 server fixture, for every test module)
 
 os.environ.setdefault("NEFFBUILD_CACHE_DIR", str(ROOT / ".ci-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locally; never reach a hub

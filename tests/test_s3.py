@@ -6,7 +6,7 @@ import pytest
 
 from neffbuild import s3
 from neffbuild.errors import InvalidInput
-from tests.s3_server import closed_endpoint, s3_server  # noqa: F401
+from tests.s3_server import closed_endpoint
 
 
 @pytest.mark.parametrize("url,bucket,prefix", [
@@ -41,7 +41,7 @@ def _remote(monkeypatch, server, who):
     return s3.open_remote(server.url())
 
 
-def test_create_only_ranged_get_list(monkeypatch, s3_server):  # noqa: F811
+def test_create_only_ranged_get_list(monkeypatch, s3_server):
     r = _remote(monkeypatch, s3_server, "rw")
     k = r.url.key("entries", "a.bin")
     assert r.put_if_absent(k, b"0123456789") is True
@@ -52,7 +52,7 @@ def test_create_only_ranged_get_list(monkeypatch, s3_server):  # noqa: F811
     assert [o["key"] for o in r.list("entries")] == [k]
 
 
-def test_read_only_credentials_are_denied_writes(monkeypatch, s3_server):  # noqa: F811
+def test_read_only_credentials_are_denied_writes(monkeypatch, s3_server):
     rw = _remote(monkeypatch, s3_server, "rw")
     k = rw.url.key("x")
     rw.put(k, b"x")
@@ -69,7 +69,7 @@ def test_read_only_credentials_are_denied_writes(monkeypatch, s3_server):  # noq
     assert rw.get(rw.url.key("y")) is None
 
 
-def test_unknown_key_and_closed_port_are_classified(monkeypatch, s3_server):  # noqa: F811
+def test_unknown_key_and_closed_port_are_classified(monkeypatch, s3_server):
     r = _remote(monkeypatch, s3_server, "none")
     with pytest.raises(s3.RemoteError) as exc:
         r.get(r.url.key("x"))

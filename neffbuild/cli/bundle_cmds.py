@@ -88,7 +88,12 @@ def inspect_(bundle_path, as_json, vllm):
     c = _console()
     gi = m["graph_inputs"]
     c.print(f"[bold]{m['name']} {m['version']}[/bold]  format {m['format']} v{m['format_version']}")
-    c.print("toolchain: " + ", ".join(f"{k}={v}" for k, v in sorted(m["toolchain"].items())))
+    c.print("toolchain: " + ", ".join(f"{k}={v}" for k, v in sorted(m["toolchain"].items()) if k != "cpu_target"))
+    cpu = m["toolchain"].get("cpu_target")
+    if isinstance(cpu, dict):
+        c.print(f"cpu target: {cpu.get('target')} (-march={cpu.get('march')}, vector width "
+                f"{cpu.get('simdlen') if cpu.get('simdlen') is not None else 'auto'}); needs "
+                f"{', '.join(cpu.get('features') or []) or 'baseline x86-64 only'}")
     c.print(f"recipe sha256: {m['recipe_sha256']}")
     c.print(f"grid: num_seqs {gi['num_seqs_buckets']} x ctx {gi['decode_context_length_buckets']} + fallback "
             f"{gi['max_model_len']}; block_size {gi['block_size']}, num_blocks {gi['num_blocks']}, "

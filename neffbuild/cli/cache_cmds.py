@@ -1,4 +1,4 @@
-"""``neffbuild cache path|ls|clear``: the compile cache."""
+"""``neffbuild cache path|ls|clear`` (and prune, remote: cli/cache_more_cmds.py): the compile cache."""
 
 from __future__ import annotations
 
@@ -32,14 +32,18 @@ def path(cache_dir):
 @_dir
 @json_option("Print the entries as one JSON list.")
 def ls(cache_dir, as_json):
-    """List valid cache entries: key, target label, compile time, size. Changes nothing."""
-    entries = _cache(cache_dir).list()
+    """List valid cache entries: key, target label, compile time, size, last use. Changes nothing."""
+    c = _cache(cache_dir)
+    entries = [dict(e, last_used=c.last_used(e["key"])) for e in c.list()]
     if as_json:
         echo_json(entries)
         return
+    from neffbuild.cli.cache_more_cmds import _ago
+
     for e in entries:
         click.echo(f"{e['key'][:16]}  {e.get('label', '?'):<28} {e.get('compile_seconds', 0):7.1f}s  "
-                   f"{e['bytes'] / 1e6:6.2f} MB  {e.get('fingerprint', {}).get('backend', '?')}")
+                   f"{e['bytes'] / 1e6:6.2f} MB  used {_ago(e['last_used']):<14} "
+                   f"{e.get('fingerprint', {}).get('backend', '?')}")
     click.echo(f"{len(entries)} entries", err=True)
 
 
@@ -55,4 +59,8 @@ def clear(cache_dir, yes):
 
 
 def register(group: click.Group) -> None:
+    from neffbuild.cli.cache_more_cmds import prune, remote
+
+    cache.add_command(prune)
+    cache.add_command(remote)
     group.add_command(cache)

@@ -48,8 +48,8 @@ class RichProgress(Progress):
         if label in self.active:
             self.active.remove(label)
         if result.ok:
-            state = ("[green]cache hit[/green]" if result.hit
-                     else f"[yellow]compiled[/yellow] {result.compile_seconds:.1f}s")
+            state = (("[green]remote hit[/green]" if result.remote_hit else "[green]cache hit[/green]")
+                     if result.hit else f"[yellow]compiled[/yellow] {result.compile_seconds:.1f}s")
         else:
             state = f"[red]FAILED[/red] ({result.kind}): {(result.error or '')[:200]}"
         self.bar.console.print(f"  {label}: {state}")
@@ -117,7 +117,7 @@ class LineProgress(Progress):
                 error = _field(result, "error") or ""
                 self._line(f"{label}: FAILED ({_field(result, 'kind')}): {error[:300]}")
             elif _field(result, "hit"):
-                self._line(f"{label}: cache hit")
+                self._line(f"{label}: {'remote hit' if _field(result, 'remote_hit') else 'cache hit'}")
             else:
                 took = f" in {self.clock() - started:.0f}s" if started is not None else ""
                 self._line(f"{label}: compiled{took} (compiler {_field(result, 'compile_seconds'):.1f}s)")
@@ -157,8 +157,10 @@ def summary_table(res):
         table.add_column(col)
     for r in sorted(res.results, key=lambda r: r.label):
         if r.ok:
-            table.add_row(r.label, "cache hit" if r.hit else "compiled", f"{r.compile_seconds:.1f}",
-                          f"{r.bytes / 1e6:.2f}")
+            state = ("remote hit" if r.remote_hit else "cache hit") if r.hit else "compiled"
+            if r.push == "pushed":
+                state += ", pushed"
+            table.add_row(r.label, state, f"{r.compile_seconds:.1f}", f"{r.bytes / 1e6:.2f}")
         else:
             table.add_row(r.label, f"FAILED: {r.kind}", "", "")
     return table
@@ -189,9 +191,20 @@ def summary_table(res):
 @click.option("--sign-key", "sign_key", type=click.Path(dir_okay=False), default=None, metavar="KEY.pem",
               help="Sign the bundle with this EC private key (PEM) before it is published: model.sig in the "
                    "OpenSSF model-signing format over every file (see `neffbuild sign`).")
-@json_option('Print {"bundle", "built", "cached", "failed"} on stdout (errors too); progress goes to stderr.')
+@click.option("--cache-remote", default=None, metavar="s3://BUCKET/PREFIX",
+              help="A shared remote cache tier behind the local cache (default: $NEFFBUILD_CACHE_REMOTE). "
+                   "Credentials and endpoint come from the standard AWS chain (AWS_ENDPOINT_URL_S3 for an "
+                   "S3-compatible server). Needs the s3 extra: pip install 'neffbuild[s3]'.")
+@click.option("--cache-remote-mode", type=click.Choice(["auto", "rw", "ro"]), default="auto", show_default=True,
+              help="auto: write until a write is refused, then read-only for the run. rw: always try to write. "
+                   "ro: never write.")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Build only the I-th of N deterministic slices of the grid into the cache (no bundle); a "
+                   "later compile with every shard's entries in the remote tier assembles the bundle.")
+@json_option('Print {"bundle", "built", "cached", "local_hits", "remote_hits", "misses", "pushes", '
+             '"remote_errors", "remote", "failed"} on stdout (errors too); progress goes to stderr.')
 def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor, address, shared_cache,
-             sign_key, as_json):
+             sign_key, cache_remote, cache_remote_mode, shard, as_json):
     """Compile every graph of RECIPE into a versioned bundle under OUT.
 
     Targets build largest first on a pool of warm workers, through a content-addressed
@@ -203,6 +216,11 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     """
     if executor != "ray" and (address or shared_cache):
         raise InvalidInput("--address and --shared-cache need --executor ray")
+    from neffbuild.compiler import remote_tier
+
+    cache_remote = cache_remote or settings.cache_remote()
+    remote_tier.open_tier(cache_remote, cache_remote_mode)  # a bad URL is exit 2 before any work
+    shard_t = remote_tier.parse_shard(shard) if shard else None
     key = None
     if sign_key:  # a bad key fails now, not after the build
         from neffbuild.bundle.signing import load_private_key
@@ -221,9 +239,11 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
                              timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache,
-                             sign_key=key)
+                             sign_key=key, remote=cache_remote, remote_mode=cache_remote_mode, shard=shard_t)
     finally:
         progress.close()
+    for w in (res.remote or {}).get("warnings", []):
+        click.echo(f"warning: {w}", err=True)
     if as_json:
         echo_json(res.to_json())
         ctx.meta["json_printed"] = True
@@ -235,7 +255,20 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
         lines = [f"  - {f.label}: {f.kind}: {f.error} (log: {f.log})" for f in res.failed]
         raise BuildFailed(f"{len(res.failed)} of {len(res.results)} targets failed; no bundle published.\n"
                           + "\n".join(lines))
-    click.echo(f"bundle: {res.bundle} ({res.built} compiled, {res.cached} cached, {res.wall_s:.1f}s)", err=True)
+    click.echo(counts_line(res), err=True)
+
+
+def counts_line(res) -> str:
+    """The one-line summary: where the bundle went and where each target came from."""
+    doc = res.to_json()
+    head = f"shard {res.shard}: {len(res.results)} targets into the cache (no bundle)" if res.shard else \
+        f"bundle: {res.bundle}"
+    line = f"{head} ({res.built} compiled, {res.cached} cached, {res.wall_s:.1f}s)"
+    if res.remote:
+        line += (f"; cache: {doc['local_hits']} local hits, {doc['remote_hits']} remote hits, {doc['misses']} misses, "
+                 f"{doc['pushes']} pushes, {doc['remote_errors']} remote errors; remote {res.remote['url']} "
+                 f"{res.remote['state']}")
+    return line
 
 
 def register(group: click.Group) -> None:

@@ -19,10 +19,14 @@ from neffbuild.recipe import parallel_rules
 @click.option("--backend", type=click.Choice(registry.backend_choices()), default=None,
               help="Override compiler.backend for the cache lookup.")
 @memory_view.device_memory_option("says whether a rank fits and the largest serving.num_blocks that does.")
-def plan(recipe_path, as_json, check_cache, backend, device_memory):
+@click.option("--cache-remote", default=None, metavar="s3://BUCKET/PREFIX",
+              help="Also look local misses up in this remote cache tier (default: $NEFFBUILD_CACHE_REMOTE); "
+                   "rows then say local, remote or build.")
+def plan(recipe_path, as_json, check_cache, backend, device_memory, cache_remote):
     """Show every graph RECIPE compiles: label, family, batch, ctx, query_len.
 
-    With --cache (the default) each row also says whether it is cached or to build, why a
+    With --cache (the default) each row also says whether it is in the local cache, in the
+    remote tier (--cache-remote) or to build, why a
     miss misses (the nearest cached entry and the fields that differ) and an estimated
     build time from past compiles. After the table: what one rank holds (weights, KV, the
     largest artifact), each target's expected compile memory, and with --device-memory
@@ -36,7 +40,7 @@ def plan(recipe_path, as_json, check_cache, backend, device_memory):
     if check_cache:
         from neffbuild.compiler.planner import cache_states
 
-        states = cache_states(r, tgts)
+        states = cache_states(r, tgts, remote=cache_remote or settings.cache_remote())
     memory = memory_view.plan_memory(r, tgts, states, device_memory)
     if as_json:
         rows = []
@@ -104,12 +108,13 @@ def _notes(tgts, states) -> list[str]:
 
 def _summary(r, tgts, states) -> str:
     """'to build: N of M' counting only what the cache could decide; unknown and error rows said as such."""
-    count = {c: sum(1 for s in states.values() if s["cache"] == c) for c in ("build", "cached", "unknown", "error")}
+    count = {c: sum(1 for s in states.values() if s["cache"] == c)
+             for c in ("build", "local", "remote", "unknown", "error")}
     if count["unknown"] == len(tgts):
         return f"cache state unknown for all {len(tgts)} graphs (see why above): nothing was looked up"
     todo = [s for s in states.values() if s["cache"] == "build"]
-    line = f"to build: {len(todo)} of {len(tgts)} ({count['cached']} cached"
-    line += "".join(f", {count[c]} {c}" for c in ("unknown", "error") if count[c]) + ")"
+    line = f"to build: {len(todo)} of {len(tgts)} ({count['local']} cached"
+    line += "".join(f", {count[c]} {c}" for c in ("remote", "unknown", "error") if count[c]) + ")"
     est = [s["estimate_s"] for s in todo if s.get("estimate_s")]
     if est:
         jobs = r.jobs or settings.default_jobs()

@@ -19,6 +19,7 @@ from pathlib import Path
 from neffbuild import grid, registry, settings
 from neffbuild.bundle import paths
 from neffbuild.bundle.writer import BundleWriter
+from neffbuild.compiler import remote_tier
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
@@ -41,12 +42,18 @@ class BuildResult:
     failed_logs: Path | None = None
     memory_note: str | None = None  # the local pool ran fewer compiles at once than jobs: host memory
     memory: dict | None = None  # the pool's memory gate (free memory, max concurrent compiles)
+    remote: dict | None = None  # the remote tier's summary (compiler/remote_tier.py), None without one
+    shard: str | None = None  # "I/N" for a sharded build (no bundle)
 
     def to_json(self) -> dict:
+        remote_hits = self.remote["hits"] if self.remote else 0
         return {"bundle": str(self.bundle) if self.bundle else None, "built": self.built, "cached": self.cached,
                 "traced": self.traced, "memory_note": self.memory_note, "memory": self.memory,
                 "failed": [{"label": f.label, "kind": f.kind, "error": f.error, "log": f.log} for f in self.failed],
-                "wall_s": round(self.wall_s, 3)}
+                "wall_s": round(self.wall_s, 3), "local_hits": self.cached - remote_hits, "remote_hits": remote_hits,
+                "misses": self.built, "pushes": self.remote["pushes"] if self.remote else 0,
+                "remote_errors": self.remote["errors"] if self.remote else 0, "remote": self.remote,
+                "shard": self.shard}
 
 
 def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
@@ -57,8 +64,13 @@ def backend_kwargs(recipe, backend_name: str | None = None) -> dict:
 def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, backend_name: str | None = None,
                    cache_root: str | Path | None = None, progress: Progress | None = None,
                    timeout_s: float | None = None, executor="local", address: str | None = None,
-                   shared_cache: bool = False, sign_key=None) -> BuildResult:
+                   shared_cache: bool = False, sign_key=None, remote: str | None = None, remote_mode: str = "auto",
+                   shard: tuple[int, int] | None = None) -> BuildResult:
     """Build every target of ``recipe`` into a bundle under ``out_dir``.
+
+    ``remote``: an ``s3://BUCKET/PREFIX`` cache tier behind the local cache (``remote_mode``
+    auto | rw | ro; compiler/remote_cache.py). ``shard=(I, N)``: build only the I-th of N
+    deterministic slices into the cache(s) and publish no bundle.
 
     ``executor``: "local" (a pool of ``jobs`` workers), "ray" (``address``, ``shared_cache``:
     see compiler/ray_executor.py) or an executor object with ``run(jobs, on_start)``.
@@ -70,14 +82,25 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     backend = get_backend(**bk)  # fails fast (exit 1, clear message) when the backend cannot run here
     bk["name"] = backend.name
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir()).ensure()
+    with cache.hold():  # prune waits for no build: it refuses while one holds the cache
+        return _compile(recipe, out_dir, cache, bk, backend, progress, started, jobs=jobs, timeout_s=timeout_s,
+                        executor=executor, address=address, shared_cache=shared_cache, sign_key=sign_key,
+                        remote=remote, remote_mode=remote_mode, shard=shard)
+
+
+def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, timeout_s, executor, address,
+             shared_cache, sign_key, remote, remote_mode, shard) -> BuildResult:
     cache.sweep()
     targets = grid.build_order(grid.targets(recipe))
+    tier = remote_tier.open_tier(remote, remote_mode)
+    if shard:
+        targets = remote_tier.shard_slice(targets, *shard)
     runner = executor
     if isinstance(executor, str):  # fails fast without Ray
         runner = make_executor(executor, jobs=jobs or recipe.jobs or settings.default_jobs(), cache_root=cache.root,
                                timeout_s=timeout_s, address=address, shared_cache=shared_cache)
     writer = BundleWriter(out_dir, recipe.name, recipe.version)
-    result = BuildResult(bundle=None)
+    result = BuildResult(bundle=None, shard=f"{shard[0]}/{shard[1]}" if shard else None)
     try:
         progress.stage("loading weights")
         weights = _load_weights(recipe)
@@ -90,10 +113,13 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
         weights_path = None if parallel else str(writer.path(paths.WEIGHTS_PATH))
         jobs_list = [Job(t.label, target_graph(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
-                         str(writer.path(paths.log_path(t.label))), weights_path) for t in targets]
+                         str(writer.path(paths.log_path(t.label))), weights_path,
+                         (remote, remote_mode) if tier else None) for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
-        for res in _run(jobs_list, runner, progress):
+        jobs_by_label = {j.label: j for j in jobs_list}
+        for res in _run(jobs_list, runner, progress, tier, cache):
+            res = remote_tier.after_result(tier, cache, jobs_by_label[res.label], res)
             result.results.append(res)
             result.traced += res.traced
             if res.ok:
@@ -106,8 +132,9 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         result.memory_note = getattr(runner, "memory_note", None)
         gate = getattr(runner, "admission", None)
         result.memory = gate.to_json() if gate is not None else None
-        if result.failed:
-            result.failed_logs = _keep_logs(writer, out_dir)
+        result.remote = remote_tier.summary(tier, result.results)
+        if result.failed or shard:
+            result.failed_logs = _keep_logs(writer, out_dir) if result.failed else None
             result.failed = [f.replace(log=str(result.failed_logs / Path(f.log).name)) for f in result.failed]
             writer.abort()
             return result
@@ -129,13 +156,13 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
         raise
 
 
-def _run(jobs_list: list[Job], executor, progress: Progress):
+def _run(jobs_list: list[Job], executor, progress: Progress, tier=None, cache=None):
     """Pre-key hits here, in this process (no tracing, no worker pool); the rest on the executor."""
     rest = []
     for job in jobs_list:
-        res = cached_result(job)
+        res = cached_result(job) or remote_tier.cached_remote(tier, cache, job)
         if res is None:
-            rest.append(job)
+            rest.append(remote_tier.for_worker(tier, job))
         else:
             progress.running(job.label)
             yield res

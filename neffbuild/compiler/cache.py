@@ -7,6 +7,8 @@ Layout under the cache root (``NEFFBUILD_CACHE_DIR``, default ``~/.cache/neffbui
     v{CACHE_VERSION}/locks/<key>.lock               flock: one compile per key at a time
     v{CACHE_VERSION}/tmp/<key>.<pid>.<rand>/        work in progress, never read
     v{CACHE_VERSION}/prekeys/<pre-key>.json         pre-key -> key (see below)
+    v{CACHE_VERSION}/entries/<key>/used              touched on every hit: its mtime is the last use
+    v{CACHE_VERSION}/hold.lock                       flock: shared while a build runs, exclusive to prune
 
 Key = sha256 of canonical JSON (sorted keys) over the graph text, the input signature,
 the backend fingerprint and the cache version. An entry is written in a temp folder,
@@ -39,6 +41,7 @@ from neffbuild.fsutil import pid_alive, sha256_file
 # Bump when the key recipe or the entry layout changes; old entries are then ignored.
 CACHE_VERSION = 1
 META = "meta.json"
+USED = "used"  # mtime = last use (atime is unreliable: noatime/relatime mounts)
 
 
 def canonical(obj) -> bytes:
@@ -130,7 +133,40 @@ class Cache:
             if discard:
                 self._discard(folder)
             return None
+        if discard:  # a real use (read-only callers such as ls and plan do not count)
+            with contextlib.suppress(OSError):
+                (folder / USED).touch()
         return Entry(key, artifact, meta)
+
+    def last_used(self, key: str) -> float:
+        """When the entry was last used (its creation time if never used since)."""
+        folder = self.entries_dir / key
+        try:
+            return (folder / USED).stat().st_mtime
+        except OSError:
+            with contextlib.suppress(OSError, ValueError):
+                return float(json.loads((folder / META).read_text()).get("created", 0))
+        return 0.0
+
+    def entry_bytes(self, key: str) -> int:
+        folder = self.entries_dir / key
+        return sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool = False):
+        """Shared: a build uses the cache (many at once). Exclusive, non-blocking: prune; raises BlockingIOError
+        while any build holds it."""
+        self.ensure()
+        with open(self.base / "hold.lock", "a+") as fh:
+            fcntl.flock(fh, (fcntl.LOCK_EX | fcntl.LOCK_NB) if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def remove(self, key: str) -> None:
+        """Delete one entry (prune; never a remote)."""
+        self._discard(self.entries_dir / key)
 
     def get_pre(self, pre: str) -> Entry | None:
         """The entry a pre-key recorded, if both the record and the entry are valid."""

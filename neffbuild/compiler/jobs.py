@@ -27,6 +27,8 @@ class Job:
     cache_root: str
     log_path: str
     weights_path: str | None = None  # the bundle's weights, for the smoke run (None: skip it)
+    remote: tuple[str, str] | None = None  # (s3:// URL, mode) of the remote cache tier (compiler/remote_cache.py)
+    remote_skip: tuple[str, ...] = ()  # keys whose remote entry the driver already rejected: not fetched again
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class JobResult:
     error: str | None = None
     seconds: float = 0.0
     node: str | None = None  # Ray: the host that ran it (build-info.json, never the manifest)
+    remote: dict | None = None  # the worker's remote-tier report: RemoteStats.to_json() plus "state"
+    remote_hit: bool = False  # the entry came from the remote tier
+    push: str | None = None  # the driver's push outcome (RemoteCache.push), None when not pushed
 
     @property
     def ok(self) -> bool:

@@ -29,8 +29,14 @@ def _diff(meta: dict, fingerprint: dict, graph: dict, signature: list) -> list[s
     return out
 
 
-def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict[str, dict]:
-    """{label: {"cache": "cached"|"build", "why": str, "estimate_s": float|None}}."""
+def cache_states(recipe, targets, *, cache_root=None, backend_name=None, remote: str | None = None) -> dict[str, dict]:
+    """{label: {"cache": "local"|"remote"|"build", "why": str, "estimate_s": float|None}}.
+
+    ``remote`` (s3://...): a local miss the remote tier holds is ``remote`` (a remote that cannot be
+    asked leaves it ``build``, with the reason in ``why``)."""
+    from neffbuild.compiler.remote_tier import open_tier
+
+    tier = open_tier(remote, "ro")
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir())
     entries = cache.list()  # every entry here has been validated (sha256 checked) once
     valid_keys = {e["key"] for e in entries}
@@ -50,7 +56,10 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict
             out[t.label] = {"cache": "error", "why": str(exc)}
             continue
         if key in valid_keys:
-            out[t.label] = {"cache": "cached", "why": "", "cache_key": key}
+            out[t.label] = {"cache": "local", "why": "", "cache_key": key}
+            continue
+        if tier is not None and tier.has(key):
+            out[t.label] = {"cache": "remote", "why": f"in {tier.url}", "cache_key": key}
             continue
         same = [e for e in entries if e.get("label") == t.label]
         graph = graph_summary(spec)
@@ -61,6 +70,8 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None) -> dict
         else:
             why = "no cached entry for this target"
         past = [e["compile_seconds"] for e in same] or times
+        if tier is not None and tier.down:
+            why += f"; remote {tier.state}"
         out[t.label] = {"cache": "build", "why": why, "cache_key": key,
                         "estimate_s": round(sum(past) / len(past), 1) if past else None}
     return out

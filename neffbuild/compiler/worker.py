@@ -153,9 +153,16 @@ def _build(job: Job, backend, result: JobResult):
     t0 = time.monotonic()
     key, exported, signature, _ = key_for(job.graph, backend)
     trace_s = time.monotonic() - t0
-    compiled = []
+    compiled, fetched = [], []
+    result = result.replace(cache_key=key, input_signature=signature)
+    remote = _remote_tier(job)
 
     def produce(tmp: Path):
+        if remote is not None and key not in job.remote_skip:  # the second tier: fetched and checked into tmp
+            got = remote.fetch_to(key, tmp)
+            if got is not None:
+                fetched.append(got)
+                return got
         t0 = time.monotonic()
         with placeholder_groups(job.graph.parallel):  # a sharded graph's group names resolve while compiling
             artifact = backend.compile(exported, tmp)
@@ -168,13 +175,28 @@ def _build(job: Job, backend, result: JobResult):
         }
 
     entry = publish(Cache(job.cache_root), key, result.pre_key, produce)
+    if remote is not None:
+        result = result.replace(remote=dict(remote.stats.to_json(), state=remote.state), remote_hit=bool(fetched))
     if compiled:
         print(f"== compiled in {compiled[0]:.1f}s -> {entry.path}", flush=True)
         if getattr(backend, "profile", None):
             print(f"== compile profile: trace {trace_s:.1f}s, {backend.profile}", flush=True)
+    elif fetched:
+        print(f"== remote cache hit {key} ({remote.url})", flush=True)
     else:
         print(f"== cache hit {key}", flush=True)
-    return entry, not compiled, result.replace(cache_key=key, input_signature=signature)
+    return entry, not compiled, result
+
+
+def _remote_tier(job: Job):
+    """This worker's RemoteCache for the job's tier (its counts reset for this job), or None without one."""
+    if not job.remote:
+        return None
+    from neffbuild.compiler.remote_cache import RemoteStats, for_worker
+
+    remote = for_worker(*job.remote)
+    remote.stats = RemoteStats()
+    return remote
 
 
 def _driver_hit(job: Job, backend, result: JobResult, lookup: Callable[[str], dict | None]) -> JobResult:

@@ -11,10 +11,11 @@ from neffbuild import registry
 from neffbuild.errors import NO_VALUE, did_you_mean
 from neffbuild.recipe import flag_rules
 from neffbuild.runtime.buckets import ctx_buckets_with_fallback
+from neffbuild.runtime.cpu_features import targets as cpu_targets
 from neffbuild.runtime.dispatch import families, label
 
 BACKENDS = registry.backend_choices()
-TARGETS = ("trn1", "trn2")
+TARGETS = ("trn1", "trn2", *cpu_targets())  # neuron targets, then inductor -march values
 
 
 def compiler(v, comp: dict, num_seqs, ctx, serving: dict, raw: dict) -> dict:

@@ -79,7 +79,24 @@ def inductor_problem(toolchain: dict) -> str | None:
         return (f"artifacts were compiled by torch {toolchain.get('torch')} and this process runs torch "
                 f"{torch.__version__}; AOTInductor artifacts only load in the torch that built them. "
                 f"Install torch=={built} or rebuild the bundle")
-    return None
+    return cpu_problem(toolchain)
+
+
+def cpu_problem(toolchain: dict) -> str | None:
+    """Why this CPU cannot run the artifacts' native code: instruction-set features it lacks (checked
+    before any artifact loads; a bundle from before the target was recorded has no requirement)."""
+    from neffbuild.runtime import cpu_features
+
+    cpu = toolchain.get("cpu_target")
+    if not isinstance(cpu, dict):
+        return None
+    lacking = cpu_features.missing(cpu.get("features"))
+    if not lacking:
+        return None
+    return (f"artifacts were compiled for compiler.target {cpu.get('target')!r} (-march={cpu.get('march')}) and "
+            f"need CPU features this host lacks: {', '.join(lacking)}; running them would die with an illegal "
+            f"instruction. Rebuild with a portable compiler.target (e.g. x86-64-v2) or open the bundle on a CPU "
+            f"that has these features")
 
 
 def host_lnc(platform: str) -> int:

@@ -5,6 +5,13 @@ holds code only, and ``load`` binds the bundle's memory-mapped weights as user-m
 constants, so every artifact shares one copy (an artifact run before its constants are
 bound crashes, so ``load`` always binds them).
 
+The CPU target (``compiler.target``: an x86-64 micro-architecture level or ``native``; a
+Neuron target such as ``trn2`` means "not named" and gives the portable default) sets
+inductor's ``cpp.march`` (the ``-march`` of every C++ build; torch's own default is
+``native``) and ``cpp.simdlen`` (the widest vector ISA it generates for). The resolved
+target, its required CPU features and the C++ compiler's version are in the fingerprint,
+so they are part of every cache key and of the manifest's toolchain.
+
 Compiler flags are inductor config assignments ``name=value`` (``value`` parsed as JSON,
 else kept as a string), e.g. ``max_autotune=true``, from the allow-list in recipe/flag_rules.py.
 """
@@ -12,7 +19,9 @@ else kept as a string), e.g. ``max_autotune=true``, from the allow-list in recip
 from __future__ import annotations
 
 import contextlib
+import functools
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -47,13 +56,14 @@ class InductorBackend(Backend):
     name = "inductor"
     ext = "pt2"
 
-    def __init__(self, flags: tuple[str, ...] = (), device: str = "cpu"):
+    def __init__(self, flags: tuple[str, ...] = (), device: str = "cpu", target: str | None = None):
         self.flags = tuple(flags)
         self.device = device
+        self.cpu = cpu_target(target)
 
     @classmethod
     def create(cls, *, target, optlevel, lnc, flags, device):
-        return cls(flags=flags, device=device)
+        return cls(flags=flags, device=device, target=target)
 
     def export(self, module, example_inputs):
         with torch.no_grad():
@@ -64,17 +74,20 @@ class InductorBackend(Backend):
 
     def compile(self, exported, workdir: Path) -> Path:
         """Compile; ``self.profile`` then says where the time went (lowering vs each C++ build)."""
-        configs = {"aot_inductor.package_constants_in_so": False}
+        configs = {"aot_inductor.package_constants_in_so": False, "cpp.march": self.cpu["march"]}
+        if self.cpu["simdlen"] is not None:
+            configs["cpp.simdlen"] = self.cpu["simdlen"]
         configs.update(parse_flags(self.flags))
         path = Path(workdir) / f"artifact.{self.ext}"
-        cpp: list[tuple[str, float]] = []
+        cpp: list[tuple[str, float, str]] = []
         t0 = time.monotonic()
         with torch.no_grad(), _timed_cpp_builds(cpp):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
         total = time.monotonic() - t0
-        self.profile = {"total_s": round(total, 2), "cpp_s": round(sum(s for _, s in cpp), 2),
-                        "lowering_s": round(total - sum(s for _, s in cpp), 2),
-                        "cpp_builds": [(name, round(s, 2)) for name, s in cpp]}
+        self.profile = {"total_s": round(total, 2), "cpp_s": round(sum(c[1] for c in cpp), 2),
+                        "lowering_s": round(total - sum(c[1] for c in cpp), 2),
+                        "cpp_builds": [(name, round(s, 2)) for name, s, _ in cpp],
+                        "march": sorted({m for *_, cmd in cpp for m in cmd.split() if m.startswith("-march")})}
         normalize_pt2(path)  # same graph, same bytes: two cold builds give one manifest
         return path
 
@@ -89,7 +102,33 @@ class InductorBackend(Backend):
             "machine": platform.machine(),
             "device": self.device,
             "flags": list(self.flags),
+            "cpu_target": dict(self.cpu),
+            "cxx": cxx_version(),
         }
+
+
+def cpu_target(target: str | None) -> dict:
+    """The resolved CPU target: a named -march level or native; anything else (a Neuron target, None) is the
+    portable default (native where the machine has no levels)."""
+    from neffbuild.runtime import cpu_features
+
+    choices = cpu_features.targets()
+    if target not in choices:
+        target = cpu_features.DEFAULT_TARGET if cpu_features.DEFAULT_TARGET in choices else cpu_features.NATIVE
+    return cpu_features.resolve(target)
+
+
+@functools.cache
+def cxx_version() -> str:
+    """The first line of ``<cxx> --version`` for the C++ compiler inductor runs (part of every key)."""
+    from torch._inductor import config
+
+    cxx = config.cpp.cxx[-1] if isinstance(config.cpp.cxx, (tuple, list)) else config.cpp.cxx
+    try:
+        out = subprocess.run([str(cxx), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{cxx}: unavailable"
+    return (out.splitlines() or [f"{cxx}: no version"])[0].strip()
 
 
 @contextlib.contextmanager
@@ -108,7 +147,11 @@ def _timed_cpp_builds(out: list):
             return original(self, *args, **kwargs)
         finally:
             name = Path(str(getattr(self, "_name", ""))).suffix or Path(str(getattr(self, "_target_file", ""))).suffix
-            out.append((name.lstrip(".") or "?", time.monotonic() - t0))
+            try:
+                cmd = str(self.get_command_line())
+            except Exception:  # profile only: a torch without the method
+                cmd = ""
+            out.append((name.lstrip(".") or "?", time.monotonic() - t0, cmd))
 
     CppBuilder.build = build
     try:

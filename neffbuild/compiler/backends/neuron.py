@@ -124,6 +124,11 @@ class NeuronBackend(Backend):
 
     @classmethod
     def create(cls, *, target, optlevel, lnc, flags, device):
+        if target not in ("trn1", "trn2", "trn3"):
+            from neffbuild.errors import InvalidInput
+
+            raise InvalidInput(f"compiler.target: got {target!r}, a CPU target for the inductor backend; the neuron "
+                               f"backend takes trn1 or trn2 (set compiler.backend: inductor to build for a CPU)")
         return cls(target=target, optlevel=optlevel, lnc=lnc, flags=flags)
 
     def export(self, module, example_inputs):

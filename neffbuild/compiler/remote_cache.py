@@ -1,0 +1,276 @@
+"""The remote compile-cache tier: an S3-compatible bucket behind the local cache.
+
+The local cache (compiler/cache.py) stays the first tier. Remote layout under
+``s3://BUCKET/PREFIX``, mirroring the local one::
+
+    v{CACHE_VERSION}/entries/<key>/<artifact file>   written first
+    v{CACHE_VERSION}/entries/<key>/meta.json         written last: a reader never sees a half entry
+    v{CACHE_VERSION}/prekeys/<pre-key>.json          pre-key -> key (a fresh machine skips tracing)
+
+Reads: on a local miss the meta is fetched, then the artifact; its size and sha256 are checked
+against the meta and the entry is published locally (the local cache's atomic publish). A
+mismatch is a miss with a warning; the remote object is never deleted (it may be someone
+else's in-flight upload, and a cache never destroys what it did not write).
+
+Writes (the driver, after a target compiled and passed its smoke run, or a local hit the
+remote lacks): create-only puts (``If-None-Match: *``), artifact first, meta last. A lost race
+is fine; when the winner's bytes differ from ours (compared by the S3 ETag, the MD5 of a
+single-part upload) a warning says the build is not reproducible. Failures are never pushed.
+
+Every remote error (network, 403, 5xx, a bad digest) is a miss or a skipped push with a
+warning and a count, never a failed build. Modes: ``rw`` writes; ``ro`` never writes;
+``auto`` writes until a write is refused, then is read-only for the rest of the run (one
+warning). After the remote is found unreachable it is not asked again in this process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neffbuild import s3
+from neffbuild.compiler.cache import CACHE_VERSION, META, Cache, Entry, _meta_ok
+from neffbuild.fsutil import sha256_file
+
+MODES = ("auto", "rw", "ro")
+
+
+@dataclass
+class RemoteStats:
+    """What one process did with the remote; results carry it from workers to the driver as plain JSON."""
+
+    hits: int = 0
+    pushes: int = 0
+    errors: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"hits": self.hits, "pushes": self.pushes, "errors": self.errors, "warnings": list(self.warnings)}
+
+
+class RemoteCache:
+    """One remote tier for one run. Never raises a RemoteError: failures become warnings and counts."""
+
+    def __init__(self, url: str, mode: str = "auto", *, client: s3.S3Remote | None = None):
+        self.url = s3.parse_url(url)
+        self.mode = mode
+        self.read_only = mode == "ro"
+        self.down: str | None = None  # why the remote is not asked any more
+        self.stats = RemoteStats()
+        self._client = client
+        self._md5: dict[str, str] = {}
+        self.rejected: set[str] = set()  # keys whose remote entry failed its check in this process
+
+    # -- plumbing
+    @property
+    def client(self) -> s3.S3Remote | None:
+        if self.down is not None:
+            return None
+        if self._client is None:
+            try:
+                self._client = s3.S3Remote(self.url)
+            except s3.RemoteError as exc:
+                self._error(exc)
+        return self._client
+
+    def _key(self, *parts: str) -> str:
+        return self.url.key(f"v{CACHE_VERSION}", *parts)
+
+    def warn(self, message: str) -> None:
+        if message not in self.stats.warnings:
+            self.stats.warnings.append(message)
+
+    def _error(self, exc: s3.RemoteError) -> None:
+        self.stats.errors += 1
+        if exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
+            self.down = self.down or exc.kind
+            self.warn(f"remote cache {self.url} {'unreachable' if exc.kind == s3.UNREACHABLE else 'unusable'}: "
+                      f"{exc}; building without it")
+        else:
+            self.warn(f"remote cache: {exc}")
+
+    @property
+    def state(self) -> str:
+        """``read-write``, ``read-only`` or ``unreachable`` (for the summary)."""
+        if self.down:
+            return "unreachable" if self.down == s3.UNREACHABLE else "unusable"
+        return "read-only" if self.read_only else "read-write"
+
+    # -- reads
+    def fetch(self, cache: Cache, key: str) -> Entry | None:
+        """The remote entry ``key`` published into ``cache`` (call under ``cache.lock(key)``), or None (a miss)."""
+        tmp = cache.new_tmp(key)
+        got = self.fetch_to(key, tmp)
+        if got is None:
+            _rmtree(tmp)
+            return None
+        return cache.publish(key, tmp, *got)
+
+    def fetch_to(self, key: str, tmp: Path) -> tuple[Path, dict] | None:
+        """(artifact, meta) of the remote entry ``key`` downloaded into ``tmp`` and checked against its meta,
+        ready for ``Cache.publish`` (the ``produce`` of ``jobs.publish``), or None (a miss; ``tmp`` is left
+        empty). A key whose remote entry failed its check is in ``rejected`` and is not asked again."""
+        client = self.client
+        if client is None or key in self.rejected:
+            return None
+        artifact = None
+        try:
+            raw = client.get(self._key("entries", key, META))
+            if raw is None:
+                return None
+            meta = json.loads(raw)
+            if not _meta_ok(meta) or meta.get("key") != key:
+                self._reject(key, f"remote cache: entry {key[:16]} has a malformed {META}; treated as a miss "
+                                  f"(the remote object is left as it is)")
+                return None
+            artifact = tmp / Path(meta["file"]).name
+            found = client.get_to_file(self._key("entries", key, meta["file"]), artifact)
+            if not found or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
+                artifact.unlink(missing_ok=True)
+                self._reject(key, f"remote cache: entry {key[:16]}: the artifact does not match the sha256/size "
+                                  f"its {META} records; treated as a miss and rebuilt (the remote object is left "
+                                  f"as it is)")
+                return None
+        except s3.RemoteError as exc:
+            if artifact is not None:
+                artifact.unlink(missing_ok=True)
+            self._error(exc)
+            return None
+        except (ValueError, OSError, TypeError) as exc:
+            if artifact is not None:
+                artifact.unlink(missing_ok=True)
+            self.stats.errors += 1
+            self.warn(f"remote cache: entry {key[:16]} unreadable ({type(exc).__name__}); treated as a miss")
+            return None
+        self.stats.hits += 1
+        meta = {k: v for k, v in meta.items() if k not in ("key", "file", "bytes", "sha256", "created")}
+        return artifact, dict(meta, fetched_from=str(self.url))
+
+    def _reject(self, key: str, message: str) -> None:
+        self.rejected.add(key)
+        self.stats.errors += 1
+        self.warn(message)
+
+    def fetch_pre(self, cache: Cache, pre: str) -> Entry | None:
+        """The entry a remote pre-key record names (fetched when the local cache lacks it), or None."""
+        client = self.client
+        if client is None:
+            return None
+        try:
+            raw = client.get(self._key("prekeys", f"{pre}.json"))
+            key = json.loads(raw)["key"] if raw is not None else None
+        except s3.RemoteError as exc:
+            self._error(exc)
+            return None
+        except (ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(key, str) or len(key) != 64:
+            return None
+        with cache.lock(key):
+            entry = cache.get(key)
+            if entry is None:
+                entry = self.fetch(cache, key)
+        if entry is not None:
+            cache.put_pre(pre, key)
+        return entry
+
+    def has(self, key: str) -> bool | None:
+        """Whether the remote holds a complete entry for ``key`` (None: could not tell)."""
+        client = self.client
+        if client is None:
+            return None
+        try:
+            return client.head(self._key("entries", key, META)) is not None
+        except s3.RemoteError as exc:
+            self._error(exc)
+            return None
+
+    # -- writes
+    def push(self, entry: Entry, pre: str | None = None) -> str:
+        """Push one entry the local cache holds: ``pushed``, ``present``, ``lost-race``, ``skipped`` or ``error``."""
+        client = self.client
+        if client is None or self.read_only:
+            return "skipped"
+        meta_key = self._key("entries", entry.key, META)
+        art_key = self._key("entries", entry.key, entry.meta["file"])
+        try:
+            head = client.head(meta_key)
+            outcome = "present"
+            if head is None:
+                outcome = self._push_entry(client, entry, art_key, meta_key)
+            if pre is not None and outcome in ("pushed", "present"):
+                client.put_if_absent(self._key("prekeys", f"{pre}.json"), json.dumps({"key": entry.key}).encode())
+            return outcome
+        except s3.RemoteError as exc:
+            if exc.kind == s3.DENIED and self.mode == "auto":
+                self.read_only = True
+                self.warn(f"remote cache {self.url}: write refused ({exc.status or exc.kind}); read-only for the "
+                          f"rest of this run")
+                return "skipped"
+            self._error(exc)
+            return "error"
+
+    def _push_entry(self, client: s3.S3Remote, entry: Entry, art_key: str, meta_key: str) -> str:
+        created = client.put_if_absent(art_key, entry.path)
+        if not created:
+            theirs = client.head(art_key)
+            if theirs is not None and theirs.get("etag") and theirs["etag"] != self._local_md5(entry.path):
+                self.warn(f"remote cache: lost the race for {entry.meta.get('label', '')} ({entry.key[:16]}) and the "
+                          f"winner's artifact bytes differ from ours: this build is not reproducible")
+                return "lost-race"
+        body = json.dumps(entry.meta, sort_keys=True, indent=1).encode()
+        if client.put_if_absent(meta_key, body):
+            self.stats.pushes += 1
+            return "pushed"
+        return "lost-race"
+
+    def _local_md5(self, path: Path) -> str:
+        if str(path) not in self._md5:
+            h = hashlib.md5(usedforsecurity=False)
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            self._md5[str(path)] = h.hexdigest()
+        return self._md5[str(path)]
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@functools.cache
+def for_worker(url: str, mode: str) -> RemoteCache:
+    """One RemoteCache per worker process and remote (its client is reused across jobs)."""
+    return RemoteCache(url, mode)
+
+
+def check(url: str) -> dict:
+    """``cache remote check``: {"url", "endpoint", "reachable", "readable", "writable", "errors"}.
+
+    Writable is tested by a create-only put of a probe object under ``PREFIX/.neffbuild-probe/``
+    (left there: the cache never deletes; its name is unique per check)."""
+    import uuid
+
+    out = {"url": url, "endpoint": None, "reachable": False, "readable": False, "writable": False, "errors": []}
+    try:
+        client = s3.open_remote(url)
+        out["endpoint"] = client.endpoint
+        next(iter(client.list(f"v{CACHE_VERSION}")), None)
+        out["reachable"] = out["readable"] = True
+    except s3.RemoteError as exc:
+        out["errors"].append(str(exc))
+        if exc.kind in (s3.DENIED, s3.NOT_FOUND, s3.OTHER, s3.SERVER):
+            out["reachable"] = True
+        if exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
+            return out
+    try:
+        out["writable"] = client.put_if_absent(client.url.key(".neffbuild-probe", uuid.uuid4().hex), b"probe")
+        out["reachable"] = True
+    except s3.RemoteError as exc:
+        out["errors"].append(str(exc))
+    return out

@@ -1,0 +1,115 @@
+"""ISA-safe inductor artifacts: compiler.target picks -march, is part of the key and the manifest, and a
+host lacking a required CPU feature refuses the bundle before any artifact code runs (1 compile)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from neffbuild import grid
+from neffbuild import recipe as R
+from neffbuild.compiler.backends import get_backend
+from neffbuild.compiler.builder import compile_recipe
+from neffbuild.errors import IncompatibleBundle
+from neffbuild.runtime import cpu_features
+from tests.conftest import ROOT, write_recipe
+
+FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": [512], "serving__max_num_seqs": 1}  # 1 target: b1, ctx 512
+x86 = pytest.mark.skipif(cpu_features.targets() == ("native",), reason="x86-64 micro-architecture levels only")
+
+
+def test_default_target_is_the_portable_baseline_and_neuron_targets_mean_unset():
+    fp = get_backend("inductor", target="trn2").fingerprint()
+    assert fp["cpu_target"]["target"] == cpu_features.DEFAULT_TARGET or cpu_features.targets() == ("native",)
+    assert fp["cxx"] and "unavailable" not in fp["cxx"]
+    native = get_backend("inductor", target="native").fingerprint()["cpu_target"]
+    assert native["march"] == "native" and set(native["features"]) <= cpu_features.host_features()
+
+
+@pytest.mark.parametrize("value,ok", [("x86-64-v2", True), ("native", True), ("trn1", True), ("x86-64-v9", False),
+                                      ("skylake", False)])
+def test_recipe_takes_cpu_targets(tiny_raw, tmp_path, value, ok):
+    import yaml
+
+    from neffbuild.errors import RecipeError
+
+    if value.startswith("x86-64-v2") and cpu_features.targets() == ("native",):
+        pytest.skip("x86-64 levels exist on x86 only")
+    tiny_raw["compiler"]["target"] = value
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw))
+    if ok:
+        assert R.load(path).target == value
+        return
+    with pytest.raises(RecipeError, match=r"compiler\.target"):
+        R.load(path)
+
+
+@pytest.fixture(scope="module")
+def v2_build(tmp_path_factory, hf_checkpoint):
+    """The 1-target bundle built for x86-64-v2 (1 compile): (recipe, cache dir, BuildResult)."""
+    if cpu_features.targets() == ("native",):
+        pytest.skip("x86-64 micro-architecture levels only")
+    folder = tmp_path_factory.mktemp("isa")
+    path = write_recipe(folder, hf_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
+    res = compile_recipe(R.load(path), folder / "out", jobs=1, cache_root=folder / "c")
+    assert not res.failed and res.built == 1
+    return R.load(path), folder / "c", res
+
+
+@x86
+@pytest.mark.slow
+def test_target_changes_key_is_recorded_and_decodes_the_same(v2_build):
+    from neffbuild.compiler.planner import cache_states
+
+    r, cache, res = v2_build
+    [t] = grid.targets(r)
+    keys = {target: cache_states(r.replace(target=target), [t], cache_root=cache)[t.label]
+            for target in ("x86-64-v2", "native", "x86-64-v3")}
+    assert len({k["cache_key"] for k in keys.values()}) == 3
+    assert [k["cache"] for k in keys.values()] == ["local", "build", "build"]
+    assert "cpu_target" in keys["native"]["why"]  # plan says why the other targets miss
+    log = (res.bundle / "logs" / f"{t.label}.log").read_text()
+    assert "'-march=x86-64-v2'" in log and "-march=native" not in log  # the generated compile commands
+    m = json.loads((res.bundle / "manifest.json").read_text())
+    assert m["artifacts"][0]["cache_key"] == keys["x86-64-v2"]["cache_key"]
+    ins = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "inspect", str(res.bundle)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert "cpu target: x86-64-v2 (-march=x86-64-v2" in ins.stdout and "sse4_2" in ins.stdout
+    assert m["toolchain"]["cpu_target"]["target"] == "x86-64-v2" and m["toolchain"]["cxx"]
+    gen = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", str(res.bundle), "--prompt-ids",
+                          "5,9,13,2", "--max-new-tokens", "8", "--check", "--json"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["check"]["ok"]  # the same tokens as the eager model
+
+
+@x86
+@pytest.mark.slow
+def test_bundle_needing_a_missing_cpu_feature_is_refused_before_native_code(v2_build, tmp_path, monkeypatch):
+    from neffbuild.runtime import aoti_package, loaders
+    from neffbuild.runtime.bundle import open_bundle
+
+    bundle = tmp_path / "b"
+    shutil.copytree(v2_build[2].bundle, bundle)
+    mpath = bundle / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["toolchain"]["cpu_target"]["features"] = [*m["toolchain"]["cpu_target"]["features"], "avx10_9", "amx_fp99"]
+    mpath.write_text(json.dumps(m, indent=1))
+    digest = hashlib.sha256(mpath.read_bytes()).hexdigest()
+    (bundle / "manifest.sha256").write_text(f"{digest}  manifest.json\n")
+
+    def no_native(*a, **k):
+        raise AssertionError("artifact code was loaded")
+
+    monkeypatch.setattr(aoti_package, "load_package", no_native)
+    monkeypatch.setattr(loaders, "load_inductor", no_native)
+    with pytest.raises(IncompatibleBundle) as exc:
+        open_bundle(bundle, preload=True)
+    msg = str(exc.value)
+    assert "amx_fp99, avx10_9" in msg and "Rebuild with a portable compiler.target" in msg

@@ -1,0 +1,223 @@
+"""The remote compile-cache tier against a real S3 server (moto, IAM enforced) through boto3.
+
+Compiles are the cost: this file adds 3 AOTInductor compiles (the first push, the rebuild
+after a corrupted object, the second target of the shard recipe); every other build starts
+from a copy of a cache built here or from the remote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neffbuild import recipe as R
+from neffbuild.compiler.builder import compile_recipe
+from tests.conftest import ROOT, write_recipe
+from tests.s3_server import closed_endpoint
+
+pytestmark = pytest.mark.slow
+FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": [512], "serving__max_num_seqs": 1}  # 1 target: b1, ctx 512
+TWO = {"num_seqs_buckets": [1], "ctx_buckets": [128], "serving__max_num_seqs": 1}  # 2 targets
+
+
+def _env(monkeypatch, server, who="rw", endpoint=None):
+    for k, v in server.env(who).items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    if endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+
+
+def _cli(env, *args):
+    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=900)
+
+
+def _doc(res) -> dict:
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _seeded(dest: Path, *caches: Path) -> Path:
+    """A copy of caches built here (local hits without compiling)."""
+    for c in caches:
+        shutil.copytree(c, dest, ignore=shutil.ignore_patterns("*.lock", "tmp"), dirs_exist_ok=True)
+    return dest
+
+
+def _bundle_bytes(bundle: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(bundle)): p.read_bytes() for p in sorted(bundle.rglob("*"))
+            if p.is_file() and p.parts[len(bundle.parts)] in ("artifacts", "weights")}
+
+
+def _entry_keys(server, url: str) -> dict[str, int]:
+    return {k: v for k, v in server.keys(url).items() if "/entries/" in k}
+
+
+@pytest.fixture(scope="module")
+def rc_recipe(tmp_path_factory, hf_checkpoint):
+    folder = tmp_path_factory.mktemp("rc")
+    return write_recipe(folder, hf_checkpoint, name="rc", **FALLBACK_ONLY)
+
+
+@pytest.fixture(scope="module")
+def first_push(tmp_path_factory, rc_recipe, s3_server):
+    """One cold build (1 compile) pushing into a fresh prefix: (url, cache dir, BuildResult)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        _env(mp, s3_server)
+        folder = tmp_path_factory.mktemp("push")
+        url = s3_server.url()
+        res = compile_recipe(R.load(rc_recipe), folder / "out", jobs=1, cache_root=folder / "cache", remote=url)
+    finally:
+        mp.undo()
+    assert not res.failed, res.failed
+    return url, folder / "cache", res
+
+
+def test_second_fresh_cache_compiles_nothing_and_is_byte_identical(first_push, rc_recipe, s3_server, tmp_path,
+                                                                   monkeypatch):
+    url, _, first = first_push
+    doc = first.to_json()
+    assert (doc["misses"], doc["pushes"], doc["remote_hits"], doc["remote_errors"]) == (1, 1, 0, 0)
+    keys = _entry_keys(s3_server, url)
+    assert len(keys) == 2 and any(k.endswith("/meta.json") for k in keys)  # artifact + its record
+    _env(monkeypatch, s3_server)
+    second = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url)
+    doc = second.to_json()
+    assert (doc["built"], doc["traced"], doc["remote_hits"], doc["local_hits"], doc["pushes"]) == (0, 0, 1, 0, 0)
+    assert _bundle_bytes(second.bundle) == _bundle_bytes(first.bundle)
+    assert json.loads((second.bundle / "manifest.json").read_text())["artifacts"] == \
+        json.loads((first.bundle / "manifest.json").read_text())["artifacts"]
+
+
+def test_corrupted_remote_object_is_a_miss_and_stays(first_push, rc_recipe, s3_server, tmp_path,
+                                                     monkeypatch):
+    src_url, _, _ = first_push
+    url = s3_server.url()
+    c = s3_server.client()
+    src_prefix, prefix = src_url.split("/", 3)[3], url.split("/", 3)[3]
+    for key in s3_server.keys(src_url):  # a copy of the first push's prefix, then corrupt its artifact
+        c.copy_object(Bucket=s3_server.bucket, Key=prefix + key[len(src_prefix):],
+                      CopySource={"Bucket": s3_server.bucket, "Key": key})
+    [art] = [k for k in _entry_keys(s3_server, url) if k.endswith(".pt2")]
+    size = c.head_object(Bucket=s3_server.bucket, Key=art)["ContentLength"]
+    bad = b"\0" * size  # same size, other bytes: only the digest can tell
+    c.put_object(Bucket=s3_server.bucket, Key=art, Body=bad)
+    _env(monkeypatch, s3_server)
+    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url)
+    doc = res.to_json()
+    assert not res.failed and res.bundle is not None
+    # the driver rejects the bad entry (pre-key); the worker is told so and does not fetch it again
+    assert (doc["built"], doc["remote_hits"], doc["remote_errors"]) == (1, 0, 1)
+    assert any("does not match the sha256" in w and "left as it is" in w for w in doc["remote"]["warnings"])
+    assert c.get_object(Bucket=s3_server.bucket, Key=art)["Body"].read() == bad  # never deleted or overwritten
+
+
+def test_read_only_credentials_read_and_never_write(first_push, rc_recipe, s3_server, tmp_path,
+                                                    monkeypatch):
+    src_url, seed, _ = first_push
+    _env(monkeypatch, s3_server, "ro")
+    hit = compile_recipe(R.load(rc_recipe), tmp_path / "o1", jobs=1, cache_root=tmp_path / "c1", remote=src_url)
+    assert (hit.to_json()["remote_hits"], hit.built) == (1, 0)  # reading works with read-only keys
+    env = dict(s3_server.env("ro"), NEFFBUILD_LOG="DEBUG")  # botocore's debug logs sign with the key id
+    url = s3_server.url()  # empty: a local hit the remote lacks would be pushed with write access
+    res = _cli(env, "compile", str(rc_recipe), "-o", str(tmp_path / "o2"), "--cache-dir",
+               str(_seeded(tmp_path / "c2", seed)), "--cache-remote", url, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = _doc(res)
+    assert (doc["built"], doc["pushes"], doc["remote"]["state"]) == (0, 0, "read-only")
+    assert "read-only for the rest of this run" in res.stderr and "remote " + url + " read-only" in res.stderr
+    assert s3_server.keys(url) == {}
+    written = [p.read_bytes() for p in (tmp_path / "o2").rglob("*") if p.is_file()]  # logs, manifest, report
+    for secret in s3_server.creds["ro"]:
+        assert secret not in res.stderr + res.stdout and not any(secret.encode() in b for b in written)
+    assert "Traceback" not in res.stderr
+
+
+def test_remote_down_build_succeeds_and_says_so(first_push, rc_recipe, s3_server, tmp_path):
+    env = s3_server.env("rw")
+    env.update(AWS_ENDPOINT_URL_S3=closed_endpoint(), NEFFBUILD_CACHE_REMOTE="s3://neffbuild-test/down")
+    res = _cli(env, "compile", str(rc_recipe), "-o", str(tmp_path / "o"), "--cache-dir",
+               str(_seeded(tmp_path / "c", first_push[1])))
+    assert res.returncode == 0, res.stderr
+    assert "remote s3://neffbuild-test/down unreachable" in res.stderr and "building without it" in res.stderr
+    assert "1 remote errors" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_concurrent_compiles_push_each_key_once(first_push, rc_recipe, s3_server, tmp_path):
+    """Both builds hold every entry locally (copies of one cache), so both race to push the same key."""
+    url = s3_server.url()
+    env = s3_server.env("rw")
+    procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(rc_recipe), "-o",
+                               str(tmp_path / f"o{n}"), "--cache-dir", str(_seeded(tmp_path / f"c{n}", first_push[1])),
+                               "--cache-remote", url, "--json"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    docs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        docs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(d["pushes"] for d in docs) == 1 and all(d["remote_errors"] == 0 for d in docs)
+    keys = _entry_keys(s3_server, url)
+    assert len([k for k in keys if k.endswith("/meta.json")]) == 1 and len(keys) == 2
+
+
+def test_shards_then_assembling_compile_builds_nothing(first_push, hf_checkpoint, s3_server, tmp_path,
+                                                       monkeypatch):
+    path = write_recipe(tmp_path, hf_checkpoint, name="shards", **TWO)
+    url = s3_server.url()
+    env = s3_server.env("rw")
+    procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o",
+                               str(tmp_path / f"o{i}"), "--cache-dir", str(_seeded(tmp_path / f"c{i}", first_push[1])),
+                               "--cache-remote", url, "--shard", f"{i}/2", "--json"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
+    docs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        docs.append(json.loads(out.strip().splitlines()[-1]))
+    assert [d["bundle"] for d in docs] == [None, None] and [d["shard"] for d in docs] == ["1/2", "2/2"]
+    pushed = [d["remote"]["pushed"] for d in docs]
+    assert all(len(p) == 1 for p in pushed) and len({lb for p in pushed for lb in p}) == 2  # disjoint, whole grid
+    assert not list((tmp_path / "o1").glob("*/manifest.json"))
+    _env(monkeypatch, s3_server)
+    final = compile_recipe(R.load(path), tmp_path / "final", jobs=1, cache_root=tmp_path / "fresh", remote=url)
+    assert (final.built, final.to_json()["remote_hits"]) == (0, 2)
+    both = _seeded(tmp_path / "s", tmp_path / "c1", tmp_path / "c2")  # every entry the shards built or held
+    one_shot = compile_recipe(R.load(path), tmp_path / "one", jobs=1, cache_root=both)
+    assert _bundle_bytes(final.bundle) == _bundle_bytes(one_shot.bundle)
+    a, b = (json.loads((x.bundle / "manifest.json").read_text()) for x in (final, one_shot))
+    assert a["artifacts"] == b["artifacts"] and a["toolchain"] == b["toolchain"]
+
+
+def test_plan_marks_local_remote_build(first_push, rc_recipe, s3_server, tmp_path, monkeypatch):
+    from neffbuild import grid
+    from neffbuild.compiler.planner import cache_states
+
+    url, cache, _ = first_push
+    _env(monkeypatch, s3_server)
+    r = R.load(rc_recipe)
+    tgts = grid.targets(r)
+    states = [cache_states(r, tgts, cache_root=root, remote=u)[tgts[0].label]["cache"]
+              for root, u in ((cache, url), (tmp_path / "empty", url), (tmp_path / "empty", s3_server.url()))]
+    assert states == ["local", "remote", "build"]
+
+
+def test_remote_check(s3_server, tmp_path):
+    url = s3_server.url()
+    rows = {}
+    for who, env in (("rw", s3_server.env("rw")), ("ro", s3_server.env("ro")),
+                     ("down", dict(s3_server.env("rw"), AWS_ENDPOINT_URL_S3=closed_endpoint()))):
+        res = _cli(env, "cache", "remote", "check", url, "--json")
+        d = _doc(res)
+        rows[who] = (res.returncode, d["reachable"], d["readable"], d["writable"])
+        assert all(s not in res.stdout + res.stderr for s in s3_server.creds[who if who != "down" else "rw"])
+    assert rows == {"rw": (0, True, True, True), "ro": (0, True, True, False), "down": (1, False, False, False)}
+    bad = _cli(dict(os.environ), "cache", "remote", "check", "http://nope")
+    assert bad.returncode == 2 and "expected s3://BUCKET/PREFIX" in bad.stderr

@@ -1,0 +1,89 @@
+"""RemoteCache push/fetch rules on small entries (no compile), against the moto S3 server through boto3."""
+
+from __future__ import annotations
+
+import pytest
+
+from neffbuild.compiler.cache import Cache
+from neffbuild.compiler.remote_cache import RemoteCache
+from neffbuild.compiler.remote_tier import parse_shard, shard_slice
+from neffbuild.errors import InvalidInput
+
+KEY = "ab" * 32
+
+
+def _env(monkeypatch, server, who="rw"):
+    for k, v in server.env(who).items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+
+
+def _local(root, data: bytes = b"compiled bytes", key: str = KEY):
+    cache = Cache(root).ensure()
+    tmp = cache.new_tmp(key)
+    (tmp / "artifact.pt2").write_bytes(data)
+    return cache, cache.publish(key, tmp, tmp / "artifact.pt2", {"label": "t", "compile_seconds": 1.0,
+                                                                 "input_signature": [], "ext": "pt2"})
+
+
+def test_push_then_fetch_into_a_fresh_cache(monkeypatch, s3_server, tmp_path):
+    _env(monkeypatch, s3_server)
+    url = s3_server.url()
+    _, entry = _local(tmp_path / "a")
+    rc = RemoteCache(url)
+    assert rc.push(entry, pre="cd" * 32) == "pushed" and rc.push(entry) == "present"
+    assert rc.stats.pushes == 1
+    fresh = Cache(tmp_path / "b").ensure()
+    rc2 = RemoteCache(url)
+    got = rc2.fetch_pre(fresh, "cd" * 32)
+    assert got is not None and got.path.read_bytes() == b"compiled bytes" and rc2.stats.hits == 1
+    assert fresh.get(KEY) is not None and fresh.get_pre("cd" * 32) is not None
+
+
+def test_corrupt_object_is_a_counted_miss_and_is_kept(monkeypatch, s3_server, tmp_path):
+    _env(monkeypatch, s3_server)
+    url = s3_server.url()
+    _, entry = _local(tmp_path / "a")
+    RemoteCache(url).push(entry)
+    art = [k for k in s3_server.keys(url) if k.endswith(".pt2")][0]
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=art, Body=b"compiled bytez")
+    rc = RemoteCache(url)
+    assert rc.fetch(Cache(tmp_path / "b").ensure(), KEY) is None
+    assert rc.stats.errors == 1 and "does not match the sha256" in rc.stats.warnings[0]
+    assert s3_server.client().get_object(Bucket=s3_server.bucket, Key=art)["Body"].read() == b"compiled bytez"
+    assert not list((tmp_path / "b" / "v1" / "tmp").iterdir())  # the download left nothing behind
+
+
+def test_lost_race_with_other_bytes_says_not_reproducible(monkeypatch, s3_server, tmp_path):
+    _env(monkeypatch, s3_server)
+    url = s3_server.url()
+    _, mine = _local(tmp_path / "a", b"my bytes")
+    rc = RemoteCache(url)
+    art = rc._key("entries", KEY, "artifact.pt2")
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key=art, Body=b"their bytes")  # the winner, mid-push
+    assert rc.push(mine) == "lost-race" and rc.stats.pushes == 0
+    assert "not reproducible" in rc.stats.warnings[0]
+    assert not any(k.endswith("meta.json") for k in s3_server.keys(url))  # no record for someone else's bytes
+
+
+def test_auto_mode_turns_read_only_once(monkeypatch, s3_server, tmp_path):
+    _env(monkeypatch, s3_server, "ro")
+    url = s3_server.url()
+    _, entry = _local(tmp_path / "a")
+    rc = RemoteCache(url, "auto")
+    assert rc.push(entry) == "skipped" and rc.state == "read-only" and rc.stats.errors == 0
+    assert rc.push(entry) == "skipped" and len(rc.stats.warnings) == 1
+    rw = RemoteCache(url, "rw")
+    assert rw.push(entry) == "error" and rw.stats.errors == 1 and rw.state == "read-write"
+    assert RemoteCache(url, "ro").push(entry) == "skipped"
+    assert s3_server.keys(url) == {}
+
+
+def test_shards_are_disjoint_and_cover_the_grid():
+    targets = list(range(9))
+    slices = [shard_slice(targets, i, 4) for i in range(1, 5)]
+    assert sorted(t for s in slices for t in s) == targets and slices[0] == [0, 4, 8]
+    assert parse_shard("2/3") == (2, 3)
+    for bad in ("0/2", "3/2", "x", "1/2/3"):
+        with pytest.raises(InvalidInput, match="--shard"):
+            parse_shard(bad)
