@@ -20,16 +20,18 @@ ALLOWED = {
     "base": set(),
     "kernels": set(),
     "runtime": set(),
+    "s3": set(),  # the S3 client (neffbuild/s3.py): base modules only; the remote tiers build on it
     "models": {"kernels", "runtime"},  # runtime: plain layout types only (tests/test_runtime.py checks the names)
     "grid": {"runtime"},
     "recipe": {"runtime", "memory"},  # the pure bucket, block and label math, so a formula exists once
     "memory": {"runtime"},  # a rank's bytes by the runtime's KV layout (neffbuild/memory.py, torch-free)
     "recommend": {"grid", "runtime"},
-    "bundle": {"runtime"},
-    "compiler": {"models", "bundle", "kernels", "runtime", "grid", "memory"},
+    "bundle": {"runtime", "s3"},
+    "compiler": {"models", "bundle", "kernels", "runtime", "grid", "memory", "s3"},
     "serve": {"models", "runtime"},
     "bench": {"compiler", "models", "runtime", "serve", "grid"},
-    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory"},
+    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory",
+            "s3"},
 }
 # torch_neuronx: the neuron loader (runtime/loaders.py), imported lazily on a Neuron host.
 RUNTIME_THIRD_PARTY = {"torch", "safetensors", "nixl", "nixl_cu12", "prometheus_client", "torch_neuronx"}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from neffbuild.compiler.cache import Cache
+from neffbuild.compiler.jobs import Job
 from neffbuild.compiler.remote_cache import RemoteCache
-from neffbuild.compiler.remote_tier import parse_shard, shard_slice
+from neffbuild.compiler.remote_tier import for_worker, parse_shard, shard_slice
 from neffbuild.errors import InvalidInput
 
 KEY = "ab" * 32
@@ -52,6 +53,12 @@ def test_corrupt_object_is_a_counted_miss_and_is_kept(monkeypatch, s3_server, tm
     assert rc.stats.errors == 1 and "does not match the sha256" in rc.stats.warnings[0]
     assert s3_server.client().get_object(Bucket=s3_server.bucket, Key=art)["Body"].read() == b"compiled bytez"
     assert not list((tmp_path / "b" / "v1" / "tmp").iterdir())  # the download left nothing behind
+    assert rc.rejected == {KEY} and rc.fetch(Cache(tmp_path / "c").ensure(), KEY) is None
+    assert rc.stats.errors == 1  # a rejected key is not fetched (nor counted) again in this process
+    job = Job("t", None, {}, str(tmp_path), str(tmp_path / "log"), remote=(url, "auto"))
+    assert for_worker(rc, job).remote_skip == (KEY,)  # the worker is told not to try it again
+    rc.down = "unreachable"
+    assert for_worker(rc, job).remote is None  # a remote found down is not asked by the workers either
 
 
 def test_lost_race_with_other_bytes_says_not_reproducible(monkeypatch, s3_server, tmp_path):

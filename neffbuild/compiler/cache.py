@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -48,10 +49,42 @@ def canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
+# torch.export's readable graph names the source line of every node: "# File: /abs/path.py:12 in forward".
+_FILE_RE = re.compile(r"(# File: )(.+?)(:\d+ in )")
+
+
+def _source_roots() -> tuple[str, ...]:
+    """The folders the graph code comes from: this checkout's root (neffbuild/, kernels/) first."""
+    import importlib.util
+
+    roots = [str(Path(__file__).resolve().parents[2])]
+    spec = importlib.util.find_spec("kernels")
+    if spec is not None and spec.origin:
+        roots.append(str(Path(spec.origin).resolve().parent.parent))
+    return tuple(dict.fromkeys(roots))
+
+
+def portable_graph_text(graph_text: str, roots: tuple[str, ...] | None = None) -> str:
+    """The graph text with each source path made relative to its checkout (or its site-packages), so two
+    checkouts at different paths (a developer's tree, a CI runner's) get one key for one graph."""
+    roots = _source_roots() if roots is None else roots
+
+    def relative(m: re.Match) -> str:
+        path = m.group(2)
+        for root in roots:
+            if path.startswith(root.rstrip("/") + "/"):
+                return m.group(1) + path[len(root.rstrip("/")) + 1:] + m.group(3)
+        cut = path.rfind("/site-packages/")
+        return m.group(1) + (path[cut + len("/site-packages/"):] if cut >= 0 else path) + m.group(3)
+
+    return _FILE_RE.sub(relative, graph_text)
+
+
 def cache_key(graph_text: str, signature: list, fingerprint: dict) -> str:
+    """The entry's key; source paths in the graph text do not count (``portable_graph_text``)."""
     parts = {
         "cache_version": CACHE_VERSION,
-        "graph_sha256": hashlib.sha256(graph_text.encode()).hexdigest(),
+        "graph_sha256": hashlib.sha256(portable_graph_text(graph_text).encode()).hexdigest(),
         "signature": signature,
         "fingerprint": fingerprint,
     }
