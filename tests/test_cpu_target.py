@@ -50,6 +50,30 @@ def test_recipe_takes_cpu_targets(tiny_raw, tmp_path, value, ok):
         R.load(path)
 
 
+@x86
+def test_target_sets_march_through_the_backend_and_recipe_flags_cannot(tiny_raw, tmp_path):
+    """compiler.target reaches inductor's cpp.march/simdlen through the backend; the same options as
+    compiler.flags are reserved (recipe/flag_rules.py, checked again in the backend)."""
+    import yaml
+
+    from neffbuild.compiler.backends.inductor import parse_flags
+    from neffbuild.errors import InvalidInput, RecipeError
+
+    tiny_raw["compiler"].update(backend="inductor", target="x86-64-v3")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw))
+    r = R.load(path)
+    cpu = get_backend("inductor", target=r.target).cpu
+    assert (cpu["march"], cpu["simdlen"]) == ("x86-64-v3", 256)
+    for flag in ("cpp.march=native", "cpp.simdlen=512"):
+        tiny_raw["compiler"]["flags"] = [flag]
+        path.write_text(yaml.safe_dump(tiny_raw))
+        with pytest.raises(RecipeError, match=r"compiler\.flags"):
+            R.load(path)
+        with pytest.raises(InvalidInput, match="set by neffbuild itself"):
+            parse_flags([flag])
+
+
 @pytest.fixture(scope="module")
 def v2_build(tmp_path_factory, hf_checkpoint):
     """The 1-target bundle built for x86-64-v2 (1 compile): (recipe, cache dir, BuildResult)."""
