@@ -119,6 +119,25 @@ def test_corrupted_remote_object_is_a_miss_and_stays(first_push, rc_recipe, s3_s
     assert c.get_object(Bucket=s3_server.bucket, Key=art)["Body"].read() == bad  # never deleted or overwritten
 
 
+def test_key_hit_without_a_pre_key_is_fetched_by_the_worker(first_push, rc_recipe, s3_server, tmp_path,
+                                                             monkeypatch):
+    """Only the entries, no pre-key records: the driver misses, the worker traces, and its publish
+    fetches the entry from the remote instead of compiling (jobs.publish's produce)."""
+    src_url, _, first = first_push
+    url = s3_server.url()
+    c = s3_server.client()
+    src_prefix, prefix = src_url.split("/", 3)[3], url.split("/", 3)[3]
+    for key in _entry_keys(s3_server, src_url):
+        c.copy_object(Bucket=s3_server.bucket, Key=prefix + key[len(src_prefix):],
+                      CopySource={"Bucket": s3_server.bucket, "Key": key})
+    _env(monkeypatch, s3_server)
+    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url)
+    doc = res.to_json()
+    assert (doc["built"], doc["traced"], doc["remote_hits"], doc["remote_errors"]) == (0, 1, 1, 0)
+    assert [r.remote_hit for r in res.results] == [True] and res.results[0].push is None
+    assert _bundle_bytes(res.bundle) == _bundle_bytes(first.bundle)
+
+
 def test_read_only_credentials_read_and_never_write(first_push, rc_recipe, s3_server, tmp_path,
                                                     monkeypatch):
     src_url, seed, _ = first_push
