@@ -6,7 +6,7 @@ constants, so every artifact shares one copy (an artifact run before its constan
 bound crashes, so ``load`` always binds them).
 
 Compiler flags are inductor config assignments ``name=value`` (``value`` parsed as JSON,
-else kept as a string), e.g. ``max_autotune=true``, from the allow-list in recipe/flag_rules.py.
+else kept as a string), e.g. ``max_autotune=true``, from the allow-list in compiler/backends/flag_rules.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from neffbuild.runtime.loaders import load_inductor
 
 
 def parse_flags(flags) -> dict:
-    """Inductor config assignments from the allow-list only (recipe/flag_rules.py), checked again here:
+    """Inductor config assignments from the allow-list only (compiler/backends/flag_rules.py), checked again here:
     a Recipe built without the validator must not reach an option that names a program or a path."""
-    from neffbuild.recipe.flag_rules import inductor_problem, parse_value
+    from neffbuild.compiler.backends.flag_rules import inductor_problem, parse_value
 
     out = {}
     for flag in flags:
