@@ -48,15 +48,19 @@ BACKENDS = {
         "layout_rule": "neffbuild.compiler.backends.neuron_rules:neuron_instance_limit",
         "kv_rule": "neffbuild.compiler.backends.neuron_rules:kv_offsets_32bit",
         "kv_limit": "neffbuild.compiler.backends.neuron_rules:kv_offset_limit",
+        "flag_problem": "neffbuild.compiler.backends.flag_rules:neuron_problem",
     }),
     "inductor": Entry("inductor", {
         "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",
         "loader": "neffbuild.runtime.loaders:load_inductor",
         "host_problem": "neffbuild.runtime.loaders:inductor_problem",
         "available": "neffbuild.compiler.backends.inductor:available",
+        "flag_problem": "neffbuild.compiler.backends.flag_rules:inductor_problem",
     }),
 }
 AUTO = "auto"  # the first available backend, in the order above
+# flag_problem (torch-free: one compiler flag -> why a recipe may not set it, or None): recipes are data.
+AUTO_FLAG_RULES = "inductor"  # with backend: auto, flags must pass the embedded backend's allow-list
 
 # Architecture parts: config (dataclass with from_hf_dict), weights (config, checkpoint,
 # seed -> stacked weights), placeholder_shapes (config -> {name: shape}), decode (the decode

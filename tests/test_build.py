@@ -381,8 +381,11 @@ def test_cache_cli(built, build_cache, tmp_path):
     assert _cli("cache", "path", "--cache-dir", str(build_cache)).stdout.strip() == str(build_cache)
     copy = tmp_path / "c"
     shutil.copytree(build_cache, copy)
+    n = len(Cache(copy).list())
     res = _cli("cache", "clear", "--yes", "--cache-dir", str(copy))
-    assert res.returncode == 0 and "removed" in res.stdout and not copy.exists()
+    # clear removes the cache's own versioned tree only (issue 25: a --cache-dir of $HOME must survive it)
+    assert res.returncode == 0 and f"removed {n} entries" in res.stdout and n > 0
+    assert not Cache(copy).base.exists() and copy.is_dir() and Cache(copy).list() == []
 
 
 def test_packed_fp8_kv_bundle_matches_eager(fp8_built):

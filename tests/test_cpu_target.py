@@ -53,7 +53,7 @@ def test_recipe_takes_cpu_targets(tiny_raw, tmp_path, value, ok):
 @x86
 def test_target_sets_march_through_the_backend_and_recipe_flags_cannot(tiny_raw, tmp_path):
     """compiler.target reaches inductor's cpp.march/simdlen through the backend; the same options as
-    compiler.flags are reserved (recipe/flag_rules.py, checked again in the backend)."""
+    compiler.flags are reserved (compiler/backends/flag_rules.py, checked by the validator and again in the backend)."""
     import yaml
 
     from neffbuild.compiler.backends.inductor import parse_flags

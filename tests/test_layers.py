@@ -20,21 +20,23 @@ ALLOWED = {
     "base": set(),
     "kernels": set(),
     "runtime": set(),
-    "s3": set(),  # the S3 client (neffbuild/s3.py): base modules only; the remote tiers build on it
     "models": {"kernels", "runtime"},  # runtime: plain layout types only (tests/test_runtime.py checks the names)
     "grid": {"runtime"},
     "recipe": {"runtime", "memory"},  # the pure bucket, block and label math, so a formula exists once
     "memory": {"runtime"},  # a rank's bytes by the runtime's KV layout (neffbuild/memory.py, torch-free)
     "recommend": {"grid", "runtime"},
-    "bundle": {"runtime", "s3"},
+    "s3": set(),  # the S3 client over boto3 (neffbuild/s3.py): base modules only; boto3 imported on use
+    "bundle": {"runtime", "recipe", "s3"},  # recipe: recipe_check reads recipe.yaml with the validator's rules
     "compiler": {"models", "bundle", "kernels", "runtime", "grid", "memory", "s3"},
-    "serve": {"models", "runtime"},
+    # recipe: a bundle's model_config is checked with the recipe's config rules (serve/run.py), one rule set
+    "serve": {"models", "runtime", "recipe"},
     "bench": {"compiler", "models", "runtime", "serve", "grid"},
-    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory",
-            "s3"},
+    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory", "s3"},
 }
 # torch_neuronx: the neuron loader (runtime/loaders.py), imported lazily on a Neuron host.
-RUNTIME_THIRD_PARTY = {"torch", "safetensors", "nixl", "nixl_cu12", "prometheus_client", "torch_neuronx"}
+# cryptography: signature checks (runtime/signature.py), imported only when trusted keys are given.
+RUNTIME_THIRD_PARTY = {"torch", "safetensors", "nixl", "nixl_cu12", "prometheus_client", "torch_neuronx",
+                       "cryptography"}
 
 
 def modules(root: Path) -> dict[str, Path]:

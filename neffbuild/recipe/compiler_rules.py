@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, did_you_mean
-from neffbuild.recipe import flag_rules
 from neffbuild.runtime.buckets import ctx_buckets_with_fallback
 from neffbuild.runtime.cpu_features import targets as cpu_targets
 from neffbuild.runtime.dispatch import families, label
@@ -34,8 +33,22 @@ def compiler(v, comp: dict, num_seqs, ctx, serving: dict, raw: dict) -> dict:
         "flags": tuple(flags),
         "target_flags": target_flags(v, comp.get("target_flags", {}), num_seqs, ctx, serving, raw),
     }
-    flag_rules.check(v, out["backend"], out["flags"], out["target_flags"])  # recipes are data: no programs
+    check_flags(v, out["backend"], out["flags"], out["target_flags"])  # recipes are data: no programs
     return out
+
+
+def check_flags(v, backend: str, flags, target_flags) -> None:
+    """Every flag the backend would refuse (its registry ``flag_problem`` part), each by its dotted path."""
+    entry = registry.BACKENDS.get(registry.AUTO_FLAG_RULES if backend == registry.AUTO else backend)
+    if entry is None or "flag_problem" not in entry.parts:
+        return
+    rule = entry.get("flag_problem")
+    rows = [(f"compiler.flags[{i}]", f) for i, f in enumerate(flags)]
+    rows += [(f"compiler.target_flags.{label}[{i}]", f) for label, fl in target_flags for i, f in enumerate(fl)]
+    for path, flag in rows:
+        why = rule(flag)
+        if why:
+            v.err(path, flag, why)
 
 
 def recipe_labels(num_seqs, ctx, max_model_len: int, raw: dict) -> set[str]:

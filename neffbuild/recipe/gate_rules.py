@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from neffbuild import registry
 from neffbuild.errors import NO_VALUE, InvalidInput
 
 MAX_TARGETS = 4096  # graphs one recipe may ask for (the production grid is under 100)
@@ -46,7 +47,7 @@ def check(v, cfg, serving: dict, fp8: bool, spec, model, num_seqs, ctx) -> None:
         if spec.draft_checkpoint is not None:
             checkpoint_headers(v, spec.draft_checkpoint, "speculative.draft.checkpoint")
         if cfg is not None:
-            draft_config(v, spec.draft_hf_config, cfg)
+            draft_config(v, spec.draft_hf_config, cfg, spec.method)
     if num_seqs and ctx is not None:
         n = len(num_seqs) * (len(ctx) + 1) * (3 if spec is not None else 1)
         if n > MAX_TARGETS:
@@ -75,7 +76,7 @@ def checkpoint_headers(v, folder: Path, path: str) -> None:
 _DRAFT_TYPES = {"eagle_config": dict, "rope_parameters": dict, "rope_scaling": dict, "aux_layers": list}
 
 
-def draft_config(v, hf: dict, cfg) -> None:
+def draft_config(v, hf: dict, cfg, method: str) -> None:
     """The EAGLE3 draft config as the draft reads it: key types, even head_dim, the draft's own checks."""
     where = "speculative.draft.config"
     bad = False
@@ -89,10 +90,8 @@ def draft_config(v, hf: dict, cfg) -> None:
         bad = True
     if bad:
         return
-    from neffbuild.models.eagle3.config import Eagle3Config
-
     try:
-        draft = Eagle3Config.from_hf_dict(hf, cfg)
+        draft = registry.speculative(method).get("config").from_hf_dict(hf, cfg)
     except InvalidInput as exc:
         v.err(where, NO_VALUE, str(exc).removeprefix(where + "."))
         return

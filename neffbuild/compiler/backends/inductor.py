@@ -13,7 +13,7 @@ target, its required CPU features and the C++ compiler's version are in the fing
 so they are part of every cache key and of the manifest's toolchain.
 
 Compiler flags are inductor config assignments ``name=value`` (``value`` parsed as JSON,
-else kept as a string), e.g. ``max_autotune=true``, from the allow-list in recipe/flag_rules.py.
+else kept as a string), e.g. ``max_autotune=true``, from the allow-list in compiler/backends/flag_rules.py.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from neffbuild.runtime.loaders import load_inductor
 
 
 def parse_flags(flags) -> dict:
-    """Inductor config assignments from the allow-list only (recipe/flag_rules.py), checked again here:
+    """Inductor config assignments from the allow-list only (compiler/backends/flag_rules.py), checked again here:
     a Recipe built without the validator must not reach an option that names a program or a path."""
-    from neffbuild.recipe.flag_rules import inductor_problem, parse_value
+    from neffbuild.compiler.backends.flag_rules import inductor_problem, parse_value
 
     out = {}
     for flag in flags:

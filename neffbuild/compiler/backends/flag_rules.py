@@ -4,12 +4,13 @@ An inductor config option can name a program (``cpp.cxx``), a path or a command;
 from a recipe made ``compile`` execute whatever the recipe named. So the inductor backend takes
 only the options below, each with the values it may hold: tuning switches and sizes, nothing
 that names a program, a path, a command or extra compiler arguments. The backend checks the
-same list again before it compiles (compiler/backends/inductor.py), whoever built the Recipe.
+same list again before it compiles (inductor.py beside this module), whoever built the Recipe.
 
 Neuron flags are arguments to the one program the backend runs (neuronx-cc); they must look
 like ``--name`` or ``--name=value`` with a plain value (no path separators, no shell syntax).
 With ``backend: auto`` the flags must satisfy the inductor list (use ``backend: neuron`` for
-neuronx-cc flags). Pure Python; the validator calls ``check`` once.
+neuronx-cc flags). Pure Python, torch-free: the registry hands ``inductor_problem`` /
+``neuron_problem`` to the recipe validator as each backend's ``flag_problem`` part.
 """
 
 from __future__ import annotations
@@ -75,14 +76,3 @@ def neuron_problem(flag) -> str | None:
         return ("must be a neuronx-cc option --name or --name=value with a plain value "
                 "(letters, digits, . , : + - _; no paths, no shell syntax)")
     return None
-
-
-def check(v, backend, flags, target_flags) -> None:
-    """Report every flag the backend would refuse (``v.err(path, value, message)``)."""
-    rule = neuron_problem if backend == "neuron" else inductor_problem
-    rows = [(f"compiler.flags[{i}]", f) for i, f in enumerate(flags)]
-    rows += [(f"compiler.target_flags.{label}[{i}]", f) for label, fl in target_flags for i, f in enumerate(fl)]
-    for path, flag in rows:
-        why = rule(flag)
-        if why:
-            v.err(path, flag, why)
