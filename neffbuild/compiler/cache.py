@@ -318,6 +318,7 @@ class Cache:
             if d.is_dir() and not d.is_symlink():
                 shutil.rmtree(d, ignore_errors=True)
         with contextlib.suppress(OSError):
+            (self.base / "hold.lock").unlink(missing_ok=True)  # a build's hold (prune); flock'd files may go
             (self.base / MARKER).unlink(missing_ok=True)
             self.base.rmdir()
         return n
