@@ -6,6 +6,7 @@ AOTInductor compiles per cold run (CI): built 6, fp8_built 1, built_tp2 2, built
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -45,10 +46,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def failing_cxx(tmp_path):
-    """A C++ compiler that answers --version and refuses every compile: env for a real compile failure
-    (recipe flags cannot fail a build on purpose any more: they come from an allow-list)."""
+    """A C++ compiler that refuses every compile: env for a real compile failure (recipe flags cannot
+    fail a build on purpose any more: they come from an allow-list). Its --version is the real
+    compiler's, so the cache keys (which name the compiler) stay those of the session's builds and
+    only the target the test changes is compiled: a broken toolchain under the same identity."""
+    real = shutil.which("g++") or "g++"
     script = tmp_path / "failing-cxx"
-    script.write_text('#!/bin/sh\ncase "$1" in --version) echo "failing-cxx 1.0"; exit 0;; esac\n'
+    script.write_text(f'#!/bin/sh\ncase "$1" in --version) exec {real} --version;; esac\n'
                       'echo "failing-cxx: this compiler refuses every translation unit" >&2\nexit 1\n')
     script.chmod(0o755)
     return {"CXX": str(script)}

@@ -141,7 +141,6 @@ def assert_nospec_after_each_transfer(out, dp: int):
 def test_spec_di_dp2_on_an_unsharded_bundle_equals_plain(eagle3_built):
     """--spec --di --dp 2: each DP rank pulls its own requests' KV; the first step after a transfer runs
     without spec, later ones with; the tokens are plain greedy's."""
-    pytest.importorskip("nixl")
     args = [str(eagle3_built[1].bundle), *_prompt_args(EIGHT[:4]), "--max-new-tokens", "12", "--json"]
     plain, mixed = _cli("generate", *args), _cli("generate", *args, "--spec", "--di", "--dp", "2")
     assert plain.returncode == 0 and mixed.returncode == 0, mixed.stderr[-3000:]
@@ -164,18 +163,11 @@ def test_production_tiny_spec_equals_unsharded_greedy(production_built, tmp_path
     assert all(x == labels[0] for x in labels)  # every rank ran the same artifact every step
 
 
-def _has_prefill_tp() -> bool:
-    return "--prefill-tp" in _cli("generate", "--help").stdout
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("prefill_tp", [2, 1])
 def test_production_tiny_spec_di(production_built, prefill_tp):
     """--spec --di on the sharded bundle: the tokens of --spec; per rank the first step after a transfer is
     target_nospec and later steps include target_spec."""
-    pytest.importorskip("nixl")
-    if not _has_prefill_tp():
-        pytest.skip("DI into a sharded bundle needs the prefill worker's TP (--prefill-tp, branch di)")
     reqs = ROOT / "docs" / "examples" / "production-requests.jsonl"
     args = ["generate", str(production_built), "--requests", str(reqs), "--spec", "--json"]
     spec = _cli(*args)
