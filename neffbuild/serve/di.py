@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,6 +67,19 @@ class NixlSource:
         self.pullers = decode_tp(session)
         self.kv = connect_decode(session, [addresses] if isinstance(addresses, int) else addresses, alive=alive)
         self.transfers: list[dict] = []
+        self._next_check = 0.0
+
+    def check(self, waiting: Request) -> None:
+        """Between admissions (at most every 0.5 s): a prefill group that died while this rank decodes is
+        ``PrefillWorkerLost`` naming ``waiting``, the next request it can no longer serve, not a run that
+        decodes on for minutes before it notices."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + 0.5
+        if not self.kv.alive():
+            raise PrefillWorkerLost(waiting.id, "the prefill group is gone (a rank's side channel closed) before "
+                                                "this request was prefilled")
 
     def admit(self, reqs, blocks) -> None:
         for r in reqs:
