@@ -7,6 +7,7 @@ AOTInductor compiles per cold run (CI): built 6, fp8_built 1, built_tp2 2, built
 import copy
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,12 @@ from tests.s3_server import s3_server  # noqa: F401  (the moto S3 server fixture
 
 os.environ.setdefault("NEFFBUILD_CACHE_DIR", str(ROOT / ".ci-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locally; never reach a hub
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One core per xdist worker: two workers whose steps each run an OpenMP team as wide as the host spin for
+    # each other's cores. Subprocesses (CLI runs, ranks, compile workers) inherit the setting.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # Fixtures that compile (or hand out something compiled): a test using one is `slow` whatever its own marks
