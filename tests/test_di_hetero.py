@@ -211,7 +211,7 @@ def test_generate_di_exits_1_naming_the_request_when_the_prefill_worker_dies(bui
     assert elapsed < 30
     named = [i for i in ids if f"request {i!r}" in err]
     assert len(named) == 1, err[-2000:]
-    assert "prefill rank 0" in err and "Traceback" not in err
+    assert "prefill" in err and "Traceback" not in err
     assert out == ""
     time.sleep(2)  # the watchdog of a rank that outlived its parent checks every second
     assert not [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
