@@ -22,6 +22,7 @@ the one collective); the others raise ``StepInputError`` themselves.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 
 import torch
 
@@ -137,6 +138,69 @@ def _ids_problem_small(where, rows: list, num_blocks, block_size, max_cols, live
 def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
     """Why a step is malformed, or None (checked before the collective so every rank learns of it)."""
     tokens, computed, tables = batch.tokens, batch.num_computed, batch.block_tables
+    if _step_ok(tokens, computed, tables, k, vocab, layout.block_size, layout.num_blocks, max_model_len):
+        return None
+    return _step_reference(tokens, computed, tables, k=k, vocab=vocab, layout=layout, max_model_len=max_model_len)
+
+
+_SEQ = (list, tuple)
+
+
+def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
+    """True only for a step the reference below accepts: plain lists of ints and small tables (the engine's usual
+    decode step), in one pass over the rows with no torch op but ``tolist``. Anything else (numpy or tensor
+    scalars, an idle rank, big tables, any doubt) is False, and the reference decides and words the message;
+    the fuzz checks that this never accepts what the reference refuses (tests/test_fuzz.py)."""
+    if type(tables) is not dict or type(tokens) not in _SEQ or type(computed) not in _SEQ:
+        return False
+    R = len(tokens)
+    sliding = tables.get(SLIDING_GROUP)
+    if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
+        return False
+    cols = -(-mml // bs)  # the columns the graph can read
+    full = _small_rows(tables.get(FULL_GROUP), R, cols)
+    slid = repeat(None) if sliding is None else _small_rows(sliding, R, cols)
+    if full is None or slid is None:
+        return False
+    q2, top = 1 + k, _BIG if vocab is None else vocab
+    for toks, n, frow, srow in zip(tokens, computed, full, slid, strict=False):  # R rows each; slid may repeat
+        if type(toks) not in _SEQ or type(n) is not int or n < 0:
+            return False
+        q = len(toks)
+        if q != 1 and q != q2:
+            return False
+        for t in toks:
+            if type(t) is not int or t < 0 or t >= top:
+                return False
+        last = (n + q if n + q < mml else mml) - 1  # the last live position (none when n >= max_model_len)
+        h = last // bs + 1 if last >= n else 0  # live columns: [0, h) full, [n // bs, h) sliding
+        if len(frow) < h or max(frow) >= num_blocks:
+            return False
+        lo = min(frow)
+        if lo < 1 and (lo < 0 or (h and min(frow[:h]) < 1)):  # the null block only outside the live columns
+            return False
+        if srow is not None:
+            a = n // bs
+            if len(srow) < h or max(srow) >= num_blocks:
+                return False
+            lo = min(srow)
+            if lo < 1 and (lo < 0 or (h > a and min(srow[a:h]) < 1)):
+                return False
+    return True
+
+
+def _small_rows(t, R: int, cols: int) -> list | None:
+    """A small [R, W>=1] int CPU tensor's rows as lists, each cut to ``cols`` columns; else None."""
+    if type(t) is not torch.Tensor or t.dtype not in _INT_DTYPES or not t.is_cpu:
+        return None
+    shape = t.shape
+    if len(shape) != 2 or shape[0] != R or not 0 < shape[1] <= LIST_LIMIT // R:
+        return None
+    return t.tolist() if shape[1] <= cols else [row[:cols] for row in t.tolist()]
+
+
+def _step_reference(tokens, computed, tables, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
+    """The full check, rule by rule, with the message for the first rule broken (``_step_ok``'s reference)."""
     if not hasattr(tokens, "__len__") or not hasattr(computed, "__len__") or \
             not all(hasattr(t, "__len__") and not isinstance(t, (str, bytes)) for t in tokens):
         return "step: tokens must be a list of token-id lists and num_computed a list of integers"
