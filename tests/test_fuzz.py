@@ -283,7 +283,7 @@ def test_fuzz_step_inputs(fuzz_stepper, step):
 # -- the step check's fast path against its reference (issue 25): never accepts what the reference refuses
 
 _ODD = [True, 5.0, "3", None, 2**62, 2**63, -(2**63)]
-_DEFECTS = ["none", "token", "row-length", "computed", "row-count", "id full", "id sliding", "width full",
+_DEFECTS = ["none", "token", "row-length", "computed", "row-count", "id full", "id sliding", "beyond", "width full",
             "width sliding", "dtype full", "dtype sliding", "shape full", "shape sliding", "device", "groups",
             "tuples", "idle", "foreign", "no-vocab"]
 
@@ -307,7 +307,8 @@ def _edge_steps(draw, defect: str):
     tables = {}
     defect, _, group = defect.partition(" ")
     for g in ("full", "sliding") if group == "sliding" else draw(st.sampled_from([("full",), ("full", "sliding")])):
-        t = torch.randint(1, nb, (R, max(draw(st.integers(max(his), cols + 2)), 1)), generator=seed)
+        width = cols + 2 if defect == "beyond" else max(draw(st.integers(max(his), cols + 2)), 1)
+        t = torch.randint(1, nb, (R, width), generator=seed)
         if draw(st.booleans()):  # the null block wherever no live position is
             for r, (n, h) in enumerate(zip(computed, his, strict=True)):
                 t[r, h:] = 0
@@ -328,6 +329,8 @@ def _edge_steps(draw, defect: str):
         t = tables[group].clone()
         t[r, draw(st.integers(0, t.shape[1] - 1))] = draw(st.sampled_from([0, -1, nb, nb + 1, 1]))
         tables[group] = t
+    elif defect == "beyond":  # columns the graph never reads may hold anything
+        tables["full"][r, cols + draw(st.integers(0, 1))] = draw(st.sampled_from([-1, nb, 10**6]))
     elif defect == "width":
         tables[group] = tables[group][:, : draw(st.integers(0, tables[group].shape[1]))]
     elif defect == "dtype":
@@ -355,14 +358,16 @@ def _edge_steps(draw, defect: str):
     return (tokens, computed, tables, k, vocab, bs, nb, mml), exact
 
 
+@pytest.mark.parametrize("scan", ["python", "aminmax"])  # the ids of a table scanned as lists, or one aminmax
 @pytest.mark.parametrize("defect", _DEFECTS)
-@fuzz(40)
+@fuzz(30)
 @given(data=st.data())
-def test_fuzz_step_check_fast_path_agrees_with_reference(defect, data):
+def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defect, data):
     from types import SimpleNamespace
 
     from neffbuild.runtime import step_checks
 
+    monkeypatch.setattr(step_checks, "_PY_IDS", step_checks.LIST_LIMIT if scan == "python" else 0)
     (tokens, computed, tables, k, vocab, bs, nb, mml), exact = data.draw(_edge_steps(defect))
     fast = step_checks._step_ok(tokens, computed, tables, k, vocab, bs, nb, mml)
     ref = step_checks._step_reference(tokens, computed, tables, k=k, vocab=vocab, max_model_len=mml,

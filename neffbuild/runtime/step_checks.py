@@ -147,10 +147,10 @@ _SEQ = (list, tuple)
 
 
 def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
-    """True only for a step the reference below accepts: plain lists of ints and small tables (the engine's usual
-    decode step), in one pass over the rows with no torch op but ``tolist``. Anything else (numpy or tensor
-    scalars, an idle rank, big tables, any doubt) is False, and the reference decides and words the message;
-    the fuzz checks that this never accepts what the reference refuses (tests/test_fuzz.py)."""
+    """True only for a step the reference below accepts: plain lists of ints and tables up to ``LIST_LIMIT`` ids
+    (the engine's usual decode step), in one pass over the rows. Anything else (numpy or tensor scalars, an idle
+    rank, big tables, any doubt) is False, and the reference decides and words the message; the fuzz checks
+    that this never accepts what the reference refuses (tests/test_fuzz.py)."""
     if type(tables) is not dict or type(tokens) not in _SEQ or type(computed) not in _SEQ:
         return False
     R = len(tokens)
@@ -158,12 +158,14 @@ def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
     if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
         return False
     cols = -(-mml // bs)  # the columns the graph can read
-    full = _small_rows(tables.get(FULL_GROUP), R, cols)
-    slid = repeat(None) if sliding is None else _small_rows(sliding, R, cols)
+    full = _rows(tables.get(FULL_GROUP), R, cols, num_blocks)
+    slid = _NO_TABLE if sliding is None else _rows(sliding, R, cols, num_blocks)
     if full is None or slid is None:
         return False
+    (frows, fscan, width), (srows, sscan, swidth) = full, slid
+    width = swidth if swidth < width else width
     q2, top = 1 + k, _BIG if vocab is None else vocab
-    for toks, n, frow, srow in zip(tokens, computed, full, slid, strict=False):  # R rows each; slid may repeat
+    for toks, n, frow, srow in zip(tokens, computed, frows, srows, strict=False):  # R rows; a repeat for no rows
         if type(toks) not in _SEQ or type(n) is not int or n < 0:
             return False
         q = len(toks)
@@ -174,29 +176,55 @@ def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
                 return False
         last = (n + q if n + q < mml else mml) - 1  # the last live position (none when n >= max_model_len)
         h = last // bs + 1 if last >= n else 0  # live columns: [0, h) full, [n // bs, h) sliding
-        if len(frow) < h or max(frow) >= num_blocks:
+        if h > width:
             return False
-        lo = min(frow)
-        if lo < 1 and (lo < 0 or (h and min(frow[:h]) < 1)):  # the null block only outside the live columns
-            return False
+        if frow is not None:  # the null block only outside the live columns
+            if fscan:
+                if max(frow) >= num_blocks:
+                    return False
+                lo = min(frow)
+                if lo < 1 and (lo < 0 or (h and min(frow[:h]) < 1)):
+                    return False
+            elif h and min(frow[:h]) < 1:
+                return False
         if srow is not None:
             a = n // bs
-            if len(srow) < h or max(srow) >= num_blocks:
-                return False
-            lo = min(srow)
-            if lo < 1 and (lo < 0 or (h > a and min(srow[a:h]) < 1)):
+            if sscan:
+                if max(srow) >= num_blocks:
+                    return False
+                lo = min(srow)
+                if lo < 1 and (lo < 0 or (h > a and min(srow[a:h]) < 1)):
+                    return False
+            elif h > a and min(srow[a:h]) < 1:
                 return False
     return True
 
 
-def _small_rows(t, R: int, cols: int) -> list | None:
-    """A small [R, W>=1] int CPU tensor's rows as lists, each cut to ``cols`` columns; else None."""
+_PY_IDS = 32  # tables up to this many ids are scanned in Python; larger ones with one aminmax (~2 us)
+_NO_TABLE = (repeat(None), False, _BIG)
+
+
+def _rows(t, R: int, cols: int, num_blocks: int):
+    """(rows, scan, W) of an [R, W >= 1] int CPU tensor of at most LIST_LIMIT ids, else None.
+
+    rows: each row's ids as a list cut to ``cols`` columns, to scan whole in Python (``scan``); or, for a
+    table over ``_PY_IDS`` ids whose reachable ids one aminmax found in [0, num_blocks), the rows for their
+    live columns only (not ``scan``), or no rows at all (a repeat of None) when none of them is 0."""
     if type(t) is not torch.Tensor or t.dtype not in _INT_DTYPES or not t.is_cpu:
         return None
     shape = t.shape
-    if len(shape) != 2 or shape[0] != R or not 0 < shape[1] <= LIST_LIMIT // R:
+    if len(shape) != 2 or shape[0] != R:
         return None
-    return t.tolist() if shape[1] <= cols else [row[:cols] for row in t.tolist()]
+    width = shape[1]
+    if not 0 < width <= LIST_LIMIT // R:
+        return None
+    if R * width <= _PY_IDS:
+        return (t.tolist() if width <= cols else [row[:cols] for row in t.tolist()]), True, width
+    lo, hi = torch.aminmax(t if width <= cols else t[:, :cols])
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= num_blocks:
+        return None
+    return (repeat(None) if lo else t.tolist()), False, width
 
 
 def _step_reference(tokens, computed, tables, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
