@@ -7,7 +7,8 @@ Side by side in one process, one torch thread, interleaved: each round times ``s
 (``_step_reference``, the path every malformed or unusual step takes) for one request (the
 ``decode_b1_ctx128`` step) and for four requests at mixed positions (``decode_b4``), then
 ``Stepper.step`` for the same two batches (plan + check + metadata + artifact). Medians over
-every round's calls, so a load that comes and goes weighs on check and step alike. The load
+every round's samples, so a load that comes and goes weighs on check and step alike (a check
+sample times 10 calls in a row, so the timer's own ~0.2 us is not counted as check). The load
 average is reported: above 0.5 the host was loaded and only the ratios count.
 """
 
@@ -33,25 +34,32 @@ def main(path: str, rounds: int) -> dict:
     four = StepBatch([[5], [6], [7], [8]], [20, 100, 300, 7],
                      {"full": torch.arange(1, 129).reshape(4, 32), "sliding": torch.arange(200, 328).reshape(4, 32)})
     kw = {"k": 0, "vocab": step.vocab_size, "layout": lay, "max_model_len": mml}
+    vocab = step.vocab_size
 
-    def check(b):
-        return lambda: step_checks.step_problem(b, **kw)
+    def check(b):  # called as Stepper.plan calls it
+        return lambda: step_checks.step_problem(b, k=0, vocab=vocab, layout=lay, max_model_len=mml)
 
     def reference(b):
         return lambda: step_checks._step_reference(b.tokens, b.num_computed, b.block_tables, **kw)
+
+    def ten(fn):  # one sample = 10 calls (per-call time = sample / 10)
+        def run():
+            for _ in range(10):
+                fn()
+        return run
 
     for b in (one, four):  # both well-formed, and the fast path is the one timed
         assert check(b)() is None and reference(b)() is None
         assert step_checks._step_ok(b.tokens, b.num_computed, b.block_tables, 0, step.vocab_size,
                                     lay.block_size, lay.num_blocks, mml)
-    fns = {"check_b1_us": (check(one), 100), "reference_b1_us": (reference(one), 100),
-           "check_b4_mixed_us": (check(four), 100), "reference_b4_mixed_us": (reference(four), 100),
-           "step_b1_us": (lambda: step.step(one), 10), "step_b4_us": (lambda: step.step(four), 10)}
+    fns = {"check_b1_us": (ten(check(one)), 20, 10), "reference_b1_us": (ten(reference(one)), 20, 10),
+           "check_b4_mixed_us": (ten(check(four)), 20, 10), "reference_b4_mixed_us": (ten(reference(four)), 20, 10),
+           "step_b1_us": (lambda: step.step(one), 10, 1), "step_b4_us": (lambda: step.step(four), 10, 1)}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     load = [os.getloadavg()[0]]
     for _ in range(rounds):
-        for name, (fn, n) in fns.items():
-            samples[name] += timed_seconds(fn, n, warmup=5)
+        for name, (fn, n, calls) in fns.items():
+            samples[name] += [t / calls for t in timed_seconds(fn, n, warmup=1)]
     load.append(os.getloadavg()[0])
     out = {name: round(statistics.median(s) * 1e6, 2) for name, s in samples.items()}
     out |= {"step_b1_label": step.plan(one).label, "step_b4_label": step.plan(four).label,
