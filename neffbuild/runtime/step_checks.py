@@ -16,7 +16,11 @@ step can reach (never the pool, never columns beyond ``max_model_len``):
   from the bundle (never from the caller's tensor), positions below ``max_model_len``.
 
 ``step_problem`` returns a message (the step API raises it on every DP rank together, after
-the one collective); the others raise ``StepInputError`` themselves.
+the one collective); the others raise ``StepInputError`` themselves. It runs on every step, so
+it is two paths: ``_step_ok``, one pass over the rows for the usual step (plain ints, tables up
+to ``LIST_LIMIT`` ids: a few us, under 1% of the tiny model's step), which only ever says yes;
+and ``_step_reference``, rule by rule, for everything else and for the message. The fuzz holds
+the first to the second (tests/test_fuzz.py).
 """
 
 from __future__ import annotations
