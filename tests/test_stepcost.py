@@ -1,6 +1,7 @@
 """Step cost follows the bucket, not the KV pool: the generated code and the measured step time."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from neffbuild.compiler.backends.inductor import InductorBackend
-from neffbuild.compiler.codegen import loop_bounds, pool_loops
+from neffbuild.compiler.codegen import buffer_shapes, loop_bounds, pool_loops
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime.bundle import load_aoti, open_bundle
 from tests.conftest import POOL, ROOT
@@ -48,6 +49,48 @@ def test_no_generated_loop_spans_the_kv_pool(built, fp8_built):
             assert pool_loops(path, POOL) == [], f"{entry['label']}: loops over the whole KV pool"
             checked += 1
     assert checked == 7
+
+
+class _GatheredAttention(nn.Module):
+    """The pre-issue-24 read: the named blocks copied into [B, h, T, d], then two einsums over the copy."""
+
+    def forward(self, q, cache, table):  # q [B, 2, h, d]: two query rows, so no matmul is a plain dot
+        from kernels.kv import gather_blocks
+
+        k, v = (gather_blocks(cache, half, table, False, q.dtype) for half in (0, 1))
+        p = torch.einsum("bshd,bhtd->bhst", q, k).softmax(-1)
+        return torch.einsum("bhst,bhtd->bshd", p, v)
+
+
+def _gathered_copies(shapes, batch: int, heads: int, head_dim: int, tokens: set[int]) -> list:
+    """Buffers shaped like a [B, h, T, d] gather (any split of its leading dims, head_dim last) for T in tokens."""
+    return [s for s in shapes if s[-1] == head_dim and math.prod(s) in {batch * heads * head_dim * t for t in tokens}]
+
+
+@pytest.mark.slow
+def test_attention_reads_blocks_in_place_no_gathered_copy(built, fp8_built, eagle3_built, tmp_path):
+    """No artifact allocates a buffer the size of the gathered KV ([B, h, T, d] of either table): attention
+    reads each block through the table inside its loops (unpacked, packed FP8 K, target_spec and the draft).
+    The check flags the old gather-then-einsum read (one small graph compiled here)."""
+    backend = InductorBackend()
+    q, cache, table = torch.randn(2, 2, 2, 16), torch.randn(2, POOL, 2, 16, 16), torch.tensor([[3, 9], [4, 1]])
+    bad = backend.compile(backend.export(_GatheredAttention(), (q, cache, table)), tmp_path)
+    assert len(_gathered_copies(buffer_shapes(bad), 2, 2, 16, {32})) == 2, buffer_shapes(bad)  # the K and V copies
+    checked = 0
+    for _, res in (built, fp8_built, eagle3_built):
+        bundle = open_bundle(res.bundle)
+        for entry in bundle.entries.values():
+            shapes = buffer_shapes(res.bundle / entry["file"])
+            assert shapes, f"{entry['label']}: no buffers parsed; the codegen reader is out of date"
+            layout, B = bundle.kv_layout, entry["batch"]
+            if entry["family"] == "draft":
+                copies = _gathered_copies(shapes, B, layout.draft_kv_heads, layout.draft_head_dim, {entry["ctx"]})
+            else:
+                tokens = {entry["ctx"], bundle.num_swa * layout.block_size}
+                copies = _gathered_copies(shapes, B, layout.kv_heads, layout.head_dim, tokens)
+            assert copies == [], f"{entry['label']}: buffers of the gathered KV size {copies}"
+            checked += 1
+    assert checked == 13
 
 
 @pytest.mark.slow
