@@ -36,11 +36,16 @@ demo: $(STAMP)
 	$(BIN)/neffbuild inspect artifacts/gpt-oss-tiny-0.1.0
 	$(BIN)/neffbuild generate artifacts/gpt-oss-tiny-0.1.0 --prompt-ids $$(seq -s, 1 120) --prompt-ids 7,8 --max-new-tokens 150 --check
 
+# Two pytest-xdist workers (one per core of the 2-core CI host); tests/conftest.py keeps each Ray test and
+# each 6-graph bundle's tests on one worker, and gives the workers one compile cache. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not bench" tests
+	$(BIN)/python -m pytest -q $(XDIST) -m "not bench" tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not bench" tests
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not bench" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

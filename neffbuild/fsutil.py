@@ -15,6 +15,17 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def no_duplicate_keys(pairs: list) -> dict:
+    """``json.loads(..., object_pairs_hook=no_duplicate_keys)``: a key given twice is a ValueError (readers
+    of bundles and signatures would otherwise see only the last value, while another tool sees the first)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k[:80]!r}")
+        out[k] = v
+    return out
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (used to sweep work folders of dead writers)."""
     try:

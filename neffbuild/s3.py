@@ -192,14 +192,10 @@ class S3Remote:
         body = Path(data).read_bytes() if isinstance(data, (str, Path)) else bytes(data)
         self._call("put", key, self.client.put_object, Bucket=self.url.bucket, Key=key, Body=body)
 
-    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes | None:
-        """The object's bytes (``byte_range`` = inclusive ``(first, last)``), or None when the key is missing."""
-        kwargs = {"Bucket": self.url.bucket, "Key": key}
-        if byte_range is not None:
-            kwargs["Range"] = f"bytes={int(byte_range[0])}-{int(byte_range[1])}"
+    def _get_object(self, key: str, read, **extra):
+        """``read(response)`` of the object, or None when the key is missing; other failures classified."""
         try:
-            resp = self.client.get_object(**kwargs)
-            return resp["Body"].read()
+            return read(self.client.get_object(Bucket=self.url.bucket, Key=key, **extra))
         except self._botocore.exceptions.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
@@ -207,23 +203,25 @@ class S3Remote:
         except Exception as exc:
             raise self._classify(exc, "get", key) from None
 
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes | None:
+        """The object's bytes (``byte_range`` = inclusive ``(first, last)``), or None when the key is missing."""
+        extra = {} if byte_range is None else {"Range": f"bytes={int(byte_range[0])}-{int(byte_range[1])}"}
+        return self._get_object(key, lambda resp: resp["Body"].read(), **extra)
+
     def get_to_file(self, key: str, dest: Path) -> bool:
         """Stream the object into ``dest`` (written to ``dest`` + ``.part`` then renamed); False when missing."""
         dest = Path(dest)
         part = dest.with_name(dest.name + f".{os.getpid()}.part")
-        try:
-            resp = self.client.get_object(Bucket=self.url.bucket, Key=key)
+
+        def stream(resp) -> bool:
             with open(part, "wb") as fh:
                 for chunk in resp["Body"].iter_chunks(1 << 20):
                     fh.write(chunk)
             os.replace(part, dest)
             return True
-        except self._botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return False
-            raise self._classify(exc, "get", key) from None
-        except Exception as exc:
-            raise self._classify(exc, "get", key) from None
+
+        try:
+            return bool(self._get_object(key, stream))
         finally:
             part.unlink(missing_ok=True)
 

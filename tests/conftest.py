@@ -7,6 +7,7 @@ AOTInductor compiles per cold run (CI): built 6, fp8_built 1, built_tp2 2, built
 import copy
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,18 +31,34 @@ from tests.s3_server import s3_server  # noqa: F401  (the moto S3 server fixture
 
 os.environ.setdefault("NEFFBUILD_CACHE_DIR", str(ROOT / ".ci-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle model is built locally; never reach a hub
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One core per xdist worker: two workers whose steps each run an OpenMP team as wide as the host spin for
+    # each other's cores. Subprocesses (CLI runs, ranks, compile workers) inherit the setting.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # Fixtures that compile (or hand out something compiled): a test using one is `slow` whatever its own marks
 # say, so `make test-fast` (-m "not slow") compiles nothing.
 COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_ep2", "eagle3_built",
-                     "neuron_bundle", "build_cache", "compile_pool", "ray_cluster"}
+                     "production_built", "neuron_bundle", "build_cache", "compile_pool", "ray_cluster"}
+
+# `make test` runs two pytest-xdist workers (--dist loadgroup). Every test of a fixture named here runs on
+# one worker, so that fixture is built once: the session's one Ray instance, and the two 6-graph bundles
+# that only a few tests use. The rest spread over both workers; a bundle both need is compiled once
+# anyway (one compile cache for the run, `build_cache`), the second worker taking the first's entries.
+XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if COMPILED_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if COMPILED_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
+        group = next((g for g in XDIST_GROUPS if g in names), None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
@@ -92,12 +109,17 @@ def hf_checkpoint(tmp_path_factory, tiny_cfg):
 
 @pytest.fixture(scope="session")
 def build_cache(tmp_path_factory):
-    """The session bundles' compile cache: a fresh folder, or NEFFBUILD_TEST_CACHE when a developer sets it
-    (compiled test graphs then survive between runs; CI never sets it, so CI always compiles cold)."""
+    """The session bundles' compile cache: a fresh folder (one for all xdist workers of a run), or
+    NEFFBUILD_TEST_CACHE when a developer sets it (compiled test graphs then survive between runs; CI never
+    sets it, so CI always compiles cold)."""
     shared = os.environ.get("NEFFBUILD_TEST_CACHE")
     if shared:
         Path(shared).mkdir(parents=True, exist_ok=True)
         return Path(shared)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one cache for every worker of this run (their common base temp)
+        folder = tmp_path_factory.getbasetemp().parent / "build-cache"
+        folder.mkdir(exist_ok=True)
+        return folder
     return tmp_path_factory.mktemp("cache")
 
 

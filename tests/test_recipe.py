@@ -27,7 +27,14 @@ def patched(path: str, value):
     return raw
 
 
-DELETE = object()
+class _Delete:
+    """The value that removes a key; a stable repr, so test ids are the same in every xdist worker."""
+
+    def __repr__(self):
+        return "<deleted>"
+
+
+DELETE = _Delete()
 CTX = "neuron_config.decode_context_length_buckets"
 NS = "neuron_config.num_seqs_buckets"
 

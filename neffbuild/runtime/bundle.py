@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
-from neffbuild.fsutil import sha256_file
+from neffbuild.fsutil import no_duplicate_keys, sha256_file
 from neffbuild.runtime import (
     aoti_package,
     bundle_gate,
@@ -51,15 +51,6 @@ def safe_path(root: Path, rel: object) -> Path:
     return p
 
 
-def _no_duplicate_keys(pairs: list) -> dict:
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k[:80]!r}")
-        out[k] = v
-    return out
-
-
 def _manifest_bytes(root: Path) -> bytes:
     mpath = root / paths.MANIFEST_PATH
     if not mpath.is_file() or mpath.is_symlink():
@@ -81,7 +72,7 @@ def read_manifest(root: Path) -> dict:
         text = raw.decode("utf-8")
         if not weights_file.json_depth_ok(text, MAX_MANIFEST_DEPTH):
             raise ValueError(f"nested deeper than {MAX_MANIFEST_DEPTH} levels")
-        m = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant)
+        m = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BundleError(f"{mpath}: unreadable manifest ({short_repr(str(exc), 160)})") from None
     if not isinstance(m, dict) or m.get("format") != paths.BUNDLE_FORMAT:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.errors import InvalidInput, SignatureError
-from neffbuild.fsutil import sha256_file
+from neffbuild.fsutil import no_duplicate_keys, sha256_file
 from neffbuild.runtime import layout
 
 MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
@@ -135,16 +135,8 @@ def load_trusted_keys(keys) -> list[TrustedKey]:
 
 
 def _strict_json(raw: bytes, what: str):
-    def pairs(items):
-        d = {}
-        for k, v in items:
-            if k in d:
-                raise ValueError(f"duplicate key {k[:80]!r}")
-            d[k] = v
-        return d
-
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SignatureError(f"{what}: not valid JSON ({str(exc)[:160]})") from None
 
