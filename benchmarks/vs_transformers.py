@@ -125,16 +125,20 @@ def main() -> None:
             if rnd:
                 decode[name].append(full - first)
     same = tokens["bundle"] == tokens["transformers"]
+    first_diff = next(([r, i] for r, (a, b) in enumerate(zip(tokens["bundle"], tokens["transformers"], strict=True))
+                       for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
     n = BATCH * (NEW - 1)
     tps = {k: n / statistics.median(v) for k, v in decode.items()}
     doc = {"machine": machine(), "config": CONFIG, "batch": BATCH, "prompt": PROMPT, "new_tokens": NEW,
            "decode_seconds": decode, "tokens_per_second": {k: round(v, 1) for k, v in tps.items()},
-           "speedup": round(tps["bundle"] / tps["transformers"], 3), "tokens_identical": same}
+           "speedup": round(tps["bundle"] / tps["transformers"], 3), "tokens_identical": same,
+           "first_difference": first_diff}  # [request, new-token index] where the two first disagree
     (work / "vs_transformers.json").write_text(json.dumps(doc, indent=1))
     print(f"machine: {doc['machine']}")
     print(f"decode tokens/s, batch {BATCH}, {PROMPT}-token prompts, {NEW} new, greedy (medians of {args.repeat}):")
     print(f"  bundle {tps['bundle']:.1f}  transformers {tps['transformers']:.1f}  ->  x{doc['speedup']}  "
-          f"(goal x2: {'PASS' if doc['speedup'] >= 2 else 'FAIL'}); tokens identical: {same}")
+          f"(goal x2: {'PASS' if doc['speedup'] >= 2 else 'FAIL'}); tokens identical: {same}"
+          + ("" if same else f" (first difference: request {first_diff[0]}, new token {first_diff[1]})"))
     if not same:
         raise SystemExit(1)
 
