@@ -1,43 +1,80 @@
-"""The step API's input checks (runtime/step_checks.py) vs the tiny bundle's smallest decode step.
+"""The step API's input checks (runtime/step_checks.py) vs the tiny bundle's decode steps.
 
-    .venv/bin/python benchmarks/step_checks.py BUNDLE
+    .venv/bin/python benchmarks/step_checks.py BUNDLE [--rounds 30]
 
-Side by side in one process, one torch thread: ``step_problem`` alone for one request (the
-``decode_b1_ctx128`` step) and for four requests at mixed positions (``decode_b4``), and
-``Stepper.step`` for the same one-request batch (plan + checks + metadata + artifact).
+Side by side in one process, one torch thread, interleaved: each round times ``step_problem``
+(the check the Stepper runs before the DP collective) and its rule-by-rule reference
+(``_step_reference``, the path every malformed or unusual step takes) for one request (the
+``decode_b1_ctx128`` step) and for four requests at mixed positions (``decode_b4``), then
+``Stepper.step`` for the same two batches (plan + check + metadata + artifact). Medians over
+every round's samples, so a load that comes and goes weighs on check and step alike (a check
+sample times 10 calls in a row, so the timer's own ~0.2 us is not counted as check). The load
+average is reported: above 0.5 the host was loaded and only the ratios count.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import os
+import statistics
 
 import torch
-from _common import machine, median_us
+from _common import machine
 
+from neffbuild.bench.overhead import timed_seconds
 from neffbuild.runtime import StepBatch, Stepper, step_checks
 from neffbuild.runtime.bundle import open_bundle
 
 
-def main(path: str) -> dict:
+def main(path: str, rounds: int) -> dict:
     step = Stepper(open_bundle(path))
     lay, mml = step.artifacts.kv_layout, step.spec.max_model_len
     one = StepBatch([[5]], [20], {"full": torch.arange(1, 3)[None], "sliding": torch.arange(9, 11)[None]})
     four = StepBatch([[5], [6], [7], [8]], [20, 100, 300, 7],
                      {"full": torch.arange(1, 129).reshape(4, 32), "sliding": torch.arange(200, 328).reshape(4, 32)})
+    kw = {"k": 0, "vocab": step.vocab_size, "layout": lay, "max_model_len": mml}
+    vocab = step.vocab_size
 
-    def check(batch):
-        return lambda: step_checks.step_problem(batch, k=0, vocab=step.vocab_size, layout=lay, max_model_len=mml)
+    def check(b):  # called as Stepper.plan calls it
+        return lambda: step_checks.step_problem(b, k=0, vocab=vocab, layout=lay, max_model_len=mml)
 
-    assert check(one)() is None and check(four)() is None
-    out = {"check_b1_us": median_us(check(one), repeat=2000, warmup=100),
-           "check_b4_mixed_us": median_us(check(four), repeat=2000, warmup=100),
-           "step_b1_us": median_us(lambda: step.step(one), repeat=300, warmup=20),
-           "step_label": step.plan(one).label}
-    out["check_of_step_pct"] = round(100 * out["check_b1_us"] / out["step_b1_us"], 2)
+    def reference(b):
+        return lambda: step_checks._step_reference(b.tokens, b.num_computed, b.block_tables, **kw)
+
+    def ten(fn):  # one sample = 10 calls (per-call time = sample / 10)
+        def run():
+            for _ in range(10):
+                fn()
+        return run
+
+    for b in (one, four):  # both well-formed, and the fast path is the one timed
+        assert check(b)() is None and reference(b)() is None
+        assert step_checks._step_ok(b.tokens, b.num_computed, b.block_tables, 0, step.vocab_size,
+                                    lay.block_size, lay.num_blocks, mml)
+    fns = {"check_b1_us": (ten(check(one)), 20, 10), "reference_b1_us": (ten(reference(one)), 20, 10),
+           "check_b4_mixed_us": (ten(check(four)), 20, 10), "reference_b4_mixed_us": (ten(reference(four)), 20, 10),
+           "step_b1_us": (lambda: step.step(one), 10, 1), "step_b4_us": (lambda: step.step(four), 10, 1)}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    load = [os.getloadavg()[0]]
+    for _ in range(rounds):
+        for name, (fn, n, calls) in fns.items():
+            samples[name] += [t / calls for t in timed_seconds(fn, n, warmup=1)]
+    load.append(os.getloadavg()[0])
+    out = {name: round(statistics.median(s) * 1e6, 2) for name, s in samples.items()}
+    out |= {"step_b1_label": step.plan(one).label, "step_b4_label": step.plan(four).label,
+            "check_of_step_b1_pct": round(100 * out["check_b1_us"] / out["step_b1_us"], 2),
+            "check_of_step_b4_pct": round(100 * out["check_b4_mixed_us"] / out["step_b4_us"], 2),
+            "reference_of_step_b1_pct": round(100 * out["reference_b1_us"] / out["step_b1_us"], 2),
+            "load_average_1min": [round(x, 2) for x in load],
+            "host": "loaded" if max(load) > 0.5 else "idle"}
     return out
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle", help="a bundle of the tiny model (e.g. the test bundle gpt-oss-test)")
+    ap.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
+    args = ap.parse_args()
     torch.set_num_threads(1)
-    print(json.dumps({"machine": machine(), **main(sys.argv[1])}, indent=1))
+    print(json.dumps({"machine": machine(), **main(args.bundle, args.rounds)}, indent=1))

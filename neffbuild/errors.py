@@ -113,7 +113,7 @@ class PrefillWorkerLost(KVTransferError):
     """A prefill worker rank died or stopped answering while serving ``request`` (``generate`` exits 1)."""
 
     def __init__(self, request: str, message: str):
-        self.request = request
+        self.request, self.detail = request, message
         super().__init__(f"request {request!r}: {message}")
 
 

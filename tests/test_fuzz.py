@@ -278,3 +278,101 @@ def test_fuzz_step_inputs(fuzz_stepper, step):
         assert all(torch.equal(a, b) for a, b in zip(before, fuzz_stepper.kv_caches, strict=True))
         return
     assert out.logits.shape == (len(tokens), 1, 256) and torch.isfinite(out.logits).all()
+
+
+# -- the step check's fast path against its reference (issue 25): never accepts what the reference refuses
+
+_ODD = [True, 5.0, "3", None, 2**62, 2**63, -(2**63)]
+_DEFECTS = ["none", "token", "row-length", "computed", "row-count", "id full", "id sliding", "beyond", "width full",
+            "width sliding", "dtype full", "dtype sliding", "shape full", "shape sliding", "device", "groups",
+            "tuples", "idle", "foreign", "no-vocab"]
+
+
+@st.composite
+def _edge_steps(draw, defect: str):
+    """A well-formed step (live columns non-null, padded with the null block elsewhere as engines do) with at
+    most one defect at an edge of the rules. Returns (args, exact): ``exact`` when the fast path must agree with
+    the reference both ways (plain containers, a vocab, at least one request)."""
+    import numpy as np
+    import torch
+
+    bs, mml = draw(st.sampled_from([1, 4, 16])), draw(st.sampled_from([16, 40, 64]))
+    nb = draw(st.sampled_from([2, 9, 40]))
+    k, vocab, R, cols = draw(st.integers(0, 3)), draw(st.sampled_from([256, 3])), draw(st.integers(1, 4)), -(-mml // bs)
+    tokens = [[draw(st.integers(0, vocab - 1)) for _ in range(draw(st.sampled_from([1, 1 + k])))] for _ in range(R)]
+    computed = [draw(st.integers(0, mml + bs)) for _ in range(R)]
+    lasts = [min(n + len(t), mml) - 1 for n, t in zip(computed, tokens, strict=True)]
+    his = [p // bs + 1 if p >= n else 0 for n, p in zip(computed, lasts, strict=True)]
+    seed = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    tables = {}
+    defect, _, group = defect.partition(" ")
+    for g in ("full", "sliding") if group == "sliding" else draw(st.sampled_from([("full",), ("full", "sliding")])):
+        width = cols + 2 if defect == "beyond" else max(draw(st.integers(max(his), cols + 2)), 1)
+        t = torch.randint(1, nb, (R, width), generator=seed)
+        if draw(st.booleans()):  # the null block wherever no live position is
+            for r, (n, h) in enumerate(zip(computed, his, strict=True)):
+                t[r, h:] = 0
+                if g == "sliding":
+                    t[r, : min(n // bs, h)] = 0
+        tables[g] = t
+    exact = True
+    r, group = draw(st.integers(0, R - 1)), group or "full"
+    if defect == "token":
+        tokens[r][draw(st.integers(0, len(tokens[r]) - 1))] = draw(st.sampled_from([-1, vocab, vocab + 1, *_ODD]))
+    elif defect == "row-length":
+        tokens[r] = [0] * draw(st.sampled_from([0, k + 2, 2, 1 + k]))
+    elif defect == "computed":
+        computed[r] = draw(st.sampled_from([-1, mml - 1, mml, 10**9, *_ODD]))
+    elif defect == "row-count":
+        computed = computed[1:] if draw(st.booleans()) else [*computed, 0]
+    elif defect == "id":  # anywhere: live, padding, beyond the columns the graph reads
+        t = tables[group].clone()
+        t[r, draw(st.integers(0, t.shape[1] - 1))] = draw(st.sampled_from([0, -1, nb, nb + 1, 1]))
+        tables[group] = t
+    elif defect == "beyond":  # columns the graph never reads may hold anything
+        tables["full"][r, cols + draw(st.integers(0, 1))] = draw(st.sampled_from([-1, nb, 10**6]))
+    elif defect == "width":
+        tables[group] = tables[group][:, : draw(st.integers(0, tables[group].shape[1]))]
+    elif defect == "dtype":
+        tables[group] = tables[group].to(draw(st.sampled_from([torch.int32, torch.int16, torch.float32, torch.bool])))
+    elif defect == "shape":
+        t = tables[group]
+        tables[group] = draw(st.sampled_from([t.reshape(-1), torch.cat([t, t[:1]]), t.tolist(), t[None],
+                                              torch.cat([t, t], 1)[:, ::2], t[:, :0]]))
+    elif defect == "device":
+        g = draw(st.sampled_from(sorted(tables)))
+        tables[g] = tables[g].to("meta")
+    elif defect == "groups":
+        tables = draw(st.sampled_from([{"sliding": tables["full"]}, {**tables, "draft": tables["full"]},
+                                       {**tables, "sliding": None}, {}]))
+    elif defect == "tuples":
+        tokens, computed = tuple(map(tuple, tokens)), tuple(computed)
+    elif defect == "idle":
+        tokens, computed, tables, exact = [], [], {g: t[:0] for g, t in tables.items()}, False
+    elif defect == "foreign":  # integral, not int: the reference takes these, the fast path leaves them to it
+        tokens[r][0], exact = draw(st.sampled_from([np.int64(1), torch.tensor(1)])), False
+        computed[r] = draw(st.sampled_from([computed[r], np.int32(computed[r])]))
+    elif defect == "no-vocab":
+        vocab, exact = None, False
+        tokens[r][0] = draw(st.sampled_from([0, 2**62, 2**63]))
+    return (tokens, computed, tables, k, vocab, bs, nb, mml), exact
+
+
+@pytest.mark.parametrize("scan", ["python", "aminmax"])  # the ids of a table scanned as lists, or one aminmax
+@pytest.mark.parametrize("defect", _DEFECTS)
+@fuzz(30)
+@given(data=st.data())
+def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defect, data):
+    from types import SimpleNamespace
+
+    from neffbuild.runtime import step_checks
+
+    monkeypatch.setattr(step_checks, "_PY_IDS", step_checks.LIST_LIMIT if scan == "python" else 0)
+    (tokens, computed, tables, k, vocab, bs, nb, mml), exact = data.draw(_edge_steps(defect))
+    fast = step_checks._step_ok(tokens, computed, tables, k, vocab, bs, nb, mml)
+    ref = step_checks._step_reference(tokens, computed, tables, k=k, vocab=vocab, max_model_len=mml,
+                                      layout=SimpleNamespace(block_size=bs, num_blocks=nb))
+    if fast:
+        assert ref is None  # soundness: the fast path never lets a malformed step through
+    if exact:
+        assert fast == (ref is None), ref  # and on plain input it takes every step the reference takes

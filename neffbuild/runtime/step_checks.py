@@ -16,12 +16,17 @@ step can reach (never the pool, never columns beyond ``max_model_len``):
   from the bundle (never from the caller's tensor), positions below ``max_model_len``.
 
 ``step_problem`` returns a message (the step API raises it on every DP rank together, after
-the one collective); the others raise ``StepInputError`` themselves.
+the one collective); the others raise ``StepInputError`` themselves. It runs on every step, so
+it is two paths: ``_step_ok``, one pass over the rows for the usual step (plain ints, tables up
+to ``LIST_LIMIT`` ids: a few us, under 1% of the tiny model's step), which only ever says yes;
+and ``_step_reference``, rule by rule, for everything else and for the message. The fuzz holds
+the first to the second (tests/test_fuzz.py).
 """
 
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 
 import torch
 
@@ -137,6 +142,97 @@ def _ids_problem_small(where, rows: list, num_blocks, block_size, max_cols, live
 def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
     """Why a step is malformed, or None (checked before the collective so every rank learns of it)."""
     tokens, computed, tables = batch.tokens, batch.num_computed, batch.block_tables
+    if _step_ok(tokens, computed, tables, k, vocab, layout.block_size, layout.num_blocks, max_model_len):
+        return None
+    return _step_reference(tokens, computed, tables, k=k, vocab=vocab, layout=layout, max_model_len=max_model_len)
+
+
+_SEQ = (list, tuple)
+
+
+def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
+    """True only for a step the reference below accepts: plain lists of ints and tables up to ``LIST_LIMIT`` ids
+    (the engine's usual decode step), in one pass over the rows. Anything else (numpy or tensor scalars, an idle
+    rank, big tables, any doubt) is False, and the reference decides and words the message; the fuzz checks
+    that this never accepts what the reference refuses (tests/test_fuzz.py)."""
+    if type(tables) is not dict or type(tokens) not in _SEQ or type(computed) not in _SEQ:
+        return False
+    R = len(tokens)
+    sliding = tables.get(SLIDING_GROUP)
+    if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
+        return False
+    cols = -(-mml // bs)  # the columns the graph can read
+    full = _rows(tables.get(FULL_GROUP), R, cols, num_blocks)
+    slid = _NO_TABLE if sliding is None else _rows(sliding, R, cols, num_blocks)
+    if full is None or slid is None:
+        return False
+    (frows, fscan, width), (srows, sscan, swidth) = full, slid
+    width = swidth if swidth < width else width
+    q2, top = 1 + k, _BIG if vocab is None else vocab
+    for toks, n, frow, srow in zip(tokens, computed, frows, srows, strict=False):  # R rows; a repeat for no rows
+        if type(toks) not in _SEQ or type(n) is not int or n < 0:
+            return False
+        q = len(toks)
+        if q != 1 and q != q2:
+            return False
+        for t in toks:
+            if type(t) is not int or t < 0 or t >= top:
+                return False
+        last = (n + q if n + q < mml else mml) - 1  # the last live position (none when n >= max_model_len)
+        h = last // bs + 1 if last >= n else 0  # live columns: [0, h) full, [n // bs, h) sliding
+        if h > width:
+            return False
+        if frow is not None:  # the null block only outside the live columns
+            if fscan:
+                if max(frow) >= num_blocks:
+                    return False
+                lo = min(frow)
+                if lo < 1 and (lo < 0 or (h and min(frow[:h]) < 1)):
+                    return False
+            elif h and min(frow[:h]) < 1:
+                return False
+        if srow is not None:
+            a = n // bs
+            if sscan:
+                if max(srow) >= num_blocks:
+                    return False
+                lo = min(srow)
+                if lo < 1 and (lo < 0 or (h > a and min(srow[a:h]) < 1)):
+                    return False
+            elif h > a and min(srow[a:h]) < 1:
+                return False
+    return True
+
+
+_PY_IDS = 32  # tables up to this many ids are scanned in Python; larger ones with one aminmax (~2 us)
+_NO_TABLE = (repeat(None), False, _BIG)
+
+
+def _rows(t, R: int, cols: int, num_blocks: int):
+    """(rows, scan, W) of an [R, W >= 1] int CPU tensor of at most LIST_LIMIT ids, else None.
+
+    rows: each row's ids as a list cut to ``cols`` columns, to scan whole in Python (``scan``); or, for a
+    table over ``_PY_IDS`` ids whose reachable ids one aminmax found in [0, num_blocks), the rows for their
+    live columns only (not ``scan``), or no rows at all (a repeat of None) when none of them is 0."""
+    if type(t) is not torch.Tensor or t.dtype not in _INT_DTYPES or not t.is_cpu:
+        return None
+    shape = t.shape
+    if len(shape) != 2 or shape[0] != R:
+        return None
+    width = shape[1]
+    if not 0 < width <= LIST_LIMIT // R:
+        return None
+    if R * width <= _PY_IDS:
+        return (t.tolist() if width <= cols else [row[:cols] for row in t.tolist()]), True, width
+    lo, hi = torch.aminmax(t if width <= cols else t[:, :cols])
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= num_blocks:
+        return None
+    return (repeat(None) if lo else t.tolist()), False, width
+
+
+def _step_reference(tokens, computed, tables, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
+    """The full check, rule by rule, with the message for the first rule broken (``_step_ok``'s reference)."""
     if not hasattr(tokens, "__len__") or not hasattr(computed, "__len__") or \
             not all(hasattr(t, "__len__") and not isinstance(t, (str, bytes)) for t in tokens):
         return "step: tokens must be a list of token-id lists and num_computed a list of integers"

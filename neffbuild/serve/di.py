@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from neffbuild.errors import KVTransferError
+from neffbuild.errors import KVTransferError, PrefillWorkerLost
 from neffbuild.runtime.blocks import NULL_BLOCK, SLIDING_GROUP
 from neffbuild.runtime.di_prompt import unwritten_reads
 from neffbuild.serve.engine import Engine
@@ -55,7 +56,7 @@ class NixlSource:
     prompt token: the first decode step recomputes it (no prefill logits, no aux hidden
     states: with a proposer that step runs without spec). ``prefix`` keeps request names of
     several decode groups apart on one prefill group (the decode TP ranks of one group share it).
-    A prefill rank that dies is ``PrefillWorkerLost`` naming the request (within 30 s).
+    A prefill rank that dies is ``PrefillWorkerLost`` naming the request by its id (within 30 s).
     """
 
     collective = False
@@ -66,12 +67,29 @@ class NixlSource:
         self.pullers = decode_tp(session)
         self.kv = connect_decode(session, [addresses] if isinstance(addresses, int) else addresses, alive=alive)
         self.transfers: list[dict] = []
+        self._next_check = 0.0
+
+    def check(self, waiting: Request) -> None:
+        """Between admissions (at most every 0.5 s): a prefill group that died while this rank decodes is
+        ``PrefillWorkerLost`` naming ``waiting``, the next request it can no longer serve, not a run that
+        decodes on for minutes before it notices."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + 0.5
+        if not self.kv.alive():
+            raise PrefillWorkerLost(waiting.id, "the prefill group is gone (a rank's side channel closed) before "
+                                                "this request was prefilled")
 
     def admit(self, reqs, blocks) -> None:
         for r in reqs:
             r.key = r.key if r.key is not None else f"req-{r.index}"
-            r.transfer = pull_prompt(self.kv, blocks, self.config, r.prompt, f"{self.prefix}{r.key}",
-                                     pullers=self.pullers, n_minus_1=self.n_minus_1, key=r.key)
+            wire = f"{self.prefix}{r.key}"
+            try:
+                r.transfer = pull_prompt(self.kv, blocks, self.config, r.prompt, wire, pullers=self.pullers,
+                                         n_minus_1=self.n_minus_1, key=r.key)
+            except PrefillWorkerLost as exc:  # name the request as the user did (its id), the wire name after
+                raise PrefillWorkerLost(r.id, f"{exc.detail} (prefill request {wire})") from None
             self.transfers.append(r.transfer)
             r.computed, r.next = len(r.prompt) - 1, int(r.prompt[-1])  # the first step runs the last prompt token
             if self.check_reads:

@@ -93,12 +93,15 @@ class Engine:
         self.check_fits(requests)
         waiting = sorted(requests, key=lambda r: (r.arrival, r.index))
         live: list[Request] = []
+        check = getattr(self.source, "check", None)  # optional: a KV source that can die between admissions
         t = 0
         while True:
             if not live and waiting and self.stepper.group is None and not self.source.collective:
                 t = max(t, waiting[0].arrival)  # nothing runs until then: skip the idle steps (DP ranks count them)
             t0 = time.perf_counter()
             admit = self._admissible(waiting, live, t)
+            if check is not None and len(waiting) > len(admit):
+                check(waiting[len(admit)])  # a remote KV source still alive for what waits (rate-limited)
             source_s = propose_s = run_s = 0.0
             if admit or self.source.collective:
                 s0 = time.perf_counter()

@@ -9,6 +9,8 @@ The engine (serve/engine.py) is one loop per rank; a mode is a choice of parts, 
   prefill) appends it to ``req.tokens``. ``collective`` sources must be called on every
   rank at every step (even with no request), in the same order: their prefill has
   collectives. ``close()`` ends whatever the source started.
+  An optional ``check(req)`` (NixlSource) is called while requests wait: a source that can no
+  longer serve them raises, naming the next one, instead of the run decoding on.
 
   - ``LocalPrefill``: the model's eager per-layer prefill in this process (sharded bundles:
     this rank's shard, in lockstep when the MoE gathers across DP groups). With a proposer
