@@ -10,14 +10,21 @@ Written as elementwise products and sums (not ``einsum``, which lowers to a batc
 that needs its operands materialised), the compiler fuses each table lookup into the loop
 that consumes it, so no ``[B, h, T, d]`` copy of the gathered blocks is ever made
 (tests/test_stepcost.py reads the generated code for one). Only the scores,
-``[B, h, g, q, T]``, are a buffer: ``g*q/d`` of the K bytes.
+``[B, h, g, T]``, are a buffer: ``g/d`` of the K bytes.
+
+That holds for plain decode (one query row per request) of a float cache. A step of
+several query rows (``target_spec``) and an FP8 cache keep the gathered copy: the compiled
+in-place form recomputes the table lookup, and for FP8 the byte decode, of each K and V
+element once per query row of its head (``g*q`` rows), and on CPU that cost 1.4x (q 4,
+fp32) and 1.1-5x (FP8, q 1, g 2-8) the copy-once read (docs/benchmarks.md,
+benchmarks/attention_kernels.py). The copy decodes each FP8 byte once, in integer ops.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.kv import block_operand
+from kernels.kv import FP8, block_operand, gather_blocks
 
 
 def _attend(q, k, v, mask, sinks, scale):
@@ -65,14 +72,18 @@ def paged_attention(
     h, bs = cache.shape[2], cache.shape[3]
     W = table.shape[1]
     g = H // h
-    qg = q.view(B, S, h, g, d).permute(0, 2, 3, 1, 4)  # [B, h, g, S, d]
-    k = block_operand(cache, 0, table, packed_k, q.dtype)  # [B, h, W, bs, d], indexed lazily
-    scores = (qg[:, :, :, :, None, None, :] * k[:, :, None, None]).sum(-1)  # [B, h, g, S, W, bs]
-    logits = scores.reshape(B, h, g, S, W * bs) * scale
     k_pos = kv_pos_offset[:, None] + torch.arange(W * bs, device=q.device)  # [B, T]
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, q, T]
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    if S > 1 or cache.dtype in (torch.uint8, FP8):  # copy (and decode) each block once, then two matmuls
+        k = gather_blocks(cache, 0, table, packed_k, q.dtype)  # [B, h, T, d]
+        v = gather_blocks(cache, 1, table, False, q.dtype)
+        return _attend(q.view(B, S, h, g, d), k, v, mask, sinks, scale)
+    qg = q.view(B, S, h, g, d).permute(0, 2, 3, 1, 4)  # [B, h, g, S, d]
+    k = block_operand(cache, 0, table, packed_k, q.dtype)  # [B, h, W, bs, d], indexed lazily
+    scores = (qg[:, :, :, :, None, None, :] * k[:, :, None, None]).sum(-1)  # [B, h, g, S, W, bs]
+    logits = scores.reshape(B, h, g, S, W * bs) * scale
     probs = _softmax_with_sinks(logits, mask[:, None, None], sinks).view(B, h, g, S, W, bs, 1)
     v = block_operand(cache, 1, table, False, q.dtype)  # [B, h, W, bs, d]
     out = (probs * v[:, :, None, None]).sum((4, 5))  # [B, h, g, S, d]
