@@ -5,8 +5,9 @@
 The old kernels are ``kernels/`` of git ref ``--old-ref`` (default main), extracted into a
 temp folder and imported beside this tree's; both read the same cache, table and queries, and
 their outputs are compared. One thread. Prints a markdown table (median ms per call).
-Shapes: the kv-dominant full layer (B1, 8 heads x 64, T 2048) and the tiny model's
-(B4, H4/h2, d16, T512) at query length 1 (decode) and 4 (target_spec), fp32, bf16 and packed FP8 K.
+Shapes: the kv-dominant full layer (B1, 8 heads x 64, T 2048), a GQA-8 layer (gpt-oss's
+group, 16/2 heads x 64, T 1024) and the tiny model's (B4, H4/h2, d16, T512) at query length 1
+(decode) and 4 (target_spec), fp32, bf16 and packed FP8 K (FP8 V).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ CASES = [
     ("tiny B4 q1 H4/h2 d16 T512, fp32", 4, 1, 4, 2, 16, 512, torch.float32),
     ("tiny B4 q1, bf16", 4, 1, 4, 2, 16, 512, torch.bfloat16),
     ("tiny B4 q1, packed FP8 K", 4, 1, 4, 2, 16, 512, "fp8"),
+    ("GQA 8, B1 q1 H16/h2 d64 T1024, fp32", 1, 1, 16, 2, 64, 1024, torch.float32),
+    ("GQA 8, B1 q1, packed FP8 K", 1, 1, 16, 2, 64, 1024, "fp8"),
     ("tiny B4 q4 (target_spec), fp32", 4, 4, 4, 2, 16, 512, torch.float32),
     ("tiny B4 q4, bf16", 4, 4, 4, 2, 16, 512, torch.bfloat16),
     ("tiny B4 q4, packed FP8 K", 4, 4, 4, 2, 16, 512, "fp8"),
@@ -69,10 +72,8 @@ def inputs(B, S, H, h, d, T, dtype):
     qdt = torch.float32 if dtype == "fp8" else dtype
     q = torch.randn(B, S, H, d, generator=g).to(qdt)
     cache = torch.randn(2, POOL, h, BLOCK, d, generator=g)
-    if dtype == "fp8":  # the packed layout's bytes: any FP8 bytes are valid K/V values
-        cache = cache.to(torch.float8_e4m3fn).view(torch.uint8)
-    else:
-        cache = cache.to(dtype)
+    # FP8: the packed layout's bytes (any FP8 bytes are valid K/V values)
+    cache = cache.to(torch.float8_e4m3fn).view(torch.uint8) if dtype == "fp8" else cache.to(dtype)
     table = torch.stack([torch.randperm(POOL - 1, generator=g)[:W] + 1 for _ in range(B)])  # distinct blocks
     q_pos = (T - S + torch.arange(S))[None].expand(B, S).contiguous()
     return q, cache, table, q_pos, torch.zeros(B, dtype=torch.long), torch.randn(H, generator=g)

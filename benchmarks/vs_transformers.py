@@ -52,10 +52,7 @@ def checkpoint(folder: Path) -> Path:
     return folder
 
 
-def build(ckpt: Path, work: Path, cache: Path) -> Path:
-    from neffbuild import recipe
-    from neffbuild.compiler.builder import compile_recipe
-
+def recipe_file(ckpt: Path, work: Path) -> Path:
     raw = {"name": "vs-transformers", "version": "0.1.0", "model": {"arch": "gpt_oss", "checkpoint": str(ckpt)},
            "serving": {"max_model_len": 1024, "max_num_seqs": BATCH, "block_size": 16, "num_blocks": 401},
            "neuron_config": {"num_seqs_buckets": [BATCH], "decode_context_length_buckets": [512, 768],
@@ -63,6 +60,14 @@ def build(ckpt: Path, work: Path, cache: Path) -> Path:
            "parallel": {"tp": 1, "dp": 1, "ep": 1}, "compiler": {"backend": "inductor"}, "build": {"jobs": 2}}
     path = work / "vs-transformers.yaml"
     path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def build(ckpt: Path, work: Path, cache: Path) -> Path:
+    from neffbuild import recipe
+    from neffbuild.compiler.builder import compile_recipe
+
+    path = recipe_file(ckpt, work)
     res = compile_recipe(recipe.load(path), work / "out", jobs=2, cache_root=cache)
     if res.failed:
         raise SystemExit(f"build failed: {res.failed}")

@@ -75,14 +75,16 @@ def _gathered_copies(shapes, batch: int, heads: int, block: int, head_dim: int, 
 
 @pytest.mark.slow
 def test_attention_reads_blocks_in_place_no_gathered_copy(built, fp8_built, eagle3_built, tmp_path):
-    """No artifact allocates a buffer the size of the gathered KV ([B, h, T, d] of either table): attention
-    reads each block through the table inside its loops (unpacked, packed FP8 K, target_spec and the draft).
+    """No plain-decode artifact of a float cache allocates a buffer the size of the gathered KV ([B, h, T, d]
+    of either table): attention reads each block through the table inside its loops (target and draft).
+    Several query rows (target_spec) and an FP8 cache keep the copy-once read, faster on CPU there
+    (kernels/attention.py): those artifacts must show the copy, so the check sees both reads.
     The check flags the old gather-then-einsum read (one small graph compiled here)."""
     backend = InductorBackend()
     q, cache, table = torch.randn(2, 2, 2, 16), torch.randn(2, POOL, 2, 16, 16), torch.tensor([[3, 9], [4, 1]])
     bad = backend.compile(backend.export(_GatheredAttention(), (q, cache, table)), tmp_path)
     assert len(_gathered_copies(buffer_shapes(bad), 2, 2, 16, 16, {32})) >= 2, buffer_shapes(bad)  # K and V copies
-    checked = 0
+    checked, copied = 0, 0
     for _, res in (built, fp8_built, eagle3_built):
         bundle = open_bundle(res.bundle)
         for entry in bundle.entries.values():
@@ -95,9 +97,13 @@ def test_attention_reads_blocks_in_place_no_gathered_copy(built, fp8_built, eagl
             else:
                 tokens = {entry["ctx"], bundle.num_swa * layout.block_size}
                 copies = _gathered_copies(shapes, B, layout.kv_heads, layout.block_size, layout.head_dim, tokens)
+            if entry["query_len"] > 1 or layout.fp8:
+                assert copies, f"{entry['label']}: no copy-once gather of the KV {shapes}"
+                copied += 1
+                continue
             assert copies == [], f"{entry['label']}: buffers of the gathered KV size {copies}"
             checked += 1
-    assert checked == 13
+    assert (checked, copied) == (13, 0)
 
 
 @pytest.mark.slow
