@@ -34,6 +34,7 @@ CASES = [
     ("tiny B4 q1 H4/h2 d16 T512, fp32", 4, 1, 4, 2, 16, 512, torch.float32),
     ("tiny B4 q1, bf16", 4, 1, 4, 2, 16, 512, torch.bfloat16),
     ("tiny B4 q1, packed FP8 K", 4, 1, 4, 2, 16, 512, "fp8"),
+    ("GQA 4 (vs_transformers' shape), B4 q1 H8/h2 d32 T512, fp32", 4, 1, 8, 2, 32, 512, torch.float32),
     ("GQA 8, B1 q1 H16/h2 d64 T1024, fp32", 1, 1, 16, 2, 64, 1024, torch.float32),
     ("GQA 8, B1 q1, packed FP8 K", 1, 1, 16, 2, 64, 1024, "fp8"),
     ("tiny B4 q4 (target_spec), fp32", 4, 4, 4, 2, 16, 512, torch.float32),
@@ -83,6 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--old-ref", default="main", help="git ref whose kernels/ is the 'old' side (default main)")
     ap.add_argument("--repeat", type=int, default=60, help="interleaved rounds (default 60)")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = ap.parse_args()
     from benchmarks._common import machine
     from neffbuild.compiler.backends.inductor import InductorBackend
@@ -101,6 +103,8 @@ def main() -> None:
     print("| case | old (ms) | new (ms) | new/old | max abs diff |")
     print("|---|---|---|---|---|")
     for i, (name, B, S, H, h, d, T, dtype) in enumerate(CASES):
+        if args.only not in name:
+            continue
         x = inputs(B, S, H, h, d, T, dtype)
         runners, outs = {}, {}
         for side, fn in fns.items():

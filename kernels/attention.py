@@ -12,12 +12,13 @@ that consumes it, so no ``[B, h, T, d]`` copy of the gathered blocks is ever mad
 (tests/test_stepcost.py reads the generated code for one). Only the scores,
 ``[B, h, g, T]``, are a buffer: ``g/d`` of the K bytes.
 
-That holds for plain decode (one query row per request) of a float cache. A step of
-several query rows (``target_spec``) and an FP8 cache keep the gathered copy: the compiled
-in-place form recomputes the table lookup, and for FP8 the byte decode, of each K and V
-element once per query row of its head (``g*q`` rows), and on CPU that cost 1.4x (q 4,
-fp32) and 1.1-5x (FP8, q 1, g 2-8) the copy-once read (docs/benchmarks.md,
-benchmarks/attention_kernels.py). The copy decodes each FP8 byte once, in integer ops.
+That holds for a float cache read by at most ``ROWS_IN_PLACE`` query rows per KV head
+(``g*q``: plain decode up to GQA 4). More rows (GQA 8, ``target_spec``) and an FP8 cache
+keep the gathered copy: the compiled in-place form recomputes the table lookup, and for FP8
+the byte decode, of each K and V element once per query row of its head, and on CPU that
+cost 1.4x (GQA 8 q 1, and GQA 2 q 4, fp32) and 1.1-5x (FP8, g 2-8) the copy-once read,
+where 1-4 rows ran 0.8-0.92x (docs/benchmarks.md, benchmarks/attention_kernels.py). The
+copy decodes each FP8 byte once, in integer ops.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from kernels.kv import FP8, block_operand, gather_blocks
+
+ROWS_IN_PLACE = 4  # query rows per KV head up to which the in-place read beats the copy on CPU (measured)
 
 
 def _attend(q, k, v, mask, sinks, scale):
@@ -76,7 +79,7 @@ def paged_attention(
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, q, T]
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    if S > 1 or cache.dtype in (torch.uint8, FP8):  # copy (and decode) each block once, then two matmuls
+    if g * S > ROWS_IN_PLACE or cache.dtype in (torch.uint8, FP8):  # copy (and decode) each block once
         k = gather_blocks(cache, 0, table, packed_k, q.dtype)  # [B, h, T, d]
         v = gather_blocks(cache, 1, table, False, q.dtype)
         return _attend(q.view(B, S, h, g, d), k, v, mask, sinks, scale)
