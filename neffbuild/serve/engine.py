@@ -27,7 +27,12 @@ Timing (``EngineStats``): ``step_seconds`` per decode step (wall time of 1..4 ab
 the KV source's prefill or transfer, the artifact included), ``run_seconds`` inside
 ``Stepper.run`` (metadata + artifact), ``plan_seconds`` inside ``Stepper.plan`` (buckets and
 the DP collective), and ``engine_seconds``: the engine's own work (admission bookkeeping,
-scheduling, block tables, acceptance), i.e. the step minus run, plan and proposer.
+scheduling, block tables, acceptance), i.e. the step minus run, plan and proposer;
+``accept_seconds`` is its greedy sampling and acceptance part (one argmax of the logits and
+its ``tolist``, then per request the accepted prefix), the rest is admission, scheduling and
+tables. On CPU the artifact runs between two engine phases and leaves the interpreter's
+caches cold: a Python call then costs ~1.5 us and a torch op ~30 us (docs/benchmarks.md), so
+the per-step path makes no torch call but the one argmax (see ``_batch``).
 """
 
 from __future__ import annotations
@@ -38,14 +43,14 @@ from dataclasses import dataclass, field
 
 from neffbuild.errors import InvalidInput
 from neffbuild.runtime.blocks import BlockManager, blocks_needed
+from neffbuild.runtime.buckets import ctx_bucket_for
 from neffbuild.runtime.dispatch import StepPlan
 from neffbuild.runtime.step import StepBatch, Stepper
-from neffbuild.serve.parts import KVSource, Proposer, Request, block_rows
+from neffbuild.serve.parts import BlockRows, KVSource, Proposer, Request
 
 
 @dataclass
 class EngineStats:
-    steps: list[dict] = field(default_factory=list)  # one per decode step that ran: plan + num_reqs (+ accepted)
     plans: list[StepPlan] = field(default_factory=list)  # the steps' plans, then the draft calls'
     draft_calls: list[str] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
@@ -53,9 +58,26 @@ class EngineStats:
     run_seconds: float = 0.0  # Stepper.run: trimmed metadata + the artifact
     plan_seconds: float = 0.0  # Stepper.plan: buckets, family and the DP collective (the runtime's)
     engine_seconds: float = 0.0
+    accept_seconds: float = 0.0  # the part of engine_seconds in greedy sampling (argmax) and acceptance
     source_seconds: float = 0.0  # prefill / transfers (admission's model work)
     proposed: int = 0
     accepted: int = 0
+    # One (plan, num_reqs, step, accepted) per decode step that ran; ``steps`` words them when read,
+    # so the step itself only appends a tuple.
+    log: list[tuple[StepPlan, int, int, int]] = field(default_factory=list)
+    speculative: bool = False
+
+    @property
+    def steps(self) -> list[dict]:
+        """One entry per decode step that ran: the plan's JSON, ``num_reqs`` and ``step`` (+ ``query_len``
+        and ``accepted`` with a proposer)."""
+        out = []
+        for plan, num_reqs, t, accepted in self.log:
+            entry = dict(plan.to_json(), num_reqs=num_reqs, step=t)
+            if self.speculative:
+                entry.update(query_len=plan.query_len, accepted=accepted)
+            out.append(entry)
+        return out
 
     @property
     def acceptance_rate(self) -> float:
@@ -72,9 +94,13 @@ class Engine:
         self.max_batch = max_batch or self.grid.num_seqs_buckets[-1]
         self.k = proposer.k if proposer is not None else 0
         self.on_step = on_step
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculative=bool(self.k))
         self._budget: dict[object, int] = {}  # key -> peak blocks reserved for admission
+        self._used = 0  # sum of _budget
         self.pool = blocks.num_free  # blocks the engine may hand out (the block manager starts empty)
+        self._tables: dict | None = None  # the last step's tables (BlockRows), while no request changed them
+        self._cover = 0  # tokens the last tables' width covers
+        self._rows = BlockRows(blocks, self.max_batch, -(-(self.grid.max_model_len + self.k) // blocks.block_size))
 
     def peak_blocks(self, req: Request) -> int:
         """The most blocks a request holds over its life (prompt + tokens + drafts past the last)."""
@@ -119,9 +145,8 @@ class Engine:
                 propose_s = time.perf_counter() - p0
                 if label:
                     self.stats.draft_calls.append(label)
-            batch = self._batch(live)
             # "more": this rank has work after this step for sure or maybe (a draft may finish a request early)
-            more = bool(waiting) or any(r.remaining > 1 for r in live)
+            batch, more = self._batch(live, bool(waiting))
             q0 = time.perf_counter()
             plan = self.stepper.plan(batch, more=more)
             plan_s = time.perf_counter() - q0
@@ -129,8 +154,10 @@ class Engine:
                 r0 = time.perf_counter()
                 out = self.stepper.run(plan, batch)
                 run_s = time.perf_counter() - r0
-                emitted = self._accept(live, out, plan, t)
-                for r in [r for r in live if r.done]:
+                a0 = time.perf_counter()
+                emitted, finished = self._accept(live, out, plan, t)
+                self.stats.accept_seconds += time.perf_counter() - a0
+                for r in finished:
                     live.remove(r)
                     self._leave(r)
             wall = time.perf_counter() - t0
@@ -147,8 +174,10 @@ class Engine:
         return requests
 
     def _admissible(self, waiting: list[Request], live: list[Request], t: int) -> list[Request]:
-        out, used = [], sum(self._budget.values())
         free_slots = self.max_batch - len(live)
+        if not waiting or free_slots <= 0 or waiting[0].arrival > t:
+            return []  # the step's common case: nothing to look at
+        out, used = [], self._used
         for r in waiting:
             if r.arrival > t or len(out) >= free_slots:
                 break
@@ -160,46 +189,78 @@ class Engine:
         for r in out:
             r.key = f"req-{r.index}" if r.key is None else r.key
             self._budget[r.key] = self.peak_blocks(r)
+        self._used = used
         return out
 
-    def _batch(self, live: list[Request]) -> StepBatch:
-        for r in live:
-            self.blocks.reserve(r.key, r.computed + 1 + len(r.drafts), r.computed)
-        upto = [r.computed + 1 + len(r.drafts) for r in live]
-        return StepBatch([[r.next] + r.drafts for r in live], [r.computed for r in live],
-                         block_rows(self.blocks, [r.key for r in live], upto))
+    def _batch(self, live: list[Request], more: bool) -> tuple[StepBatch, bool]:
+        """The step's batch, and whether this rank has work after it (``more``: waiting requests, or a
+        live one with more than one token to go).
 
-    def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> int:
+        Everything here runs with the interpreter's caches cold (the artifact ran since), where a
+        call costs ~1.5 us and a torch op ~30: so one pass over the live requests, the block manager
+        asked only for a request whose next positions leave its held blocks (``Request.hold``), and
+        the tables of the step before reused while no request joined, left or crossed a block."""
+        tokens, computed, upto = [], [], []
+        changed, top, versions = self._tables is None, 0, self.blocks.versions
+        for r in live:
+            n = r.computed
+            u = n + 1 + len(r.drafts)
+            hold = r.hold  # set here; another part's reserve (a proposer's) moves the version
+            if hold is None or u > hold[0] or n >= hold[1] or versions.get(r.key) != hold[2]:
+                self.blocks.reserve(r.key, u, n)
+                r.hold = self.blocks.hold_limits(r.key)
+                changed = True
+            tokens.append([r.next, *r.drafts])
+            computed.append(n)
+            upto.append(u)
+            top = u if u > top else top
+            if not more and r.max_new_tokens - len(r.tokens) > 1:
+                more = True
+        if changed or top > self._cover:
+            # As wide as the context bucket the longest needs (the columns the graph reads): the
+            # width, and so the tables' shape, changes only where the bucket does.
+            grid, bs = self.grid, self.blocks.block_size
+            ctx = ctx_bucket_for(top, grid.ctx_buckets, grid.max_model_len) if top <= grid.max_model_len else top
+            self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // bs))
+            self._cover = ctx
+        return StepBatch(tokens, computed, self._tables), more
+
+    def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
+        """Greedy acceptance of the step's output: (tokens emitted, the requests it finished)."""
         greedy = out.logits.argmax(-1).tolist()  # [R][q]
-        q, total, emitted_all = plan.query_len, 0, 0
-        for i, r in enumerate(live):
-            g = greedy[i]
-            a = 0
-            while a < q - 1 and r.drafts[a] == g[a]:
-                a += 1
-            emitted = (r.drafts[:a] + [g[a]])[: r.remaining]
+        q, total, emitted_all, finished = plan.query_len, 0, 0, []
+        after_step = self.proposer.after_step if self.proposer is not None else None
+        for i, (r, g) in enumerate(zip(live, greedy, strict=True)):
+            if q == 1:
+                emitted = [g[0]]  # a live request has at least one token to go
+            else:
+                a, drafts = 0, r.drafts
+                while a < q - 1 and drafts[a] == g[a]:
+                    a += 1
+                emitted = (drafts[:a] + [g[a]])[: r.remaining]
+                total += a
             first_pos = r.computed
             r.tokens.extend(emitted)
             r.next, r.drafts = emitted[-1], []
             r.computed += len(emitted)
-            r.first_step = t if r.first_step is None else r.first_step
+            if r.first_step is None:
+                r.first_step = t
             r.last_step = t
-            total += a
             emitted_all += len(emitted)
-            self.stats.proposed += q - 1
-            if self.proposer is not None:
+            if len(r.tokens) >= r.max_new_tokens:
+                finished.append(r)
+            if after_step is not None:
                 aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
-                self.proposer.after_step(r, emitted, aux, first_pos)
+                after_step(r, emitted, aux, first_pos)
+        self.stats.proposed += (q - 1) * len(live)
         self.stats.accepted += total
-        entry = dict(plan.to_json(), num_reqs=len(live), step=t)
-        if self.k:
-            entry.update(query_len=q, accepted=total)
-        self.stats.steps.append(entry)
+        self.stats.log.append((plan, len(live), t, total))
         self.stats.plans.append(plan)
         if self.on_step:
             self.on_step(plan, out)
-        return emitted_all
+        return emitted_all, finished
 
     def _leave(self, r: Request) -> None:
-        self._budget.pop(r.key, None)
+        self._used -= self._budget.pop(r.key, 0)
+        self._tables, r.hold = None, None  # the live set changed: the next step builds its tables
         self.blocks.release(r.key)
