@@ -37,19 +37,48 @@ def _storage_view(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (raw.view(FP8) if raw.dtype == torch.uint8 else raw).to(dtype)
+    return fp8_bytes_to_float(raw).to(dtype) if raw.dtype == torch.uint8 else raw.to(dtype)
 
 
-def gather_blocks(cache: torch.Tensor, half: int, table: torch.Tensor, packed: bool,
+def fp8_bytes_to_float(raw: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn bytes -> float32, bit-exact with ``raw.view(float8_e4m3fn).float()``, in integer ops.
+
+    The 7 magnitude bits shifted into a float32's exponent and mantissa read as 2^(e-127) * 1.m
+    (e4m3 subnormals land on float32 subnormals); times 2^120 rebiases the exponent (e4m3's bias
+    is 7), exactly. The compiler vectorises these ops, where its float8 conversion is scalar.
+    """
+    i = raw.to(torch.int32)
+    bits = ((i & 0x7F) << 20) | ((i & 0x80) << 24)
+    value = bits.view(torch.float32) * 2.0**120
+    return torch.where((i & 0x7F) == 0x7F, float("nan"), value)  # e4m3fn has no inf: S.1111.111 is NaN
+
+
+def block_operand(cache: torch.Tensor, half: int, table: torch.Tensor, packed: bool,
                   dtype: torch.dtype) -> torch.Tensor:
-    """Gather the blocks a table names from one half: [B, W] -> [B, h, W*bs, d] in ``dtype``."""
+    """The blocks a table names from one half, as an operand: [B, W] -> [B, h, W, bs, d] in ``dtype``.
+
+    Only indexing, permutes and views of the indexed bytes (no reshape that needs a copy), so a
+    compiled consumer reads the cache through the table inside its own loop. Packed K bytes are
+    ``[.., bs//2, d, 2]``: logical t = 2 * (t // 2) + t % 2, i.e. the view ``[bs//2, 2]`` of t.
+    """
     cache = _storage_view(cache)
     table = table.clamp(min=0)
     blocks = cache[torch.full_like(table, half), table]  # [B, W, h, bs, d]: only the named blocks
     B, W, h, bs, d = blocks.shape
-    if packed:  # the gathered bytes are [.., bs//2, d, 2]; logical t = 2 * (t // 2) + t % 2
-        blocks = blocks.view(B, W, h, bs // 2, d, 2).permute(0, 1, 2, 3, 5, 4).reshape(B, W, h, bs, d)
-    return _decode(blocks.permute(0, 2, 1, 3, 4).reshape(B, h, W * bs, d), dtype)
+    if packed:
+        blocks = blocks.view(B, W, h, bs // 2, d, 2).transpose(-1, -2).flatten(3, 4)
+    return _decode(blocks.permute(0, 2, 1, 3, 4), dtype)
+
+
+def gather_blocks(cache: torch.Tensor, half: int, table: torch.Tensor, packed: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Gather the blocks a table names from one half into a copy: [B, W] -> [B, h, W*bs, d] in ``dtype``.
+
+    For tests and tools that want the logical KV; the decode graph reads through ``block_operand``.
+    """
+    blocks = block_operand(cache, half, table, packed, dtype)
+    B, h, W, bs, d = blocks.shape
+    return blocks.reshape(B, h, W * bs, d)
 
 
 def write_kv(cache: torch.Tensor, half: int, slots: torch.Tensor, values: torch.Tensor, packed: bool) -> None:

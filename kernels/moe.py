@@ -39,7 +39,9 @@ def moe(
         held = (local >= 0) & (local < gate_up_w.shape[0])
         top_idx = local.clamp(0, gate_up_w.shape[0] - 1)
         weights = weights * held
-    h = torch.einsum("nh,nkhi->nki", x, gate_up_w[top_idx]) + gate_up_b[top_idx]  # [N, k, 2I]
+    # Product-and-sum with the stacked weights indexed by top_idx (not einsum, whose batched matmul needs
+    # the chosen experts copied out first): compiled, the lookup sits inside the loop over H (then I).
+    h = (x[:, None, :, None] * gate_up_w[top_idx]).sum(2) + gate_up_b[top_idx]  # [N, k, 2I]
     h = swiglu(h, alpha, limit)  # [N, k, I]
-    out = torch.einsum("nki,nkih->nkh", h, down_w[top_idx]) + down_b[top_idx]  # [N, k, H]
+    out = (h[..., None] * down_w[top_idx]).sum(2) + down_b[top_idx]  # [N, k, H]
     return (out * weights.unsqueeze(-1)).sum(1)

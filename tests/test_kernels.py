@@ -5,7 +5,7 @@ import math
 import torch
 
 from kernels import apply_rope, moe, paged_attention, rms_norm, sdpa_with_sinks, swiglu, write_kv, yarn_inv_freq
-from kernels.kv import gather_blocks, pack_k_fp8_view
+from kernels.kv import FP8, fp8_bytes_to_float, gather_blocks, pack_k_fp8_view
 
 g = torch.Generator().manual_seed(0)
 
@@ -44,6 +44,34 @@ def test_paged_attention_matches_loop_reference():
             k_pos = offset[b] + torch.arange(k.shape[0])
             want = ref_attention(q[b], k, v, sinks, 0.3, q_pos[b], k_pos, window)
             torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_packed_fp8_and_several_queries_match_loop_reference():
+    """Packed FP8 K (and FP8 V) read through the table, 3 query rows per request (a spec step), GQA 2."""
+    nb, h, bs, d, H, S = 10, 2, 4, 8, 4, 3
+    cache = torch.stack([rnd(nb, h, bs, d), rnd(nb, h, bs, d)]).to(FP8)
+    packed = torch.zeros(2, nb, h, bs, d, dtype=FP8)
+    slots = torch.arange(nb * bs)
+    write_kv(packed, 0, slots, cache[0].float().permute(0, 2, 1, 3).reshape(-1, h, d), True)
+    write_kv(packed, 1, slots, cache[1].float().permute(0, 2, 1, 3).reshape(-1, h, d), False)
+    table = torch.tensor([[3, 7, 1], [5, 2, 9]])
+    q_pos = torch.tensor([[7, 8, 9], [4, 5, 6]])
+    q, sinks = rnd(2, S, H, d), rnd(H)
+    for window, offset in ((None, torch.tensor([0, 0])), (5, torch.tensor([4, 0]))):
+        got = paged_attention(q, packed.view(torch.uint8), table, q_pos, offset, sinks, 0.3, window, True)
+        for b in range(2):
+            k = cache[0, table[b]].float().permute(0, 2, 1, 3).reshape(-1, h, d)
+            v = cache[1, table[b]].float().permute(0, 2, 1, 3).reshape(-1, h, d)
+            want = ref_attention(q[b], k, v, sinks, 0.3, q_pos[b], offset[b] + torch.arange(k.shape[0]), window)
+            torch.testing.assert_close(got[b].view(S, H, d), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_bytes_decode_bit_exact_for_every_byte():
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want, got = raw.view(FP8).float(), fp8_bytes_to_float(raw)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 2
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))  # signed zeros, subnormals
 
 
 def test_dense_sdpa_matches_loop_reference():

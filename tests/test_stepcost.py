@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from neffbuild.compiler.backends.inductor import InductorBackend
-from neffbuild.compiler.codegen import loop_bounds, pool_loops
+from neffbuild.compiler.codegen import buffer_shapes, loop_bounds, pool_loops
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime.bundle import load_aoti, open_bundle
 from tests.conftest import POOL, ROOT
@@ -48,6 +48,62 @@ def test_no_generated_loop_spans_the_kv_pool(built, fp8_built):
             assert pool_loops(path, POOL) == [], f"{entry['label']}: loops over the whole KV pool"
             checked += 1
     assert checked == 7
+
+
+class _GatheredAttention(nn.Module):
+    """The pre-issue-24 read: the named blocks copied into [B, h, T, d], then two einsums over the copy."""
+
+    def forward(self, q, cache, table):  # q [B, 2, h, d]: two query rows, so no matmul is a plain dot
+        from kernels.kv import gather_blocks
+
+        k, v = (gather_blocks(cache, half, table, False, q.dtype) for half in (0, 1))
+        p = torch.einsum("bshd,bhtd->bhst", q, k).softmax(-1)
+        return torch.einsum("bhst,bhtd->bshd", p, v)
+
+
+def _gathered_copies(shapes, batch: int, heads: int, block: int, head_dim: int, tokens: set[int]) -> list:
+    """Buffers shaped as a gather of T tokens (T in tokens) takes: [B, W, h, bs, d], [B, h, W, bs, d],
+    [B, h, T, d], or the batched-matmul operands [B*h, T, d] and [B*h, d, T] (size-1 dims dropped)."""
+    forms = set()
+    for t in tokens:
+        w = t // block
+        forms |= {(batch, w, heads, block, head_dim), (batch, heads, w, block, head_dim), (batch, heads, t, head_dim),
+                  (batch * heads, t, head_dim), (batch * heads, head_dim, t)}
+    forms = {tuple(n for n in f if n != 1) for f in forms}
+    return [s for s in shapes if tuple(n for n in s if n != 1) in forms]
+
+
+@pytest.mark.slow
+def test_attention_reads_blocks_in_place_no_gathered_copy(built, fp8_built, eagle3_built, tmp_path):
+    """No plain-decode artifact of a float cache allocates a buffer the size of the gathered KV ([B, h, T, d]
+    of either table): attention reads each block through the table inside its loops (target and draft).
+    Several query rows (target_spec) and an FP8 cache keep the copy-once read, faster on CPU there
+    (kernels/attention.py): those artifacts must show the copy, so the check sees both reads.
+    The check flags the old gather-then-einsum read (one small graph compiled here)."""
+    backend = InductorBackend()
+    q, cache, table = torch.randn(2, 2, 2, 16), torch.randn(2, POOL, 2, 16, 16), torch.tensor([[3, 9], [4, 1]])
+    bad = backend.compile(backend.export(_GatheredAttention(), (q, cache, table)), tmp_path)
+    assert len(_gathered_copies(buffer_shapes(bad), 2, 2, 16, 16, {32})) >= 2, buffer_shapes(bad)  # K and V copies
+    checked, copied = 0, 0
+    for _, res in (built, fp8_built, eagle3_built):
+        bundle = open_bundle(res.bundle)
+        for entry in bundle.entries.values():
+            shapes = buffer_shapes(res.bundle / entry["file"])
+            assert shapes, f"{entry['label']}: no buffers parsed; the codegen reader is out of date"
+            layout, B = bundle.kv_layout, entry["batch"]
+            if entry["family"] == "draft":
+                copies = _gathered_copies(shapes, B, layout.draft_kv_heads, layout.block_size, layout.draft_head_dim,
+                                          {entry["ctx"]})
+            else:
+                tokens = {entry["ctx"], bundle.num_swa * layout.block_size}
+                copies = _gathered_copies(shapes, B, layout.kv_heads, layout.block_size, layout.head_dim, tokens)
+            if entry["query_len"] > 1 or layout.fp8:
+                assert copies, f"{entry['label']}: no copy-once gather of the KV {shapes}"
+                copied += 1
+                continue
+            assert copies == [], f"{entry['label']}: buffers of the gathered KV size {copies}"
+            checked += 1
+    assert (checked, copied) == (8, 5)  # copied: the FP8 bundle and the EAGLE3 target_spec artifacts
 
 
 @pytest.mark.slow

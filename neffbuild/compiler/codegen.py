@@ -30,3 +30,17 @@ def loop_bounds(pt2: str | Path) -> list[int]:
 def pool_loops(pt2: str | Path, num_blocks: int) -> list[int]:
     """Loop bounds that are multiples of ``num_blocks`` (use a prime pool size: see the module docstring)."""
     return [n for n in loop_bounds(pt2) if n % num_blocks == 0]
+
+
+_ARRAY = re.compile(r"int_array_(\d+)\[\]\s*=\s*\{([^}]*)\}")
+_ALLOC = re.compile(r"aoti_torch_empty_strided\(\s*\d+\s*,\s*int_array_(\d+)")
+
+
+def buffer_shapes(pt2: str | Path) -> list[tuple[int, ...]]:
+    """The shape of every buffer the generated wrapper allocates (``aoti_torch_empty_strided``)."""
+    shapes = []
+    for text in generated_sources(pt2).values():
+        arrays = {m.group(1): tuple(int(v.strip().rstrip("L")) for v in m.group(2).split(",") if v.strip())
+                  for m in _ARRAY.finditer(text)}
+        shapes += [arrays[m.group(1)] for m in _ALLOC.finditer(text) if m.group(1) in arrays]
+    return shapes
