@@ -48,9 +48,10 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
 # one worker, so that fixture is built once: the session's one Ray instance, and the two 6-graph bundles
 # that only a few tests use. The rest spread over both workers; a bundle both need is compiled once
 # anyway (one compile cache for the run, `build_cache`), the second worker taking the first's entries.
-XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built")
+XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
@@ -59,6 +60,32 @@ def pytest_collection_modifyitems(config, items):
         group = next((g for g in XDIST_GROUPS if g in names), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            _group_suffix(config, item, group)
+
+
+def _group_suffix(config, item, group: str) -> None:
+    """``--dist loadgroup`` schedules by a ``@group`` node-id suffix that pytest-xdist 3.8 writes into
+    ``item._nodeid``, which pytest >= 9.2 no longer reads (the id is ``item._id`` there): every test became its
+    own unit and each worker built the Ray instance and the grouped bundles again. Write it where xdist's
+    write would not take (``pytest_collection_finish`` checks that it shows)."""
+    if _loadgroup_worker(config) and not hasattr(item, "_nodeid"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+def _loadgroup_worker(config) -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False))
+
+
+def pytest_collection_finish(session):
+    if not _loadgroup_worker(session.config):
+        return
+    for item in session.items:
+        group = next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
+        if group and not item.nodeid.endswith(f"@{group}"):
+            raise pytest.UsageError(f"{item.nodeid}: its xdist group {group!r} did not reach the node id, so "
+                                    "--dist loadgroup would run its tests on both workers (pytest/xdist versions)")
 
 
 @pytest.fixture
