@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,43 @@ def test_target_sets_march_through_the_backend_and_recipe_flags_cannot(tiny_raw,
             R.load(path)
         with pytest.raises(InvalidInput, match="set by neffbuild itself"):
             parse_flags([flag])
+
+
+def _cpp_build(*flags) -> dict:
+    """What one compile of the inductor backend would run with: torch's default wrapper -O in this process,
+    the configs the backend passes, its fingerprint, and the wrapper's optimisation flags under those configs."""
+    import torch._inductor.config as c
+    from torch._inductor.cpp_builder import _get_optimization_cflags
+
+    from neffbuild.compiler.backends.inductor import InductorBackend
+
+    b = InductorBackend(flags=flags)
+    with c.patch(b.configs()):  # as aoti_compile_and_package applies them to each compile
+        cflags = _get_optimization_cflags("g++", min_optimize=True)[0]  # min_optimize: the wrapper's build
+    return {"torch_default": c.aot_inductor.compile_wrapper_opt_level, "configs": b.configs(),
+            "fingerprint": b.fingerprint(), "wrapper_cflags": cflags}
+
+
+def test_aot_inductor_environment_cannot_change_an_artifact_under_its_key():
+    """AOT_INDUCTOR_* variables set torch's defaults when it imports (the wrapper's -O among them), and no key
+    names them: the backend passes its own values, so a variable left in a shell changes neither the C++ build
+    nor the fingerprint. A recipe flag that may change one (aot_inductor.debug_compile) is in the key."""
+    plain = _cpp_build()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AOT_INDUCTOR_")}
+    env.update(AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL="O0", AOT_INDUCTOR_ENABLE_LINE_TABLES="0",
+               AOT_INDUCTOR_DEBUG_COMPILE="1", AOT_INDUCTOR_ENABLE_FRAME_POINTER="0")
+    code = "import json; from tests.test_cpu_target import _cpp_build; print(json.dumps(_cpp_build()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
+    shell = json.loads(out.stdout.strip().splitlines()[-1])
+    assert shell["torch_default"] == "O0"  # the variable reached torch's own config in that process
+    if not any(k.startswith("AOT_INDUCTOR_") for k in os.environ):
+        assert plain["torch_default"] == "O1"
+    assert shell["configs"] == plain["configs"] and shell["fingerprint"] == plain["fingerprint"]
+    assert shell["wrapper_cflags"] == plain["wrapper_cflags"]
+    assert {"O1", "g1", "fno-omit-frame-pointer"} <= set(plain["wrapper_cflags"])
+    assert "O0" not in plain["wrapper_cflags"]
+    debug = _cpp_build("aot_inductor.debug_compile=true")
+    assert "O0" in debug["wrapper_cflags"] and debug["fingerprint"]["flags"] == ["aot_inductor.debug_compile=true"]
 
 
 @pytest.fixture(scope="module")
