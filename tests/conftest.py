@@ -119,19 +119,34 @@ def tiny_cfg(tiny_recipe):
     return tiny_recipe.model.config
 
 
-@pytest.fixture(scope="session")
-def hf_checkpoint(tmp_path_factory, tiny_cfg):
-    """A random GptOssForCausalLM saved by transformers (safetensors), non-degenerate weights."""
+def _save_hf(folder: Path, cfg) -> Path:
     import transformers
 
     from neffbuild.models.gpt_oss.weights import random_state_dict
 
-    folder = tmp_path_factory.mktemp("hf_tiny")
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**tiny_cfg.to_hf_dict()))
-    missing, unexpected = model.load_state_dict(random_state_dict(tiny_cfg, seed=0), strict=True)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg.to_hf_dict()))
+    missing, unexpected = model.load_state_dict(random_state_dict(cfg, seed=0), strict=True)
     assert not missing and not unexpected
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory, tiny_cfg):
+    """A random GptOssForCausalLM saved by transformers (safetensors), non-degenerate weights."""
+    return _save_hf(tmp_path_factory.mktemp("hf_tiny"), tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory, tiny_cfg):
+    """The same model cut to 2 layers (one sliding, one full: the fewest gk_decode allows), saved the same way.
+    For the tests whose point is the build machinery around a real compile (a key's lock, the remote tier, the
+    memory gate), not the graph: each such compile costs about half of a 4-layer one, on the same paths."""
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+
+    hf = dict(tiny_cfg.to_hf_dict(), num_hidden_layers=2)
+    hf.pop("layer_types")
+    return _save_hf(tmp_path_factory.mktemp("hf_small"), GptOssConfig.from_hf_dict(hf))
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.builder import compile_recipe
 from neffbuild.errors import IncompatibleBundle
 from neffbuild.runtime import cpu_features
-from tests.conftest import ROOT, write_recipe
+from tests.conftest import ROOT, cli, write_recipe
 
 FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": [512], "serving__max_num_seqs": 1}  # 1 target: b1, ctx 512
 x86 = pytest.mark.skipif(cpu_features.targets() == ("native",), reason="x86-64 micro-architecture levels only")
@@ -113,12 +113,13 @@ def test_aot_inductor_environment_cannot_change_an_artifact_under_its_key():
 
 
 @pytest.fixture(scope="module")
-def v2_build(tmp_path_factory, hf_checkpoint):
-    """The 1-target bundle built for x86-64-v2 (1 compile): (recipe, cache dir, BuildResult)."""
+def v2_build(tmp_path_factory, small_checkpoint):
+    """The 1-target bundle built for x86-64-v2 (1 compile, of the 2-layer test model: what is under test is the
+    -march each C++ build gets and the key and manifest that record it): (recipe, cache dir, BuildResult)."""
     if cpu_features.targets() == ("native",):
         pytest.skip("x86-64 micro-architecture levels only")
     folder = tmp_path_factory.mktemp("isa")
-    path = write_recipe(folder, hf_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
+    path = write_recipe(folder, small_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
     res = compile_recipe(R.load(path), folder / "out", jobs=1, cache_root=folder / "c")
     assert not res.failed and res.built == 1
     return R.load(path), folder / "c", res
@@ -140,13 +141,10 @@ def test_target_changes_key_is_recorded_and_decodes_the_same(v2_build):
     assert "'-march=x86-64-v2'" in log and "-march=native" not in log  # the generated compile commands
     m = json.loads((res.bundle / "manifest.json").read_text())
     assert m["artifacts"][0]["cache_key"] == keys["x86-64-v2"]["cache_key"]
-    ins = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "inspect", str(res.bundle)],
-                         capture_output=True, text=True, cwd=ROOT)
+    ins = cli("inspect", res.bundle)  # in this process (tests/helpers.py): no second torch import
     assert "cpu target: x86-64-v2 (-march=x86-64-v2" in ins.stdout and "sse4_2" in ins.stdout
     assert m["toolchain"]["cpu_target"]["target"] == "x86-64-v2" and m["toolchain"]["cxx"]
-    gen = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", str(res.bundle), "--prompt-ids",
-                          "5,9,13,2", "--max-new-tokens", "8", "--check", "--json"], capture_output=True, text=True,
-                         cwd=ROOT)
+    gen = cli("generate", res.bundle, "--prompt-ids", "5,9,13,2", "--max-new-tokens", "8", "--check", "--json")
     assert gen.returncode == 0, gen.stderr
     assert json.loads(gen.stdout)["check"]["ok"]  # the same tokens as the eager model
 
