@@ -45,9 +45,11 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
                      "production_built", "neuron_bundle", "build_cache", "compile_pool", "ray_cluster"}
 
 # `make test` runs two pytest-xdist workers (--dist loadgroup). Every test of a fixture named here runs on
-# one worker, so that fixture is built once: the session's one Ray instance, and the two 6-graph bundles
-# that only a few tests use. The rest spread over both workers; a bundle both need is compiled once
-# anyway (one compile cache for the run, `build_cache`), the second worker taking the first's entries.
+# one worker, so that fixture is built once: the session's one Ray instance, the two 6-graph bundles that only
+# a few tests use, the stand-in's bundle (its own cache), and the module fixtures that compile into caches of
+# their own (test_remote_cache's first push, test_cpu_target's v2 build). xdist starts the largest groups first.
+# The rest spread over both workers; a bundle both need is compiled once anyway (one compile cache for the run,
+# `build_cache`: a key's lock makes the second worker take the first's entry).
 XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build")
 
 
