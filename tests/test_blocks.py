@@ -108,3 +108,83 @@ def test_groups_are_generic():
     mgr.reserve(0, 40, 40)
     assert set(mgr.tables[0]) == {"full", "sliding", "draft"} and len(mgr.row(0, "draft", 5)) == 5
     assert blocks_needed(512, 16, groups) == 32 + 3 + 32
+
+
+class _SlowManager(BlockManager):
+    """The block manager without its no-op fast path: every reserve takes the full route."""
+
+    def reserve(self, rid, upto, next_query=None):
+        self._quick.pop(rid, None)
+        super().reserve(rid, upto, next_query)
+
+
+@settings(max_examples=80, deadline=None)
+@given(bs=st.sampled_from([1, 4, 16]), window=st.one_of(st.none(), st.integers(1, 70)),
+       calls=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 4), st.booleans()),
+                      min_size=1, max_size=60))
+def test_reserve_fast_path_changes_exactly_what_the_full_route_changes(bs, window, calls):
+    """Reserve's shortcut (no boundary crossed, nothing leaving the window) leaves the tables, the free
+    list and the errors exactly as the full route does; a table change always moves ``version``."""
+    fast, slow = BlockManager(40, bs, kv_groups(window)), _SlowManager(40, bs, kv_groups(window))
+    pos = {}
+    for rid, step, q, release in calls:
+        if release and rid in pos:
+            fast.release(rid), slow.release(rid)
+            del pos[rid]
+            assert fast.version(rid) == 0
+            continue
+        n = pos.get(rid, 0) + step  # positions only move forward, as an engine's do
+        before = (fast.version(rid), {g: list(t) for g, t in fast.tables.get(rid, {}).items()})
+        outcomes = []
+        for mgr in (fast, slow):
+            try:
+                mgr.reserve(rid, n + q, n)
+                outcomes.append(None)
+            except KVPoolExhausted as e:
+                outcomes.append((e.needed, e.free))
+        assert outcomes[0] == outcomes[1]
+        if outcomes[0] is None:
+            pos[rid] = n
+        assert fast.tables == slow.tables and fast._free == slow._free
+        after = {g: list(t) for g, t in fast.tables.get(rid, {}).items()}
+        assert after == before[1] or fast.version(rid) != before[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=st.lists(st.tuples(st.sampled_from(["step", "join", "leave"]), st.integers(0, 5), st.integers(1, 40)),
+                       min_size=1, max_size=80))
+def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
+    """serve.parts.BlockRows (tables updated in place from step to step) equals block_rows built
+    afresh, whatever joins, leaves, boundary crossings and sliding releases happen in between."""
+    import torch
+
+    from neffbuild.serve.parts import BlockRows, block_rows
+
+    mgr = BlockManager(400, 4, kv_groups(9))
+    rows, live, n = BlockRows(mgr), [], {}
+    for kind, who, amount in events:
+        if kind == "join" and who not in live and len(live) < 4:
+            mgr.reserve(who, amount, amount)
+            live.append(who)
+            n[who] = amount
+        elif kind == "leave" and who in live:
+            live.remove(who)
+            mgr.release(who)
+        for k in live:
+            n[k] += 1 if kind == "step" else 0
+            mgr.reserve(k, n[k] + 1, n[k])
+        upto = [n[k] + 1 for k in live]
+        got, want = rows(live, upto), block_rows(mgr, live, upto)
+        assert set(got) == set(want) and all(torch.equal(got[g], want[g]) for g in want)
+
+
+@pytest.mark.parametrize("bs,window,q", [(4, 9, 1), (16, 32, 1), (4, 8, 4), (1, 3, 2)])
+def test_reserve_fast_path_at_every_position_of_a_decode(bs, window, q):
+    """One position at a time through every block boundary and window edge: fast == full route."""
+    fast, slow = BlockManager(800, bs, kv_groups(window)), _SlowManager(800, bs, kv_groups(window))
+    for mgr in (fast, slow):
+        mgr.reserve("r", 5, 5)
+    for n in range(5, 300):
+        for mgr in (fast, slow):
+            mgr.reserve("r", n + q, n)
+        assert fast.tables == slow.tables and fast._free == slow._free, n

@@ -102,6 +102,12 @@ class BlockManager:
         # First held index per request and group: entries below it are NULL_BLOCK, entries from
         # it to the end are held, so a step touches only the blocks that change (never O(length)).
         self._start: dict[object, dict[str, int]] = {}
+        # Per request: (upto, next_query) limits below which ``reserve`` changes nothing (the step's
+        # common case: no block boundary crossed, no sliding block leaving), and a counter that
+        # moves whenever its table changes (engines cache the tensors they build from a row on it).
+        self._quick: dict[object, tuple[int, float]] = {}
+        self._version: dict[object, int] = {}
+        self._tick = 0  # the last version handed out: one counter for all, so a reused key never repeats one
 
     @property
     def num_free(self) -> int:
@@ -116,6 +122,9 @@ class BlockManager:
         KVPoolExhausted (needed vs free) and changes nothing when the pool is short.
         """
         nq = upto - 1 if next_query is None else next_query
+        quick = self._quick.get(rid)
+        if quick is not None and upto <= quick[0] and nq < quick[1]:
+            return
         tables = self.tables.get(rid) or {g.name: [] for g in self.groups}
         starts = self._start.get(rid) or {g.name: 0 for g in self.groups}
         plan, n_release, n_want = [], 0, 0
@@ -139,10 +148,28 @@ class BlockManager:
             table = tables[name]
             table.extend([NULL_BLOCK] * (max(new_start, len(table)) - len(table)))
             table.extend(self._free.pop() for _ in want)
+        self._tick += 1
+        self._version[rid] = self._tick
+        self._quick[rid] = self._limits(tables, starts)
+
+    def _limits(self, tables: dict[str, list[int]], starts: dict[str, int]) -> tuple[int, float]:
+        """(upto, next_query) limits of a no-op reserve: every group's table already reaches ``upto``
+        and no sliding group's first held block falls out of the window before ``next_query``."""
+        bs = self.block_size
+        upto = min(len(tables[g.name]) for g in self.groups) * bs
+        nq = min(((starts[g.name] + 1) * bs + g.window - 1 for g in self.groups if g.window is not None),
+                 default=float("inf"))
+        return upto, nq
+
+    def version(self, rid) -> int:
+        """Changes whenever the request's table does; never the same for two tables (0: none held)."""
+        return self._version.get(rid, 0)
 
     def release(self, rid) -> None:
         """Return every block of a finished request to the pool."""
         self._start.pop(rid, None)
+        self._quick.pop(rid, None)
+        self._version.pop(rid, None)
         for table in self.tables.pop(rid, {}).values():
             self._free.extend(b for b in reversed(table) if b != NULL_BLOCK)
 

@@ -40,12 +40,11 @@ from neffbuild.errors import InvalidInput
 from neffbuild.runtime.blocks import BlockManager, blocks_needed
 from neffbuild.runtime.dispatch import StepPlan
 from neffbuild.runtime.step import StepBatch, Stepper
-from neffbuild.serve.parts import KVSource, Proposer, Request, block_rows
+from neffbuild.serve.parts import BlockRows, KVSource, Proposer, Request
 
 
 @dataclass
 class EngineStats:
-    steps: list[dict] = field(default_factory=list)  # one per decode step that ran: plan + num_reqs (+ accepted)
     plans: list[StepPlan] = field(default_factory=list)  # the steps' plans, then the draft calls'
     draft_calls: list[str] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
@@ -56,6 +55,22 @@ class EngineStats:
     source_seconds: float = 0.0  # prefill / transfers (admission's model work)
     proposed: int = 0
     accepted: int = 0
+    # One (plan, num_reqs, step, accepted) per decode step that ran; ``steps`` words them when read,
+    # so the step itself only appends a tuple.
+    log: list[tuple[StepPlan, int, int, int]] = field(default_factory=list)
+    speculative: bool = False
+
+    @property
+    def steps(self) -> list[dict]:
+        """One entry per decode step that ran: the plan's JSON, ``num_reqs`` and ``step`` (+ ``query_len``
+        and ``accepted`` with a proposer)."""
+        out = []
+        for plan, num_reqs, t, accepted in self.log:
+            entry = dict(plan.to_json(), num_reqs=num_reqs, step=t)
+            if self.speculative:
+                entry.update(query_len=plan.query_len, accepted=accepted)
+            out.append(entry)
+        return out
 
     @property
     def acceptance_rate(self) -> float:
@@ -72,9 +87,11 @@ class Engine:
         self.max_batch = max_batch or self.grid.num_seqs_buckets[-1]
         self.k = proposer.k if proposer is not None else 0
         self.on_step = on_step
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculative=bool(self.k))
         self._budget: dict[object, int] = {}  # key -> peak blocks reserved for admission
+        self._used = 0  # sum of _budget
         self.pool = blocks.num_free  # blocks the engine may hand out (the block manager starts empty)
+        self._rows = BlockRows(blocks)
 
     def peak_blocks(self, req: Request) -> int:
         """The most blocks a request holds over its life (prompt + tokens + drafts past the last)."""
@@ -147,8 +164,10 @@ class Engine:
         return requests
 
     def _admissible(self, waiting: list[Request], live: list[Request], t: int) -> list[Request]:
-        out, used = [], sum(self._budget.values())
         free_slots = self.max_batch - len(live)
+        if not waiting or free_slots <= 0 or waiting[0].arrival > t:
+            return []  # the step's common case: nothing to look at
+        out, used = [], self._used
         for r in waiting:
             if r.arrival > t or len(out) >= free_slots:
                 break
@@ -160,46 +179,49 @@ class Engine:
         for r in out:
             r.key = f"req-{r.index}" if r.key is None else r.key
             self._budget[r.key] = self.peak_blocks(r)
+        self._used = used
         return out
 
     def _batch(self, live: list[Request]) -> StepBatch:
-        for r in live:
-            self.blocks.reserve(r.key, r.computed + 1 + len(r.drafts), r.computed)
         upto = [r.computed + 1 + len(r.drafts) for r in live]
-        return StepBatch([[r.next] + r.drafts for r in live], [r.computed for r in live],
-                         block_rows(self.blocks, [r.key for r in live], upto))
+        reserve = self.blocks.reserve
+        for r, n in zip(live, upto, strict=True):
+            reserve(r.key, n, r.computed)
+        return StepBatch([[r.next, *r.drafts] for r in live], [r.computed for r in live],
+                         self._rows([r.key for r in live], upto))
 
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> int:
         greedy = out.logits.argmax(-1).tolist()  # [R][q]
         q, total, emitted_all = plan.query_len, 0, 0
-        for i, r in enumerate(live):
-            g = greedy[i]
-            a = 0
-            while a < q - 1 and r.drafts[a] == g[a]:
-                a += 1
-            emitted = (r.drafts[:a] + [g[a]])[: r.remaining]
+        after_step = self.proposer.after_step if self.proposer is not None else None
+        for i, (r, g) in enumerate(zip(live, greedy, strict=True)):
+            if q == 1:
+                emitted = [g[0]]  # a live request has at least one token to go
+            else:
+                a, drafts = 0, r.drafts
+                while a < q - 1 and drafts[a] == g[a]:
+                    a += 1
+                emitted = (drafts[:a] + [g[a]])[: r.remaining]
+                total += a
             first_pos = r.computed
             r.tokens.extend(emitted)
             r.next, r.drafts = emitted[-1], []
             r.computed += len(emitted)
-            r.first_step = t if r.first_step is None else r.first_step
+            if r.first_step is None:
+                r.first_step = t
             r.last_step = t
-            total += a
             emitted_all += len(emitted)
-            self.stats.proposed += q - 1
-            if self.proposer is not None:
+            if after_step is not None:
                 aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
-                self.proposer.after_step(r, emitted, aux, first_pos)
+                after_step(r, emitted, aux, first_pos)
+        self.stats.proposed += (q - 1) * len(live)
         self.stats.accepted += total
-        entry = dict(plan.to_json(), num_reqs=len(live), step=t)
-        if self.k:
-            entry.update(query_len=q, accepted=total)
-        self.stats.steps.append(entry)
+        self.stats.log.append((plan, len(live), t, total))
         self.stats.plans.append(plan)
         if self.on_step:
             self.on_step(plan, out)
         return emitted_all
 
     def _leave(self, r: Request) -> None:
-        self._budget.pop(r.key, None)
+        self._used -= self._budget.pop(r.key, 0)
         self.blocks.release(r.key)

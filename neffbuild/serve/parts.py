@@ -34,6 +34,7 @@ Not here: the step itself (runtime/step.py, stateless about requests), block acc
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -80,6 +81,54 @@ def block_rows(blocks: BlockManager, keys: Sequence, upto: Sequence[int]) -> dic
     width = max((-(-n // blocks.block_size) for n in upto), default=1)
     return {g.name: torch.tensor([blocks.row(k, g.name, width) for k in keys], dtype=torch.long)
             .reshape(len(keys), width) for g in blocks.groups}
+
+
+class BlockRows:
+    """The engine's ``{group: [R, W]}`` tables, kept from step to step and updated in place.
+
+    Building a table costs ~10 us per group (torch.tensor of a few rows), more than the rest of
+    the engine's step. So the tables live in one flat ``array('q')`` buffer that a tensor view
+    shares (``torch.frombuffer``): while the live requests and the width stay the same, a step
+    rewrites only the rows of requests whose blocks changed (``BlockManager.version``), in pure
+    Python; a request joining or leaving, or a wider table, builds a new buffer. The tensors of
+    one call are valid, read-only, until the next call (the Stepper reads them in the step).
+    The buffer is never resized: every write is one row of exactly ``W`` ids.
+    """
+
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+        self._keys: list = []
+        self._width = -1
+        self._versions: list[int] = []
+        self._buf = array("q")
+        self._rows: dict[str, torch.Tensor] = {}
+
+    def __call__(self, keys: Sequence, upto: Sequence[int]) -> dict[str, torch.Tensor]:
+        blocks, bs = self.blocks, self.blocks.block_size
+        width = max((-(-n // bs) for n in upto), default=1)
+        versions = [blocks.version(k) for k in keys]
+        if width != self._width or list(keys) != self._keys or not keys:
+            self._rebuild(list(keys), width)
+        elif versions != self._versions:
+            R = len(keys)
+            for i, (k, v, old) in enumerate(zip(keys, versions, self._versions, strict=True)):
+                if v != old:
+                    for gi, g in enumerate(blocks.groups):
+                        at = (gi * R + i) * width
+                        self._buf[at: at + width] = array("q", blocks.row(k, g.name, width))
+        self._versions = versions
+        return self._rows
+
+    def _rebuild(self, keys: list, width: int) -> None:
+        groups = self.blocks.groups
+        self._keys, self._width = keys, width
+        if not keys:
+            self._buf = array("q")
+            self._rows = {g.name: torch.zeros((0, width), dtype=torch.long) for g in groups}
+            return
+        self._buf = array("q", [b for g in groups for k in keys for b in self.blocks.row(k, g.name, width)])
+        view = torch.frombuffer(self._buf, dtype=torch.long).view(len(groups), len(keys), width)
+        self._rows = {g.name: view[gi] for gi, g in enumerate(groups)}
 
 
 class KVSource(Protocol):
@@ -153,4 +202,4 @@ def _lockstep(prompts: Sequence[Sequence[int]], group) -> list[int]:
     return lengths.tolist()
 
 
-__all__ = ["FULL_GROUP", "SLIDING_GROUP", "KVSource", "LocalPrefill", "Proposer", "Request", "block_rows"]
+__all__ = ["FULL_GROUP", "SLIDING_GROUP", "BlockRows", "KVSource", "LocalPrefill", "Proposer", "Request", "block_rows"]
