@@ -12,7 +12,10 @@ preloaded, two workloads of the same 12 prompts and per-request ``max_new_tokens
 
 Per run: tokens/s (steps after the first, see serve/result.py), the step time, and the
 engine's own work (admission, scheduling, block tables, acceptance: ``EngineStats.engine_seconds``)
-as a fraction of the decode time. Runs alternate; medians over ``--repeat``.
+as a fraction of the decode time, split into ``scheduling`` (admission, scheduling, tables, finish)
+and ``accept`` (the greedy argmax and acceptance: ``EngineStats.accept_seconds``). Runs
+alternate; medians over ``--repeat``. Each run is a fresh engine (a server's first 120 steps).
+``--cold-cache-demo`` also prints what one block-manager call costs after the CPU touched N MB.
 """
 
 from __future__ import annotations
@@ -49,13 +52,47 @@ def run(session, reqs) -> dict:
     return {"steps": len(st.step_seconds), "tokens_per_second": later / later_s,
             "step_us": secs / len(st.step_seconds) * 1e6, "engine_fraction": st.engine_seconds / secs,
             "engine_us_per_step": st.engine_seconds / len(st.step_seconds) * 1e6,
+            "scheduling_fraction": (st.engine_seconds - st.accept_seconds) / secs,
+            "scheduling_us_per_step": (st.engine_seconds - st.accept_seconds) / len(st.step_seconds) * 1e6,
+            "accept_us_per_step": st.accept_seconds / len(st.step_seconds) * 1e6,
             "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs}
+
+
+def cold_cache_demo() -> dict:
+    """us per no-op BlockManager.reserve and per argmax of [4, 1, 256] logits, with N MB read in between
+    (what the artifact does to the caches between two engine phases)."""
+    import time
+
+    import torch
+
+    from neffbuild.runtime.blocks import BlockManager, kv_groups
+
+    mgr = BlockManager(509, 16, kv_groups(128))
+    mgr.reserve("a", 100, 100)
+    logits = torch.randn(4, 1, 256)
+    out = {}
+    for mb in (0, 4, 16, 64):
+        big = torch.randn(max(1, mb * 2**20 // 4))
+        tr = ta = 0.0
+        for _ in range(200):
+            big.sum()
+            t0 = time.perf_counter()
+            mgr.reserve("a", 101, 100)
+            t1 = time.perf_counter()
+            big.sum()
+            t2 = time.perf_counter()
+            logits.argmax(-1).tolist()
+            ta += time.perf_counter() - t2
+            tr += t1 - t0
+        out[f"{mb}MB"] = {"reserve_us": round(tr / 200 * 1e6, 2), "argmax_tolist_us": round(ta / 200 * 1e6, 2)}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cold-cache-demo", action="store_true", help="also time one call after N MB were read")
     args = ap.parse_args()
     session = open_session(open_bundle(args.bundle, preload=True))
     run(session, workload(0))  # warm-up: first calls of every artifact
@@ -64,6 +101,8 @@ def main() -> None:
         rows["requests"].append(run(session, workload(3)))
         rows["static"].append(run(session, workload(0)))
     out = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
+    if args.cold_cache_demo:
+        out["cold_cache_demo"] = cold_cache_demo()
     out["machine"] = machine()
     print(json.dumps(out, indent=2))
 

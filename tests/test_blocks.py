@@ -161,9 +161,9 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
     from neffbuild.serve.parts import BlockRows, block_rows
 
     mgr = BlockManager(400, 4, kv_groups(9))
-    rows, live, n = BlockRows(mgr), [], {}
+    rows, live, n = BlockRows(mgr, 3, 16), [], {}  # beyond 3 rows or 16 columns: fresh tensors
     for kind, who, amount in events:
-        if kind == "join" and who not in live and len(live) < 4:
+        if kind == "join" and who not in live and len(live) < 5:
             mgr.reserve(who, amount, amount)
             live.append(who)
             n[who] = amount
@@ -174,7 +174,8 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
             n[k] += 1 if kind == "step" else 0
             mgr.reserve(k, n[k] + 1, n[k])
         upto = [n[k] + 1 for k in live]
-        got, want = rows(live, upto), block_rows(mgr, live, upto)
+        wide = amount % 20  # the engine asks for its context bucket's width: any width at least the rows'
+        got, want = rows(live, upto, width=wide), block_rows(mgr, live, upto, wide)
         assert set(got) == set(want) and all(torch.equal(got[g], want[g]) for g in want)
 
 

@@ -165,6 +165,17 @@ class BlockManager:
         """Changes whenever the request's table does; never the same for two tables (0: none held)."""
         return self._version.get(rid, 0)
 
+    @property
+    def versions(self) -> dict:
+        """rid -> ``version(rid)`` for every request holding blocks (read-only: an engine's per-step lookup)."""
+        return self._version
+
+    def hold_limits(self, rid) -> tuple[int, float, int] | None:
+        """``(upto, next_query, version)``: while the table is at ``version``, ``reserve(rid, u, n)`` with
+        ``u <= upto`` and ``n < next_query`` changes nothing (an engine may skip the call)."""
+        quick = self._quick.get(rid)
+        return None if quick is None else (*quick, self._version[rid])
+
     def release(self, rid) -> None:
         """Return every block of a finished request to the pool."""
         self._start.pop(rid, None)

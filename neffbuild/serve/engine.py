@@ -27,7 +27,12 @@ Timing (``EngineStats``): ``step_seconds`` per decode step (wall time of 1..4 ab
 the KV source's prefill or transfer, the artifact included), ``run_seconds`` inside
 ``Stepper.run`` (metadata + artifact), ``plan_seconds`` inside ``Stepper.plan`` (buckets and
 the DP collective), and ``engine_seconds``: the engine's own work (admission bookkeeping,
-scheduling, block tables, acceptance), i.e. the step minus run, plan and proposer.
+scheduling, block tables, acceptance), i.e. the step minus run, plan and proposer;
+``accept_seconds`` is its greedy sampling and acceptance part (one argmax of the logits and
+its ``tolist``, then per request the accepted prefix), the rest is admission, scheduling and
+tables. On CPU the artifact runs between two engine phases and leaves the interpreter's
+caches cold: a Python call then costs ~1.5 us and a torch op ~30 us (docs/benchmarks.md), so
+the per-step path makes no torch call but the one argmax (see ``_batch``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 
 from neffbuild.errors import InvalidInput
 from neffbuild.runtime.blocks import BlockManager, blocks_needed
+from neffbuild.runtime.buckets import ctx_bucket_for
 from neffbuild.runtime.dispatch import StepPlan
 from neffbuild.runtime.step import StepBatch, Stepper
 from neffbuild.serve.parts import BlockRows, KVSource, Proposer, Request
@@ -52,6 +58,7 @@ class EngineStats:
     run_seconds: float = 0.0  # Stepper.run: trimmed metadata + the artifact
     plan_seconds: float = 0.0  # Stepper.plan: buckets, family and the DP collective (the runtime's)
     engine_seconds: float = 0.0
+    accept_seconds: float = 0.0  # the part of engine_seconds in greedy sampling (argmax) and acceptance
     source_seconds: float = 0.0  # prefill / transfers (admission's model work)
     proposed: int = 0
     accepted: int = 0
@@ -91,7 +98,9 @@ class Engine:
         self._budget: dict[object, int] = {}  # key -> peak blocks reserved for admission
         self._used = 0  # sum of _budget
         self.pool = blocks.num_free  # blocks the engine may hand out (the block manager starts empty)
-        self._rows = BlockRows(blocks)
+        self._tables: dict | None = None  # the last step's tables (BlockRows), while no request changed them
+        self._cover = 0  # tokens the last tables' width covers
+        self._rows = BlockRows(blocks, self.max_batch, -(-(self.grid.max_model_len + self.k) // blocks.block_size))
 
     def peak_blocks(self, req: Request) -> int:
         """The most blocks a request holds over its life (prompt + tokens + drafts past the last)."""
@@ -136,9 +145,8 @@ class Engine:
                 propose_s = time.perf_counter() - p0
                 if label:
                     self.stats.draft_calls.append(label)
-            batch = self._batch(live)
             # "more": this rank has work after this step for sure or maybe (a draft may finish a request early)
-            more = bool(waiting) or any(r.remaining > 1 for r in live)
+            batch, more = self._batch(live, bool(waiting))
             q0 = time.perf_counter()
             plan = self.stepper.plan(batch, more=more)
             plan_s = time.perf_counter() - q0
@@ -146,8 +154,10 @@ class Engine:
                 r0 = time.perf_counter()
                 out = self.stepper.run(plan, batch)
                 run_s = time.perf_counter() - r0
-                emitted = self._accept(live, out, plan, t)
-                for r in [r for r in live if r.done]:
+                a0 = time.perf_counter()
+                emitted, finished = self._accept(live, out, plan, t)
+                self.stats.accept_seconds += time.perf_counter() - a0
+                for r in finished:
                     live.remove(r)
                     self._leave(r)
             wall = time.perf_counter() - t0
@@ -182,17 +192,43 @@ class Engine:
         self._used = used
         return out
 
-    def _batch(self, live: list[Request]) -> StepBatch:
-        upto = [r.computed + 1 + len(r.drafts) for r in live]
-        reserve = self.blocks.reserve
-        for r, n in zip(live, upto, strict=True):
-            reserve(r.key, n, r.computed)
-        return StepBatch([[r.next, *r.drafts] for r in live], [r.computed for r in live],
-                         self._rows([r.key for r in live], upto))
+    def _batch(self, live: list[Request], more: bool) -> tuple[StepBatch, bool]:
+        """The step's batch, and whether this rank has work after it (``more``: waiting requests, or a
+        live one with more than one token to go).
 
-    def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> int:
+        Everything here runs with the interpreter's caches cold (the artifact ran since), where a
+        call costs ~1.5 us and a torch op ~30: so one pass over the live requests, the block manager
+        asked only for a request whose next positions leave its held blocks (``Request.hold``), and
+        the tables of the step before reused while no request joined, left or crossed a block."""
+        tokens, computed, upto = [], [], []
+        changed, top, versions = self._tables is None, 0, self.blocks.versions
+        for r in live:
+            n = r.computed
+            u = n + 1 + len(r.drafts)
+            hold = r.hold  # set here; another part's reserve (a proposer's) moves the version
+            if hold is None or u > hold[0] or n >= hold[1] or versions.get(r.key) != hold[2]:
+                self.blocks.reserve(r.key, u, n)
+                r.hold = self.blocks.hold_limits(r.key)
+                changed = True
+            tokens.append([r.next, *r.drafts])
+            computed.append(n)
+            upto.append(u)
+            top = u if u > top else top
+            if not more and r.max_new_tokens - len(r.tokens) > 1:
+                more = True
+        if changed or top > self._cover:
+            # As wide as the context bucket the longest needs (the columns the graph reads): the
+            # width, and so the tables' shape, changes only where the bucket does.
+            grid, bs = self.grid, self.blocks.block_size
+            ctx = ctx_bucket_for(top, grid.ctx_buckets, grid.max_model_len) if top <= grid.max_model_len else top
+            self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // bs))
+            self._cover = ctx
+        return StepBatch(tokens, computed, self._tables), more
+
+    def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
+        """Greedy acceptance of the step's output: (tokens emitted, the requests it finished)."""
         greedy = out.logits.argmax(-1).tolist()  # [R][q]
-        q, total, emitted_all = plan.query_len, 0, 0
+        q, total, emitted_all, finished = plan.query_len, 0, 0, []
         after_step = self.proposer.after_step if self.proposer is not None else None
         for i, (r, g) in enumerate(zip(live, greedy, strict=True)):
             if q == 1:
@@ -211,6 +247,8 @@ class Engine:
                 r.first_step = t
             r.last_step = t
             emitted_all += len(emitted)
+            if len(r.tokens) >= r.max_new_tokens:
+                finished.append(r)
             if after_step is not None:
                 aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
                 after_step(r, emitted, aux, first_pos)
@@ -220,8 +258,9 @@ class Engine:
         self.stats.plans.append(plan)
         if self.on_step:
             self.on_step(plan, out)
-        return emitted_all
+        return emitted_all, finished
 
     def _leave(self, r: Request) -> None:
         self._used -= self._budget.pop(r.key, 0)
+        self._tables, r.hold = None, None  # the live set changed: the next step builds its tables
         self.blocks.release(r.key)

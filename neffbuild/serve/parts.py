@@ -62,6 +62,7 @@ class Request:
     first_step: int | None = None  # the first decode step it ran in
     last_step: int | None = None
     transfer: dict | None = None  # NIXL source: what the pull moved
+    hold: tuple | None = None  # the engine's: BlockManager.hold_limits after its last reserve for it
 
     @property
     def done(self) -> bool:
@@ -76,9 +77,9 @@ class Request:
                 "first_step": self.first_step, "last_step": self.last_step}
 
 
-def block_rows(blocks: BlockManager, keys: Sequence, upto: Sequence[int]) -> dict[str, torch.Tensor]:
-    """{group: [R, W]} rows for the requests, W = blocks of the longest (never the pool or max_model_len)."""
-    width = max((-(-n // blocks.block_size) for n in upto), default=1)
+def block_rows(blocks: BlockManager, keys: Sequence, upto: Sequence[int], width: int = 0) -> dict[str, torch.Tensor]:
+    """{group: [R, W]} rows for the requests, W = blocks of the longest (never the pool), or ``width`` if wider."""
+    width = max(width, *(-(-n // blocks.block_size) for n in upto), 1)
     return {g.name: torch.tensor([blocks.row(k, g.name, width) for k in keys], dtype=torch.long)
             .reshape(len(keys), width) for g in blocks.groups}
 
@@ -86,49 +87,51 @@ def block_rows(blocks: BlockManager, keys: Sequence, upto: Sequence[int]) -> dic
 class BlockRows:
     """The engine's ``{group: [R, W]}`` tables, kept from step to step and updated in place.
 
-    Building a table costs ~10 us per group (torch.tensor of a few rows), more than the rest of
-    the engine's step. So the tables live in one flat ``array('q')`` buffer that a tensor view
-    shares (``torch.frombuffer``): while the live requests and the width stay the same, a step
-    rewrites only the rows of requests whose blocks changed (``BlockManager.version``), in pure
-    Python; a request joining or leaving, or a wider table, builds a new buffer. The tensors of
-    one call are valid, read-only, until the next call (the Stepper reads them in the step).
-    The buffer is never resized: every write is one row of exactly ``W`` ids.
+    Between two steps the artifact has run and the interpreter's caches are cold: every torch
+    call then costs ~10 us, more than the engine's whole step should. So the tables live in one
+    buffer of ``[groups, max_rows, max_width]`` block ids (a flat ``array('q')``, shared by a
+    tensor through ``torch.frombuffer``) and a step writes, in pure Python, only the rows whose
+    request or blocks changed (``BlockManager.version``); a new width rewrites every row. The
+    ``[R, W]`` views of each shape are made once. What a call returns is valid, read-only, until
+    the next call (the Stepper reads it within the step). The buffer is never resized: every
+    write is one row's ``W`` ids. A batch beyond the capacity gets fresh tensors (``block_rows``).
     """
 
-    def __init__(self, blocks: BlockManager):
-        self.blocks = blocks
-        self._keys: list = []
-        self._width = -1
-        self._versions: list[int] = []
-        self._buf = array("q")
-        self._rows: dict[str, torch.Tensor] = {}
+    def __init__(self, blocks: BlockManager, max_rows: int, max_width: int):
+        self.blocks, self.max_rows, self.max_width = blocks, max_rows, max_width
+        G = len(blocks.groups)
+        self._buf = array("q", bytes(8 * G * max_rows * max_width))
+        self._all = torch.frombuffer(self._buf, dtype=torch.long).view(G, max_rows, max_width)
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._rows: list[tuple[object, int]] = []  # row i: (key, version) written there at ``_width``
+        self._width = 0
 
-    def __call__(self, keys: Sequence, upto: Sequence[int]) -> dict[str, torch.Tensor]:
+    def __call__(self, keys: Sequence, upto: Sequence[int], width: int = 0) -> dict[str, torch.Tensor]:
+        """``block_rows(keys, upto)``, at least ``width`` columns wide (null-padded past each row's blocks)."""
         blocks, bs = self.blocks, self.blocks.block_size
-        width = max((-(-n // bs) for n in upto), default=1)
-        versions = [blocks.version(k) for k in keys]
-        if width != self._width or list(keys) != self._keys or not keys:
-            self._rebuild(list(keys), width)
-        elif versions != self._versions:
-            R = len(keys)
-            for i, (k, v, old) in enumerate(zip(keys, versions, self._versions, strict=True)):
-                if v != old:
-                    for gi, g in enumerate(blocks.groups):
-                        at = (gi * R + i) * width
-                        self._buf[at: at + width] = array("q", blocks.row(k, g.name, width))
-        self._versions = versions
-        return self._rows
-
-    def _rebuild(self, keys: list, width: int) -> None:
-        groups = self.blocks.groups
-        self._keys, self._width = keys, width
-        if not keys:
-            self._buf = array("q")
-            self._rows = {g.name: torch.zeros((0, width), dtype=torch.long) for g in groups}
-            return
-        self._buf = array("q", [b for g in groups for k in keys for b in self.blocks.row(k, g.name, width)])
-        view = torch.frombuffer(self._buf, dtype=torch.long).view(len(groups), len(keys), width)
-        self._rows = {g.name: view[gi] for gi, g in enumerate(groups)}
+        width = max(width, *(-(-n // bs) for n in upto), 1)
+        R = len(keys)
+        if len(keys) > self.max_rows or width > self.max_width:
+            return block_rows(blocks, keys, upto, width)
+        rows = self._rows if width == self._width else []
+        self._width = width
+        version, buf, names = blocks.version, self._buf, [g.name for g in blocks.groups]
+        for i, k in enumerate(keys):
+            have = (k, version(k))
+            if i < len(rows) and rows[i] == have:
+                continue
+            for gi, name in enumerate(names):
+                at = (gi * self.max_rows + i) * self.max_width
+                buf[at: at + width] = array("q", blocks.row(k, name, width))
+            if i < len(rows):
+                rows[i] = have
+            else:
+                rows.append(have)
+        self._rows = rows
+        view = self._views.get((R, width))
+        if view is None:
+            view = self._views[R, width] = {name: self._all[gi, :R, :width] for gi, name in enumerate(names)}
+        return view
 
 
 class KVSource(Protocol):
