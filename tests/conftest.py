@@ -45,12 +45,19 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
                      "production_built", "neuron_bundle", "build_cache", "compile_pool", "ray_cluster"}
 
 # `make test` runs two pytest-xdist workers (--dist loadgroup). Every test of a fixture named here runs on
-# one worker, so that fixture is built once: the session's one Ray instance, and the two 6-graph bundles
-# that only a few tests use. The rest spread over both workers; a bundle both need is compiled once
-# anyway (one compile cache for the run, `build_cache`), the second worker taking the first's entries.
-XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built")
+# one worker, so that fixture is built once: the session's one Ray instance, the two 6-graph bundles that only
+# a few tests use, the stand-in's bundle (its own cache), and the module fixtures that compile into caches of
+# their own (test_remote_cache's first push, test_cpu_target's v2 build), and the small session bundles few tests
+# use (tp2, dp2 x ep2, fp8): xdist starts every group (largest first) before the ungrouped tests, so each compile
+# happens early, while the other worker has work, and not in the run's tail (the dp2 x ep2 compile was last).
+# A test of two groups' fixtures takes the first group named. The rest spread over both workers; a bundle both
+# need is compiled once anyway (one compile cache for the run, `build_cache`: a key's lock makes the second
+# worker take the first's entry).
+XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build",
+                "built_tp2", "built_dp2_ep2", "fp8_built")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
@@ -59,6 +66,32 @@ def pytest_collection_modifyitems(config, items):
         group = next((g for g in XDIST_GROUPS if g in names), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            _group_suffix(config, item, group)
+
+
+def _group_suffix(config, item, group: str) -> None:
+    """``--dist loadgroup`` schedules by a ``@group`` node-id suffix that pytest-xdist 3.8 writes into
+    ``item._nodeid``, which pytest >= 9.2 no longer reads (the id is ``item._id`` there): every test became its
+    own unit and each worker built the Ray instance and the grouped bundles again. Write it where xdist's
+    write would not take (``pytest_collection_finish`` checks that it shows)."""
+    if _loadgroup_worker(config) and not hasattr(item, "_nodeid"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+def _loadgroup_worker(config) -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False))
+
+
+def pytest_collection_finish(session):
+    if not _loadgroup_worker(session.config):
+        return
+    for item in session.items:
+        group = next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
+        if group and not item.nodeid.endswith(f"@{group}"):
+            raise pytest.UsageError(f"{item.nodeid}: its xdist group {group!r} did not reach the node id, so "
+                                    "--dist loadgroup would run its tests on both workers (pytest/xdist versions)")
 
 
 @pytest.fixture
@@ -92,19 +125,34 @@ def tiny_cfg(tiny_recipe):
     return tiny_recipe.model.config
 
 
-@pytest.fixture(scope="session")
-def hf_checkpoint(tmp_path_factory, tiny_cfg):
-    """A random GptOssForCausalLM saved by transformers (safetensors), non-degenerate weights."""
+def _save_hf(folder: Path, cfg) -> Path:
     import transformers
 
     from neffbuild.models.gpt_oss.weights import random_state_dict
 
-    folder = tmp_path_factory.mktemp("hf_tiny")
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**tiny_cfg.to_hf_dict()))
-    missing, unexpected = model.load_state_dict(random_state_dict(tiny_cfg, seed=0), strict=True)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg.to_hf_dict()))
+    missing, unexpected = model.load_state_dict(random_state_dict(cfg, seed=0), strict=True)
     assert not missing and not unexpected
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory, tiny_cfg):
+    """A random GptOssForCausalLM saved by transformers (safetensors), non-degenerate weights."""
+    return _save_hf(tmp_path_factory.mktemp("hf_tiny"), tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory, tiny_cfg):
+    """The same model cut to 2 layers (one sliding, one full: the fewest gk_decode allows), saved the same way.
+    For the tests whose point is the build machinery around a real compile (a key's lock, the remote tier, the
+    memory gate), not the graph: each such compile costs about half of a 4-layer one, on the same paths."""
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+
+    hf = dict(tiny_cfg.to_hf_dict(), num_hidden_layers=2)
+    hf.pop("layer_types")
+    return _save_hf(tmp_path_factory.mktemp("hf_small"), GptOssConfig.from_hf_dict(hf))
 
 
 @pytest.fixture(scope="session")

@@ -346,8 +346,10 @@ def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
     _valid_cache(tmp_path / "cache")
 
 
-def test_concurrent_builds_share_a_cache_and_compile_each_key_once(hf_checkpoint, tmp_path):
-    path = write_recipe(tmp_path, hf_checkpoint, name="twice", num_seqs_buckets=[4], ctx_buckets=[512])
+def test_concurrent_builds_share_a_cache_and_compile_each_key_once(small_checkpoint, tmp_path):
+    """Two processes, one cold key: the key's lock makes one compile and the other wait for its entry (the 2-layer
+    model: what is under test is the lock around a real compile, not the graph)."""
+    path = write_recipe(tmp_path, small_checkpoint, name="twice", num_seqs_buckets=[4], ctx_buckets=[512])
     cache = tmp_path / "cache"
     procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o",
                                str(tmp_path / f"out{n}"), "--cache-dir", str(cache), "--jobs", "1", "--json"],

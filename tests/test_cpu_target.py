@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.builder import compile_recipe
 from neffbuild.errors import IncompatibleBundle
 from neffbuild.runtime import cpu_features
-from tests.conftest import ROOT, write_recipe
+from tests.conftest import ROOT, cli, write_recipe
 
 FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": [512], "serving__max_num_seqs": 1}  # 1 target: b1, ctx 512
 x86 = pytest.mark.skipif(cpu_features.targets() == ("native",), reason="x86-64 micro-architecture levels only")
@@ -74,13 +75,51 @@ def test_target_sets_march_through_the_backend_and_recipe_flags_cannot(tiny_raw,
             parse_flags([flag])
 
 
+def _cpp_build(*flags) -> dict:
+    """What one compile of the inductor backend would run with: torch's default wrapper -O in this process,
+    the configs the backend passes, its fingerprint, and the wrapper's optimisation flags under those configs."""
+    import torch._inductor.config as c
+    from torch._inductor.cpp_builder import _get_optimization_cflags
+
+    from neffbuild.compiler.backends.inductor import InductorBackend
+
+    b = InductorBackend(flags=flags)
+    with c.patch(b.configs()):  # as aoti_compile_and_package applies them to each compile
+        cflags = _get_optimization_cflags("g++", min_optimize=True)[0]  # min_optimize: the wrapper's build
+    return {"torch_default": c.aot_inductor.compile_wrapper_opt_level, "configs": b.configs(),
+            "fingerprint": b.fingerprint(), "wrapper_cflags": cflags}
+
+
+def test_aot_inductor_environment_cannot_change_an_artifact_under_its_key():
+    """AOT_INDUCTOR_* variables set torch's defaults when it imports (the wrapper's -O among them), and no key
+    names them: the backend passes its own values, so a variable left in a shell changes neither the C++ build
+    nor the fingerprint. A recipe flag that may change one (aot_inductor.debug_compile) is in the key."""
+    plain = _cpp_build()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AOT_INDUCTOR_")}
+    env.update(AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL="O0", AOT_INDUCTOR_ENABLE_LINE_TABLES="0",
+               AOT_INDUCTOR_DEBUG_COMPILE="1", AOT_INDUCTOR_ENABLE_FRAME_POINTER="0")
+    code = "import json; from tests.test_cpu_target import _cpp_build; print(json.dumps(_cpp_build()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
+    shell = json.loads(out.stdout.strip().splitlines()[-1])
+    assert shell["torch_default"] == "O0"  # the variable reached torch's own config in that process
+    if not any(k.startswith("AOT_INDUCTOR_") for k in os.environ):
+        assert plain["torch_default"] == "O1"
+    assert shell["configs"] == plain["configs"] and shell["fingerprint"] == plain["fingerprint"]
+    assert shell["wrapper_cflags"] == plain["wrapper_cflags"]
+    assert {"O1", "g1", "fno-omit-frame-pointer"} <= set(plain["wrapper_cflags"])
+    assert "O0" not in plain["wrapper_cflags"]
+    debug = _cpp_build("aot_inductor.debug_compile=true")
+    assert "O0" in debug["wrapper_cflags"] and debug["fingerprint"]["flags"] == ["aot_inductor.debug_compile=true"]
+
+
 @pytest.fixture(scope="module")
-def v2_build(tmp_path_factory, hf_checkpoint):
-    """The 1-target bundle built for x86-64-v2 (1 compile): (recipe, cache dir, BuildResult)."""
+def v2_build(tmp_path_factory, small_checkpoint):
+    """The 1-target bundle built for x86-64-v2 (1 compile, of the 2-layer test model: what is under test is the
+    -march each C++ build gets and the key and manifest that record it): (recipe, cache dir, BuildResult)."""
     if cpu_features.targets() == ("native",):
         pytest.skip("x86-64 micro-architecture levels only")
     folder = tmp_path_factory.mktemp("isa")
-    path = write_recipe(folder, hf_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
+    path = write_recipe(folder, small_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
     res = compile_recipe(R.load(path), folder / "out", jobs=1, cache_root=folder / "c")
     assert not res.failed and res.built == 1
     return R.load(path), folder / "c", res
@@ -102,13 +141,10 @@ def test_target_changes_key_is_recorded_and_decodes_the_same(v2_build):
     assert "'-march=x86-64-v2'" in log and "-march=native" not in log  # the generated compile commands
     m = json.loads((res.bundle / "manifest.json").read_text())
     assert m["artifacts"][0]["cache_key"] == keys["x86-64-v2"]["cache_key"]
-    ins = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "inspect", str(res.bundle)],
-                         capture_output=True, text=True, cwd=ROOT)
+    ins = cli("inspect", res.bundle)  # in this process (tests/helpers.py): no second torch import
     assert "cpu target: x86-64-v2 (-march=x86-64-v2" in ins.stdout and "sse4_2" in ins.stdout
     assert m["toolchain"]["cpu_target"]["target"] == "x86-64-v2" and m["toolchain"]["cxx"]
-    gen = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "generate", str(res.bundle), "--prompt-ids",
-                          "5,9,13,2", "--max-new-tokens", "8", "--check", "--json"], capture_output=True, text=True,
-                         cwd=ROOT)
+    gen = cli("generate", res.bundle, "--prompt-ids", "5,9,13,2", "--max-new-tokens", "8", "--check", "--json")
     assert gen.returncode == 0, gen.stderr
     assert json.loads(gen.stdout)["check"]["ok"]  # the same tokens as the eager model
 

@@ -163,16 +163,25 @@ def test_production_tiny_spec_equals_unsharded_greedy(production_built, tmp_path
     assert all(x == labels[0] for x in labels)  # every rank ran the same artifact every step
 
 
+PRODUCTION_SPEC = ["--requests", str(ROOT / "docs" / "examples" / "production-requests.jsonl"), "--spec", "--json"]
+
+
+@pytest.fixture(scope="module")
+def production_spec(production_built):
+    """`generate --requests --spec` of the production bundle, run once (greedy: the same tokens every run): the
+    reference of both DI variants below."""
+    res = _cli("generate", str(production_built), *PRODUCTION_SPEC)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prefill_tp", [2, 1])
-def test_production_tiny_spec_di(production_built, prefill_tp):
+def test_production_tiny_spec_di(production_built, production_spec, prefill_tp):
     """--spec --di on the sharded bundle: the tokens of --spec; per rank the first step after a transfer is
     target_nospec and later steps include target_spec."""
-    reqs = ROOT / "docs" / "examples" / "production-requests.jsonl"
-    args = ["generate", str(production_built), "--requests", str(reqs), "--spec", "--json"]
-    spec = _cli(*args)
-    di = _cli(*args, "--di", "--prefill-tp", str(prefill_tp))
-    assert spec.returncode == 0 and di.returncode == 0, di.stderr[-3000:]
-    spec, di = json.loads(spec.stdout), json.loads(di.stdout)
+    di = _cli("generate", str(production_built), *PRODUCTION_SPEC, "--di", "--prefill-tp", str(prefill_tp))
+    assert di.returncode == 0, di.stderr[-3000:]
+    spec, di = production_spec, json.loads(di.stdout)
     assert di["tokens"] == spec["tokens"]
     assert_nospec_after_each_transfer(di, 2)

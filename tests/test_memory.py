@@ -209,8 +209,10 @@ def test_plan_reads_artifact_size_and_rss_from_the_cache(built, build_cache):
 
 
 def test_local_build_under_a_memory_cap_runs_one_compile_at_a_time(tmp_path, tiny_raw):
-    """Two targets, two jobs, 3 GiB 'free' (each compile is estimated above 2 GiB): one at a time, said so."""
+    """Two targets, two jobs, 3 GiB 'free' (each compile is estimated above 2 GiB): one at a time, said so.
+    The 2-layer model (the fewest gk_decode allows): the gate schedules real compiles whatever their graph."""
     tiny_raw["name"] = "memcap"
+    tiny_raw["model"]["config"]["num_hidden_layers"] = 2
     tiny_raw["neuron_config"].update(num_seqs_buckets=[1], decode_context_length_buckets=[128])
     tiny_raw["serving"].update(max_num_seqs=1, num_blocks=101)
     env = dict(os.environ, NEFFBUILD_FREE_MEMORY="3GiB")

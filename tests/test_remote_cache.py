@@ -2,7 +2,8 @@
 
 Compiles are the cost: this file adds 3 AOTInductor compiles (the first push, the rebuild
 after a corrupted object, the second target of the shard recipe); every other build starts
-from a copy of a cache built here or from the remote.
+from a copy of a cache built here or from the remote. They are of the 2-layer test model
+(``small_checkpoint``): the tier moves, checks and pushes whole entries, whatever graph they hold.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def _entry_keys(server, url: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def rc_recipe(tmp_path_factory, hf_checkpoint):
+def rc_recipe(tmp_path_factory, small_checkpoint):
     folder = tmp_path_factory.mktemp("rc")
-    return write_recipe(folder, hf_checkpoint, name="rc", **FALLBACK_ONLY)
+    return write_recipe(folder, small_checkpoint, name="rc", **FALLBACK_ONLY)
 
 
 @pytest.fixture(scope="module")
@@ -187,9 +188,9 @@ def test_concurrent_compiles_push_each_key_once(first_push, rc_recipe, s3_server
     assert len([k for k in keys if k.endswith("/meta.json")]) == 1 and len(keys) == 2
 
 
-def test_shards_then_assembling_compile_builds_nothing(first_push, hf_checkpoint, s3_server, tmp_path,
+def test_shards_then_assembling_compile_builds_nothing(first_push, small_checkpoint, s3_server, tmp_path,
                                                        monkeypatch):
-    path = write_recipe(tmp_path, hf_checkpoint, name="shards", **TWO)
+    path = write_recipe(tmp_path, small_checkpoint, name="shards", **TWO)
     url = s3_server.url()
     env = s3_server.env("rw")
     procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o",

@@ -32,6 +32,19 @@ from neffbuild.compiler.reproducible import normalize_pt2
 from neffbuild.errors import InvalidInput
 from neffbuild.runtime.loaders import load_inductor
 
+# AOTInductor options whose torch defaults come from the environment at import (AOT_INDUCTOR_*): each shapes the
+# C++ build of every artifact, but no cache key names an environment variable. So the backend passes them itself,
+# at torch's defaults (a recipe flag may change an allow-listed one, and flags are in the key); a variable left in
+# a shell no longer changes an artifact under the same key. The values are artifact-shaping: changing one here
+# must come with a fingerprint() change (today's keys were made under exactly these).
+PINNED_CONFIGS = {
+    "aot_inductor.compile_wrapper_opt_level": "O1",  # AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL: the wrapper's -O
+    "aot_inductor.debug_compile": False,  # AOT_INDUCTOR_DEBUG_COMPILE: -O0 -g everywhere
+    "aot_inductor.debug_symbols": False,  # AOT_INDUCTOR_DEBUG_SYMBOLS
+    "aot_inductor.enable_frame_pointer": True,  # AOT_INDUCTOR_ENABLE_FRAME_POINTER
+    "aot_inductor.enable_line_tables": True,  # AOT_INDUCTOR_ENABLE_LINE_TABLES: -g1
+}
+
 
 def parse_flags(flags) -> dict:
     """Inductor config assignments from the allow-list only (compiler/backends/flag_rules.py), checked again here:
@@ -72,12 +85,17 @@ class InductorBackend(Backend):
     def graph_text(self, exported) -> str:
         return exported.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
 
-    def compile(self, exported, workdir: Path) -> Path:
-        """Compile; ``self.profile`` then says where the time went (lowering vs each C++ build)."""
-        configs = {"aot_inductor.package_constants_in_so": False, "cpp.march": self.cpu["march"]}
+    def configs(self) -> dict:
+        """The inductor config of every compile: the pinned options, the CPU target, then the recipe's flags."""
+        configs = {**PINNED_CONFIGS, "aot_inductor.package_constants_in_so": False, "cpp.march": self.cpu["march"]}
         if self.cpu["simdlen"] is not None:
             configs["cpp.simdlen"] = self.cpu["simdlen"]
         configs.update(parse_flags(self.flags))
+        return configs
+
+    def compile(self, exported, workdir: Path) -> Path:
+        """Compile; ``self.profile`` then says where the time went (lowering vs each C++ build)."""
+        configs = self.configs()
         path = Path(workdir) / f"artifact.{self.ext}"
         cpp: list[tuple[str, float, str]] = []
         t0 = time.monotonic()
