@@ -96,7 +96,6 @@ class Engine:
         self.on_step = on_step
         self.stats = EngineStats(speculative=bool(self.k))
         self._budget: dict[object, int] = {}  # key -> peak blocks reserved for admission
-        self._used = 0  # sum of _budget
         self.pool = blocks.num_free  # blocks the engine may hand out (the block manager starts empty)
         self._tables: dict | None = None  # the last step's tables (BlockRows), while no request changed them
         self._cover = 0  # tokens the last tables' width covers
@@ -177,7 +176,7 @@ class Engine:
         free_slots = self.max_batch - len(live)
         if not waiting or free_slots <= 0 or waiting[0].arrival > t:
             return []  # the step's common case: nothing to look at
-        out, used = [], self._used
+        out, used = [], sum(self._budget.values())
         for r in waiting:
             if r.arrival > t or len(out) >= free_slots:
                 break
@@ -189,7 +188,6 @@ class Engine:
         for r in out:
             r.key = f"req-{r.index}" if r.key is None else r.key
             self._budget[r.key] = self.peak_blocks(r)
-        self._used = used
         return out
 
     def _batch(self, live: list[Request], more: bool) -> tuple[StepBatch, bool]:
@@ -214,7 +212,7 @@ class Engine:
             computed.append(n)
             upto.append(u)
             top = u if u > top else top
-            if not more and r.max_new_tokens - len(r.tokens) > 1:
+            if not more and r.remaining > 1:
                 more = True
         if changed or top > self._cover:
             # As wide as the context bucket the longest needs (the columns the graph reads): the
@@ -247,7 +245,7 @@ class Engine:
                 r.first_step = t
             r.last_step = t
             emitted_all += len(emitted)
-            if len(r.tokens) >= r.max_new_tokens:
+            if r.done:
                 finished.append(r)
             if after_step is not None:
                 aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
@@ -261,6 +259,6 @@ class Engine:
         return emitted_all, finished
 
     def _leave(self, r: Request) -> None:
-        self._used -= self._budget.pop(r.key, 0)
+        self._budget.pop(r.key, None)
         self._tables, r.hold = None, None  # the live set changed: the next step builds its tables
         self.blocks.release(r.key)

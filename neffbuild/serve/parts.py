@@ -110,8 +110,8 @@ class BlockRows:
         """``block_rows(keys, upto)``, at least ``width`` columns wide (null-padded past each row's blocks)."""
         blocks, bs = self.blocks, self.blocks.block_size
         width = max(width, *(-(-n // bs) for n in upto), 1)
-        R = len(keys)
-        if len(keys) > self.max_rows or width > self.max_width:
+        n_rows = len(keys)
+        if n_rows > self.max_rows or width > self.max_width:
             return block_rows(blocks, keys, upto, width)
         rows = self._rows if width == self._width else []
         self._width = width
@@ -128,9 +128,9 @@ class BlockRows:
             else:
                 rows.append(have)
         self._rows = rows
-        view = self._views.get((R, width))
+        view = self._views.get((n_rows, width))
         if view is None:
-            view = self._views[R, width] = {name: self._all[gi, :R, :width] for gi, name in enumerate(names)}
+            view = self._views[n_rows, width] = {name: self._all[gi, :n_rows, :width] for gi, name in enumerate(names)}
         return view
 
 
