@@ -65,23 +65,25 @@ def run(session, reqs) -> dict:
 
 @contextlib.contextmanager
 def _timed_checks():
-    """Time the Stepper's input check (runtime/step_checks.step_problem) where the engine's loop calls it:
-    yields [seconds]; the wrapper's own call is outside the timed span."""
+    """Time the Stepper's input check (runtime/step_checks: ``step_ok``, and ``step_problem`` where that says
+    no) where the engine's loop calls it: yields [seconds]; the wrappers' own calls are outside the timed span."""
     from neffbuild.runtime import step_checks
 
-    real, total = step_checks.step_problem, [0.0]
+    real, total = (step_checks.step_ok, step_checks.step_problem), [0.0]
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = real(*args, **kwargs)
-        total[0] += time.perf_counter() - t0
-        return out
+    def timer(fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            total[0] += time.perf_counter() - t0
+            return out
+        return timed
 
-    step_checks.step_problem = timed
+    step_checks.step_ok, step_checks.step_problem = map(timer, real)
     try:
         yield total
     finally:
-        step_checks.step_problem = real
+        step_checks.step_ok, step_checks.step_problem = real
 
 
 def cold_cache_demo() -> dict:

@@ -402,7 +402,7 @@ def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defe
         # Left to the reference, so the fast path may only refuse them: a stale view, and one wider than the
         # columns the graph reads (ids beyond them may be anything; the checked rows' range covers all columns).
         exact = exact and not stale and getattr(tables, "num_cols", 0) <= -(-mml // bs)
-    fast = step_checks._step_ok(tokens, computed, tables, k, vocab, bs, nb, mml)
+    fast = step_checks.step_ok(tokens, computed, tables, k, vocab, bs, nb, mml)
     ref = step_checks._step_reference(tokens, computed, tables, k=k, vocab=vocab, max_model_len=mml,
                                       layout=SimpleNamespace(block_size=bs, num_blocks=nb))
     if fast:

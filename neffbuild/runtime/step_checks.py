@@ -17,7 +17,7 @@ step can reach (never the pool, never columns beyond ``max_model_len``):
 
 ``step_problem`` returns a message (the step API raises it on every DP rank together, after
 the one collective); the others raise ``StepInputError`` themselves. It runs on every step, so
-it is two paths: ``_step_ok``, one pass over the rows for the usual step (plain ints, tables up
+it is two paths: ``step_ok``, one pass over the rows for the usual step (plain ints, tables up
 to ``LIST_LIMIT`` ids: a few us, under 1% of the tiny model's step), which only ever says yes;
 and ``_step_reference``, rule by rule, for everything else and for the message. The fuzz holds
 the first to the second (tests/test_fuzz.py).
@@ -142,9 +142,10 @@ def _ids_problem_small(where, rows: list, num_blocks, block_size, max_cols, live
 
 
 def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
-    """Why a step is malformed, or None (checked before the collective so every rank learns of it)."""
+    """Why a step is malformed, or None (checked before the collective so every rank learns of it). The Stepper
+    calls ``step_ok`` itself first (one call less on every step) and this only when that says no."""
     tokens, computed, tables = batch.tokens, batch.num_computed, batch.block_tables
-    if _step_ok(tokens, computed, tables, k, vocab, layout.block_size, layout.num_blocks, max_model_len):
+    if step_ok(tokens, computed, tables, k, vocab, layout.block_size, layout.num_blocks, max_model_len):
         return None
     return _step_reference(tokens, computed, tables, k=k, vocab=vocab, layout=layout, max_model_len=max_model_len)
 
@@ -152,7 +153,7 @@ def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int
 _SEQ = (list, tuple)
 
 
-def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
+def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
     """True only for a step the reference below accepts: plain lists of ints and tables up to ``LIST_LIMIT`` ids
     (the engine's usual decode step), in one pass over the rows. Anything else (numpy or tensor scalars, an idle
     rank, big tables, any doubt) is False, and the reference decides and words the message; the fuzz checks
@@ -252,7 +253,7 @@ def _rows(t, R: int, cols: int, num_blocks: int):
 
 
 def _step_reference(tokens, computed, tables, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
-    """The full check, rule by rule, with the message for the first rule broken (``_step_ok``'s reference)."""
+    """The full check, rule by rule, with the message for the first rule broken (``step_ok``'s reference)."""
     if not hasattr(tokens, "__len__") or not hasattr(computed, "__len__") or \
             not all(hasattr(t, "__len__") and not isinstance(t, (str, bytes)) for t in tokens):
         return "step: tokens must be a list of token-id lists and num_computed a list of integers"
