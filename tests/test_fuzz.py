@@ -358,10 +358,11 @@ def _edge_steps(draw, defect: str):
     return (tokens, computed, tables, k, vocab, bs, nb, mml), exact
 
 
-def _as_buffer_view(tables, data):
+def _as_buffer_view(tables, data, cols: int):
     """The same tables as a TableBuffer view (runtime/block_tables.py: rows checked when written), cut to one
-    width for every group; sometimes with a row written at another width since (a stale view). Tables a buffer
-    cannot hold (not 2-D int CPU tensors of one row count, unknown groups) stay as they are."""
+    width for every group, mostly no wider than the ``cols`` the graph reads; sometimes with a row written at
+    another width since (a stale view). Tables a buffer cannot hold (not 2-D int CPU tensors of one row count,
+    unknown groups) stay as they are."""
     import torch
 
     from neffbuild.runtime.block_tables import TableBuffer
@@ -372,12 +373,13 @@ def _as_buffer_view(tables, data):
             and t.shape[0] == ts[0].shape[0] > 0 and t.shape[1] > 0 for t in ts):
         return tables, False
     R, W = ts[0].shape[0], min(t.shape[1] for t in ts)
+    W = W if data.draw(st.integers(0, 3)) == 0 else min(W, cols)  # wider than cols: left to the reference
     buf = TableBuffer(list(tables), R, W + 1)
     for gi, t in enumerate(ts):
         for r, row in enumerate(t[:, :W].tolist()):
             buf.write(gi, r, row)
     view = buf.view(R, W)
-    if data.draw(st.booleans()):  # a row written at another width after the view was made: the view's
+    if data.draw(st.integers(0, 3)) == 0:  # a row written at another width after the view was made: the view's
         g, r = data.draw(st.integers(0, len(ts) - 1)), data.draw(st.integers(0, R - 1))  # columns past it are
         buf.write(g, r, [data.draw(st.sampled_from([0, 1, -1, 10**6])) for _ in range(W + 1)])  # stale ids
         w = data.draw(st.sampled_from([w for w in range(1, W + 2) if w != W]))
@@ -398,7 +400,7 @@ def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defe
     monkeypatch.setattr(step_checks, "_PY_IDS", step_checks.LIST_LIMIT if scan == "python" else 0)
     (tokens, computed, tables, k, vocab, bs, nb, mml), exact = data.draw(_edge_steps(defect))
     if scan == "buffer":
-        tables, stale = _as_buffer_view(tables, data)
+        tables, stale = _as_buffer_view(tables, data, -(-mml // bs))
         # Left to the reference, so the fast path may only refuse them: a stale view, and one wider than the
         # columns the graph reads (ids beyond them may be anything; the checked rows' range covers all columns).
         exact = exact and not stale and getattr(tables, "num_cols", 0) <= -(-mml // bs)

@@ -46,8 +46,11 @@ class TableBuffer:
         G = len(self.groups)
         self._buf = array("q", bytes(8 * G * max_rows * max_width))
         self._all = torch.frombuffer(self._buf, dtype=torch.long).view(G, max_rows, max_width)
-        # Per group, per row: the ids as written (a list), their min and max, the width written (0: never).
+        # Per group, per row: the ids as written (a list), their min and max, the width written (0: never), and
+        # ``next_null``: for each column c (and c = width) the first column >= c that holds the null block (0),
+        # or the width: the live columns [a, h) hold no null block iff next_null[a] >= h.
         self.rows: list[list[list[int]]] = [[[] for _ in range(max_rows)] for _ in self.groups]
+        self.next_null: list[list[list[int]]] = [[[0] for _ in range(max_rows)] for _ in self.groups]
         self.lo = [[0] * max_rows for _ in self.groups]
         self.hi = [[0] * max_rows for _ in self.groups]
         self.width = [[0] * max_rows for _ in self.groups]
@@ -73,6 +76,12 @@ class TableBuffer:
         ids = a.tolist()
         self.rows[group][row], self.lo[group][row], self.hi[group][row] = ids, min(ids), max(ids)
         self.width[group][row] = w
+        nxt, at = [w] * (w + 1), w
+        for c in range(w - 1, -1, -1):
+            if ids[c] == 0:
+                at = c
+            nxt[c] = at
+        self.next_null[group][row] = nxt
         self.writes += 1
 
     def view(self, rows: int, width: int) -> BlockTables:
@@ -96,9 +105,9 @@ class BlockTables(dict):
         self._verdict = None
 
     def checked(self, R: int, num_blocks: int):
-        """``(full rows, sliding rows or None)`` as lists when the view has the groups full and (optionally)
-        sliding and every one of its R rows was last written at its width with ids in ``[0, num_blocks)``;
-        else None (the caller then reads the tensors). Kept until the next write to the buffer."""
+        """``(first null column per full row, next_null per sliding row or None)`` when the view has the groups
+        full and (optionally) sliding and every one of its R rows was last written at its width with ids in
+        ``[0, num_blocks)``; else None (the caller then reads the tensors). Kept until the next write."""
         buf = self.buffer
         seen = (buf.writes, R, num_blocks)
         if seen != self._seen:
@@ -114,4 +123,4 @@ class BlockTables(dict):
             for r in range(R):
                 if widths[r] != W or lo[r] < 0 or hi[r] >= num_blocks:
                     return None
-        return buf.rows[0][:R], (buf.rows[1][:R] if len(groups) == 2 else None)
+        return [nxt[0] for nxt in buf.next_null[0][:R]], (buf.next_null[1][:R] if len(groups) == 2 else None)

@@ -154,35 +154,59 @@ _SEQ = (list, tuple)
 
 
 def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
-    """True only for a step the reference below accepts: plain lists of ints and tables up to ``LIST_LIMIT`` ids
-    (the engine's usual decode step), in one pass over the rows. Anything else (numpy or tensor scalars, an idle
-    rank, big tables, any doubt) is False, and the reference decides and words the message; the fuzz checks
-    that this never accepts what the reference refuses (tests/test_fuzz.py)."""
+    """True only for a step the reference below accepts: plain lists of ints and, as tables, a TableBuffer's view
+    (runtime/block_tables.py: ids range-checked when written, each row's null columns known, so a row costs a few
+    int compares) or a dict of tensors up to ``LIST_LIMIT`` ids (``_dict_ok``): the engine's usual decode step,
+    in one pass over the rows. Anything else (numpy or tensor scalars, an idle rank, big tables, any doubt) is
+    False, and the reference decides and words the message; the fuzz checks that this never accepts what the
+    reference refuses (tests/test_fuzz.py)."""
     if type(tokens) not in _SEQ or type(computed) not in _SEQ:
         return False
+    if type(tables) is not BlockTables:
+        return type(tables) is dict and _dict_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml)
     R = len(tokens)
-    if type(tables) is BlockTables:  # rows checked when written (runtime/block_tables.py): no tensor read
-        if not R or len(computed) != R or tables.num_cols > -(-mml // bs):  # wider than the graph reads: the
-            return False  # columns beyond may hold anything, which the rows' id range does not tell apart
-        got = tables.checked(R, num_blocks)
-        if got is None:
+    if not R or len(computed) != R or tables.num_cols > -(-mml // bs):  # wider than the graph reads: the
+        return False  # columns beyond may hold anything, which the rows' id range does not tell apart
+    got = tables.checked(R, num_blocks)
+    if got is None:
+        return False
+    first_null, sliding = got
+    q2, top, width = 1 + k, _BIG if vocab is None else vocab, tables.num_cols
+    for r in range(R):
+        toks, n = tokens[r], computed[r]
+        if type(toks) not in _SEQ or type(n) is not int or n < 0:
             return False
-        frows, srows = got
-        srows, fscan, sscan = repeat(None) if srows is None else srows, False, False
-        width = tables.num_cols
-    else:
-        if type(tables) is not dict:
+        q = len(toks)
+        if q != 1 and q != q2:
             return False
-        sliding = tables.get(SLIDING_GROUP)
-        if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
+        for t in toks:
+            if type(t) is not int or t < 0 or t >= top:
+                return False
+        last = (n + q if n + q < mml else mml) - 1  # the last live position (none when n >= max_model_len)
+        h = last // bs + 1 if last >= n else 0  # live columns: [0, h) full, [n // bs, h) sliding
+        if h > width or h > first_null[r]:
             return False
-        cols = -(-mml // bs)  # the columns the graph can read
-        full = _rows(tables.get(FULL_GROUP), R, cols, num_blocks)
-        slid = _NO_TABLE if sliding is None else _rows(sliding, R, cols, num_blocks)
-        if full is None or slid is None:
-            return False
-        (frows, fscan, width), (srows, sscan, swidth) = full, slid
-        width = swidth if swidth < width else width
+        if sliding is not None:
+            a = n // bs
+            if h > a and sliding[r][a] < h:
+                return False
+    return True
+
+
+def _dict_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
+    """``step_ok`` for tables handed as a dict of tensors: ids scanned as Python lists (small tables) or by one
+    aminmax, then the null block looked for in each row's live columns."""
+    R = len(tokens)
+    sliding = tables.get(SLIDING_GROUP)
+    if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
+        return False
+    cols = -(-mml // bs)  # the columns the graph can read
+    full = _rows(tables.get(FULL_GROUP), R, cols, num_blocks)
+    slid = _NO_TABLE if sliding is None else _rows(sliding, R, cols, num_blocks)
+    if full is None or slid is None:
+        return False
+    (frows, fscan, width), (srows, sscan, swidth) = full, slid
+    width = swidth if swidth < width else width
     q2, top = 1 + k, _BIG if vocab is None else vocab
     for toks, n, frow, srow in zip(tokens, computed, frows, srows, strict=False):  # R rows; a repeat for no rows
         if type(toks) not in _SEQ or type(n) is not int or n < 0:
