@@ -188,15 +188,15 @@ def compile_pool():
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
+def built(tmp_path_factory, small_checkpoint, build_cache, compile_pool):
     """The test recipe: b1, b4 x ctx 128, 256 + fallback 512 (6 targets)."""
-    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-test")
+    return _session_bundle(tmp_path_factory, small_checkpoint, build_cache, compile_pool, "gpt-oss-test")
 
 
 @pytest.fixture(scope="session")
-def fp8_built(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
+def fp8_built(tmp_path_factory, small_checkpoint, build_cache, compile_pool):
     """One packed-FP8-KV artifact (decode_b4_ctx512)."""
-    return _session_bundle(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "fp8", num_seqs_buckets=[4],
+    return _session_bundle(tmp_path_factory, small_checkpoint, build_cache, compile_pool, "fp8", num_seqs_buckets=[4],
                            ctx_buckets=[512], neuron_config__fp8_packed_kv=True)
 
 
@@ -224,16 +224,16 @@ def _parallel(tmp_path_factory, checkpoint, cache, pool, name: str, parallel: di
 
 
 @pytest.fixture(scope="session")
-def built_tp2(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
+def built_tp2(tmp_path_factory, small_checkpoint, build_cache, compile_pool):
     """A tp 2 / ep 2 bundle of the test recipe: 2 targets (one context bucket and the fallback)."""
-    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-tp2", {"tp": 2, "ep": 2},
+    return _parallel(tmp_path_factory, small_checkpoint, build_cache, compile_pool, "gpt-oss-tp2", {"tp": 2, "ep": 2},
                      [128])
 
 
 @pytest.fixture(scope="session")
-def built_dp2_ep2(tmp_path_factory, hf_checkpoint, build_cache, compile_pool):
+def built_dp2_ep2(tmp_path_factory, small_checkpoint, build_cache, compile_pool):
     """A dp 2 / ep 2 bundle (experts across DP ranks: the gather combine): 1 target (the fallback only)."""
-    return _parallel(tmp_path_factory, hf_checkpoint, build_cache, compile_pool, "gpt-oss-dp2-ep2",
+    return _parallel(tmp_path_factory, small_checkpoint, build_cache, compile_pool, "gpt-oss-dp2-ep2",
                      {"dp": 2, "ep": 2}, [512])
 
 
@@ -244,11 +244,22 @@ def eagle3_built(tmp_path_factory, build_cache, compile_pool):
     Every spec test runs two requests (a DP rank with one is padded to the synced batch), so a b1 artifact
     would never be dispatched; recipes/gpt-oss-tiny-eagle3.yaml itself keeps both buckets (12 targets)."""
     folder = tmp_path_factory.mktemp("eagle3")
-    raw = yaml.safe_load(EAGLE3_TINY.read_text())
-    raw["neuron_config"]["num_seqs_buckets"] = [2]
-    path = folder / EAGLE3_TINY.name
-    path.write_text(yaml.safe_dump(raw))
+    path = _two_layer_copy(EAGLE3_TINY, folder, neuron_config__num_seqs_buckets=[2])
     return build_bundle(folder, build_cache, path, executor=compile_pool)
+
+
+def _two_layer_copy(recipe_path: Path, folder: Path, **changes) -> Path:
+    """A shipped inline-config recipe cut to 2 target layers (one sliding, one full, as ``small_checkpoint``), with
+    ``section__key`` changes: each graph compiles in about 60 % of a 4-layer one, through the same code (the
+    draft's aux layers then repeat a layer, which the fusion treats as any three target layers)."""
+    raw = yaml.safe_load(recipe_path.read_text())
+    raw["model"]["config"]["num_hidden_layers"] = 2
+    for key, value in changes.items():
+        section, name = key.split("__")
+        raw[section][name] = value
+    path = folder / recipe_path.name
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -267,12 +278,10 @@ PRODUCTION_TINY = ROOT / "recipes" / "gpt-oss-tiny-production.yaml"
 
 
 @pytest.fixture(scope="session")
-def production_built(tmp_path_factory, build_cache):
-    """The production case on the tiny model (EAGLE3, packed FP8, tp 2 x dp 2 x ep 4): 6 targets; the bundle."""
-    from neffbuild import recipe
-    from neffbuild.compiler.builder import compile_recipe
+def production_built(tmp_path_factory, build_cache, compile_pool):
+    """The production case on the tiny model (EAGLE3, packed FP8, tp 2 x dp 2 x ep 4): 6 targets; the bundle.
 
+    recipes/gpt-oss-tiny-production.yaml with 2 target layers (its grid, parallel layout, draft and KV format
+    as shipped), through the session's warm pool."""
     folder = tmp_path_factory.mktemp("production")
-    res = compile_recipe(recipe.load(PRODUCTION_TINY), folder / "out", jobs=2, cache_root=build_cache)
-    assert not res.failed, res.failed
-    return res.bundle
+    return build_bundle(folder, build_cache, _two_layer_copy(PRODUCTION_TINY, folder), executor=compile_pool).bundle
