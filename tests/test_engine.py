@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +15,7 @@ from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from tests.conftest import ROOT
+from tests.helpers import cli
 
 # id, prompt length, max_new_tokens, arrival: one long request crosses 256 and leaves early,
 # six requests for a largest bucket of 4 (two wait), short ones stay to the end
@@ -34,9 +33,7 @@ def _lines(reqs) -> str:
                                "arrival": r.arrival}) + "\n" for r in reqs)
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
-                          cwd=ROOT, check=False, **kw)
+_cli = cli  # in-process (tests/helpers.py): no torch import per call; --dp/--di start their processes themselves
 
 
 def _smallest_bucket_every_step(steps, spec: Grid):
