@@ -207,12 +207,12 @@ def built_fp8(fp8_built):
 
 
 @pytest.fixture(scope="session")
-def neuron_bundle(tmp_path_factory, hf_checkpoint):
+def neuron_bundle(tmp_path_factory, small_checkpoint):
     """`neffbuild compile` of a backend: neuron recipe through the stand-in SDK (a subprocess: the stand-in
     must not enter this process): a TestBundle whose ``env`` loads it."""
     folder = tmp_path_factory.mktemp("neuron")
     env = standin_env(folder / "cache")
-    path = neuron_recipe(folder, hf_checkpoint, "gpt-oss-neuron")
+    path = neuron_recipe(folder, small_checkpoint, "gpt-oss-neuron")
     out = cli("compile", path, "-o", folder / "out", "--jobs", "2", env=env, process=True)
     assert out.returncode == 0, out.stderr
     return TestBundle(path, folder / "out" / "gpt-oss-neuron-0.1.0", env=env)
