@@ -147,29 +147,27 @@ def test_spec_di_dp2_on_an_unsharded_bundle_equals_plain(eagle3_built):
     assert_nospec_after_each_transfer(mixed, 2)
 
 
-@pytest.mark.slow
-def test_production_tiny_spec_equals_unsharded_greedy(production_built, tmp_path):
-    """tp 2 x dp 2 x ep 4, EAGLE3, packed FP8: --requests --spec gives the unsharded model's greedy tokens."""
-    reqs = ROOT / "docs" / "examples" / "production-requests.jsonl"
-    res = _cli("generate", str(production_built), "--requests", str(reqs), "--spec", "--check", "--json")
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout)
-    assert out["check"]["ok"], out["check"]
-    assert len(out["ranks"]) == 4 and all(TARGET_SPEC in {s["family"] for s in r["steps"]} for r in out["ranks"])
-    labels = [[s["label"] for s in r["steps"]] for r in out["ranks"]]
-    assert all(x == labels[0] for x in labels)  # every rank ran the same artifact every step
-
-
 PRODUCTION_SPEC = ["--requests", str(ROOT / "docs" / "examples" / "production-requests.jsonl"), "--spec", "--json"]
 
 
 @pytest.fixture(scope="module")
 def production_spec(production_built):
-    """`generate --requests --spec` of the production bundle, run once (greedy: the same tokens every run): the
-    reference of both DI variants below."""
-    res = _cli("generate", str(production_built), *PRODUCTION_SPEC)
+    """`generate --requests --spec --check` of the production bundle, run once (greedy: the same tokens every run,
+    --check only adds the eager reference after): what the greedy test checks and the reference of both DI
+    variants below."""
+    res = _cli("generate", str(production_built), *PRODUCTION_SPEC, "--check")
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
+
+
+@pytest.mark.slow
+def test_production_tiny_spec_equals_unsharded_greedy(production_spec):
+    """tp 2 x dp 2 x ep 4, EAGLE3, packed FP8: --requests --spec gives the unsharded model's greedy tokens."""
+    out = production_spec
+    assert out["check"]["ok"], out["check"]
+    assert len(out["ranks"]) == 4 and all(TARGET_SPEC in {s["family"] for s in r["steps"]} for r in out["ranks"])
+    labels = [[s["label"] for s in r["steps"]] for r in out["ranks"]]
+    assert all(x == labels[0] for x in labels)  # every rank ran the same artifact every step
 
 
 @pytest.mark.slow
