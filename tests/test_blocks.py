@@ -158,6 +158,7 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
     afresh, whatever joins, leaves, boundary crossings and sliding releases happen in between."""
     import torch
 
+    from neffbuild.runtime.block_tables import BlockTables
     from neffbuild.serve.parts import BlockRows, block_rows
 
     mgr = BlockManager(400, 4, kv_groups(9))
@@ -177,6 +178,36 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
         wide = amount % 20  # the engine asks for its context bucket's width: any width at least the rows'
         got, want = rows(live, upto, width=wide), block_rows(mgr, live, upto, wide)
         assert set(got) == set(want) and all(torch.equal(got[g], want[g]) for g in want)
+        if live and isinstance(got, BlockTables):  # the rows the step check takes instead of the tensors
+            assert list(got.checked(len(live), 400)) == [want[g].tolist() for g in ("full", "sliding")]
+
+
+@pytest.mark.parametrize("ids,why", [([1.5, 2], "integers"), (["3"], "integers"), ([2**63], "integers"),
+                                     ([], "1..4"), ([1] * 5, "1..4"), (None, "integers")])
+def test_table_buffer_refuses_a_row_it_cannot_hold_and_keeps_the_old_one(ids, why):
+    """runtime/block_tables.py checks a row when it is written: what it cannot store as int64 ids of a width
+    the buffer holds is a StepInputError naming the row, and the buffer (tensor and lists) is unchanged."""
+    import torch
+
+    from neffbuild.errors import StepInputError
+    from neffbuild.runtime.block_tables import TableBuffer
+
+    buf = TableBuffer(["full", "sliding"], 2, 4)
+    buf.write(1, 1, [3, 4, 0])
+    view = buf.view(2, 3)
+    with pytest.raises(StepInputError, match=f"row 1 \\(sliding\\).*{why}"):
+        buf.write(1, 1, ids)
+    assert view["sliding"][1].tolist() == [3, 4, 0] and buf.rows[1][1] == [3, 4, 0]
+    assert view.checked(2, 10) is None  # rows never written at width 3
+    for r in range(2):
+        buf.write(0, r, [7, 0, 0])
+    buf.write(1, 0, [1, 2, 5])
+    assert view.checked(2, 10) == ([[7, 0, 0], [7, 0, 0]], [[1, 2, 5], [3, 4, 0]])
+    assert view.checked(2, 5) is None  # id 5 is outside a pool of 5 blocks
+    buf.write(0, 1, [7, 0, 9])
+    assert view.checked(2, 10) == ([[7, 0, 0], [7, 0, 9]], [[1, 2, 5], [3, 4, 0]])  # the verdict follows writes
+    assert torch.equal(view["sliding"], torch.tensor([[1, 2, 5], [3, 4, 0]]))
+    assert torch.equal(view["full"], torch.tensor([[7, 0, 0], [7, 0, 9]]))
 
 
 @pytest.mark.parametrize("bs,window,q", [(4, 9, 1), (16, 32, 1), (4, 8, 4), (1, 3, 2)])

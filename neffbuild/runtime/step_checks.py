@@ -31,6 +31,7 @@ from itertools import repeat
 import torch
 
 from neffbuild.errors import StepInputError, short_repr
+from neffbuild.runtime.block_tables import BlockTables
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
@@ -156,19 +157,31 @@ def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
     (the engine's usual decode step), in one pass over the rows. Anything else (numpy or tensor scalars, an idle
     rank, big tables, any doubt) is False, and the reference decides and words the message; the fuzz checks
     that this never accepts what the reference refuses (tests/test_fuzz.py)."""
-    if type(tables) is not dict or type(tokens) not in _SEQ or type(computed) not in _SEQ:
+    if type(tokens) not in _SEQ or type(computed) not in _SEQ:
         return False
     R = len(tokens)
-    sliding = tables.get(SLIDING_GROUP)
-    if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
-        return False
-    cols = -(-mml // bs)  # the columns the graph can read
-    full = _rows(tables.get(FULL_GROUP), R, cols, num_blocks)
-    slid = _NO_TABLE if sliding is None else _rows(sliding, R, cols, num_blocks)
-    if full is None or slid is None:
-        return False
-    (frows, fscan, width), (srows, sscan, swidth) = full, slid
-    width = swidth if swidth < width else width
+    if type(tables) is BlockTables:  # rows checked when written (runtime/block_tables.py): no tensor read
+        if not R or len(computed) != R or tables.num_cols > -(-mml // bs):  # wider than the graph reads: the
+            return False  # columns beyond may hold anything, which the rows' id range does not tell apart
+        got = tables.checked(R, num_blocks)
+        if got is None:
+            return False
+        frows, srows = got
+        srows, fscan, sscan = repeat(None) if srows is None else srows, False, False
+        width = tables.num_cols
+    else:
+        if type(tables) is not dict:
+            return False
+        sliding = tables.get(SLIDING_GROUP)
+        if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
+            return False
+        cols = -(-mml // bs)  # the columns the graph can read
+        full = _rows(tables.get(FULL_GROUP), R, cols, num_blocks)
+        slid = _NO_TABLE if sliding is None else _rows(sliding, R, cols, num_blocks)
+        if full is None or slid is None:
+            return False
+        (frows, fscan, width), (srows, sscan, swidth) = full, slid
+        width = swidth if swidth < width else width
     q2, top = 1 + k, _BIG if vocab is None else vocab
     for toks, n, frow, srow in zip(tokens, computed, frows, srows, strict=False):  # R rows; a repeat for no rows
         if type(toks) not in _SEQ or type(n) is not int or n < 0:
