@@ -101,8 +101,8 @@ def test_second_compile_is_all_cache_hits_and_manifest_is_identical(built, build
 
 
 def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(built, build_cache, compile_pool,
-                                                                              hf_checkpoint, tmp_path):
-    path = write_recipe(tmp_path, hf_checkpoint, ctx_buckets=[128, 384])
+                                                                              small_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, small_checkpoint, ctx_buckets=[128, 384])
     res = _cli("plan", str(path), "--json", env=dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache)))
     assert res.returncode == 0, res.stderr
     rows = {t["label"]: t for t in json.loads(res.stdout)["targets"]}
@@ -114,15 +114,15 @@ def test_plan_explains_misses_and_one_bucket_change_rebuilds_num_seqs_targets(bu
     assert (res.built, res.cached) == (2, 4)  # |num_seqs| x 1 family
 
 
-def test_plan_why_names_the_changed_flag(built, build_cache, hf_checkpoint, tmp_path):
-    path = write_recipe(tmp_path, hf_checkpoint, compiler__flags=["max_autotune=false"])
+def test_plan_why_names_the_changed_flag(built, build_cache, small_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, small_checkpoint, compiler__flags=["max_autotune=false"])
     res = _cli("plan", str(path), "--json", env=dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache)))
     row = [t for t in json.loads(res.stdout)["targets"] if t["label"] == "decode_b1_ctx128"][0]
     assert row["cache"] == "build" and "flags" in row["why"] and "max_autotune=false" in row["why"]
 
 
-def test_failing_target_is_classified_and_others_are_built(built, build_cache, hf_checkpoint, tmp_path, failing_cxx):
-    path = write_recipe(tmp_path, hf_checkpoint, compiler__target_flags={"decode_b1_ctx128": ["cpp.threads=1"]})
+def test_failing_target_is_classified_and_others_are_built(built, build_cache, small_checkpoint, tmp_path, failing_cxx):
+    path = write_recipe(tmp_path, small_checkpoint, compiler__target_flags={"decode_b1_ctx128": ["cpp.threads=1"]})
     out = tmp_path / "out"
     res = _cli("compile", str(path), "-o", str(out), "--json", "--cache-dir", str(build_cache),
                env=dict(os.environ, **failing_cxx))  # the one changed target compiles, with a refusing compiler
@@ -137,12 +137,12 @@ def _valid_cache(root: Path) -> None:
         assert Cache(root).get(folder.name) is not None, f"corrupt cache entry {folder}"
 
 
-def test_kill_9_at_random_moments_then_resume(built, build_cache, hf_checkpoint, tmp_path):
+def test_kill_9_at_random_moments_then_resume(built, build_cache, small_checkpoint, tmp_path):
     """Kills while decode_b2_ctx512 compiles; decode_b4_ctx512 is the session bundle's entry (seeded), so the
     resume compiles one key, not a second copy of a key the session already built."""
     import random
 
-    path = write_recipe(tmp_path, hf_checkpoint, name="killme", num_seqs_buckets=[2, 4], ctx_buckets=[512])
+    path = write_recipe(tmp_path, small_checkpoint, name="killme", num_seqs_buckets=[2, 4], ctx_buckets=[512])
     b4_key = cache_key(built.bundle, "decode_b4_ctx512")
     cache, out = seed_cache(build_cache, tmp_path / "cache", [b4_key]), tmp_path / "out"
     args = [sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out), "--cache-dir", str(cache),
@@ -292,7 +292,9 @@ def test_diff_names_every_changed_recipe_field(built, build_cache, tmp_path):
     for seed, version in ((0, "0.1.0"), (1, "0.2.0")):
         raw = yaml.safe_load(Path(built.recipe).read_text())
         raw.update(version=version)
-        raw["model"] = dict(yaml.safe_load(TINY.read_text())["model"], random_seed=seed)  # the checkpoint's config
+        model = yaml.safe_load(TINY.read_text())["model"]  # the checkpoint's config: small_checkpoint's 2 layers
+        model["config"]["num_hidden_layers"] = 2
+        raw["model"] = dict(model, random_seed=seed)
         path = tmp_path / f"seed{seed}.yaml"
         path.write_text(yaml.safe_dump(raw))
         res = compile_recipe(R.load(path), tmp_path / f"out{seed}", jobs=1, cache_root=build_cache)
@@ -314,10 +316,10 @@ def _read_lines(stream, into: list) -> threading.Thread:
     return t
 
 
-def test_ctrl_c_stops_cleanly(hf_checkpoint, tmp_path):
+def test_ctrl_c_stops_cleanly(small_checkpoint, tmp_path):
     """Ctrl-C while the target compiles (its progress line says so: stderr is a pipe, so progress comes as
     plain lines, before anything finishes): exit 130, nothing in the output folder, a valid cache."""
-    path = write_recipe(tmp_path, hf_checkpoint, name="interrupt", num_seqs_buckets=[4], ctx_buckets=[512])
+    path = write_recipe(tmp_path, small_checkpoint, name="interrupt", num_seqs_buckets=[4], ctx_buckets=[512])
     out = tmp_path / "out"
     # As a terminal's shell starts it: SIGINT handled, even when this suite runs as a background job
     # (which inherits SIGINT ignored, and the CLI would then never see the Ctrl-C).
@@ -365,8 +367,8 @@ def test_concurrent_builds_share_a_cache_and_compile_each_key_once(small_checkpo
     assert a.read_bytes() == b.read_bytes()
 
 
-def test_timeout_is_classified(hf_checkpoint, tmp_path):
-    path = write_recipe(tmp_path, hf_checkpoint, name="slow", num_seqs_buckets=[4], ctx_buckets=[512])
+def test_timeout_is_classified(small_checkpoint, tmp_path):
+    path = write_recipe(tmp_path, small_checkpoint, name="slow", num_seqs_buckets=[4], ctx_buckets=[512])
     res = _cli("compile", str(path), "-o", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
                "--timeout", "3", "--json")
     assert res.returncode == 1

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +15,7 @@ from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from tests.conftest import ROOT
+from tests.helpers import cli
 
 # id, prompt length, max_new_tokens, arrival: one long request crosses 256 and leaves early,
 # six requests for a largest bucket of 4 (two wait), short ones stay to the end
@@ -34,9 +33,7 @@ def _lines(reqs) -> str:
                                "arrival": r.arrival}) + "\n" for r in reqs)
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "neffbuild.cli.main", *args], capture_output=True, text=True,
-                          cwd=ROOT, check=False, **kw)
+_cli = cli  # in-process (tests/helpers.py): no torch import per call; --dp/--di start their processes themselves
 
 
 def _smallest_bucket_every_step(steps, spec: Grid):
@@ -150,29 +147,27 @@ def test_spec_di_dp2_on_an_unsharded_bundle_equals_plain(eagle3_built):
     assert_nospec_after_each_transfer(mixed, 2)
 
 
-@pytest.mark.slow
-def test_production_tiny_spec_equals_unsharded_greedy(production_built, tmp_path):
-    """tp 2 x dp 2 x ep 4, EAGLE3, packed FP8: --requests --spec gives the unsharded model's greedy tokens."""
-    reqs = ROOT / "docs" / "examples" / "production-requests.jsonl"
-    res = _cli("generate", str(production_built), "--requests", str(reqs), "--spec", "--check", "--json")
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout)
-    assert out["check"]["ok"], out["check"]
-    assert len(out["ranks"]) == 4 and all(TARGET_SPEC in {s["family"] for s in r["steps"]} for r in out["ranks"])
-    labels = [[s["label"] for s in r["steps"]] for r in out["ranks"]]
-    assert all(x == labels[0] for x in labels)  # every rank ran the same artifact every step
-
-
 PRODUCTION_SPEC = ["--requests", str(ROOT / "docs" / "examples" / "production-requests.jsonl"), "--spec", "--json"]
 
 
 @pytest.fixture(scope="module")
 def production_spec(production_built):
-    """`generate --requests --spec` of the production bundle, run once (greedy: the same tokens every run): the
-    reference of both DI variants below."""
-    res = _cli("generate", str(production_built), *PRODUCTION_SPEC)
+    """`generate --requests --spec --check` of the production bundle, run once (greedy: the same tokens every run,
+    --check only adds the eager reference after): what the greedy test checks and the reference of both DI
+    variants below."""
+    res = _cli("generate", str(production_built), *PRODUCTION_SPEC, "--check")
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
+
+
+@pytest.mark.slow
+def test_production_tiny_spec_equals_unsharded_greedy(production_spec):
+    """tp 2 x dp 2 x ep 4, EAGLE3, packed FP8: --requests --spec gives the unsharded model's greedy tokens."""
+    out = production_spec
+    assert out["check"]["ok"], out["check"]
+    assert len(out["ranks"]) == 4 and all(TARGET_SPEC in {s["family"] for s in r["steps"]} for r in out["ranks"])
+    labels = [[s["label"] for s in r["steps"]] for r in out["ranks"]]
+    assert all(x == labels[0] for x in labels)  # every rank ran the same artifact every step
 
 
 @pytest.mark.slow

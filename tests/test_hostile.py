@@ -534,6 +534,7 @@ def _kv(kv):
     return [b.clone() for b in kv]
 
 
+TEST_KV_BUFFERS = 1  # the session bundles' 2-layer model: layers 0 and 1 share buffer 0
 KV_CASES = [  # (id, engine buffers from the right ones, needle)
     ("one-block-instead-of-pool", lambda kv: [b[:, :1].clone() for b in kv], "the bundle's KV layout is"),
     ("fewer-blocks", lambda kv: [b[:, : POOL - 9].clone() for b in kv], "the bundle's KV layout is"),
@@ -543,8 +544,8 @@ KV_CASES = [  # (id, engine buffers from the right ones, needle)
     ("non-contiguous", lambda kv: [torch.zeros(*b.shape[:-1], 2 * b.shape[-1])[..., ::2] for b in kv],
      "not contiguous"),
     ("meta", lambda kv: [b.to("meta") for b in kv], "meta tensor"),
-    ("one-buffer", lambda kv: kv[:1], "1 buffers given"),
-    ("three-buffers", lambda kv: kv + kv[:1], "3 buffers given"),
+    ("a-buffer-short", lambda kv: kv[:-1], f"{TEST_KV_BUFFERS - 1} buffers given"),
+    ("a-buffer-extra", lambda kv: kv + kv[:1], f"{TEST_KV_BUFFERS + 1} buffers given"),
     ("+ a-tensor-not-a-list", lambda kv: kv[0], "must be a list"),
     ("+ a-list-of-lists", lambda kv: [[0.0]] * len(kv), "must be a torch.Tensor"),
 ]
@@ -554,6 +555,7 @@ KV_CASES = [  # (id, engine buffers from the right ones, needle)
 def test_engine_kv_buffers_are_checked_at_construction(built, make, needle):
     bundle = open_bundle(built[1].bundle)
     good = Stepper(bundle).kv_caches
+    assert len(good) == TEST_KV_BUFFERS
     with pytest.raises(StepInputError, match="kv_caches") as err:
         Stepper(bundle, kv_caches=make(good))
     assert needle in str(err.value)

@@ -73,14 +73,14 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_two_cold_builds_give_identical_manifests(built, build_cache, hf_checkpoint, tmp_path):
+def test_two_cold_builds_give_identical_manifests(built, build_cache, small_checkpoint, tmp_path):
     """Two independent compiles of one graph, in different caches and processes, give byte-identical manifests
     (timings differ, in build-info.json). One compile is this test's, cold; the other is the session bundle's
     decode_b1_ctx512 (the same key, compiled cold by the ``built`` fixture), bundled from a cache holding only it."""
     from neffbuild.compiler.builder import compile_recipe
     from tests.helpers import cache_key, seed_cache, write_recipe
 
-    path = write_recipe(tmp_path, hf_checkpoint, name="cold", num_seqs_buckets=[1], ctx_buckets=[512],
+    path = write_recipe(tmp_path, small_checkpoint, name="cold", num_seqs_buckets=[1], ctx_buckets=[512],
                         serving__max_num_seqs=1)
     r = R.load(path)
     assert r.decode_context_length_buckets == ()  # fallback only: one target

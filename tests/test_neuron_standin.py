@@ -60,10 +60,10 @@ FAULTY_BUILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("fault", [{"inline_weights_to_neff": True}, {"input_output_aliases": {}}],
                          ids=["inlined_placeholder_weights", "kv_not_declared_state"])
-def test_standin_catches_a_wrongly_traced_neff(fault, tmp_path, hf_checkpoint):
+def test_standin_catches_a_wrongly_traced_neff(fault, tmp_path, small_checkpoint):
     """A backend that inlines its placeholder weights, or leaves KV undeclared, fails generate --check."""
     env = standin_env(tmp_path / "cache")
-    path = neuron_recipe(tmp_path, hf_checkpoint, "faulty", num_seqs_buckets=(1,))
+    path = neuron_recipe(tmp_path, small_checkpoint, "faulty", num_seqs_buckets=(1,))
     build = subprocess.run([sys.executable, "-c", FAULTY_BUILD.format(fault=fault), str(path), str(tmp_path / "out")],
                            capture_output=True, text=True, cwd=ROOT, env=env)
     assert build.returncode == 0, build.stderr

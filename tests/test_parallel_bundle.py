@@ -50,22 +50,22 @@ def _unsharded_tokens(checkpoint, bundle, prompts):
     return reference_tokens(str(bundle), from_prompts(prompts, N_NEW))
 
 
-def test_tp2_ep2_tokens_equal_tp1_across_bucket_boundary(built_tp2, hf_checkpoint):
+def test_tp2_ep2_tokens_equal_tp1_across_bucket_boundary(built_tp2, small_checkpoint):
     out = _generate(built_tp2.bundle, PROMPTS, "--check")
     assert out["check"]["ok"], out["check"]
-    assert out["tokens"] == _unsharded_tokens(hf_checkpoint, built_tp2.bundle, PROMPTS)
+    assert out["tokens"] == _unsharded_tokens(small_checkpoint, built_tp2.bundle, PROMPTS)
     assert [r["rank"] for r in out["ranks"]] == [0, 1]
     labels = [[s["label"] for s in r["steps"]] for r in out["ranks"]]
     assert labels[0] == labels[1]
     assert {"decode_b4_ctx128", "decode_b4_ctx512"} <= set(labels[0])  # crossed the bucket boundary
 
 
-def test_dp2_ep2_each_rank_gets_single_process_tokens(built_dp2_ep2, hf_checkpoint):
+def test_dp2_ep2_each_rank_gets_single_process_tokens(built_dp2_ep2, small_checkpoint):
     """Experts split across the two DP ranks (gather + reduce-scatter inside the artifact); uneven
     prompt counts and lengths (rank 0 gets 2 prompts, rank 1 gets 1, so it also runs idle rows)."""
     prompts = PROMPTS[:3]
     out = _generate(built_dp2_ep2.bundle, prompts)
-    assert out["tokens"] == _unsharded_tokens(hf_checkpoint, built_dp2_ep2.bundle, prompts)
+    assert out["tokens"] == _unsharded_tokens(small_checkpoint, built_dp2_ep2.bundle, prompts)
     r0, r1 = out["ranks"]
     assert (r0["dp_rank"], r1["dp_rank"]) == (0, 1)
     assert len(r0["steps"]) == len(r1["steps"]) == N_NEW - 1

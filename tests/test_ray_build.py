@@ -32,10 +32,10 @@ def _decode(bundle_path, prompt, new_tokens):
 
 
 @pytest.fixture(scope="module")
-def ray_built(ray_cluster, hf_checkpoint, tmp_path_factory):
+def ray_built(ray_cluster, small_checkpoint, tmp_path_factory):
     """The tiny test model, 2 targets (b1 x ctx 128 + fallback), built on Ray into a fresh cache."""
     folder = tmp_path_factory.mktemp("ray")
-    path = write_recipe(folder, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1)
+    path = write_recipe(folder, small_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1)
     res = compile_recipe(R.load(path), folder / "out", cache_root=folder / "cache", executor="ray")
     assert not res.failed, res.failed
     return path, folder, res
@@ -73,10 +73,10 @@ def test_second_ray_build_is_all_cache_hits_and_traces_nothing(ray_built, ray_cl
     assert (Path(doc["bundle"]) / "manifest.json").read_bytes() == (first.bundle / "manifest.json").read_bytes()
 
 
-def test_failing_target_on_ray_is_reported_like_a_local_failure(ray_built, ray_cluster, hf_checkpoint, tmp_path,
+def test_failing_target_on_ray_is_reported_like_a_local_failure(ray_built, ray_cluster, small_checkpoint, tmp_path,
                                                                failing_cxx):
     _, folder, _ = ray_built
-    path = write_recipe(tmp_path, hf_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1,
+    path = write_recipe(tmp_path, small_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1,
                         compiler__target_flags={"decode_b1_ctx128": ["cpp.threads=1"]})
     out_dir = tmp_path / "out"
     res = _cli("compile", str(path), "-o", str(out_dir), "--cache-dir", str(folder / "cache"), "--json",

@@ -128,7 +128,7 @@ def test_models_import_no_runtime_logic():
 
 
 @pytest.mark.slow
-def test_generate_equals_transformers_across_bucket_boundaries(built, hf_checkpoint):
+def test_generate_equals_transformers_across_bucket_boundaries(built, small_checkpoint):
     import transformers
 
     prompts = [[(i * 37) % 256 for i in range(100)], list(range(10, 40)), [5, 6, 7]]
@@ -141,7 +141,7 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, hf_checkpo
     assert out["decode_seconds"] > 0 and out["decode_tokens"] == 3 * (n_new - 1)  # decode steps only
     later = out["decode_seconds"] - out["first_step_seconds"]  # tokens/s: the steps after the first
     assert out["tokens_per_second"] == pytest.approx(3 * (n_new - 2) / later, rel=1e-3)
-    model = transformers.GptOssForCausalLM.from_pretrained(hf_checkpoint, dtype=torch.float32).eval()
+    model = transformers.GptOssForCausalLM.from_pretrained(small_checkpoint, dtype=torch.float32).eval()
     for n, p in enumerate(prompts):
         ids = torch.tensor([p])
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, do_sample=False)

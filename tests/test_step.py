@@ -62,7 +62,7 @@ class Engine:
 
 
 @pytest.mark.slow
-def test_engine_owned_tables_join_leave_across_buckets(built, hf_checkpoint):
+def test_engine_owned_tables_join_leave_across_buckets(built, small_checkpoint):
     """No block manager: the engine's tables go in as given; batch 1 <-> 4 and ctx 128 -> 256 -> 512."""
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.runtime import open_bundle
@@ -94,7 +94,7 @@ def test_engine_owned_tables_join_leave_across_buckets(built, hf_checkpoint):
         for r, tok in zip(engine.reqs.values(), out.logits[:, -1].argmax(-1).tolist(), strict=True):
             r["out"].append(tok)
             r["computed"] += 1
-    want = _hf_tokens(hf_checkpoint, [(p, n) for _, p, n in schedule.values()])
+    want = _hf_tokens(small_checkpoint, [(p, n) for _, p, n in schedule.values()])
     assert [done[name] for name in schedule] == want
     assert {p.batch for p in plans} == {1, 4} and {p.ctx for p in plans} == {128, 256, 512}
     assert sorted({p.num_reqs for p in plans}) == [1, 2, 3, 4]

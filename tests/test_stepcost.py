@@ -14,7 +14,7 @@ from neffbuild.compiler.codegen import buffer_shapes, loop_bounds, pool_loops
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime.bundle import load_aoti, open_bundle
 from tests.conftest import POOL, ROOT
-from tests.helpers import cli
+from tests.helpers import cache_key, cli
 
 
 class _ViewWrite(nn.Module):
@@ -113,8 +113,7 @@ def test_artifact_that_cannot_load_is_a_load_error_and_no_bundle_appears(built, 
     path, _ = built
     cache_copy = tmp_path / "cache"
     shutil.copytree(build_cache, cache_copy)
-    [meta_file] = [m for m in (cache_copy / "v1" / "entries").glob("*/meta.json")
-                   if json.loads(m.read_text())["label"] == "decode_b1_ctx128"]
+    meta_file = cache_copy / "v1" / "entries" / cache_key(built.bundle, "decode_b1_ctx128") / "meta.json"
     meta = json.loads(meta_file.read_text())
     artifact = meta_file.parent / meta["file"]
     artifact.write_bytes(artifact.read_bytes()[: meta["bytes"] // 2])
