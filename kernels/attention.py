@@ -86,8 +86,15 @@ def paged_attention(
     qg = q.view(B, S, h, g, d).permute(0, 2, 3, 1, 4)  # [B, h, g, S, d]
     k = block_operand(cache, 0, table, packed_k, q.dtype)  # [B, h, W, bs, d], indexed lazily
     scores = (qg[:, :, :, :, None, None, :] * k[:, :, None, None]).sum(-1)  # [B, h, g, S, W, bs]
-    logits = scores.reshape(B, h, g, S, W * bs) * scale
-    probs = _softmax_with_sinks(logits, mask[:, None, None], sinks).view(B, h, g, S, W, bs, 1)
+    logits = (scores.reshape(B, h, g, S, W * bs) * scale).masked_fill(~mask[:, None, None], float("-inf"))
+    sink = sinks.view(1, h, g, 1).to(logits.dtype)
+    top = torch.maximum(logits.amax(-1), sink)  # [B, h, g, S]: the sink is finite, so is the top
+    e = torch.exp(logits - top[..., None])  # [B, h, g, S, T], unnormalised
+    denom = e.sum(-1) + torch.exp(sink - top)  # [B, h, g, S]
     v = block_operand(cache, 1, table, False, q.dtype)  # [B, h, W, bs, d]
-    out = (probs * v[:, :, None, None]).sum((4, 5))  # [B, h, g, S, d]
+    # Per block first (a sum over its bs slots, every d of a slot while the block is in L1), then over
+    # the blocks: one sum over (W, bs) compiles to a pass over all T slots per 8 lanes of d, which
+    # re-reads each V row d/8 times and, once a head's V outgrows L2 (long buckets), from memory.
+    part = (e.view(B, h, g, S, W, bs, 1) * v[:, :, None, None]).sum(5)  # [B, h, g, S, W, d]
+    out = part.sum(4) / denom[..., None]  # [B, h, g, S, d]
     return out.permute(0, 3, 1, 2, 4).reshape(B, S, H * d)
