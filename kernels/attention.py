@@ -10,7 +10,10 @@ Written as elementwise products and sums (not ``einsum``, which lowers to a batc
 that needs its operands materialised), the compiler fuses each table lookup into the loop
 that consumes it, so no ``[B, h, T, d]`` copy of the gathered blocks is ever made
 (tests/test_stepcost.py reads the generated code for one). Only the scores,
-``[B, h, g, T]``, are a buffer: ``g/d`` of the K bytes.
+``[B, h, g, T]``, are a buffer (``g/d`` of the K bytes), and the value sum's per-block
+partials, ``[B, h, g, W, d]`` (``g/bs`` of the V bytes): the value sum runs per block, then
+over the blocks, so each V row is read once, every ``d`` lane while it is in L1. The softmax
+divides after that sum (flash-decoding's order: max, exp, sum; normalise at the end).
 
 That holds for a float cache read by at most ``ROWS_IN_PLACE`` query rows per KV head
 (``g*q``: plain decode up to GQA 4). More rows (GQA 8, ``target_spec``) and an FP8 cache
