@@ -13,7 +13,8 @@ preloaded, two workloads of the same 12 prompts and per-request ``max_new_tokens
 Per run: tokens/s (steps after the first, see serve/result.py), the step time, and the
 engine's own work (admission, scheduling, block tables, acceptance: ``EngineStats.engine_seconds``)
 as a fraction of the decode time, split into ``scheduling`` (admission, scheduling, tables, finish)
-and ``accept`` (the greedy argmax and acceptance: ``EngineStats.accept_seconds``). Runs
+and ``accept`` (the greedy argmax and acceptance: ``EngineStats.accept_seconds``); ``check_*``: the
+Stepper's input check (runtime/step_checks.py) timed where the loop calls it, per step. Runs
 alternate; medians over ``--repeat``. Each run is a fresh engine (a server's first 120 steps).
 ``--cold-cache-demo`` also prints what one block-manager call costs after the CPU touched N MB.
 """
@@ -21,9 +22,11 @@ alternate; medians over ``--repeat``. Each run is a fresh engine (a server's fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,7 +49,8 @@ def workload(stagger: int) -> list[Request]:
 
 def run(session, reqs) -> dict:
     engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches))
-    engine.run(reqs)
+    with _timed_checks() as checks:
+        engine.run(reqs)
     st = engine.stats
     secs, later_s, later = sum(st.step_seconds), sum(st.step_seconds[1:]), sum(st.step_tokens[1:])
     return {"steps": len(st.step_seconds), "tokens_per_second": later / later_s,
@@ -55,14 +59,36 @@ def run(session, reqs) -> dict:
             "scheduling_fraction": (st.engine_seconds - st.accept_seconds) / secs,
             "scheduling_us_per_step": (st.engine_seconds - st.accept_seconds) / len(st.step_seconds) * 1e6,
             "accept_us_per_step": st.accept_seconds / len(st.step_seconds) * 1e6,
-            "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs}
+            "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs,
+            "check_us_per_step": checks[0] / len(st.step_seconds) * 1e6, "check_fraction": checks[0] / secs}
+
+
+@contextlib.contextmanager
+def _timed_checks():
+    """Time the Stepper's input check (runtime/step_checks: ``step_ok``, and ``step_problem`` where that says
+    no) where the engine's loop calls it: yields [seconds]; the wrappers' own calls are outside the timed span."""
+    from neffbuild.runtime import step_checks
+
+    real, total = (step_checks.step_ok, step_checks.step_problem), [0.0]
+
+    def timer(fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            total[0] += time.perf_counter() - t0
+            return out
+        return timed
+
+    step_checks.step_ok, step_checks.step_problem = map(timer, real)
+    try:
+        yield total
+    finally:
+        step_checks.step_ok, step_checks.step_problem = real
 
 
 def cold_cache_demo() -> dict:
     """us per no-op BlockManager.reserve and per argmax of [4, 1, 256] logits, with N MB read in between
     (what the artifact does to the caches between two engine phases)."""
-    import time
-
     import torch
 
     from neffbuild.runtime.blocks import BlockManager, kv_groups

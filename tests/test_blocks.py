@@ -158,6 +158,7 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
     afresh, whatever joins, leaves, boundary crossings and sliding releases happen in between."""
     import torch
 
+    from neffbuild.runtime.block_tables import BlockTables
     from neffbuild.serve.parts import BlockRows, block_rows
 
     mgr = BlockManager(400, 4, kv_groups(9))
@@ -177,6 +178,41 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
         wide = amount % 20  # the engine asks for its context bucket's width: any width at least the rows'
         got, want = rows(live, upto, width=wide), block_rows(mgr, live, upto, wide)
         assert set(got) == set(want) and all(torch.equal(got[g], want[g]) for g in want)
+        if live and isinstance(got, BlockTables):  # the null columns the step check reads instead of the tensors
+            first_null, next_null = got.checked(len(live), 400)
+            for r, (frow, srow) in enumerate(zip(want["full"].tolist(), want["sliding"].tolist(), strict=True)):
+                assert first_null[r] == (frow.index(0) if 0 in frow else len(frow))
+                assert next_null[r] == [min([c for c in range(a, len(srow)) if srow[c] == 0], default=len(srow))
+                                        for a in range(len(srow) + 1)]
+
+
+@pytest.mark.parametrize("ids,why", [([1.5, 2], "integers"), (["3"], "integers"), ([2**63], "integers"),
+                                     ([], "1..4"), ([1] * 5, "1..4"), (None, "integers")])
+def test_table_buffer_refuses_a_row_it_cannot_hold_and_keeps_the_old_one(ids, why):
+    """runtime/block_tables.py checks a row when it is written: what it cannot store as int64 ids of a width
+    the buffer holds is a StepInputError naming the row, and the buffer (tensor and lists) is unchanged."""
+    import torch
+
+    from neffbuild.errors import StepInputError
+    from neffbuild.runtime.block_tables import TableBuffer
+
+    buf = TableBuffer(["full", "sliding"], 2, 4)
+    buf.write(1, 1, [3, 4, 0])
+    view = buf.view(2, 3)
+    with pytest.raises(StepInputError, match=f"row 1 \\(sliding\\).*{why}"):
+        buf.write(1, 1, ids)
+    assert view["sliding"][1].tolist() == [3, 4, 0] and buf.rows[1][1] == [3, 4, 0]
+    assert view.checked(2, 10) is None  # rows never written at width 3
+    for r in range(2):
+        buf.write(0, r, [7, 0, 0])
+    buf.write(1, 0, [1, 2, 5])
+    # (first null column of each full row, each sliding row's next null column from every column on)
+    assert view.checked(2, 10) == ([1, 1], [[3, 3, 3, 3], [2, 2, 2, 3]])
+    assert view.checked(2, 5) is None  # id 5 is outside a pool of 5 blocks
+    buf.write(0, 1, [7, 3, 9])
+    assert view.checked(2, 10) == ([1, 3], [[3, 3, 3, 3], [2, 2, 2, 3]])  # the verdict follows writes
+    assert torch.equal(view["sliding"], torch.tensor([[1, 2, 5], [3, 4, 0]]))
+    assert torch.equal(view["full"], torch.tensor([[7, 0, 0], [7, 3, 9]]))
 
 
 @pytest.mark.parametrize("bs,window,q", [(4, 9, 1), (16, 32, 1), (4, 8, 4), (1, 3, 2)])
@@ -189,3 +225,29 @@ def test_reserve_fast_path_at_every_position_of_a_decode(bs, window, q):
         for mgr in (fast, slow):
             mgr.reserve("r", n + q, n)
         assert fast.tables == slow.tables and fast._free == slow._free, n
+
+
+@pytest.mark.parametrize("group", ["full", "sliding"])
+def test_checked_rows_agree_with_the_reference_at_every_position_and_null_column(group):
+    """Exhaustive on a small table: a TableBuffer view (step_ok's checked-rows path) with the null block in one
+    column (or none), every position and query length: step_ok says yes exactly where the reference takes the
+    step (runtime/step_checks.py), so a null block in a live column, even the only one, is never let through."""
+    from types import SimpleNamespace
+
+    from neffbuild.runtime import step_checks
+    from neffbuild.runtime.block_tables import TableBuffer
+
+    bs, W, nb, mml = 4, 4, 9, 16
+    layout = SimpleNamespace(block_size=bs, num_blocks=nb)
+    for null in (None, 0, 1, 2, 3):
+        buf = TableBuffer(["full", "sliding"], 1, W)
+        for gi, g in enumerate(("full", "sliding")):
+            buf.write(gi, 0, [0 if (g == group and c == null) else c + 1 for c in range(W)])
+        view = buf.view(1, W)
+        for n in range(mml + 1):
+            for q in (1, 2):
+                tokens, computed = [[5] * q], [n]
+                fast = step_checks.step_ok(tokens, computed, view, 1, 256, bs, nb, mml)
+                ref = step_checks._step_reference(tokens, computed, view, k=1, vocab=256, layout=layout,
+                                                  max_model_len=mml)
+                assert fast == (ref is None), (null, n, q, ref)

@@ -358,7 +358,37 @@ def _edge_steps(draw, defect: str):
     return (tokens, computed, tables, k, vocab, bs, nb, mml), exact
 
 
-@pytest.mark.parametrize("scan", ["python", "aminmax"])  # the ids of a table scanned as lists, or one aminmax
+def _as_buffer_view(tables, data, cols: int):
+    """The same tables as a TableBuffer view (runtime/block_tables.py: rows checked when written), cut to one
+    width for every group, mostly no wider than the ``cols`` the graph reads; sometimes with a row written at
+    another width since (a stale view). Tables a buffer cannot hold (not 2-D int CPU tensors of one row count,
+    unknown groups) stay as they are."""
+    import torch
+
+    from neffbuild.runtime.block_tables import TableBuffer
+
+    ts = list(tables.values()) if isinstance(tables, dict) else []
+    if not ts or not set(tables) <= {"full", "sliding"} or not all(
+            isinstance(t, torch.Tensor) and t.dim() == 2 and t.device.type == "cpu" and t.dtype == torch.long
+            and t.shape[0] == ts[0].shape[0] > 0 and t.shape[1] > 0 for t in ts):
+        return tables, False
+    R, W = ts[0].shape[0], min(t.shape[1] for t in ts)
+    W = W if data.draw(st.integers(0, 3)) == 0 else min(W, cols)  # wider than cols: left to the reference
+    buf = TableBuffer(list(tables), R, W + 1)
+    for gi, t in enumerate(ts):
+        for r, row in enumerate(t[:, :W].tolist()):
+            buf.write(gi, r, row)
+    view = buf.view(R, W)
+    if data.draw(st.integers(0, 3)) == 0:  # a row written at another width after the view was made: the view's
+        g, r = data.draw(st.integers(0, len(ts) - 1)), data.draw(st.integers(0, R - 1))  # columns past it are
+        buf.write(g, r, [data.draw(st.sampled_from([0, 1, -1, 10**6])) for _ in range(W + 1)])  # stale ids
+        w = data.draw(st.sampled_from([w for w in range(1, W + 2) if w != W]))
+        buf.write(g, r, [1] * w)
+        return view, True
+    return view, False
+
+
+@pytest.mark.parametrize("scan", ["python", "aminmax", "buffer"])  # ids as lists, one aminmax, checked rows
 @pytest.mark.parametrize("defect", _DEFECTS)
 @fuzz(30)
 @given(data=st.data())
@@ -369,7 +399,12 @@ def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defe
 
     monkeypatch.setattr(step_checks, "_PY_IDS", step_checks.LIST_LIMIT if scan == "python" else 0)
     (tokens, computed, tables, k, vocab, bs, nb, mml), exact = data.draw(_edge_steps(defect))
-    fast = step_checks._step_ok(tokens, computed, tables, k, vocab, bs, nb, mml)
+    if scan == "buffer":
+        tables, stale = _as_buffer_view(tables, data, -(-mml // bs))
+        # Left to the reference, so the fast path may only refuse them: a stale view, and one wider than the
+        # columns the graph reads (ids beyond them may be anything; the checked rows' range covers all columns).
+        exact = exact and not stale and getattr(tables, "num_cols", 0) <= -(-mml // bs)
+    fast = step_checks.step_ok(tokens, computed, tables, k, vocab, bs, nb, mml)
     ref = step_checks._step_reference(tokens, computed, tables, k=k, vocab=vocab, max_model_len=mml,
                                       layout=SimpleNamespace(block_size=bs, num_blocks=nb))
     if fast:

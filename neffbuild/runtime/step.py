@@ -87,9 +87,10 @@ class Stepper:
         ``more``: this rank has work after this step (waiting or unfinished requests); synced in
         the same collective, ``plan.more`` tells every rank whether to go on (all stop together).
         """
-        k, R = self.grid.num_speculative_tokens, len(batch.tokens)
-        problem = step_checks.step_problem(batch, k=k, vocab=self.vocab_size, layout=self.kv_layout,
-                                           max_model_len=self.grid.max_model_len)
+        k, R, lay, mml = self.grid.num_speculative_tokens, len(batch.tokens), self.kv_layout, self.grid.max_model_len
+        problem = None if step_checks.step_ok(batch.tokens, batch.num_computed, batch.block_tables, k, self.vocab_size,
+                                              lay.block_size, lay.num_blocks, mml) else \
+            step_checks.step_problem(batch, k=k, vocab=self.vocab_size, layout=lay, max_model_len=mml)
         base = buckets.needed_seq([int(n) for n in batch.num_computed]) if R and not problem else 0
         nospec = R > 0 and not problem and needs_nospec(
             self.grid, base, all_have_drafts=all(len(t) == 1 + k for t in batch.tokens))

@@ -17,7 +17,7 @@ step can reach (never the pool, never columns beyond ``max_model_len``):
 
 ``step_problem`` returns a message (the step API raises it on every DP rank together, after
 the one collective); the others raise ``StepInputError`` themselves. It runs on every step, so
-it is two paths: ``_step_ok``, one pass over the rows for the usual step (plain ints, tables up
+it is two paths: ``step_ok``, one pass over the rows for the usual step (plain ints, tables up
 to ``LIST_LIMIT`` ids: a few us, under 1% of the tiny model's step), which only ever says yes;
 and ``_step_reference``, rule by rule, for everything else and for the message. The fuzz holds
 the first to the second (tests/test_fuzz.py).
@@ -31,6 +31,7 @@ from itertools import repeat
 import torch
 
 from neffbuild.errors import StepInputError, short_repr
+from neffbuild.runtime.block_tables import BlockTables
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
@@ -141,9 +142,10 @@ def _ids_problem_small(where, rows: list, num_blocks, block_size, max_cols, live
 
 
 def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
-    """Why a step is malformed, or None (checked before the collective so every rank learns of it)."""
+    """Why a step is malformed, or None (checked before the collective so every rank learns of it). The Stepper
+    calls ``step_ok`` itself first (one call less on every step) and this only when that says no."""
     tokens, computed, tables = batch.tokens, batch.num_computed, batch.block_tables
-    if _step_ok(tokens, computed, tables, k, vocab, layout.block_size, layout.num_blocks, max_model_len):
+    if step_ok(tokens, computed, tables, k, vocab, layout.block_size, layout.num_blocks, max_model_len):
         return None
     return _step_reference(tokens, computed, tables, k=k, vocab=vocab, layout=layout, max_model_len=max_model_len)
 
@@ -151,13 +153,49 @@ def step_problem(batch, *, k: int, vocab: int | None, layout, max_model_len: int
 _SEQ = (list, tuple)
 
 
-def _step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
-    """True only for a step the reference below accepts: plain lists of ints and tables up to ``LIST_LIMIT`` ids
-    (the engine's usual decode step), in one pass over the rows. Anything else (numpy or tensor scalars, an idle
-    rank, big tables, any doubt) is False, and the reference decides and words the message; the fuzz checks
-    that this never accepts what the reference refuses (tests/test_fuzz.py)."""
-    if type(tables) is not dict or type(tokens) not in _SEQ or type(computed) not in _SEQ:
+def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
+    """True only for a step the reference below accepts: plain lists of ints and, as tables, a TableBuffer's view
+    (runtime/block_tables.py: ids range-checked when written, each row's null columns known, so a row costs a few
+    int compares) or a dict of tensors up to ``LIST_LIMIT`` ids (``_dict_ok``): the engine's usual decode step,
+    in one pass over the rows. Anything else (numpy or tensor scalars, an idle rank, big tables, any doubt) is
+    False, and the reference decides and words the message; the fuzz checks that this never accepts what the
+    reference refuses (tests/test_fuzz.py)."""
+    if type(tokens) not in _SEQ or type(computed) not in _SEQ:
         return False
+    if type(tables) is not BlockTables:
+        return type(tables) is dict and _dict_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml)
+    R = len(tokens)
+    if not R or len(computed) != R or tables.num_cols > -(-mml // bs):  # wider than the graph reads: the
+        return False  # columns beyond may hold anything, which the rows' id range does not tell apart
+    got = tables.checked(R, num_blocks)
+    if got is None:
+        return False
+    first_null, sliding = got
+    q2, top, width = 1 + k, _BIG if vocab is None else vocab, tables.num_cols
+    for r in range(R):
+        toks, n = tokens[r], computed[r]
+        if type(toks) not in _SEQ or type(n) is not int or n < 0:
+            return False
+        q = len(toks)
+        if q != 1 and q != q2:
+            return False
+        for t in toks:
+            if type(t) is not int or t < 0 or t >= top:
+                return False
+        last = (n + q if n + q < mml else mml) - 1  # the last live position (none when n >= max_model_len)
+        h = last // bs + 1 if last >= n else 0  # live columns: [0, h) full, [n // bs, h) sliding
+        if h > width or h > first_null[r]:
+            return False
+        if sliding is not None:
+            a = n // bs
+            if h > a and sliding[r][a] < h:
+                return False
+    return True
+
+
+def _dict_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
+    """``step_ok`` for tables handed as a dict of tensors: ids scanned as Python lists (small tables) or by one
+    aminmax, then the null block looked for in each row's live columns."""
     R = len(tokens)
     sliding = tables.get(SLIDING_GROUP)
     if not R or len(computed) != R or len(tables) != (1 if sliding is None else 2):  # an unknown group, a None
@@ -239,7 +277,7 @@ def _rows(t, R: int, cols: int, num_blocks: int):
 
 
 def _step_reference(tokens, computed, tables, *, k: int, vocab: int | None, layout, max_model_len: int) -> str | None:
-    """The full check, rule by rule, with the message for the first rule broken (``_step_ok``'s reference)."""
+    """The full check, rule by rule, with the message for the first rule broken (``step_ok``'s reference)."""
     if not hasattr(tokens, "__len__") or not hasattr(computed, "__len__") or \
             not all(hasattr(t, "__len__") and not isinstance(t, (str, bytes)) for t in tokens):
         return "step: tokens must be a list of token-id lists and num_computed a list of integers"

@@ -34,13 +34,13 @@ Not here: the step itself (runtime/step.py, stateless about requests), block acc
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from neffbuild.runtime.block_tables import TableBuffer
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager
 
 
@@ -88,21 +88,20 @@ class BlockRows:
     """The engine's ``{group: [R, W]}`` tables, kept from step to step and updated in place.
 
     Between two steps the artifact has run and the interpreter's caches are cold: every torch
-    call then costs ~10 us, more than the engine's whole step should. So the tables live in one
-    buffer of ``[groups, max_rows, max_width]`` block ids (a flat ``array('q')``, shared by a
-    tensor through ``torch.frombuffer``) and a step writes, in pure Python, only the rows whose
-    request or blocks changed (``BlockManager.version``); a new width rewrites every row. The
-    ``[R, W]`` views of each shape are made once. What a call returns is valid, read-only, until
-    the next call (the Stepper reads it within the step). The buffer is never resized: every
-    write is one row's ``W`` ids. A batch beyond the capacity gets fresh tensors (``block_rows``).
+    call then costs ~10 us, more than the engine's whole step should. So the tables live in a
+    ``TableBuffer`` (runtime/block_tables.py: one buffer of ``[groups, max_rows, max_width]``
+    block ids under a tensor, each row checked when written) and a step writes, in pure Python,
+    only the rows whose request or blocks changed (``BlockManager.version``); a new width
+    rewrites every row. What a call returns (a ``BlockTables`` view, made once per shape) is
+    valid, read-only, until the next call: the Stepper reads it within the step, and its input
+    check takes the rows as the lists written instead of reading the tensors. A batch beyond
+    the capacity gets fresh tensors (``block_rows``).
     """
 
     def __init__(self, blocks: BlockManager, max_rows: int, max_width: int):
         self.blocks, self.max_rows, self.max_width = blocks, max_rows, max_width
-        G = len(blocks.groups)
-        self._buf = array("q", bytes(8 * G * max_rows * max_width))
-        self._all = torch.frombuffer(self._buf, dtype=torch.long).view(G, max_rows, max_width)
-        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.names = [g.name for g in blocks.groups]
+        self.buffer = TableBuffer(self.names, max_rows, max_width)
         self._rows: list[tuple[object, int]] = []  # row i: (key, version) written there at ``_width``
         self._width = 0
 
@@ -115,23 +114,19 @@ class BlockRows:
             return block_rows(blocks, keys, upto, width)
         rows = self._rows if width == self._width else []
         self._width = width
-        version, buf, names = blocks.version, self._buf, [g.name for g in blocks.groups]
+        version, write, row = blocks.version, self.buffer.write, blocks.row
         for i, k in enumerate(keys):
             have = (k, version(k))
             if i < len(rows) and rows[i] == have:
                 continue
-            for gi, name in enumerate(names):
-                at = (gi * self.max_rows + i) * self.max_width
-                buf[at: at + width] = array("q", blocks.row(k, name, width))
+            for gi, name in enumerate(self.names):
+                write(gi, i, row(k, name, width))
             if i < len(rows):
                 rows[i] = have
             else:
                 rows.append(have)
         self._rows = rows
-        view = self._views.get((n_rows, width))
-        if view is None:
-            view = self._views[n_rows, width] = {name: self._all[gi, :n_rows, :width] for gi, name in enumerate(names)}
-        return view
+        return self.buffer.view(n_rows, width)
 
 
 class KVSource(Protocol):

@@ -1,0 +1,126 @@
+"""Block tables an engine keeps from step to step, checked when a row is written (issue 25).
+
+The step API checks every block id an artifact can read before native code touches it
+(runtime/step_checks.py). For tables handed over as tensors that costs torch reads on every
+step, and on CPU each one runs with the interpreter's caches cold after the artifact: about
+15 us of an 800 us step. Most of a decode's rows do not change between two steps (a row
+changes when its request crosses a block boundary), so ``TableBuffer`` checks a row once,
+when it is written, and keeps what the step check needs as plain Python:
+
+- the rows live in one buffer of ``[groups, max_rows, max_width]`` int64 ids (a flat
+  ``array('q')`` shared with a tensor through ``torch.frombuffer``), so a step's
+  ``[R, W]`` table is a view, made once per shape;
+- ``write`` takes a row's ids as anything ``array('q')`` takes (ints; a float or a string is
+  a ``StepInputError``), stores them, and records the row as a list read back from the buffer
+  (what the graph will read, exactly) with its smallest and largest id and its width;
+- ``view(rows, width)`` returns ``BlockTables``: a plain ``{group: [R, W] tensor}`` dict
+  (every caller that reads tensors still works) that also carries its buffer, so
+  ``step_checks`` can take each row's ids as Python lists instead of reading the tensors
+  (``checked``: one verdict per buffer write, kept while nothing is written).
+
+A view is trusted only while every row it shows was last written at its width; otherwise
+(a row written at another width since, a view kept from an older shape) the step check reads
+the tensors like any other table. Writes go through ``write``: a view's tensors are the
+graph's inputs, and ids stored into them directly are not seen by the check (the contract
+every caller of a view keeps; the engine never writes them).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import torch
+
+from neffbuild.errors import StepInputError
+from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
+
+
+class TableBuffer:
+    """Rows of block ids per KV group, checked once per write; ``view`` gives the step's tables."""
+
+    def __init__(self, groups: Sequence[str], max_rows: int, max_width: int):
+        if max_rows < 1 or max_width < 1:
+            raise StepInputError(f"TableBuffer: max_rows {max_rows} and max_width {max_width} must be >= 1")
+        self.groups, self.max_rows, self.max_width = tuple(groups), max_rows, max_width
+        G = len(self.groups)
+        self._buf = array("q", bytes(8 * G * max_rows * max_width))
+        self._all = torch.frombuffer(self._buf, dtype=torch.long).view(G, max_rows, max_width)
+        # Per group, per row: the ids as written (a list), their min and max, the width written (0: never), and
+        # ``next_null``: for each column c (and c = width) the first column >= c that holds the null block (0),
+        # or the width: the live columns [a, h) hold no null block iff next_null[a] >= h.
+        self.rows: list[list[list[int]]] = [[[] for _ in range(max_rows)] for _ in self.groups]
+        self.next_null: list[list[list[int]]] = [[[0] for _ in range(max_rows)] for _ in self.groups]
+        self.lo = [[0] * max_rows for _ in self.groups]
+        self.hi = [[0] * max_rows for _ in self.groups]
+        self.width = [[0] * max_rows for _ in self.groups]
+        self.writes = 0  # moves on every write: a view's last verdict holds while it has not moved
+        self._views: dict[tuple[int, int], BlockTables] = {}
+
+    def write(self, group: int, row: int, ids) -> None:
+        """Row ``row`` of group index ``group`` := ``ids`` (one row's width of block ids)."""
+        if not 0 <= row < self.max_rows or not 0 <= group < len(self.groups):
+            raise StepInputError(f"TableBuffer.write: row {row} of group {group}; the buffer has "
+                                 f"{self.max_rows} rows of {len(self.groups)} groups")
+        try:
+            a = array("q", ids)
+        except (TypeError, OverflowError) as exc:
+            raise StepInputError(f"block table row {row} ({self.groups[group]}): block ids must be integers "
+                                 f"({exc})") from None
+        w = len(a)
+        if not 0 < w <= self.max_width:
+            raise StepInputError(f"block table row {row} ({self.groups[group]}) has {w} ids; "
+                                 f"must be 1..{self.max_width}")
+        at = (group * self.max_rows + row) * self.max_width
+        self._buf[at: at + w] = a  # same length: the buffer (and the tensor over it) never moves
+        ids = a.tolist()
+        self.rows[group][row], self.lo[group][row], self.hi[group][row] = ids, min(ids), max(ids)
+        self.width[group][row] = w
+        nxt, at = [w] * (w + 1), w
+        for c in range(w - 1, -1, -1):
+            if ids[c] == 0:
+                at = c
+            nxt[c] = at
+        self.next_null[group][row] = nxt
+        self.writes += 1
+
+    def view(self, rows: int, width: int) -> BlockTables:
+        """The ``{group: [rows, width]}`` tables over the buffer (made once per shape)."""
+        got = self._views.get((rows, width))
+        if got is None:
+            if not 0 <= rows <= self.max_rows or not 0 < width <= self.max_width:
+                raise StepInputError(f"TableBuffer.view: [{rows}, {width}] is outside the buffer's "
+                                     f"[{self.max_rows}, {self.max_width}]")
+            got = self._views[rows, width] = BlockTables(self, rows, width)
+        return got
+
+
+class BlockTables(dict):
+    """``{group: [R, W] tensor}`` over a ``TableBuffer``; ``checked`` gives the same ids as lists."""
+
+    def __init__(self, buffer: TableBuffer, rows: int, width: int):
+        super().__init__({g: buffer._all[i, :rows, :width] for i, g in enumerate(buffer.groups)})
+        self.buffer, self.num_rows, self.num_cols = buffer, rows, width
+        self._seen: tuple | None = None  # (buffer.writes, R, num_blocks) of the last verdict
+        self._verdict = None
+
+    def checked(self, R: int, num_blocks: int):
+        """``(first null column per full row, next_null per sliding row or None)`` when the view has the groups
+        full and (optionally) sliding and every one of its R rows was last written at its width with ids in
+        ``[0, num_blocks)``; else None (the caller then reads the tensors). Kept until the next write."""
+        buf = self.buffer
+        seen = (buf.writes, R, num_blocks)
+        if seen != self._seen:
+            self._verdict, self._seen = self._check(R, num_blocks), seen
+        return self._verdict
+
+    def _check(self, R: int, num_blocks: int):
+        buf, W, groups = self.buffer, self.num_cols, self.buffer.groups
+        if self.num_rows != R or groups not in ((FULL_GROUP,), (FULL_GROUP, SLIDING_GROUP)):
+            return None
+        for g in range(len(groups)):
+            widths, lo, hi = buf.width[g], buf.lo[g], buf.hi[g]
+            for r in range(R):
+                if widths[r] != W or lo[r] < 0 or hi[r] >= num_blocks:
+                    return None
+        return [nxt[0] for nxt in buf.next_null[0][:R]], (buf.next_null[1][:R] if len(groups) == 2 else None)
