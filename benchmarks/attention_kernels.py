@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 # name, B, q, H, h, d, T, cache dtype ("fp8" = packed FP8 K and FP8 V bytes)
 CASES = [
     ("kv-dominant full, B1 q1 8x64, T2048, fp32", 1, 1, 8, 8, 64, 2048, torch.float32),
+    ("kv-dominant full, B1 q1 8x64, T8192, fp32", 1, 1, 8, 8, 64, 8192, torch.float32),
+    ("kv-dominant full, B1 q1 8x64, T16384, fp32", 1, 1, 8, 8, 64, 16384, torch.float32),
     ("tiny B4 q1 H4/h2 d16 T512, fp32", 4, 1, 4, 2, 16, 512, torch.float32),
     ("tiny B4 q1, bf16", 4, 1, 4, 2, 16, 512, torch.bfloat16),
     ("tiny B4 q1, packed FP8 K", 4, 1, 4, 2, 16, 512, "fp8"),
@@ -42,7 +44,7 @@ CASES = [
     ("tiny B4 q4, packed FP8 K", 4, 4, 4, 2, 16, 512, "fp8"),
 ]
 BLOCK = 16
-POOL = 521  # prime, more blocks than any table names
+POOL = 1031  # prime, more blocks than any table names (T 16384 at block 16: 1024)
 
 
 def load_kernels(tree: Path):

@@ -10,7 +10,10 @@ Written as elementwise products and sums (not ``einsum``, which lowers to a batc
 that needs its operands materialised), the compiler fuses each table lookup into the loop
 that consumes it, so no ``[B, h, T, d]`` copy of the gathered blocks is ever made
 (tests/test_stepcost.py reads the generated code for one). Only the scores,
-``[B, h, g, T]``, are a buffer: ``g/d`` of the K bytes.
+``[B, h, g, T]``, are a buffer (``g/d`` of the K bytes), and the value sum's per-block
+partials, ``[B, h, g, W, d]`` (``g/bs`` of the V bytes): the value sum runs per block, then
+over the blocks, so each V row is read once, every ``d`` lane while it is in L1. The softmax
+divides after that sum (flash-decoding's order: max, exp, sum; normalise at the end).
 
 That holds for a float cache read by at most ``ROWS_IN_PLACE`` query rows per KV head
 (``g*q``: plain decode up to GQA 4). More rows (GQA 8, ``target_spec``) and an FP8 cache
@@ -86,8 +89,15 @@ def paged_attention(
     qg = q.view(B, S, h, g, d).permute(0, 2, 3, 1, 4)  # [B, h, g, S, d]
     k = block_operand(cache, 0, table, packed_k, q.dtype)  # [B, h, W, bs, d], indexed lazily
     scores = (qg[:, :, :, :, None, None, :] * k[:, :, None, None]).sum(-1)  # [B, h, g, S, W, bs]
-    logits = scores.reshape(B, h, g, S, W * bs) * scale
-    probs = _softmax_with_sinks(logits, mask[:, None, None], sinks).view(B, h, g, S, W, bs, 1)
+    logits = (scores.reshape(B, h, g, S, W * bs) * scale).masked_fill(~mask[:, None, None], float("-inf"))
+    sink = sinks.view(1, h, g, 1).to(logits.dtype)
+    top = torch.maximum(logits.amax(-1), sink)  # [B, h, g, S]: the sink is finite, so is the top
+    e = torch.exp(logits - top[..., None])  # [B, h, g, S, T], unnormalised
+    denom = e.sum(-1) + torch.exp(sink - top)  # [B, h, g, S]
     v = block_operand(cache, 1, table, False, q.dtype)  # [B, h, W, bs, d]
-    out = (probs * v[:, :, None, None]).sum((4, 5))  # [B, h, g, S, d]
+    # Per block first (a sum over its bs slots, every d of a slot while the block is in L1), then over
+    # the blocks: one sum over (W, bs) compiles to a pass over all T slots per 8 lanes of d, which
+    # re-reads each V row d/8 times and, once a head's V outgrows L2 (long buckets), from memory.
+    part = (e.view(B, h, g, S, W, bs, 1) * v[:, :, None, None]).sum(5)  # [B, h, g, S, W, d]
+    out = part.sum(4) / denom[..., None]  # [B, h, g, S, d]
     return out.permute(0, 3, 1, 2, 4).reshape(B, S, H * d)

@@ -2,10 +2,12 @@
 
 import math
 
+import pytest
 import torch
 
 from kernels import apply_rope, moe, paged_attention, rms_norm, sdpa_with_sinks, swiglu, write_kv, yarn_inv_freq
 from kernels.kv import FP8, fp8_bytes_to_float, gather_blocks, pack_k_fp8_view
+from kernels.moe import DENSE_TOKENS
 
 g = torch.Generator().manual_seed(0)
 
@@ -103,8 +105,9 @@ def test_kv_write_skips_pad_and_packed_layout():
         assert torch.equal(got, vals[0].to(cache.dtype).float())
 
 
-def test_moe_matches_per_token_loop():
-    N, H, I, E, k = 5, 6, 4, 4, 2
+@pytest.mark.parametrize("N", [5, DENSE_TOKENS])  # the indexed product-and-sum, and every expert on every token
+def test_moe_matches_per_token_loop(N):
+    H, I, E, k = 6, 4, 4, 2
     x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
     gw, gb, dw, db = rnd(E, H, 2 * I), rnd(E, 2 * I), rnd(E, I, H), rnd(E, H)
     got = moe(x, rw, rb, gw, gb, dw, db, k, 1.702, 7.0)
@@ -114,6 +117,19 @@ def test_moe_matches_per_token_loop():
         w = torch.softmax(top.values, 0)
         want = sum(w[j] * (swiglu(x[n] @ gw[e] + gb[e], 1.702, 7.0) @ dw[e] + db[e]) for j, e in enumerate(top.indices))
         torch.testing.assert_close(got[n], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("N", [5, DENSE_TOKENS])
+def test_moe_expert_slices_sum_to_the_whole(N):
+    """Two EP ranks' slices (``first_expert``) add up to the unsharded MoE, in either form."""
+    H, I, E, k = 6, 4, 4, 2
+    x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
+    gw, gb, dw, db = rnd(E, H, 2 * I), rnd(E, 2 * I), rnd(E, I, H), rnd(E, H)
+    whole = moe(x, rw, rb, gw, gb, dw, db, k, 1.702, 7.0)
+    parts = [moe(x, rw, rb, gw[s], gb[s], dw[s], db[s], k, 1.702, 7.0, first_expert=torch.tensor([s.start]))
+             for s in (slice(0, 2), slice(2, 4))]
+    assert not torch.allclose(parts[0], whole, atol=1e-3)
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
 
 
 def test_swiglu_clamp():
