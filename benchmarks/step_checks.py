@@ -43,8 +43,8 @@ def main(path: str, rounds: int) -> dict:
     vocab = step.vocab_size
 
     def check(b):  # called as Stepper.plan calls it
-        return lambda: step_checks.step_ok(b.tokens, b.num_computed, b.block_tables, 0, vocab, lay.block_size,
-                                           lay.num_blocks, mml) or step_checks.step_problem(
+        return lambda: None if step_checks.step_ok(b.tokens, b.num_computed, b.block_tables, 0, vocab, lay.block_size,
+                                                   lay.num_blocks, mml) else step_checks.step_problem(
             b, k=0, vocab=vocab, layout=lay, max_model_len=mml)
 
     def reference(b):
