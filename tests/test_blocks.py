@@ -201,7 +201,8 @@ def test_table_buffer_refuses_a_row_it_cannot_hold_and_keeps_the_old_one(ids, wh
     view = buf.view(2, 3)
     with pytest.raises(StepInputError, match=f"row 1 \\(sliding\\).*{why}"):
         buf.write(1, 1, ids)
-    assert view["sliding"][1].tolist() == [3, 4, 0] and buf.rows[1][1] == [3, 4, 0]
+    assert view["sliding"][1].tolist() == [3, 4, 0] and buf.next_null[1][1] == [2, 2, 2, 3]
+    assert (buf.lo[1][1], buf.hi[1][1], buf.width[1][1]) == (0, 4, 3)
     assert view.checked(2, 10) is None  # rows never written at width 3
     for r in range(2):
         buf.write(0, r, [7, 0, 0])

@@ -11,12 +11,13 @@ when it is written, and keeps what the step check needs as plain Python:
   ``array('q')`` shared with a tensor through ``torch.frombuffer``), so a step's
   ``[R, W]`` table is a view, made once per shape;
 - ``write`` takes a row's ids as anything ``array('q')`` takes (ints; a float or a string is
-  a ``StepInputError``), stores them, and records the row as a list read back from the buffer
-  (what the graph will read, exactly) with its smallest and largest id and its width;
+  a ``StepInputError``), stores them, and records, from the ids read back from the buffer
+  (what the graph will read, exactly), their smallest and largest id, the width, and where
+  the null block (0) is (``next_null``);
 - ``view(rows, width)`` returns ``BlockTables``: a plain ``{group: [R, W] tensor}`` dict
   (every caller that reads tensors still works) that also carries its buffer, so
-  ``step_checks`` can take each row's ids as Python lists instead of reading the tensors
-  (``checked``: one verdict per buffer write, kept while nothing is written).
+  ``step_checks`` reads those Python values instead of the tensors (``checked``: one verdict
+  per buffer write, kept while nothing is written).
 
 A view is trusted only while every row it shows was last written at its width; otherwise
 (a row written at another width since, a view kept from an older shape) the step check reads
@@ -46,10 +47,9 @@ class TableBuffer:
         G = len(self.groups)
         self._buf = array("q", bytes(8 * G * max_rows * max_width))
         self._all = torch.frombuffer(self._buf, dtype=torch.long).view(G, max_rows, max_width)
-        # Per group, per row: the ids as written (a list), their min and max, the width written (0: never), and
+        # Per group, per row: the ids' min and max, the width written (0: never), and
         # ``next_null``: for each column c (and c = width) the first column >= c that holds the null block (0),
         # or the width: the live columns [a, h) hold no null block iff next_null[a] >= h.
-        self.rows: list[list[list[int]]] = [[[] for _ in range(max_rows)] for _ in self.groups]
         self.next_null: list[list[list[int]]] = [[[0] for _ in range(max_rows)] for _ in self.groups]
         self.lo = [[0] * max_rows for _ in self.groups]
         self.hi = [[0] * max_rows for _ in self.groups]
@@ -74,7 +74,7 @@ class TableBuffer:
         at = (group * self.max_rows + row) * self.max_width
         self._buf[at: at + w] = a  # same length: the buffer (and the tensor over it) never moves
         ids = a.tolist()
-        self.rows[group][row], self.lo[group][row], self.hi[group][row] = ids, min(ids), max(ids)
+        self.lo[group][row], self.hi[group][row] = min(ids), max(ids)
         self.width[group][row] = w
         nxt, at = [w] * (w + 1), w
         for c in range(w - 1, -1, -1):
