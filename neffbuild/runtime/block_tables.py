@@ -11,9 +11,10 @@ when it is written, and keeps what the step check needs as plain Python:
   ``array('q')`` shared with a tensor through ``torch.frombuffer``), so a step's
   ``[R, W]`` table is a view, made once per shape;
 - ``write`` takes a row's ids as anything ``array('q')`` takes (ints; a float or a string is
-  a ``StepInputError``), stores them, and records, from the ids read back from the buffer
-  (what the graph will read, exactly), their smallest and largest id, the width, and where
-  the null block (0) is (``next_null``);
+  a ``StepInputError``), stores them, and records, from the ids stored (what the graph will
+  read, exactly), their smallest and largest id, the width, and where the null block (0) is:
+  the first null column, and the run of columns holding blocks (C-level scans: a write runs
+  no Python loop over its columns);
 - ``view(rows, width)`` returns ``BlockTables``: a plain ``{group: [R, W] tensor}`` dict
   (every caller that reads tensors still works) that also carries its buffer, so
   ``step_checks`` reads those Python values instead of the tensors (``checked``: one verdict
@@ -47,13 +48,17 @@ class TableBuffer:
         G = len(self.groups)
         self._buf = array("q", bytes(8 * G * max_rows * max_width))
         self._all = torch.frombuffer(self._buf, dtype=torch.long).view(G, max_rows, max_width)
-        # Per group, per row: the ids' min and max, the width written (0: never), and
-        # ``next_null``: for each column c (and c = width) the first column >= c that holds the null block (0),
-        # or the width: the live columns [a, h) hold no null block iff next_null[a] >= h.
-        self.next_null: list[list[list[int]]] = [[[0] for _ in range(max_rows)] for _ in self.groups]
+        # Per group, per row: the ids' min and max, the width written (0: never), ``first_null`` (the first
+        # column holding the null block 0, or the width) and ``run``: ``(start, end)``, the columns of the row's
+        # blocks when they sit in one run (released blocks null before it, null padding after it: what a block
+        # manager writes), else (0, 0). The live columns [a, h) hold no null block if h <= first_null (full group),
+        # or a >= start and h <= end (sliding; exact for one run, a refusal the reference re-decides otherwise).
         self.lo = [[0] * max_rows for _ in self.groups]
         self.hi = [[0] * max_rows for _ in self.groups]
         self.width = [[0] * max_rows for _ in self.groups]
+        self.first_null = [[0] * max_rows for _ in self.groups]
+        self.run_start = [[0] * max_rows for _ in self.groups]
+        self.run_end = [[0] * max_rows for _ in self.groups]
         self.writes = 0  # moves on every write: a view's last verdict holds while it has not moved
         self._views: dict[tuple[int, int], BlockTables] = {}
 
@@ -73,15 +78,14 @@ class TableBuffer:
                                  f"must be 1..{self.max_width}")
         at = (group * self.max_rows + row) * self.max_width
         self._buf[at: at + w] = a  # same length: the buffer (and the tensor over it) never moves
-        ids = a.tolist()
-        self.lo[group][row], self.hi[group][row] = min(ids), max(ids)
+        self.lo[group][row], self.hi[group][row] = min(a), max(a)
         self.width[group][row] = w
-        nxt, at = [w] * (w + 1), w
-        for c in range(w - 1, -1, -1):
-            if ids[c] == 0:
-                at = c
-            nxt[c] = at
-        self.next_null[group][row] = nxt
+        nz = bytes(map(bool, a))  # 1 per column holding a block, 0 per null column: the scans below run in C
+        first, start, end = nz.find(0), nz.find(1), nz.rfind(1) + 1
+        self.first_null[group][row] = w if first < 0 else first
+        if start < 0 or nz.find(0, start, end) >= 0:  # no block, or a null column between two runs of blocks
+            start = end = 0
+        self.run_start[group][row], self.run_end[group][row] = start, end
         self.writes += 1
 
     def view(self, rows: int, width: int) -> BlockTables:
@@ -105,9 +109,10 @@ class BlockTables(dict):
         self._verdict = None
 
     def checked(self, R: int, num_blocks: int):
-        """``(first null column per full row, next_null per sliding row or None)`` when the view has the groups
-        full and (optionally) sliding and every one of its R rows was last written at its width with ids in
-        ``[0, num_blocks)``; else None (the caller then reads the tensors). Kept until the next write."""
+        """``(first null column per full row, first and end column of each sliding row's run of blocks, or None
+        twice)`` when the view has the groups full and (optionally) sliding and every one of its R rows was last
+        written at its width with ids in ``[0, num_blocks)``; else None (the caller then reads the tensors). Kept
+        until the next write."""
         buf = self.buffer
         seen = (buf.writes, R, num_blocks)
         if seen != self._seen:
@@ -123,4 +128,6 @@ class BlockTables(dict):
             for r in range(R):
                 if widths[r] != W or lo[r] < 0 or hi[r] >= num_blocks:
                     return None
-        return [nxt[0] for nxt in buf.next_null[0][:R]], (buf.next_null[1][:R] if len(groups) == 2 else None)
+        if len(groups) == 1:
+            return buf.first_null[0][:R], None, None
+        return buf.first_null[0][:R], buf.run_start[1][:R], buf.run_end[1][:R]

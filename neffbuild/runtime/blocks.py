@@ -107,7 +107,9 @@ class BlockManager:
         # moves whenever its table changes (engines cache the tensors they build from a row on it).
         self._quick: dict[object, tuple[int, float]] = {}
         self._version: dict[object, int] = {}
-        self._tick = 0  # the last version handed out: one counter for all, so a reused key never repeats one
+        # The last version handed out: one counter for all, so a reused key never repeats one; public, read-only:
+        # while it has not moved, no table changed (an engine keeps a step's batch on it).
+        self.tick = 0
 
     @property
     def num_free(self) -> int:
@@ -148,8 +150,8 @@ class BlockManager:
             table = tables[name]
             table.extend([NULL_BLOCK] * (max(new_start, len(table)) - len(table)))
             table.extend(self._free.pop() for _ in want)
-        self._tick += 1
-        self._version[rid] = self._tick
+        self.tick += 1
+        self._version[rid] = self.tick
         self._quick[rid] = self._limits(tables, starts)
 
     def _limits(self, tables: dict[str, list[int]], starts: dict[str, int]) -> tuple[int, float]:

@@ -155,8 +155,8 @@ _SEQ = (list, tuple)
 
 def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
     """True only for a step the reference below accepts: plain lists of ints and, as tables, a TableBuffer's view
-    (runtime/block_tables.py: ids range-checked when written, each row's null columns known, so a row costs a few
-    int compares) or a dict of tensors up to ``LIST_LIMIT`` ids (``_dict_ok``): the engine's usual decode step,
+    (runtime/block_tables.py: ids range-checked when written, each row's blocks' columns known, so a row costs a
+    few int compares) or a dict of tensors up to ``LIST_LIMIT`` ids (``_dict_ok``): the engine's usual decode step,
     in one pass over the rows. Anything else (numpy or tensor scalars, an idle rank, big tables, any doubt) is
     False, and the reference decides and words the message; the fuzz checks that this never accepts what the
     reference refuses (tests/test_fuzz.py)."""
@@ -170,7 +170,7 @@ def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
     got = tables.checked(R, num_blocks)
     if got is None:
         return False
-    first_null, sliding = got
+    first_null, s_start, s_end = got
     q2, top, width = 1 + k, _BIG if vocab is None else vocab, tables.num_cols
     # The token and position rules below are _dict_ok's, repeated on purpose: a helper call per row costs more
     # than this whole row after the artifact ran (docs/benchmarks.md, issue 25); the fuzz holds both to the reference.
@@ -188,9 +188,9 @@ def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
         h = last // bs + 1 if last >= n else 0  # live columns: [0, h) full, [n // bs, h) sliding
         if h > width or h > first_null[r]:
             return False
-        if sliding is not None:
+        if s_start is not None:
             a = n // bs
-            if h > a and sliding[r][a] < h:
+            if h > a and (a < s_start[r] or h > s_end[r]):
                 return False
     return True
 

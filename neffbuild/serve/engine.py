@@ -100,6 +100,9 @@ class Engine:
         self._tables: dict | None = None  # the last step's tables (BlockRows), while no request changed them
         self._cover = 0  # tokens the last tables' width covers
         self._rows = BlockRows(blocks, self.max_batch, -(-(self.grid.max_model_len + self.k) // blocks.block_size))
+        # Plain decode (no proposer): the last batch, advanced in place by _accept, serves the next ``_steady``
+        # steps while no request joins or leaves and no table changes (``_tick``: BlockManager.tick then).
+        self._steady, self._last, self._tick, self._going = 0, None, -1, False
 
     def peak_blocks(self, req: Request) -> int:
         """The most blocks a request holds over its life (prompt + tokens + drafts past the last)."""
@@ -129,6 +132,7 @@ class Engine:
                 check(waiting[len(admit)])  # a remote KV source still alive for what waits (rate-limited)
             source_s = propose_s = run_s = 0.0
             if admit or self.source.collective:
+                self._steady = 0 if admit else self._steady
                 s0 = time.perf_counter()
                 self.source.admit(admit, self.blocks)
                 source_s = time.perf_counter() - s0
@@ -156,8 +160,10 @@ class Engine:
                 run_s = r1 - q1
                 emitted, finished = self._accept(live, out, plan, t)
                 self.stats.accept_seconds += time.perf_counter() - r1
-                for r in finished:
-                    live.remove(r)
+                for r in finished:  # the last live request takes the row: one table row rewritten, not all after
+                    at = live.index(r)
+                    live[at] = live[-1]
+                    live.pop()
                     self._leave(r)
             wall = time.perf_counter() - t0
             self.stats.source_seconds += source_s
@@ -197,17 +203,29 @@ class Engine:
         Everything here runs with the interpreter's caches cold (the artifact ran since), where a
         call costs ~1.5 us and a torch op ~30: so one pass over the live requests, the block manager
         asked only for a request whose next positions leave its held blocks (``Request.hold``), and
-        the tables of the step before reused while no request joined, left or crossed a block."""
+        the tables of the step before reused while no request joined, left or crossed a block.
+
+        Plain decode goes further: every step moves each request one position, so the positions at
+        which the next block boundary, sliding-window release or wider context bucket comes are
+        known here (``slack``); until then the batch of this step, its tokens and positions updated
+        in place by ``_accept``, is the next one, and this returns it without a pass."""
+        if self._steady and self.blocks.tick == self._tick:
+            self._steady -= 1
+            return self._last, more or self._going
         tokens, computed, upto = [], [], []
         changed, top, versions = self._tables is None, 0, self.blocks.versions
+        slack = 1 << 30
         for r in live:
             n = r.computed
             u = n + 1 + len(r.drafts)
             hold = r.hold  # set here; another part's reserve (a proposer's) moves the version
             if hold is None or u > hold[0] or n >= hold[1] or versions.get(r.key) != hold[2]:
                 self.blocks.reserve(r.key, u, n)
-                r.hold = self.blocks.hold_limits(r.key)
+                r.hold = hold = self.blocks.hold_limits(r.key)
                 changed = True
+            # steps until this request's reserve would do something (hold[1] may be inf: no sliding group)
+            s = hold[0] - u if hold[0] - u < hold[1] - n - 1 else hold[1] - n - 1
+            slack = s if s < slack else slack
             tokens.append([r.next, *r.drafts])
             computed.append(n)
             upto.append(u)
@@ -221,13 +239,18 @@ class Engine:
             ctx = ctx_bucket_for(top, grid.ctx_buckets, grid.max_model_len) if top <= grid.max_model_len else top
             self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // bs))
             self._cover = ctx
-        return StepBatch(tokens, computed, self._tables), more
+        batch = StepBatch(tokens, computed, self._tables)
+        if self.proposer is None and live:
+            self._steady = max(0, min(slack, self._cover - top, self.grid.max_model_len - top))
+            self._last, self._tick = batch, self.blocks.tick
+        return batch, more
 
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
         """Greedy acceptance of the step's output: (tokens emitted, the requests it finished)."""
         greedy = out.logits.argmax(-1).tolist()  # [R][q]
-        q, total, emitted_all, finished = plan.query_len, 0, 0, []
+        q, total, emitted_all, finished, going = plan.query_len, 0, 0, [], False
         after_step = self.proposer.after_step if self.proposer is not None else None
+        last = self._last if self._steady else None  # the batch _batch hands back next: advance it in place
         for i, (r, g) in enumerate(zip(live, greedy, strict=True)):
             if q == 1:
                 emitted = [g[0]]  # a live request has at least one token to go
@@ -245,11 +268,17 @@ class Engine:
                 r.first_step = t
             r.last_step = t
             emitted_all += len(emitted)
-            if r.done:
+            left = r.max_new_tokens - len(r.tokens)
+            if left <= 0:  # Request.done
                 finished.append(r)
+            elif left > 1:
+                going = True
+            if last is not None:
+                last.tokens[i], last.num_computed[i] = emitted, r.computed
             if after_step is not None:
                 aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
                 after_step(r, emitted, aux, first_pos)
+        self._going = going
         self.stats.proposed += (q - 1) * len(live)
         self.stats.accepted += total
         self.stats.log.append((plan, len(live), t, total))
@@ -259,6 +288,7 @@ class Engine:
         return emitted_all, finished
 
     def _leave(self, r: Request) -> None:
+        self._steady = 0
         self._budget.pop(r.key, None)
         self._tables, r.hold = None, None  # the live set changed: the next step builds its tables
         self.blocks.release(r.key)

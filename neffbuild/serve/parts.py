@@ -114,9 +114,9 @@ class BlockRows:
             return block_rows(blocks, keys, upto, width)
         rows = self._rows if width == self._width else []
         self._width = width
-        version, write, row = blocks.version, self.buffer.write, blocks.row
+        versions, write, row = blocks.versions, self.buffer.write, blocks.row
         for i, k in enumerate(keys):
-            have = (k, version(k))
+            have = (k, versions.get(k, 0))  # BlockManager.version, without a call per row
             if i < len(rows) and rows[i] == have:
                 continue
             for gi, name in enumerate(self.names):
