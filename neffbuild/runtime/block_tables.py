@@ -105,19 +105,19 @@ class BlockTables(dict):
     def __init__(self, buffer: TableBuffer, rows: int, width: int):
         super().__init__({g: buffer._all[i, :rows, :width] for i, g in enumerate(buffer.groups)})
         self.buffer, self.num_rows, self.num_cols = buffer, rows, width
-        self._seen: tuple | None = None  # (buffer.writes, R, num_blocks) of the last verdict
-        self._verdict = None
+        # The last verdict, for (R, num_blocks) ``verdict_for`` at ``buffer.writes == verdict_at``: read-only
+        # outside ``checked``, which the step check calls only when they no longer match (one call less per step).
+        self.verdict, self.verdict_at, self.verdict_for = None, -1, None
 
     def checked(self, R: int, num_blocks: int):
         """``(first null column per full row, first and end column of each sliding row's run of blocks, or None
         twice)`` when the view has the groups full and (optionally) sliding and every one of its R rows was last
         written at its width with ids in ``[0, num_blocks)``; else None (the caller then reads the tensors). Kept
         until the next write."""
-        buf = self.buffer
-        seen = (buf.writes, R, num_blocks)
-        if seen != self._seen:
-            self._verdict, self._seen = self._check(R, num_blocks), seen
-        return self._verdict
+        at, key = self.buffer.writes, (R, num_blocks)
+        if at != self.verdict_at or key != self.verdict_for:
+            self.verdict, self.verdict_at, self.verdict_for = self._check(R, num_blocks), at, key
+        return self.verdict
 
     def _check(self, R: int, num_blocks: int):
         buf, W, groups = self.buffer, self.num_cols, self.buffer.groups

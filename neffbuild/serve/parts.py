@@ -103,6 +103,7 @@ class BlockRows:
         self.names = [g.name for g in blocks.groups]
         self.buffer = TableBuffer(self.names, max_rows, max_width)
         self._rows: list[tuple[object, int]] = []  # row i: (key, version) written there at ``_width``
+        self._ids: list[list] = [[None] * max_rows for _ in self.names]  # per group, row i's ids at ``_width``
         self._width = 0
 
     def __call__(self, keys: Sequence, upto: Sequence[int], width: int = 0) -> dict[str, torch.Tensor]:
@@ -113,14 +114,20 @@ class BlockRows:
         if n_rows > self.max_rows or width > self.max_width:
             return block_rows(blocks, keys, upto, width)
         rows = self._rows if width == self._width else []
+        if width != self._width:
+            self._ids = [[None] * self.max_rows for _ in self.names]
         self._width = width
-        versions, write, row = blocks.versions, self.buffer.write, blocks.row
+        versions, write, row, written = blocks.versions, self.buffer.write, blocks.row, self._ids
         for i, k in enumerate(keys):
             have = (k, versions.get(k, 0))  # BlockManager.version, without a call per row
             if i < len(rows) and rows[i] == have:
                 continue
             for gi, name in enumerate(self.names):
-                write(gi, i, row(k, name, width))
+                ids = row(k, name, width)
+                if written[gi][i] != ids:  # a reserve often changes one group's row only (a sliding release)
+                    written[gi][i] = None  # (until the write below has succeeded)
+                    write(gi, i, ids)
+                    written[gi][i] = ids
             if i < len(rows):
                 rows[i] = have
             else:
