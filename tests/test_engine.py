@@ -87,6 +87,46 @@ def test_continuous_batching_equals_solo_runs(built, tmp_path):
     assert "metrics" not in out and "neffbuild_neff_execution_count" not in res.stderr  # only when asked
 
 
+@pytest.mark.slow
+def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
+    """Plain decode reuses the step before's batch (advanced in place by ``_accept``) until a request joins, leaves
+    or reaches a block boundary, window release or wider bucket (serve/engine.py ``_batch``): at every step it does,
+    the batch built afresh is the same (tokens, positions, tables) and counts down the same steps; the whole run
+    gives the tokens and step log of an engine that builds every batch afresh."""
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.session import open_session
+
+    session = open_session(open_bundle(built[1].bundle, preload=True))
+    kept = []
+
+    class Checked(Engine):
+        def _batch(self, live, more):
+            reuse = bool(self._steady) and self.blocks.tick == self._tick
+            got, more_got = super()._batch(live, more)
+            if reuse:
+                left, self._steady = self._steady, 0
+                fresh, more_fresh = super()._batch(live, more)
+                assert (fresh.tokens, fresh.num_computed, more_fresh) == (got.tokens, got.num_computed, more_got)
+                assert fresh.block_tables is got.block_tables and self._steady == left
+                self._last = got
+                kept.append(got)
+            return got, more_got
+
+    class Fresh(Engine):
+        def _batch(self, live, more):
+            self._steady = 0
+            return super()._batch(live, more)
+
+    runs = {}
+    for cls in (Checked, Fresh):
+        reqs = _requests()
+        engine = cls(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches))
+        engine.run(reqs)
+        runs[cls] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps])
+    assert runs[Checked] == runs[Fresh]
+    assert len(kept) >= len(runs[Fresh][1]) // 4, (len(kept), len(runs[Fresh][1]))  # the kept batch served steps
+
+
 @pytest.mark.parametrize("line, needle", [
     ("not json", ":2: not a JSON object"),
     ('{"id": "x", "prompt_ids": []}', ":2: field 'prompt_ids'"),
