@@ -1,9 +1,10 @@
 """The remote compile-cache tier against a real S3 server (moto, IAM enforced) through boto3.
 
-Compiles are the cost: this file adds 3 AOTInductor compiles (the first push, the rebuild
-after a corrupted object, the second target of the shard recipe); every other build starts
-from a copy of a cache built here or from the remote. They are of the 2-layer test model
-(``small_checkpoint``): the tier moves, checks and pushes whole entries, whatever graph they hold.
+Compiles are the cost: this file adds 2 AOTInductor compiles (the first push, the rebuild
+after a corrupted object); every other build starts from a copy of a cache built here or by the
+session (the shard recipe's second target is the session bundle's ``decode_b1_ctx128``), or from
+the remote. They are of the 2-layer test model (``small_checkpoint``): the tier moves, checks and
+pushes whole entries, whatever graph they hold.
 The in-process builds with the read-write user run on one warm pool (``rc_pool``), as one long-lived
 build service would: a fresh pool per build paid its worker's start (torch, inductor) every time.
 """
@@ -22,6 +23,7 @@ import pytest
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
 from tests.conftest import ROOT, write_recipe
+from tests.helpers import cache_key, seed_cache
 from tests.s3_server import closed_endpoint
 
 pytestmark = pytest.mark.slow
@@ -213,12 +215,16 @@ def test_concurrent_compiles_push_each_key_once(first_push, rc_recipe, s3_server
 
 
 def test_shards_then_assembling_compile_builds_nothing(first_push, small_checkpoint, s3_server, tmp_path,
-                                                       monkeypatch, rc_pool):
+                                                       monkeypatch, rc_pool, built, build_cache):
+    """Each shard holds both entries locally (first_push's and the session bundle's: the same keys), so what it
+    does with its slice is what is under test: push it, publish no bundle; a compile-then-push is first_push's."""
     path = write_recipe(tmp_path, small_checkpoint, name="shards", **TWO)
+    session = seed_cache(build_cache, tmp_path / "session", [cache_key(built.bundle, "decode_b1_ctx128")])
     url = s3_server.url()
     env = s3_server.env("rw")
     procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o",
-                               str(tmp_path / f"o{i}"), "--cache-dir", str(_seeded(tmp_path / f"c{i}", first_push[1])),
+                               str(tmp_path / f"o{i}"), "--cache-dir",
+                               str(_seeded(tmp_path / f"c{i}", first_push[1], session)),
                                "--cache-remote", url, "--shard", f"{i}/2", "--json"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
     docs = []
@@ -227,6 +233,7 @@ def test_shards_then_assembling_compile_builds_nothing(first_push, small_checkpo
         assert p.returncode == 0, err
         docs.append(json.loads(out.strip().splitlines()[-1]))
     assert [d["bundle"] for d in docs] == [None, None] and [d["shard"] for d in docs] == ["1/2", "2/2"]
+    assert [d["built"] for d in docs] == [0, 0]  # both slices were local hits: the seeds hold the recipe's keys
     pushed = [d["remote"]["pushed"] for d in docs]
     assert all(len(p) == 1 for p in pushed) and len({lb for p in pushed for lb in p}) == 2  # disjoint, whole grid
     assert not list((tmp_path / "o1").glob("*/manifest.json"))
