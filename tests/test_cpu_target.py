@@ -113,14 +113,16 @@ def test_aot_inductor_environment_cannot_change_an_artifact_under_its_key():
 
 
 @pytest.fixture(scope="module")
-def v2_build(tmp_path_factory, small_checkpoint):
+def v2_build(tmp_path_factory, small_checkpoint, compile_pool):
     """The 1-target bundle built for x86-64-v2 (1 compile, of the 2-layer test model: what is under test is the
-    -march each C++ build gets and the key and manifest that record it): (recipe, cache dir, BuildResult)."""
+    -march each C++ build gets and the key and manifest that record it): (recipe, cache dir, BuildResult).
+    Through the session's warm pool, as the CLI's pool compiles every target after its first: the target's
+    flags travel with the job, and the worker's log must show them."""
     if cpu_features.targets() == ("native",):
         pytest.skip("x86-64 micro-architecture levels only")
     folder = tmp_path_factory.mktemp("isa")
     path = write_recipe(folder, small_checkpoint, name="isa", compiler__target="x86-64-v2", **FALLBACK_ONLY)
-    res = compile_recipe(R.load(path), folder / "out", jobs=1, cache_root=folder / "c")
+    res = compile_recipe(R.load(path), folder / "out", jobs=1, cache_root=folder / "c", executor=compile_pool)
     assert not res.failed and res.built == 1
     return R.load(path), folder / "c", res
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import EAGLE3_TINY, ROOT, TINY
+from tests.helpers import cli
 
 BIG = ROOT / "recipes" / "gpt-oss-120b-di-decode.yaml"
 GIB = 1 << 30
@@ -216,8 +217,8 @@ def test_local_build_under_a_memory_cap_runs_one_compile_at_a_time(tmp_path, tin
     tiny_raw["neuron_config"].update(num_seqs_buckets=[1], decode_context_length_buckets=[128])
     tiny_raw["serving"].update(max_num_seqs=1, num_blocks=101)
     env = dict(os.environ, NEFFBUILD_FREE_MEMORY="3GiB")
-    res = _cli("compile", str(_write(tmp_path, tiny_raw)), "-o", str(tmp_path / "out"), "--jobs", "2", "--json",
-               "--cache-dir", str(tmp_path / "cache"), env=env)
+    res = cli("compile", str(_write(tmp_path, tiny_raw)), "-o", str(tmp_path / "out"), "--jobs", "2", "--json",
+              "--cache-dir", str(tmp_path / "cache"), env=env)  # in this process: the pool's workers are its own
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout.strip().splitlines()[-1])
     assert (doc["built"], doc["failed"]) == (2, [])  # nothing killed, both built

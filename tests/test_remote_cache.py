@@ -1,9 +1,12 @@
 """The remote compile-cache tier against a real S3 server (moto, IAM enforced) through boto3.
 
-Compiles are the cost: this file adds 3 AOTInductor compiles (the first push, the rebuild
-after a corrupted object, the second target of the shard recipe); every other build starts
-from a copy of a cache built here or from the remote. They are of the 2-layer test model
-(``small_checkpoint``): the tier moves, checks and pushes whole entries, whatever graph they hold.
+Compiles are the cost: this file adds 2 AOTInductor compiles (the first push, the rebuild
+after a corrupted object); every other build starts from a copy of a cache built here or by the
+session (the shard recipe's second target is the session bundle's ``decode_b1_ctx128``), or from
+the remote. They are of the 2-layer test model (``small_checkpoint``): the tier moves, checks and
+pushes whole entries, whatever graph they hold.
+The in-process builds with the read-write user run on one warm pool (``rc_pool``), as one long-lived
+build service would: a fresh pool per build paid its worker's start (torch, inductor) every time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
 from tests.conftest import ROOT, write_recipe
+from tests.helpers import cache_key, seed_cache
 from tests.s3_server import closed_endpoint
 
 pytestmark = pytest.mark.slow
@@ -67,14 +71,33 @@ def rc_recipe(tmp_path_factory, small_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def first_push(tmp_path_factory, rc_recipe, s3_server):
-    """One cold build (1 compile) pushing into a fresh prefix: (url, cache dir, BuildResult)."""
+def rc_pool(s3_server):
+    """One warm 1-worker local pool for this file's in-process read-write builds. Its worker is spawned with the
+    rw user's credentials in its environment (a worker keeps the environment it started with; its remote tier
+    reads them there: a fetch or a push from the worker uses them), so only builds as that user take it."""
+    from neffbuild.compiler.executor import LocalExecutor
+
+    mp = pytest.MonkeyPatch()
+    pool = LocalExecutor(1, keep_warm=True)
+    try:
+        _env(mp, s3_server)
+        pool._start()  # now, under the rw environment (run() would start it under the caller's)
+    finally:
+        mp.undo()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def first_push(tmp_path_factory, rc_recipe, s3_server, rc_pool):
+    """One cold build (1 compile: the key is in no cache) pushing into a fresh prefix: (url, cache dir, BuildResult)."""
     mp = pytest.MonkeyPatch()
     try:
         _env(mp, s3_server)
         folder = tmp_path_factory.mktemp("push")
         url = s3_server.url()
-        res = compile_recipe(R.load(rc_recipe), folder / "out", jobs=1, cache_root=folder / "cache", remote=url)
+        res = compile_recipe(R.load(rc_recipe), folder / "out", jobs=1, cache_root=folder / "cache", remote=url,
+                             executor=rc_pool)
     finally:
         mp.undo()
     assert not res.failed, res.failed
@@ -82,14 +105,15 @@ def first_push(tmp_path_factory, rc_recipe, s3_server):
 
 
 def test_second_fresh_cache_compiles_nothing_and_is_byte_identical(first_push, rc_recipe, s3_server, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, rc_pool):
     url, _, first = first_push
     doc = first.to_json()
     assert (doc["misses"], doc["pushes"], doc["remote_hits"], doc["remote_errors"]) == (1, 1, 0, 0)
     keys = _entry_keys(s3_server, url)
     assert len(keys) == 2 and any(k.endswith("/meta.json") for k in keys)  # artifact + its record
     _env(monkeypatch, s3_server)
-    second = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url)
+    second = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url,
+                            executor=rc_pool)
     doc = second.to_json()
     assert (doc["built"], doc["traced"], doc["remote_hits"], doc["local_hits"], doc["pushes"]) == (0, 0, 1, 0, 0)
     assert _bundle_bytes(second.bundle) == _bundle_bytes(first.bundle)
@@ -98,7 +122,7 @@ def test_second_fresh_cache_compiles_nothing_and_is_byte_identical(first_push, r
 
 
 def test_corrupted_remote_object_is_a_miss_and_stays(first_push, rc_recipe, s3_server, tmp_path,
-                                                     monkeypatch):
+                                                     monkeypatch, rc_pool):
     src_url, _, _ = first_push
     url = s3_server.url()
     c = s3_server.client()
@@ -111,7 +135,8 @@ def test_corrupted_remote_object_is_a_miss_and_stays(first_push, rc_recipe, s3_s
     bad = b"\0" * size  # same size, other bytes: only the digest can tell
     c.put_object(Bucket=s3_server.bucket, Key=art, Body=bad)
     _env(monkeypatch, s3_server)
-    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url)
+    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url,
+                         executor=rc_pool)
     doc = res.to_json()
     assert not res.failed and res.bundle is not None
     # the driver rejects the bad entry (pre-key); the worker is told so and does not fetch it again
@@ -121,7 +146,7 @@ def test_corrupted_remote_object_is_a_miss_and_stays(first_push, rc_recipe, s3_s
 
 
 def test_key_hit_without_a_pre_key_is_fetched_by_the_worker(first_push, rc_recipe, s3_server, tmp_path,
-                                                             monkeypatch):
+                                                             monkeypatch, rc_pool):
     """Only the entries, no pre-key records: the driver misses, the worker traces, and its publish
     fetches the entry from the remote instead of compiling (jobs.publish's produce)."""
     src_url, _, first = first_push
@@ -132,7 +157,8 @@ def test_key_hit_without_a_pre_key_is_fetched_by_the_worker(first_push, rc_recip
         c.copy_object(Bucket=s3_server.bucket, Key=prefix + key[len(src_prefix):],
                       CopySource={"Bucket": s3_server.bucket, "Key": key})
     _env(monkeypatch, s3_server)
-    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url)
+    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url,
+                         executor=rc_pool)
     doc = res.to_json()
     assert (doc["built"], doc["traced"], doc["remote_hits"], doc["remote_errors"]) == (0, 1, 1, 0)
     assert [r.remote_hit for r in res.results] == [True] and res.results[0].push is None
@@ -189,12 +215,16 @@ def test_concurrent_compiles_push_each_key_once(first_push, rc_recipe, s3_server
 
 
 def test_shards_then_assembling_compile_builds_nothing(first_push, small_checkpoint, s3_server, tmp_path,
-                                                       monkeypatch):
+                                                       monkeypatch, rc_pool, built, build_cache):
+    """Each shard holds both entries locally (first_push's and the session bundle's: the same keys), so what it
+    does with its slice is what is under test: push it, publish no bundle; a compile-then-push is first_push's."""
     path = write_recipe(tmp_path, small_checkpoint, name="shards", **TWO)
+    session = seed_cache(build_cache, tmp_path / "session", [cache_key(built.bundle, "decode_b1_ctx128")])
     url = s3_server.url()
     env = s3_server.env("rw")
     procs = [subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o",
-                               str(tmp_path / f"o{i}"), "--cache-dir", str(_seeded(tmp_path / f"c{i}", first_push[1])),
+                               str(tmp_path / f"o{i}"), "--cache-dir",
+                               str(_seeded(tmp_path / f"c{i}", first_push[1], session)),
                                "--cache-remote", url, "--shard", f"{i}/2", "--json"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
     docs = []
@@ -203,14 +233,16 @@ def test_shards_then_assembling_compile_builds_nothing(first_push, small_checkpo
         assert p.returncode == 0, err
         docs.append(json.loads(out.strip().splitlines()[-1]))
     assert [d["bundle"] for d in docs] == [None, None] and [d["shard"] for d in docs] == ["1/2", "2/2"]
+    assert [d["built"] for d in docs] == [0, 0]  # both slices were local hits: the seeds hold the recipe's keys
     pushed = [d["remote"]["pushed"] for d in docs]
     assert all(len(p) == 1 for p in pushed) and len({lb for p in pushed for lb in p}) == 2  # disjoint, whole grid
     assert not list((tmp_path / "o1").glob("*/manifest.json"))
     _env(monkeypatch, s3_server)
-    final = compile_recipe(R.load(path), tmp_path / "final", jobs=1, cache_root=tmp_path / "fresh", remote=url)
+    final = compile_recipe(R.load(path), tmp_path / "final", jobs=1, cache_root=tmp_path / "fresh", remote=url,
+                           executor=rc_pool)
     assert (final.built, final.to_json()["remote_hits"]) == (0, 2)
     both = _seeded(tmp_path / "s", tmp_path / "c1", tmp_path / "c2")  # every entry the shards built or held
-    one_shot = compile_recipe(R.load(path), tmp_path / "one", jobs=1, cache_root=both)
+    one_shot = compile_recipe(R.load(path), tmp_path / "one", jobs=1, cache_root=both, executor=rc_pool)
     assert _bundle_bytes(final.bundle) == _bundle_bytes(one_shot.bundle)
     a, b = (json.loads((x.bundle / "manifest.json").read_text()) for x in (final, one_shot))
     assert a["artifacts"] == b["artifacts"] and a["toolchain"] == b["toolchain"]
