@@ -109,13 +109,13 @@ def test_kv_write_skips_pad_and_packed_layout():
 def test_moe_matches_per_token_loop(N):
     H, I, E, k = 6, 4, 4, 2
     x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
-    gw, gb, dw, db = rnd(E, H, 2 * I), rnd(E, 2 * I), rnd(E, I, H), rnd(E, H)
+    gw, gb, dw, db = rnd(E, 2 * I, H), rnd(E, 2 * I), rnd(E, H, I), rnd(E, H)  # experts [out, in]
     got = moe(x, rw, rb, gw, gb, dw, db, k, 1.702, 7.0)
     for n in range(N):
         logits = x[n] @ rw.t() + rb
         top = torch.topk(logits, k)
         w = torch.softmax(top.values, 0)
-        want = sum(w[j] * (swiglu(x[n] @ gw[e] + gb[e], 1.702, 7.0) @ dw[e] + db[e]) for j, e in enumerate(top.indices))
+        want = sum(w[j] * (dw[e] @ swiglu(gw[e] @ x[n] + gb[e], 1.702, 7.0) + db[e]) for j, e in enumerate(top.indices))
         torch.testing.assert_close(got[n], want, atol=1e-5, rtol=1e-5)
 
 
@@ -124,7 +124,7 @@ def test_moe_expert_slices_sum_to_the_whole(N):
     """Two EP ranks' slices (``first_expert``) add up to the unsharded MoE, in either form."""
     H, I, E, k = 6, 4, 4, 2
     x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
-    gw, gb, dw, db = rnd(E, H, 2 * I), rnd(E, 2 * I), rnd(E, I, H), rnd(E, H)
+    gw, gb, dw, db = rnd(E, 2 * I, H), rnd(E, 2 * I), rnd(E, H, I), rnd(E, H)  # experts [out, in]
     whole = moe(x, rw, rb, gw, gb, dw, db, k, 1.702, 7.0)
     parts = [moe(x, rw, rb, gw[s], gb[s], dw[s], db[s], k, 1.702, 7.0, first_expert=torch.tensor([s.start]))
              for s in (slice(0, 2), slice(2, 4))]

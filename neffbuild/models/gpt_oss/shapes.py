@@ -14,6 +14,10 @@ from neffbuild.models.gpt_oss.config import GptOssConfig
 
 TP_SPLIT = {"qkv_w": 1, "qkv_b": 1, "o_w": 2, "sinks": 1}  # name -> axis split over TP
 EP_SPLIT = {"gate_up_w": 1, "gate_up_b": 1, "down_w": 1, "down_b": 1}  # name -> axis split over EP
+# Expert weights are stacked [out, in] per expert (gate_up_w [L, E, 2I, H], down_w [L, E, H, I]), as an MXFP4
+# checkpoint stores them and nn.Linear holds a weight; transformers' float tensors are [in, out]
+# (weights.stack transposes them). kernels/moe.py's decode loops then read each reduction contiguously.
+EXPERTS_OUT_IN = ("gate_up_w", "down_w")
 STORED_ITEMSIZE = 4  # the bundle stores the stacked weights as float32 (MXFP4 experts dequantised)
 
 
@@ -27,8 +31,8 @@ def stacked_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
         "qkv_w": (L, Hq + 2 * Hk, H), "qkv_b": (L, Hq + 2 * Hk),
         "ln_attn": (L, H), "ln_mlp": (L, H), "sinks": (L, cfg.num_attention_heads),
         "o_w": (L, H, Hq), "o_b": (L, H), "router_w": (L, E, H), "router_b": (L, E),
-        "gate_up_w": (L, E, H, 2 * I), "gate_up_b": (L, E, 2 * I), "down_w": (L, E, I, H), "down_b": (L, E, H),
-    }
+        "gate_up_w": (L, E, 2 * I, H), "gate_up_b": (L, E, 2 * I), "down_w": (L, E, H, I), "down_b": (L, E, H),
+    }  # experts [out, in] (EXPERTS_OUT_IN): the reduction axis contiguous
 
 
 def local_config(cfg: GptOssConfig, par) -> GptOssConfig:

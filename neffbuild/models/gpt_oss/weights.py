@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from neffbuild.errors import InvalidInput
 from neffbuild.models.gpt_oss.config import GptOssConfig
-from neffbuild.models.gpt_oss.shapes import stacked_shapes  # torch-free; re-exported here
+from neffbuild.models.gpt_oss.shapes import EXPERTS_OUT_IN, stacked_shapes  # torch-free; re-exported here
 
 # FP4 (e2m1) code points, indexed by the 4-bit nibble.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -129,6 +129,9 @@ def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[st
     H, d = cfg.hidden_size, cfg.head_dim
     Hq, Hk = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     per_layer = {key: shape[1:] for key, shape in stacked_shapes(cfg).items() if key in LAYER_KEYS}
+    for key in EXPERTS_OUT_IN:  # the checkpoint's [E, in, out]
+        E, n_out, n_in = per_layer[key]
+        per_layer[key] = (E, n_in, n_out)
     sd = {
         GLOBAL_KEYS["embed"]: rnd(cfg.vocab_size, H, scale=1.0),
         GLOBAL_KEYS["norm"]: 1 + rnd(H, scale=0.1),
@@ -149,7 +152,8 @@ def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[st
 
 
 def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF state dict -> GK layout: per-layer tensors stacked once on a leading [L, ...] axis."""
+    """HF state dict -> GK layout: per-layer tensors stacked once on a leading [L, ...] axis, the expert
+    weights [out, in] (shapes.EXPERTS_OUT_IN)."""
     L = cfg.num_hidden_layers
 
     def get(name: str) -> torch.Tensor:
@@ -162,7 +166,8 @@ def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         out[kind] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.{suffix}") for n in QKV])
                                  for i in range(L)])
     for key, pattern in LAYER_KEYS.items():
-        out[key] = torch.stack([get(pattern.format(i=i)) for i in range(L)]).contiguous()
+        t = torch.stack([get(pattern.format(i=i)) for i in range(L)])
+        out[key] = (t.transpose(-1, -2) if key in EXPERTS_OUT_IN else t).contiguous()  # experts [in, out] -> [out, in]
     return out
 
 
