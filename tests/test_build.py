@@ -249,7 +249,7 @@ def test_stdlib_reader_from_the_spec_parses_a_bundle(built):
     def read_bundle(root):
         root = Path(root)
         m = json.loads((root / "manifest.json").read_text())
-        if m["format"] != "neffbuild-bundle" or m["format_version"] > 2:
+        if m["format"] != "neffbuild-bundle" or m["format_version"] > 3:
             raise ValueError("unsupported bundle")
         for rel, info in m["files"].items():
             parts = Path(rel).parts

@@ -7,8 +7,10 @@ BUNDLE_FORMAT = "neffbuild-bundle"
 # Bump when a reader of the previous version would misread a bundle (a field changes
 # meaning or a new MUST is added). Adding an optional field does not bump it.
 # Version 2: manifest.sha256 added (a MUST); compile_seconds moved out of artifact entries.
-BUNDLE_FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (2,)
+# Version 3: the GPT-OSS expert weights are stacked [out, in] per expert (gate_up_w [L, E, 2I, H],
+# down_w [L, E, H, I]); a version-2 reader would bind them as [in, out].
+BUNDLE_FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (3,)
 
 MANIFEST_PATH = "manifest.json"
 MANIFEST_DIGEST_PATH = "manifest.sha256"  # "<sha256 of manifest.json>  manifest.json\n" (sha256sum -c format)
