@@ -131,8 +131,9 @@ class Engine:
             if check is not None and len(waiting) > len(admit):
                 check(waiting[len(admit)])  # a remote KV source still alive for what waits (rate-limited)
             source_s = propose_s = run_s = 0.0
+            if admit:
+                self._steady = 0  # the live set changes: the next batch is built afresh
             if admit or self.source.collective:
-                self._steady = 0 if admit else self._steady
                 s0 = time.perf_counter()
                 self.source.admit(admit, self.blocks)
                 source_s = time.perf_counter() - s0

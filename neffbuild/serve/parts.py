@@ -113,10 +113,9 @@ class BlockRows:
         n_rows = len(keys)
         if n_rows > self.max_rows or width > self.max_width:
             return block_rows(blocks, keys, upto, width)
-        rows = self._rows if width == self._width else []
-        if width != self._width:
-            self._ids = [[None] * self.max_rows for _ in self.names]
-        self._width = width
+        if width != self._width:  # a new width rewrites every row
+            self._rows, self._ids, self._width = [], [[None] * self.max_rows for _ in self.names], width
+        rows = self._rows
         versions, write, row, written = blocks.versions, self.buffer.write, blocks.row, self._ids
         for i, k in enumerate(keys):
             have = (k, versions.get(k, 0))  # BlockManager.version, without a call per row
