@@ -35,7 +35,7 @@ from neffbuild.runtime.block_tables import BlockTables
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
-_BIG = 2**62
+_BIG = BIG = 2**62  # above any vocab: the token bound when the bundle names none
 _LONG = torch.int64  # what engines pass: checked by identity before the set
 _WHERE = {g: f"step: block_tables[{g!r}]" for g in (FULL_GROUP, SLIDING_GROUP)}
 LIST_LIMIT = 4096  # tables up to this many ids are checked as Python lists (a few us); larger ones with torch

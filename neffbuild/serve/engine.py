@@ -45,6 +45,7 @@ from neffbuild.errors import InvalidInput
 from neffbuild.runtime.blocks import BlockManager, blocks_needed
 from neffbuild.runtime.buckets import ctx_bucket_for
 from neffbuild.runtime.dispatch import StepPlan
+from neffbuild.runtime.kept_batch import KeptBatch
 from neffbuild.runtime.step import StepBatch, Stepper
 from neffbuild.serve.parts import BlockRows, KVSource, Proposer, Request
 
@@ -206,10 +207,15 @@ class Engine:
         asked only for a request whose next positions leave its held blocks (``Request.hold``), and
         the tables of the step before reused while no request joined, left or crossed a block.
 
+        A request's sliding-window blocks that fall out of the window go back to the pool at its
+        next block boundary (the same ``reserve``), not at the step they fall out: between two
+        boundaries it holds what it held at the last one, never more than its peak (admission's
+        budget), and its tables change once per ``block_size`` tokens instead of twice.
+
         Plain decode goes further: every step moves each request one position, so the positions at
-        which the next block boundary, sliding-window release or wider context bucket comes are
-        known here (``slack``); until then the batch of this step, its tokens and positions updated
-        in place by ``_accept``, is the next one, and this returns it without a pass."""
+        which the next block boundary or wider context bucket comes are known here (``slack``); until
+        then the batch of this step (a ``KeptBatch``), its tokens and positions advanced in place by
+        ``_accept``, each row checked as it moves, is the next one, and this returns it without a pass."""
         if self._steady and self.blocks.tick == self._tick:
             self._steady -= 1
             return self._last, more or self._going
@@ -220,12 +226,11 @@ class Engine:
             n = r.computed
             u = n + 1 + len(r.drafts)
             hold = r.hold  # set here; another part's reserve (a proposer's) moves the version
-            if hold is None or u > hold[0] or n >= hold[1] or versions.get(r.key) != hold[2]:
-                self.blocks.reserve(r.key, u, n)
+            if hold is None or u > hold[0] or versions.get(r.key) != hold[2]:
+                self.blocks.reserve(r.key, u, n)  # sliding blocks out of the window go back here, not earlier
                 r.hold = hold = self.blocks.hold_limits(r.key)
                 changed = True
-            # steps until this request's reserve would do something (hold[1] may be inf: no sliding group)
-            s = hold[0] - u if hold[0] - u < hold[1] - n - 1 else hold[1] - n - 1
+            s = hold[0] - u  # steps until this request needs a new block
             slack = s if s < slack else slack
             tokens.append([r.next, *r.drafts])
             computed.append(n)
@@ -240,10 +245,12 @@ class Engine:
             ctx = ctx_bucket_for(top, grid.ctx_buckets, grid.max_model_len) if top <= grid.max_model_len else top
             self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // bs))
             self._cover = ctx
-        batch = StepBatch(tokens, computed, self._tables)
-        if self.proposer is None and live:
+        if self.proposer is None and live:  # kept and advanced in place: its rows are checked as they change
+            batch = KeptBatch(tokens, computed, self._tables)
             self._steady = max(0, min(slack, self._cover - top, self.grid.max_model_len - top))
             self._last, self._tick = batch, self.blocks.tick
+        else:
+            batch = StepBatch(tokens, computed, self._tables)
         return batch, more
 
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
@@ -275,7 +282,7 @@ class Engine:
             elif left > 1:
                 going = True
             if last is not None:
-                last.tokens[i], last.num_computed[i] = emitted, r.computed
+                last.advance(i, emitted, r.computed)
             if after_step is not None:
                 aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
                 after_step(r, emitted, aux, first_pos)
