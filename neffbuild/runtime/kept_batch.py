@@ -1,31 +1,35 @@
-"""A step batch an engine keeps from step to step, checked row by row when it changes (issue 25).
+"""A step batch an engine keeps from step to step, checked where it changes (issue 25).
 
 In plain decode most steps run the same requests over the same block tables as the step
 before, each one position further on. ``Stepper.plan`` checks everything native code will
 touch (runtime/step_checks.py); on CPU that check runs right after the artifact, with the
 interpreter's caches cold, and re-reads every row although only the tokens and positions
-moved. ``KeptBatch`` moves that check to where the values are made:
+moved. ``KeptBatch`` checks a kept batch where its values are made instead:
 
 - the first step over a batch (or any step after its tables were written) runs the whole
   check; when it passes, the Stepper *vouches* for the batch: it records the check's
-  parameters and the table buffer's write count;
-- ``advance(i, tokens, num_computed)`` sets row ``i`` and checks that row at once against
-  the same rules ``step_ok`` applies (integral token ids in ``[0, vocab)``, 1 or 1+k of them,
-  an integral position >= 0 whose live columns hold blocks in the kept tables' verdict);
-  a row it cannot vouch for drops the verdict, and the next step runs the whole check,
-  which words the problem;
-- the next ``plan`` then reads the verdict in place: two comparisons.
+  parameters and the table buffer's write count, and how many steps every row can still
+  move on one position before it leaves the columns its tables hold (``slack``);
+- ``advance_greedy(logits)``: plain greedy decode's next step, made here: each row's token is
+  the argmax of its logits (an id in ``[0, vocab)`` when the logits are the artifact's
+  ``[R, 1, vocab]``, checked by shape) and its position moves on one; a step of slack is used;
+- ``advance(i, tokens, num_computed)``: any other change of row ``i``, checked at once against
+  ``step_ok``'s rules (integral ids in ``[0, vocab)``, 1 or 1+k of them, an integral position
+  >= 0 whose live columns hold blocks); a row it cannot vouch for drops the verdict, and the
+  next step runs the whole check, which words the problem;
+- the next ``plan`` reads the verdict in place: two comparisons.
 
-A verdict holds only while the table buffer was not written since (``BlockTables``: a row
-written anew invalidates it) and only for the Stepper that gave it (its parameters, by
-identity). Rows change through ``advance`` only: ``tokens`` and ``num_computed`` are the
-lists the artifact's inputs are built from, and a value stored into them directly is not
-seen by the check (the same contract as ``TableBuffer``'s views; the engine keeps it).
-tests/test_fuzz.py holds ``advance`` to the rule-by-rule reference.
+A verdict holds only while the table buffer was not written since (a row written anew
+invalidates it) and only for the Stepper that gave it (its parameters, by identity). Rows
+change through these methods only: ``tokens`` and ``num_computed`` are the lists the
+artifact's inputs are built from, and a value stored into them directly is not seen by the
+check (the same contract as ``TableBuffer``'s views; the engine keeps it). tests/test_fuzz.py
+holds both advances to the rule-by-rule reference.
 """
 
 from __future__ import annotations
 
+from neffbuild.errors import StepInputError
 from neffbuild.runtime.block_tables import BlockTables
 
 _SEQ = (list, tuple)
@@ -34,26 +38,64 @@ _SEQ = (list, tuple)
 class KeptBatch:
     """``StepBatch``'s fields (``tokens``, ``num_computed``, ``block_tables``), advanced in place, checked per row."""
 
-    __slots__ = ("block_tables", "num_computed", "ok_at", "ok_for", "tokens")
+    __slots__ = ("block_tables", "num_computed", "ok_at", "ok_for", "slack", "tokens")
 
     def __init__(self, tokens: list[list[int]], num_computed: list[int], block_tables):
         self.tokens, self.num_computed, self.block_tables = tokens, num_computed, block_tables
         self.ok_at, self.ok_for = -1, None  # the table buffer's writes at the verdict, and whose check gave it
+        self.slack = 0  # greedy steps (one position each) every row can still take inside its tables' blocks
 
     def vouch(self, params: tuple) -> None:
-        """Called by the Stepper when its whole check passed: the batch is good for ``params`` at these tables."""
+        """Called by the Stepper when its whole check (``step_ok``) passed: the batch is good for ``params`` at
+        these tables, and for ``slack`` more one-position steps."""
         tables = self.block_tables
-        if type(tables) is BlockTables and tables.verdict is not None and tables.verdict_at == tables.buffer.writes:
-            self.ok_at, self.ok_for = tables.verdict_at, params
+        if type(tables) is not BlockTables or tables.verdict is None or tables.verdict_at != tables.buffer.writes:
+            return
+        self.ok_at, self.ok_for = tables.verdict_at, params
+        _, _, bs, _, mml = params
+        first_null, _, s_end = tables.verdict  # (a sliding run's start only recedes behind a growing row)
+        slack = 1 << 62
+        for i, n in enumerate(self.num_computed):
+            # The next step runs position n + 1 (one token): it stays live while (n + 1 + s) // bs < the row's
+            # block columns (first null column, or the end of the sliding run), and below max_model_len.
+            end = first_null[i] if s_end is None or s_end[i] > first_null[i] else s_end[i]
+            s = min(end * bs, mml) - n - 1
+            slack = s if s < slack else slack
+        self.slack = slack if slack > 0 else 0
 
     def vouched(self, params: tuple) -> bool:
         """The verdict holds: given for ``params`` and no table row written since."""
         return self.ok_for is params and self.ok_at == self.block_tables.buffer.writes
 
+    def advance_greedy(self, logits) -> list[list[int]]:
+        """Plain greedy decode: row i := [argmax of ``logits[i, 0]``], one position on; returns those rows ``[R][1]``.
+        The verdict survives while every row is one id below the vocab (``[R, 1, V <= vocab]`` logits: no shape
+        read, the ids themselves are looked at) and slack is left."""
+        ids = logits.argmax(-1).tolist()
+        computed = self.num_computed
+        if len(ids) != len(computed):
+            self.ok_for = None
+            raise StepInputError(f"KeptBatch.advance_greedy: logits for {len(ids)} rows, the batch has "
+                                 f"{len(computed)}; pass the StepOutput's logits of this batch's step")
+        params = self.ok_for
+        keep = params is not None and self.slack > 0
+        top = params[1] if keep else 0
+        for i, row in enumerate(ids):
+            computed[i] += 1
+            if keep and (type(row) is not list or len(row) != 1 or row[0] >= top):
+                keep = False
+        self.tokens = ids
+        if keep:
+            self.slack -= 1
+        else:
+            self.ok_for = None
+        return ids
+
     def advance(self, i: int, tokens: list[int], num_computed: int) -> None:
         """Row ``i`` := ``tokens`` at ``num_computed``; the verdict survives only if the row passes ``step_ok``'s
         rules (the Stepper's parameters: k, vocab, block size, pool, max_model_len)."""
         self.tokens[i], self.num_computed[i] = tokens, num_computed
+        self.slack = 0  # (a position set by hand: the next greedy step checks everything again)
         params = self.ok_for
         if params is None:
             return

@@ -255,10 +255,11 @@ class Engine:
 
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
         """Greedy acceptance of the step's output: (tokens emitted, the requests it finished)."""
-        greedy = out.logits.argmax(-1).tolist()  # [R][q]
         q, total, emitted_all, finished, going = plan.query_len, 0, 0, [], False
         after_step = self.proposer.after_step if self.proposer is not None else None
-        last = self._last if self._steady else None  # the batch _batch hands back next: advance it in place
+        last = self._last if self._steady else None  # the batch _batch hands back next: advanced in place, where
+        # the runtime takes each row's argmax and moves it on one position, its input check kept (KeptBatch)
+        greedy = last.advance_greedy(out.logits) if last is not None else out.logits.argmax(-1).tolist()  # [R][q]
         for i, (r, g) in enumerate(zip(live, greedy, strict=True)):
             if q == 1:
                 emitted = [g[0]]  # a live request has at least one token to go
@@ -281,8 +282,6 @@ class Engine:
                 finished.append(r)
             elif left > 1:
                 going = True
-            if last is not None:
-                last.advance(i, emitted, r.computed)
             if after_step is not None:
                 aux = out.aux_hidden[i, : len(emitted)] if out.aux_hidden is not None else None
                 after_step(r, emitted, aux, first_pos)
