@@ -221,6 +221,30 @@ def test_table_buffer_refuses_a_row_it_cannot_hold_and_keeps_the_old_one(ids, wh
     assert torch.equal(view["full"], torch.tensor([[7, 0, 0], [7, 3, 9]]))
 
 
+def test_table_buffer_run_claim_is_checked_not_trusted():
+    """Exhaustive at width 4: a row written with the writer's word for its run of blocks (``run``, as BlockRows
+    passes the block manager's) keeps exactly what the same row written without it keeps, for every claim, true
+    or false, in range or not: the claim only skips a scan when the ids confirm it."""
+    import itertools
+
+    from neffbuild.runtime.block_tables import TableBuffer
+
+    W, seen = 4, 0
+    plain, claimed = TableBuffer(["full"], 1, W), TableBuffer(["full"], 1, W)
+    claims = [None, (5, 2), (-1, 2), (0, 5)] + [(a, b) for a in range(W + 1) for b in range(a, W + 1)]
+    for ids in itertools.product([0, 3, -1], repeat=W):
+        plain.write(0, 0, list(ids))
+        want = (plain.lo[0][0], plain.hi[0][0], plain.first_null[0][0], plain.run_start[0][0], plain.run_end[0][0])
+        for claim in claims:
+            claimed.write(0, 0, list(ids), claim)
+            got = (claimed.lo[0][0], claimed.hi[0][0], claimed.first_null[0][0], claimed.run_start[0][0],
+                   claimed.run_end[0][0])
+            assert got == want, (ids, claim)
+            seen += claim is not None and claim[0] < claim[1] and all(
+                (ids[c] != 0) == (claim[0] <= c < claim[1]) for c in range(W))
+    assert seen > 10  # true claims were among them (the skipped scan ran)
+
+
 @pytest.mark.parametrize("bs,window,q", [(4, 9, 1), (16, 32, 1), (4, 8, 4), (1, 3, 2)])
 def test_reserve_fast_path_at_every_position_of_a_decode(bs, window, q):
     """One position at a time through every block boundary and window edge: fast == full route."""

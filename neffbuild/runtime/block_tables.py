@@ -62,8 +62,12 @@ class TableBuffer:
         self.writes = 0  # moves on every write: a view's last verdict holds while it has not moved
         self._views: dict[tuple[int, int], BlockTables] = {}
 
-    def write(self, group: int, row: int, ids) -> None:
-        """Row ``row`` of group index ``group`` := ``ids`` (one row's width of block ids)."""
+    def write(self, group: int, row: int, ids, run: tuple[int, int] | None = None) -> None:
+        """Row ``row`` of group index ``group`` := ``ids`` (one row's width of block ids).
+
+        ``run``: the writer's word for where the row's blocks sit, ``(start, end)`` columns, null elsewhere (a
+        block manager knows it). It is not trusted: two C-level counts over the ids stored confirm it (every null
+        outside ``[start, end)``, none inside), else the row is scanned as without it."""
         if not 0 <= row < self.max_rows or not 0 <= group < len(self.groups):
             raise StepInputError(f"TableBuffer.write: row {row} of group {group}; the buffer has "
                                  f"{self.max_rows} rows of {len(self.groups)} groups")
@@ -80,11 +84,16 @@ class TableBuffer:
         self._buf[at: at + w] = a  # same length: the buffer (and the tensor over it) never moves
         self.lo[group][row], self.hi[group][row] = min(a), max(a)
         self.width[group][row] = w
-        nz = bytes(map(bool, a))  # 1 per column holding a block, 0 per null column: the scans below run in C
-        first, start, end = nz.find(0), nz.find(1), nz.rfind(1) + 1
+        if run is not None and 0 <= run[0] < run[1] <= w and a.count(0) == w - run[1] + run[0] \
+                and 0 not in a[run[0]: run[1]]:  # the claim holds: blocks in [start, end), nulls elsewhere
+            start, end = run
+            first = end if start == 0 else 0
+        else:
+            nz = bytes(map(bool, a))  # 1 per column holding a block, 0 per null column: the scans below run in C
+            first, start, end = nz.find(0), nz.find(1), nz.rfind(1) + 1
+            if start < 0 or nz.find(0, start, end) >= 0:  # no block, or a null column between two runs of blocks
+                start = end = 0
         self.first_null[group][row] = w if first < 0 else first
-        if start < 0 or nz.find(0, start, end) >= 0:  # no block, or a null column between two runs of blocks
-            start = end = 0
         self.run_start[group][row], self.run_end[group][row] = start, end
         self.writes += 1
 

@@ -191,6 +191,11 @@ class BlockManager:
         table = self.tables[rid][group]
         return table[:width] + [NULL_BLOCK] * (width - len(table))
 
+    def row_run(self, rid, group: str, width: int) -> tuple[list[int], tuple[int, int]]:
+        """``row(rid, group, width)`` and the columns its blocks fill, ``(start, stop)`` (a TableBuffer's ``run``)."""
+        table = self.tables[rid][group]
+        return table[:width] + [NULL_BLOCK] * (width - len(table)), (self._start[rid][group], min(len(table), width))
+
     def held(self, rid) -> int:
         """Blocks a request holds over all groups."""
         return sum(b != NULL_BLOCK for t in self.tables.get(rid, {}).values() for b in t)

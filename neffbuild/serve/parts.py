@@ -116,16 +116,16 @@ class BlockRows:
         if width != self._width:  # a new width rewrites every row
             self._rows, self._ids, self._width = [], [[None] * self.max_rows for _ in self.names], width
         rows = self._rows
-        versions, write, row, written = blocks.versions, self.buffer.write, blocks.row, self._ids
+        versions, write, row_run, written = blocks.versions, self.buffer.write, blocks.row_run, self._ids
         for i, k in enumerate(keys):
             have = (k, versions.get(k, 0))  # BlockManager.version, without a call per row
             if i < len(rows) and rows[i] == have:
                 continue
             for gi, name in enumerate(self.names):
-                ids = row(k, name, width)
+                ids, run = row_run(k, name, width)
                 if written[gi][i] != ids:  # a reserve often changes one group's row only (a sliding release)
                     written[gi][i] = None  # (until the write below has succeeded)
-                    write(gi, i, ids)
+                    write(gi, i, ids, run)  # the manager's run: confirmed by the buffer, spares it a scan
                     written[gi][i] = ids
             if i < len(rows):
                 rows[i] = have
