@@ -133,7 +133,7 @@ class Engine:
                 check(waiting[len(admit)])  # a remote KV source still alive for what waits (rate-limited)
             source_s = propose_s = run_s = 0.0
             if admit:
-                self._steady = 0  # the live set changes: the next batch is built afresh
+                self._steady, self._last = 0, None  # the live set changes: the next batch is built afresh
             if admit or self.source.collective:
                 s0 = time.perf_counter()
                 self.source.admit(admit, self.blocks)
@@ -216,9 +216,13 @@ class Engine:
         which the next block boundary or wider context bucket comes are known here (``slack``); until
         then the batch of this step (a ``KeptBatch``), its tokens and positions advanced in place by
         ``_accept``, each row checked as it moves, is the next one, and this returns it without a pass."""
-        if self._steady and self.blocks.tick == self._tick:
-            self._steady -= 1
-            return self._last, more or self._going
+        last = self._last
+        if last is not None and self.blocks.tick == self._tick:  # the same requests, no other part's reserve
+            if self._steady:
+                self._steady -= 1
+                return last, more or self._going
+            if self._step_on(live, last):
+                return last, more or self._going
         tokens, computed, upto = [], [], []
         changed, top, versions = self._tables is None, 0, self.blocks.versions
         slack = 1 << 30
@@ -253,12 +257,36 @@ class Engine:
             batch = StepBatch(tokens, computed, self._tables)
         return batch, more
 
+    def _step_on(self, live: list[Request], last: KeptBatch) -> bool:
+        """Plain decode at a block boundary, the same requests as the kept batch's: reserve for the requests
+        whose next position leaves their blocks, rewrite their rows (the kept batch's tables are a view of
+        them), count the slack anew. False (nothing rewritten) when the batch needs a wider context bucket: the
+        full pass builds the wider tables."""
+        blocks, slack, top, moved = self.blocks, 1 << 30, 0, []
+        for i, r in enumerate(live):
+            u = r.computed + 1
+            hold = r.hold
+            if u > hold[0]:
+                blocks.reserve(r.key, u, u - 1)
+                r.hold = hold = blocks.hold_limits(r.key)
+                moved.append(i)
+            s = hold[0] - u
+            slack = s if s < slack else slack
+            top = u if u > top else top
+        if top > self._cover:
+            return False
+        if moved:
+            self._rows.rewrite(moved, [live[i].key for i in moved])
+        self._steady = max(0, min(slack, self._cover - top, self.grid.max_model_len - top))
+        self._tick = blocks.tick
+        return True
+
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
         """Greedy acceptance of the step's output: (tokens emitted, the requests it finished)."""
         q, total, emitted_all, finished, going = plan.query_len, 0, 0, [], False
         after_step = self.proposer.after_step if self.proposer is not None else None
-        last = self._last if self._steady else None  # the batch _batch hands back next: advanced in place, where
-        # the runtime takes each row's argmax and moves it on one position, its input check kept (KeptBatch)
+        last = self._last  # the kept batch (plain decode): advanced in place, where the runtime takes each
+        # row's argmax and moves it on one position, its input check kept (KeptBatch)
         greedy = last.advance_greedy(out.logits) if last is not None else out.logits.argmax(-1).tolist()  # [R][q]
         for i, (r, g) in enumerate(zip(live, greedy, strict=True)):
             if q == 1:
@@ -295,7 +323,7 @@ class Engine:
         return emitted_all, finished
 
     def _leave(self, r: Request) -> None:
-        self._steady = 0
+        self._steady, self._last = 0, None
         self._budget.pop(r.key, None)
         self._tables, r.hold = None, None  # the live set changed: the next step builds its tables
         self.blocks.release(r.key)

@@ -135,6 +135,20 @@ class BlockRows:
         return self.buffer.view(n_rows, width)
 
 
+    def rewrite(self, rows: Sequence[int], keys: Sequence) -> None:
+        """Rows ``rows`` (of the last call's view, same width) := their requests' blocks now: the kept view
+        shows them (a step that changed only these rows' blocks, as at a block boundary)."""
+        blocks, width, versions, written = self.blocks, self._width, self.blocks.versions, self._ids
+        for i, k in zip(rows, keys, strict=True):
+            for gi, name in enumerate(self.names):
+                ids, run = blocks.row_run(k, name, width)
+                if written[gi][i] != ids:
+                    written[gi][i] = None
+                    self.buffer.write(gi, i, ids, run)
+                    written[gi][i] = ids
+            self._rows[i] = (k, versions.get(k, 0))
+
+
 class KVSource(Protocol):
     collective: bool
 
