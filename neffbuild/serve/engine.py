@@ -193,9 +193,8 @@ class Engine:
                 break  # first come, first served: a later, smaller request does not jump the queue
             used += need
             out.append(r)
-        for r in out:
             r.key = f"req-{r.index}" if r.key is None else r.key
-            self._budget[r.key] = self.peak_blocks(r)
+            self._budget[r.key] = need
         return out
 
     def _batch(self, live: list[Request], more: bool) -> tuple[StepBatch, bool]:
