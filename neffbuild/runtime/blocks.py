@@ -127,29 +127,39 @@ class BlockManager:
         quick = self._quick.get(rid)
         if quick is not None and upto <= quick[0] and nq < quick[1]:
             return
+        # One pass to plan (per group: the new first held block, the blocks leaving, the blocks wanted), written
+        # out without helper calls: engines call this between two steps, with the interpreter's caches cold.
+        bs, free = self.block_size, self._free
         tables = self.tables.get(rid) or {g.name: [] for g in self.groups}
         starts = self._start.get(rid) or {g.name: 0 for g in self.groups}
+        hi = -(-upto // bs)  # live_blocks(...).stop
         plan, n_release, n_want = [], 0, 0
         for g in self.groups:
-            table, start = tables[g.name], starts[g.name]
-            live = live_blocks(g, self.block_size, upto, nq)
-            new_start = max(start, live.start)
-            release = range(start, min(new_start, len(table)))
-            want = range(max(new_start, len(table)), live.stop)
-            plan.append((g.name, new_start, release, want))
-            n_release, n_want = n_release + len(release), n_want + len(want)
-        if n_want > len(self._free) + n_release:
-            raise KVPoolExhausted(n_want, len(self._free) + n_release, f"for request {rid!r}")
+            name, window = g.name, g.window
+            table, start = tables[name], starts[name]
+            lo = 0 if window is None else min(max(0, nq - window + 1) // bs, hi)  # live_blocks(...).start
+            new_start = start if start > lo else lo
+            n = len(table)
+            release_end = new_start if new_start < n else n  # releases [start, release_end)
+            want_from = new_start if new_start > n else n  # wants [want_from, hi)
+            plan.append((name, table, start, new_start, release_end, want_from))
+            if release_end > start:
+                n_release += release_end - start
+            if hi > want_from:
+                n_want += hi - want_from
+        if n_want > len(free) + n_release:
+            raise KVPoolExhausted(n_want, len(free) + n_release, f"for request {rid!r}")
         self.tables[rid], self._start[rid] = tables, starts
-        for name, new_start, release, _ in plan:
-            for i in release:
-                self._free.append(tables[name][i])
-                tables[name][i] = NULL_BLOCK
+        for name, table, start, new_start, release_end, _ in plan:
+            for i in range(start, release_end):
+                free.append(table[i])
+                table[i] = NULL_BLOCK
             starts[name] = new_start
-        for name, new_start, _, want in plan:
-            table = tables[name]
-            table.extend([NULL_BLOCK] * (max(new_start, len(table)) - len(table)))
-            table.extend(self._free.pop() for _ in want)
+        for _, table, _, new_start, _, want_from in plan:
+            if new_start > len(table):
+                table.extend([NULL_BLOCK] * (new_start - len(table)))
+            for _ in range(hi - want_from):
+                table.append(free.pop())
         self.tick += 1
         self._version[rid] = self.tick
         self._quick[rid] = self._limits(tables, starts)
