@@ -11,8 +11,8 @@ moved. ``KeptBatch`` checks a kept batch where its values are made instead:
   parameters and the table buffer's write count, and how many steps every row can still
   move on one position before it leaves the columns its tables hold (``slack``);
 - ``advance_greedy(logits)``: plain greedy decode's next step, made here: each row's token is
-  the argmax of its logits (an id in ``[0, vocab)`` when the logits are the artifact's
-  ``[R, 1, vocab]``, checked by shape) and its position moves on one; a step of slack is used;
+  the argmax of its logits (the ids themselves checked: one per row, below the vocab, as the
+  artifact's ``[R, 1, vocab]`` logits give) and its position moves on one; a step of slack is used;
 - ``advance(i, tokens, num_computed)``: any other change of row ``i``, checked at once against
   ``step_ok``'s rules (integral ids in ``[0, vocab)``, 1 or 1+k of them, an integral position
   >= 0 whose live columns hold blocks); a row it cannot vouch for drops the verdict, and the
