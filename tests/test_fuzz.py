@@ -426,53 +426,6 @@ def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defe
         assert fast == (ref is None), ref  # and on plain input it takes every step the reference takes
 
 
-@fuzz(200)
-@given(data=st.data())
-def test_fuzz_kept_batch_advance_agrees_with_reference(data):
-    """A KeptBatch (runtime/kept_batch.py) keeps the Stepper's verdict only while every row it advanced passes the
-    reference's rules with the rest of the batch: never a step the reference refuses, and (plain ints, one run of
-    blocks per sliding row) every step it takes. A table row written after the verdict drops it."""
-    from types import SimpleNamespace
-
-    from neffbuild.runtime import step_checks
-    from neffbuild.runtime.kept_batch import KeptBatch
-
-    (tokens, computed, tables, k, vocab, bs, nb, mml), _ = data.draw(_edge_steps("none"))
-    tables, stale = _as_buffer_view(tables, data, -(-mml // bs))
-    params = (k, vocab, bs, nb, mml)
-    batch = KeptBatch([list(t) for t in tokens], list(computed), tables)
-    if step_checks.step_ok(batch.tokens, batch.num_computed, tables, k, vocab, bs, nb, mml):
-        batch.vouch(params)  # what Stepper.plan does when its whole check passed
-    exact = not stale and _one_run(tables) and getattr(tables, "num_cols", 10**9) <= -(-mml // bs)
-    steps = data.draw(st.integers(1, 8))
-    bad_at = data.draw(st.integers(0, steps))  # the one advance with a defect (none when == steps)
-    for step in range(steps):
-        r = data.draw(st.integers(0, len(tokens) - 1))
-        # As an engine advances (valid ids, a position on), with one defect at an edge of the rules at ``bad_at``.
-        row = [data.draw(st.integers(0, vocab - 1)) for _ in range(data.draw(st.sampled_from([1, 1 + k])))]
-        was = batch.num_computed[r] if type(batch.num_computed[r]) is int else 0
-        n = data.draw(st.sampled_from([was + 1, was + len(row), was + bs, data.draw(st.integers(0, mml + bs))]))
-        defect = data.draw(st.sampled_from(["token", "row-length", "computed"])) if step == bad_at else "none"
-        if defect == "token":
-            row[data.draw(st.integers(0, len(row) - 1))] = data.draw(st.sampled_from([-1, vocab, vocab + 1, *_ODD]))
-        elif defect == "row-length":
-            row = [0] * data.draw(st.sampled_from([0, k + 2, 2, 1 + k]))
-        elif defect == "computed":
-            n = data.draw(st.sampled_from([-1, -bs, mml - 1, mml, 10**9, *_ODD]))
-        was = batch.vouched(params)
-        batch.advance(r, row, n)
-        ref = step_checks._step_reference(batch.tokens, batch.num_computed, tables, k=k, vocab=vocab,
-                                          max_model_len=mml, layout=SimpleNamespace(block_size=bs, num_blocks=nb))
-        if batch.vouched(params):
-            assert ref is None, ref  # soundness
-        plain = type(n) is int and all(type(t) is int for t in row)
-        if was and exact and plain and ref is None:
-            assert batch.vouched(params)  # exact on what an engine writes
-    if batch.vouched(params):
-        tables.buffer.write(0, 0, [1] * tables.num_cols)
-        assert not batch.vouched(params)  # a write drops it
-
-
 @st.composite
 def _decode_rows(draw):
     """A plain decode step as an engine keeps it: one token per row, positions below max_model_len, every row

@@ -198,8 +198,7 @@ class BlockManager:
 
     def row(self, rid, group: str, width: int) -> list[int]:
         """One group's table row for a request, padded with the null block to ``width`` entries."""
-        table = self.tables[rid][group]
-        return table[:width] + [NULL_BLOCK] * (width - len(table))
+        return self.row_run(rid, group, width)[0]
 
     def row_run(self, rid, group: str, width: int) -> tuple[list[int], tuple[int, int]]:
         """``row(rid, group, width)`` and the columns its blocks fill, ``(start, stop)`` (a TableBuffer's ``run``)."""

@@ -13,18 +13,15 @@ moved. ``KeptBatch`` checks a kept batch where its values are made instead:
 - ``advance_greedy(logits)``: plain greedy decode's next step, made here: each row's token is
   the argmax of its logits (the ids themselves checked: one per row, below the vocab, as the
   artifact's ``[R, 1, vocab]`` logits give) and its position moves on one; a step of slack is used;
-- ``advance(i, tokens, num_computed)``: any other change of row ``i``, checked at once against
-  ``step_ok``'s rules (integral ids in ``[0, vocab)``, 1 or 1+k of them, an integral position
-  >= 0 whose live columns hold blocks); a row it cannot vouch for drops the verdict, and the
-  next step runs the whole check, which words the problem;
 - the next ``plan`` reads the verdict in place: two comparisons.
 
 A verdict holds only while the table buffer was not written since (a row written anew
 invalidates it) and only for the Stepper that gave it (its parameters, by identity). Rows
-change through these methods only: ``tokens`` and ``num_computed`` are the lists the
-artifact's inputs are built from, and a value stored into them directly is not seen by the
-check (the same contract as ``TableBuffer``'s views; the engine keeps it). tests/test_fuzz.py
-holds both advances to the rule-by-rule reference.
+change through ``advance_greedy`` only (any other change: a new ``KeptBatch``, which the next
+step checks whole): ``tokens`` and ``num_computed`` are the lists the artifact's inputs are
+built from, and a value stored into them directly is not seen by the check (the same contract
+as ``TableBuffer``'s views; the engine keeps it). tests/test_fuzz.py holds ``advance_greedy``
+to the rule-by-rule reference.
 """
 
 from __future__ import annotations
@@ -32,11 +29,9 @@ from __future__ import annotations
 from neffbuild.errors import StepInputError
 from neffbuild.runtime.block_tables import BlockTables
 
-_SEQ = (list, tuple)
-
 
 class KeptBatch:
-    """``StepBatch``'s fields (``tokens``, ``num_computed``, ``block_tables``), advanced in place, checked per row."""
+    """StepBatch's fields (tokens, num_computed, block_tables), moved on in place and checked as they move."""
 
     __slots__ = ("block_tables", "num_computed", "ok_at", "ok_for", "slack", "tokens")
 
@@ -90,36 +85,3 @@ class KeptBatch:
         else:
             self.ok_for = None
         return ids
-
-    def advance(self, i: int, tokens: list[int], num_computed: int) -> None:
-        """Row ``i`` := ``tokens`` at ``num_computed``; the verdict survives only if the row passes ``step_ok``'s
-        rules (the Stepper's parameters: k, vocab, block size, pool, max_model_len)."""
-        self.tokens[i], self.num_computed[i] = tokens, num_computed
-        self.slack = 0  # (a position set by hand: the next greedy step checks everything again)
-        params = self.ok_for
-        if params is None:
-            return
-        tables = self.block_tables
-        if self.ok_at != tables.buffer.writes:  # tables written since: the next step checks everything
-            self.ok_for = None
-            return
-        k, vocab, bs, _, mml = params
-        n = num_computed
-        ok = type(tokens) in _SEQ and type(n) is int and n >= 0 and (len(tokens) == 1 or len(tokens) == 1 + k)
-        if ok:
-            for t in tokens:
-                if type(t) is not int or t < 0 or t >= vocab:
-                    ok = False
-                    break
-        if ok:
-            first_null, s_start, s_end = tables.verdict
-            q = len(tokens)
-            last = (n + q if n + q < mml else mml) - 1  # the last live position (none when n >= max_model_len)
-            h = last // bs + 1 if last >= n else 0  # live columns: [0, h) full, [n // bs, h) sliding
-            if h > first_null[i]:  # (never past the row's width: the verdict's rows are the view's width)
-                ok = False
-            elif s_start is not None:
-                a = n // bs
-                ok = h <= a or (s_start[i] <= a and h <= s_end[i])
-        if not ok:
-            self.ok_for = None

@@ -249,9 +249,8 @@ class Engine:
             self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // bs))
             self._cover = ctx
         if self.proposer is None and live:  # kept and advanced in place: its rows are checked as they change
-            batch = KeptBatch(tokens, computed, self._tables)
-            self._steady = max(0, min(slack, self._cover - top, self.grid.max_model_len - top))
-            self._last, self._tick = batch, self.blocks.tick
+            batch = self._last = KeptBatch(tokens, computed, self._tables)
+            self._count_down(slack, top)
         else:
             batch = StepBatch(tokens, computed, self._tables)
         return batch, more
@@ -276,9 +275,14 @@ class Engine:
             return False
         if moved:
             self._rows.rewrite(moved, [live[i].key for i in moved])
-        self._steady = max(0, min(slack, self._cover - top, self.grid.max_model_len - top))
-        self._tick = blocks.tick
+        self._count_down(slack, top)
         return True
+
+    def _count_down(self, slack: int, top: int) -> None:
+        """The kept batch serves the next steps until a request needs a block (``slack``), the batch a wider
+        bucket or max_model_len comes, or another part reserves (``_tick``)."""
+        self._steady = max(0, min(slack, self._cover - top, self.grid.max_model_len - top))
+        self._tick = self.blocks.tick
 
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
         """Greedy acceptance of the step's output: (tokens emitted, the requests it finished)."""

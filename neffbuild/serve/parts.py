@@ -115,18 +115,12 @@ class BlockRows:
             return block_rows(blocks, keys, upto, width)
         if width != self._width:  # a new width rewrites every row
             self._rows, self._ids, self._width = [], [[None] * self.max_rows for _ in self.names], width
-        rows = self._rows
-        versions, write, row_run, written = blocks.versions, self.buffer.write, blocks.row_run, self._ids
+        rows, versions = self._rows, blocks.versions
         for i, k in enumerate(keys):
             have = (k, versions.get(k, 0))  # BlockManager.version, without a call per row
             if i < len(rows) and rows[i] == have:
                 continue
-            for gi, name in enumerate(self.names):
-                ids, run = row_run(k, name, width)
-                if written[gi][i] != ids:  # a reserve often changes one group's row only (a sliding release)
-                    written[gi][i] = None  # (until the write below has succeeded)
-                    write(gi, i, ids, run)  # the manager's run: confirmed by the buffer, spares it a scan
-                    written[gi][i] = ids
+            self._write_row(i, k, width)
             if i < len(rows):
                 rows[i] = have
             else:
@@ -134,19 +128,23 @@ class BlockRows:
         self._rows = rows
         return self.buffer.view(n_rows, width)
 
-
     def rewrite(self, rows: Sequence[int], keys: Sequence) -> None:
         """Rows ``rows`` (of the last call's view, same width) := their requests' blocks now: the kept view
         shows them (a step that changed only these rows' blocks, as at a block boundary)."""
-        blocks, width, versions, written = self.blocks, self._width, self.blocks.versions, self._ids
+        versions = self.blocks.versions
         for i, k in zip(rows, keys, strict=True):
-            for gi, name in enumerate(self.names):
-                ids, run = blocks.row_run(k, name, width)
-                if written[gi][i] != ids:
-                    written[gi][i] = None
-                    self.buffer.write(gi, i, ids, run)
-                    written[gi][i] = ids
+            self._write_row(i, k, self._width)
             self._rows[i] = (k, versions.get(k, 0))
+
+    def _write_row(self, i: int, key, width: int) -> None:
+        """Row ``i`` of every group := the request's blocks at ``width`` (a group's row written only if it changed)."""
+        written = self._ids
+        for gi, name in enumerate(self.names):
+            ids, run = self.blocks.row_run(key, name, width)
+            if written[gi][i] != ids:  # a reserve often changes one group's row only (a sliding release)
+                written[gi][i] = None  # (until the write below has succeeded)
+                self.buffer.write(gi, i, ids, run)  # the manager's run: confirmed by the buffer, spares it a scan
+                written[gi][i] = ids
 
 
 class KVSource(Protocol):
