@@ -66,12 +66,18 @@ class KeptBatch:
         """Plain greedy decode: row i := [argmax of ``logits[i, 0]``], one position on; returns those rows ``[R][1]``.
         The verdict survives while every row is one id below the vocab (``[R, 1, V <= vocab]`` logits: no shape
         read, the ids themselves are looked at) and slack is left."""
-        ids = logits.argmax(-1).tolist()
-        computed = self.num_computed
-        if len(ids) != len(computed):
+        try:
+            ids = logits.argmax(-1).tolist()
+        except (AttributeError, TypeError, IndexError, RuntimeError) as exc:
             self.ok_for = None
-            raise StepInputError(f"KeptBatch.advance_greedy: logits for {len(ids)} rows, the batch has "
-                                 f"{len(computed)}; pass the StepOutput's logits of this batch's step")
+            raise StepInputError(f"KeptBatch.advance_greedy: logits must be the step's [R, 1, vocab] tensor "
+                                 f"({type(exc).__name__}: {exc})") from None
+        computed = self.num_computed
+        if type(ids) is not list or len(ids) != len(computed):
+            self.ok_for = None
+            raise StepInputError(f"KeptBatch.advance_greedy: logits for {len(ids) if type(ids) is list else 0} "
+                                 f"rows, the batch has {len(computed)}; pass the StepOutput's logits of this "
+                                 f"batch's step")
         params = self.ok_for
         keep = params is not None and self.slack > 0
         top = params[1] if keep else 0
