@@ -115,16 +115,18 @@ class _SlowManager(BlockManager):
 
     def reserve(self, rid, upto, next_query=None):
         self._quick.pop(rid, None)
-        super().reserve(rid, upto, next_query)
+        return super().reserve(rid, upto, next_query)
 
 
 @settings(max_examples=80, deadline=None)
 @given(bs=st.sampled_from([1, 4, 16]), window=st.one_of(st.none(), st.integers(1, 70)),
-       calls=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 4), st.booleans()),
+       calls=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(0, 24), st.booleans()),
                       min_size=1, max_size=60))
 def test_reserve_fast_path_changes_exactly_what_the_full_route_changes(bs, window, calls):
     """Reserve's shortcut (no boundary crossed, nothing leaving the window) leaves the tables, the free
-    list and the errors exactly as the full route does; a table change always moves ``version``."""
+    list and the errors exactly as the full route does; a table change always moves ``version``; what
+    reserve returns is ``hold_limits`` (an engine keeps it instead of asking). ``q`` up to 24: an engine's
+    look-ahead reserves many positions past the step."""
     fast, slow = BlockManager(40, bs, kv_groups(window)), _SlowManager(40, bs, kv_groups(window))
     pos = {}
     for rid, step, q, release in calls:
@@ -138,7 +140,8 @@ def test_reserve_fast_path_changes_exactly_what_the_full_route_changes(bs, windo
         outcomes = []
         for mgr in (fast, slow):
             try:
-                mgr.reserve(rid, n + q, n)
+                got = mgr.reserve(rid, n + q, n)
+                assert got == mgr.hold_limits(rid) and got[2] == mgr.version(rid)
                 outcomes.append(None)
             except KVPoolExhausted as e:
                 outcomes.append((e.needed, e.free))

@@ -122,13 +122,46 @@ def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
 
     runs = {}
     for cls in (Checked, Fresh):
-        reqs = _requests()
-        engine = cls(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches))
+        reqs = _requests()  # no look-ahead (ahead=0): every block boundary is a step that changes tables
+        engine = cls(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches),
+                     ahead=0)
         engine.run(reqs)
         runs[cls] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps])
     assert runs[Checked] == runs[Fresh]
     assert len(kept) >= len(runs[Fresh][1]) // 4, (len(kept), len(runs[Fresh][1]))  # the kept batch served steps
     assert stepped_on  # and block boundaries were crossed with only the crossing rows rewritten
+
+
+@pytest.mark.slow
+def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built):
+    """``Engine.ahead``: every reserve holds whole blocks past the step, as far as the pool can spare for
+    max_batch requests at max_model_len. The tokens and step log equal the engine without it; every request
+    holds at most its admission budget at every step (a sliding group keeps more blocks, within it); the
+    tables change far less often (the block manager's ``tick``). A pool at the recipe's formula minimum
+    gets no look-ahead."""
+    from neffbuild.runtime.blocks import min_pool_blocks
+    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.serve.session import open_session
+
+    session = open_session(open_bundle(built[1].bundle, preload=True))
+    runs, over = {}, []
+    for ahead in (0, None):
+        reqs, blocks = _requests(), session.block_manager()
+        engine = Engine(session.stepper, blocks, LocalPrefill(session.prefill, session.stepper.kv_caches),
+                        ahead=ahead, on_step=lambda plan, out: over.extend(
+                            (k, blocks.held(k), need) for k, need in engine._budget.items() if blocks.held(k) > need))
+        engine.run(reqs)
+        runs[ahead] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps],
+                       blocks.tick, engine.ahead)
+    assert not over, over[:3]
+    assert runs[None][:2] == runs[0][:2]
+    assert runs[None][3] > 0 and runs[None][3] % blocks.block_size == 0
+    assert runs[None][2] * 2 <= runs[0][2], (runs[None][2], runs[0][2])  # table changes at least halved
+    grid, groups = session.stepper.grid, blocks.groups
+    tight = min_pool_blocks(grid.max_model_len, blocks.block_size, groups, num_seqs=grid.num_seqs_buckets[-1])
+    from neffbuild.runtime.blocks import BlockManager
+
+    assert Engine(session.stepper, BlockManager(tight, blocks.block_size, groups), None).ahead == 0
 
 
 @pytest.mark.parametrize("line, needle", [

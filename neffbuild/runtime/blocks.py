@@ -105,7 +105,7 @@ class BlockManager:
         # Per request: (upto, next_query) limits below which ``reserve`` changes nothing (the step's
         # common case: no block boundary crossed, no sliding block leaving), and a counter that
         # moves whenever its table changes (engines cache the tensors they build from a row on it).
-        self._quick: dict[object, tuple[int, float]] = {}
+        self._quick: dict[object, tuple[int, float, int]] = {}  # (upto, next_query, version)
         self._version: dict[object, int] = {}
         # The last version handed out: one counter for all, so a reused key never repeats one; public, read-only:
         # while it has not moved, no table changed (an engine keeps a step's batch on it).
@@ -115,18 +115,19 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free)
 
-    def reserve(self, rid, upto: int, next_query: int | None = None) -> None:
+    def reserve(self, rid, upto: int, next_query: int | None = None) -> tuple[int, float, int]:
         """Hold blocks for positions ``< upto`` that a query at ``next_query`` (default ``upto - 1``) or later reads.
 
         A decode step running positions ``[n, n+q)`` calls ``reserve(rid, n + q, n)``; prefill of
         ``N`` tokens (which reads no cache) calls ``reserve(rid, N, N)``. Sliding-window blocks
         that fell out of the window return to the pool first. All or nothing: raises
         KVPoolExhausted (needed vs free) and changes nothing when the pool is short.
+        Returns ``hold_limits(rid)`` after it (an engine keeps it: one call, not two).
         """
         nq = upto - 1 if next_query is None else next_query
         quick = self._quick.get(rid)
         if quick is not None and upto <= quick[0] and nq < quick[1]:
-            return
+            return quick
         # One pass to plan (per group: the new first held block, the blocks leaving, the blocks wanted), written
         # out without helper calls: engines call this between two steps, with the interpreter's caches cold.
         bs, free = self.block_size, self._free
@@ -151,18 +152,20 @@ class BlockManager:
             raise KVPoolExhausted(n_want, len(free) + n_release, f"for request {rid!r}")
         self.tables[rid], self._start[rid] = tables, starts
         for name, table, start, new_start, release_end, _ in plan:
-            for i in range(start, release_end):
-                free.append(table[i])
-                table[i] = NULL_BLOCK
+            if release_end > start:  # (slices, not a loop per block: an engine may reserve many blocks ahead)
+                free.extend(table[start:release_end])
+                table[start:release_end] = [NULL_BLOCK] * (release_end - start)
             starts[name] = new_start
         for _, table, _, new_start, _, want_from in plan:
             if new_start > len(table):
                 table.extend([NULL_BLOCK] * (new_start - len(table)))
-            for _ in range(hi - want_from):
-                table.append(free.pop())
+            if hi > want_from:  # the blocks pop() would hand out, in that order
+                table.extend(free[-1:want_from - hi - 1:-1])
+                del free[want_from - hi:]
         self.tick += 1
         self._version[rid] = self.tick
-        self._quick[rid] = self._limits(tables, starts)
+        quick = self._quick[rid] = (*self._limits(tables, starts), self.tick)
+        return quick
 
     def _limits(self, tables: dict[str, list[int]], starts: dict[str, int]) -> tuple[int, float]:
         """(upto, next_query) limits of a no-op reserve: every group's table already reaches ``upto``
@@ -185,8 +188,7 @@ class BlockManager:
     def hold_limits(self, rid) -> tuple[int, float, int] | None:
         """``(upto, next_query, version)``: while the table is at ``version``, ``reserve(rid, u, n)`` with
         ``u <= upto`` and ``n < next_query`` changes nothing (an engine may skip the call)."""
-        quick = self._quick.get(rid)
-        return None if quick is None else (*quick, self._version[rid])
+        return self._quick.get(rid)  # (kept with its version by reserve)
 
     def release(self, rid) -> None:
         """Return every block of a finished request to the pool."""
@@ -204,6 +206,16 @@ class BlockManager:
         """``row(rid, group, width)`` and the columns its blocks fill, ``(start, stop)`` (a TableBuffer's ``run``)."""
         table = self.tables[rid][group]
         return table[:width] + [NULL_BLOCK] * (width - len(table)), (self._start[rid][group], min(len(table), width))
+
+    def row_runs(self, rid, width: int) -> list[tuple[list[int], tuple[int, int]]]:
+        """``row_run(rid, group, width)`` of every group, in ``groups`` order (one call per request, not per group)."""
+        tables, starts, out = self.tables[rid], self._start[rid], []
+        for g in self.groups:
+            table = tables[g.name]
+            n = len(table)
+            out.append((table[:width] + [NULL_BLOCK] * (width - n) if n < width else table[:width],
+                        (starts[g.name], n if n < width else width)))
+        return out
 
     def held(self, rid) -> int:
         """Blocks a request holds over all groups."""

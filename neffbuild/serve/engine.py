@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from neffbuild.errors import InvalidInput
 from neffbuild.runtime.blocks import BlockManager, blocks_needed
-from neffbuild.runtime.buckets import ctx_bucket_for
+from neffbuild.runtime.buckets import ctx_buckets_with_fallback
 from neffbuild.runtime.dispatch import StepPlan
 from neffbuild.runtime.kept_batch import KeptBatch
 from neffbuild.runtime.step import StepBatch, Stepper
@@ -89,7 +89,8 @@ class Engine:
     """One rank's engine over a Stepper, a block manager, a KV source and an optional proposer."""
 
     def __init__(self, stepper: Stepper, blocks: BlockManager, source: KVSource, proposer: Proposer | None = None,
-                 *, max_batch: int | None = None, on_step: Callable[[StepPlan, object], None] | None = None):
+                 *, max_batch: int | None = None, on_step: Callable[[StepPlan, object], None] | None = None,
+                 ahead: int | None = None):
         self.stepper, self.blocks, self.source, self.proposer = stepper, blocks, source, proposer
         self.grid = stepper.grid
         self.max_batch = max_batch or self.grid.num_seqs_buckets[-1]
@@ -97,24 +98,56 @@ class Engine:
         self.on_step = on_step
         self.stats = EngineStats(speculative=bool(self.k))
         self._budget: dict[object, int] = {}  # key -> peak blocks reserved for admission
+        self._used = 0  # their sum
         self.pool = blocks.num_free  # blocks the engine may hand out (the block manager starts empty)
+        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
+            raise InvalidInput(f"Engine: ahead must be an integer >= 0 (tokens), got {ahead!r}")
+        self.ahead = self._lookahead() if ahead is None else ahead
         self._tables: dict | None = None  # the last step's tables (BlockRows), while no request changed them
         self._cover = 0  # tokens the last tables' width covers
+        self._ctx = ctx_buckets_with_fallback(self.grid.ctx_buckets, self.grid.max_model_len)  # (ctx_bucket_for)
         self._rows = BlockRows(blocks, self.max_batch, -(-(self.grid.max_model_len + self.k) // blocks.block_size))
         # Plain decode (no proposer): the last batch, advanced in place by _accept, serves the next ``_steady``
         # steps while no request joins or leaves and no table changes (``_tick``: BlockManager.tick then).
         self._steady, self._last, self._tick, self._going = 0, None, -1, False
+        # (row, request moved there) for each row a finished request left at the last step: a request joining at
+        # the next one takes that row and the moved request goes back to its own (one table row written, not two)
+        self._holes: list[tuple[int, Request]] = []
+
+    def _lookahead(self) -> int:
+        """Tokens every reserve holds past the step's positions (whole blocks): the most the pool can spare while
+        it still holds ``max_batch`` requests at ``max_model_len`` with them, so admission never waits for it.
+
+        A full-attention group holds no more at its peak for it (its reserve stops at the request's last
+        position), so that part is free; a sliding-window group holds up to ``ahead / block_size`` blocks more
+        than its window (blocks_needed with the step ``ahead`` tokens longer). What it buys: a request's tables
+        change once per ``ahead`` tokens, not once per block, and the step that changes them runs its Python
+        with the caches the artifact left cold (~30 us a change on CPU, docs/benchmarks.md)."""
+        bs, groups, mml = self.blocks.block_size, self.blocks.groups, self.grid.max_model_len
+        lo, hi = 0, -(-mml // bs)  # blocks ahead: 0 always fits (the recipe's formula), hi covers every position
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.max_batch * blocks_needed(mml, bs, groups, 1 + self.k + mid * bs) <= self.pool:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * bs
 
     def peak_blocks(self, req: Request) -> int:
-        """The most blocks a request holds over its life (prompt + tokens + drafts past the last)."""
+        """The most blocks a request holds over its life (prompt + tokens + drafts past the last, and the
+        engine's ``ahead``)."""
         n = min(len(req.prompt) + req.max_new_tokens + self.k, self.grid.max_model_len)
-        return blocks_needed(n, self.blocks.block_size, self.blocks.groups, 1 + self.k)
+        return blocks_needed(n, self.blocks.block_size, self.blocks.groups, 1 + self.k + self.ahead)
 
     def check_fits(self, reqs: list[Request]) -> None:
-        """Refuse (exit 2) a request that even an empty pool could not serve: waiting would not help."""
+        """Refuse (exit 2) a request that even an empty pool could not serve: waiting would not help. Sets each
+        request's ``reach`` and ``need`` (its peak blocks), which admission then reads."""
+        mml = self.grid.max_model_len
         for r in reqs:
-            if self.peak_blocks(r) > self.pool:
-                raise InvalidInput(f"request {r.id!r}: needs {self.peak_blocks(r)} KV blocks at its longest, the "
+            r.reach, r.ahead = min(len(r.prompt) + r.max_new_tokens + self.k, mml), self.ahead
+            r.need = self.peak_blocks(r)
+            if r.need > self.pool:
+                raise InvalidInput(f"request {r.id!r}: needs {r.need} KV blocks at its longest, the "
                                    f"bundle's pool holds {self.pool}; shorten it or build with more serving.num_blocks")
 
     def run(self, requests: list[Request]) -> list[Request]:
@@ -123,78 +156,105 @@ class Engine:
         waiting = sorted(requests, key=lambda r: (r.arrival, r.index))
         live: list[Request] = []
         check = getattr(self.source, "check", None)  # optional: a KV source that can die between admissions
-        t = 0
-        while True:
-            if not live and waiting and self.stepper.group is None and not self.source.collective:
-                t = max(t, waiting[0].arrival)  # nothing runs until then: skip the idle steps (DP ranks count them)
-            t0 = time.perf_counter()
-            admit = self._admissible(waiting, live, t)
-            if check is not None and len(waiting) > len(admit):
-                check(waiting[len(admit)])  # a remote KV source still alive for what waits (rate-limited)
-            source_s = propose_s = run_s = 0.0
-            if admit:
-                self._steady, self._last = 0, None  # the live set changes: the next batch is built afresh
-            if admit or self.source.collective:
-                s0 = time.perf_counter()
-                self.source.admit(admit, self.blocks)
-                source_s = time.perf_counter() - s0
-                for r in admit:
-                    waiting.remove(r)
-                    if r.done:  # local prefill's token was its only one
+        source, stats, clock, max_batch = self.source, self.stats, time.perf_counter, self.max_batch
+        solo = self.stepper.group is None and not source.collective
+        # The step's timings add up in locals and go to ``stats`` when the run ends (or fails): a few attribute
+        # writes less per step, each with the caches cold. One clock read ends a step and starts the next.
+        sums = [0.0] * 5  # source, run, plan, engine, accept seconds
+        t, t0 = 0, clock()
+        try:
+            while True:
+                if not live and waiting and solo:
+                    t = max(t, waiting[0].arrival)  # nothing runs until then: skip the idle steps (DP ranks count them)
+                if waiting and len(live) < max_batch and waiting[0].arrival <= t:  # (_admissible's common "no")
+                    admit = self._admissible(waiting, live, t)
+                else:
+                    admit = ()
+                if check is not None and len(waiting) > len(admit):
+                    check(waiting[len(admit)])  # a remote KV source still alive for what waits (rate-limited)
+                source_s = propose_s = run_s = 0.0
+                if admit:
+                    self._steady, self._last = 0, None  # the live set changes: the next batch is built afresh
+                if admit or source.collective:
+                    s0 = clock()
+                    source.admit(list(admit), self.blocks)
+                    source_s = clock() - s0
+                    self._join(admit, waiting, live)
+                if self.proposer is not None and live:
+                    p0 = clock()
+                    label = self.proposer.propose(live, self.blocks)
+                    propose_s = clock() - p0
+                    if label:
+                        stats.draft_calls.append(label)
+                # "more": this rank has work after this step for sure or maybe (a draft may finish a request early)
+                batch, more = self._batch(live, bool(waiting))
+                q0 = clock()  # one clock read between phases (each read costs ~1 us here)
+                plan = self.stepper.plan(batch, more=more)
+                q1 = clock()
+                if plan.any_work:
+                    out = self.stepper.run(plan, batch)
+                    r1 = clock()
+                    run_s = r1 - q1
+                    emitted, finished = self._accept(live, out, plan, t)
+                    sums[4] += clock() - r1
+                    for r in finished:  # the last live request takes the row: one table row rewritten, not all after
+                        at = live.index(r)
+                        live[at] = live[-1]
+                        live.pop()
+                        if at < len(live):  # (a request joining next step takes the row instead: see _join)
+                            self._holes.append((at, live[at]))
                         self._leave(r)
-                    else:
-                        live.append(r)
-            if self.proposer is not None and live:
-                p0 = time.perf_counter()
-                label = self.proposer.propose(live, self.blocks)
-                propose_s = time.perf_counter() - p0
-                if label:
-                    self.stats.draft_calls.append(label)
-            # "more": this rank has work after this step for sure or maybe (a draft may finish a request early)
-            batch, more = self._batch(live, bool(waiting))
-            q0 = time.perf_counter()  # one clock read between phases (each read costs ~1 us here)
-            plan = self.stepper.plan(batch, more=more)
-            q1 = time.perf_counter()
-            plan_s = q1 - q0
-            if plan.any_work:
-                out = self.stepper.run(plan, batch)
-                r1 = time.perf_counter()
-                run_s = r1 - q1
-                emitted, finished = self._accept(live, out, plan, t)
-                self.stats.accept_seconds += time.perf_counter() - r1
-                for r in finished:  # the last live request takes the row: one table row rewritten, not all after
-                    at = live.index(r)
-                    live[at] = live[-1]
-                    live.pop()
-                    self._leave(r)
-            wall = time.perf_counter() - t0
-            self.stats.source_seconds += source_s
-            if plan.any_work:
-                self.stats.step_seconds.append(wall - source_s)
-                self.stats.step_tokens.append(emitted)
-                self.stats.run_seconds += run_s
-                self.stats.plan_seconds += plan_s
-                self.stats.engine_seconds += wall - source_s - propose_s - run_s - plan_s
-            if not plan.more:
-                break
-            t += 1
+                now = clock()
+                wall, t0 = now - t0, now
+                sums[0] += source_s
+                if plan.any_work:
+                    stats.step_seconds.append(wall - source_s)
+                    stats.step_tokens.append(emitted)
+                    sums[1] += run_s
+                    sums[2] += q1 - q0
+                    sums[3] += wall - source_s - propose_s - run_s - (q1 - q0)
+                if not plan.more:
+                    break
+                t += 1
+        finally:
+            for name, v in zip(("source_seconds", "run_seconds", "plan_seconds", "engine_seconds", "accept_seconds"),
+                               sums, strict=True):
+                setattr(stats, name, getattr(stats, name) + v)
         return requests
+
+    def _join(self, admit: list[Request], waiting: list[Request], live: list[Request]) -> None:
+        """The admitted requests (their KV in place) join the live batch; one that local prefill already finished
+        leaves. A row that the last step's leave emptied is taken first, and the request moved there goes back to
+        its own row: one table row written, not two."""
+        holes = self._holes
+        for r in admit:
+            waiting.remove(r)
+            if r.done:  # local prefill's token was its only one
+                self._leave(r)
+                continue
+            while holes:
+                at, moved = holes.pop()
+                if at < len(live) and live[at] is moved:
+                    live[at] = r
+                    r = moved
+                    break
+            live.append(r)
 
     def _admissible(self, waiting: list[Request], live: list[Request], t: int) -> list[Request]:
         free_slots = self.max_batch - len(live)
         if not waiting or free_slots <= 0 or waiting[0].arrival > t:
             return []  # the step's common case: nothing to look at
-        out, used = [], sum(self._budget.values())
+        out, used = [], self._used
         for r in waiting:
             if r.arrival > t or len(out) >= free_slots:
                 break
-            need = self.peak_blocks(r)
-            if used + need > self.pool:
+            if used + r.need > self.pool:  # r.need: check_fits
                 break  # first come, first served: a later, smaller request does not jump the queue
-            used += need
+            used += r.need
             out.append(r)
             r.key = f"req-{r.index}" if r.key is None else r.key
-            self._budget[r.key] = need
+            self._budget[r.key] = r.need
+        self._used = used
         return out
 
     def _batch(self, live: list[Request], more: bool) -> tuple[StepBatch, bool]:
@@ -222,16 +282,18 @@ class Engine:
                 return last, more or self._going
             if self._step_on(live, last):
                 return last, more or self._going
+        self._holes.clear()  # a full pass places the requests where they are
         tokens, computed, upto = [], [], []
-        changed, top, versions = self._tables is None, 0, self.blocks.versions
+        changed, top, versions, ahead = self._tables is None, 0, self.blocks.versions, self.ahead
         slack = 1 << 30
         for r in live:
             n = r.computed
             u = n + 1 + len(r.drafts)
             hold = r.hold  # set here; another part's reserve (a proposer's) moves the version
             if hold is None or u > hold[0] or versions.get(r.key) != hold[2]:
-                self.blocks.reserve(r.key, u, n)  # sliding blocks out of the window go back here, not earlier
-                r.hold = hold = self.blocks.hold_limits(r.key)
+                # ``ahead`` more positions (to its last one at most): the next reserve comes that much later. Sliding
+                # blocks out of the window go back here, not earlier.
+                r.hold = hold = self.blocks.reserve(r.key, max(u, min(u + ahead, r.reach)), n)  # its hold_limits
                 changed = True
             s = hold[0] - u  # steps until this request needs a new block
             slack = s if s < slack else slack
@@ -244,9 +306,12 @@ class Engine:
         if changed or top > self._cover:
             # As wide as the context bucket the longest needs (the columns the graph reads): the
             # width, and so the tables' shape, changes only where the bucket does.
-            grid, bs = self.grid, self.blocks.block_size
-            ctx = ctx_bucket_for(top, grid.ctx_buckets, grid.max_model_len) if top <= grid.max_model_len else top
-            self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // bs))
+            for ctx in self._ctx:  # ctx_bucket_for: the smallest context bucket (or max_model_len) covering top
+                if ctx >= top:
+                    break
+            else:
+                ctx = top
+            self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // self.blocks.block_size))
             self._cover = ctx
         if self.proposer is None and live:  # kept and advanced in place: its rows are checked as they change
             batch = self._last = KeptBatch(tokens, computed, self._tables)
@@ -260,13 +325,12 @@ class Engine:
         whose next position leaves their blocks, rewrite their rows (the kept batch's tables are a view of
         them), count the slack anew. False (nothing rewritten) when the batch needs a wider context bucket: the
         full pass builds the wider tables."""
-        blocks, slack, top, moved = self.blocks, 1 << 30, 0, []
+        blocks, slack, top, moved, ahead = self.blocks, 1 << 30, 0, [], self.ahead
         for i, r in enumerate(live):
             u = r.computed + 1
             hold = r.hold
             if u > hold[0]:
-                blocks.reserve(r.key, u, u - 1)
-                r.hold = hold = blocks.hold_limits(r.key)
+                r.hold = hold = blocks.reserve(r.key, max(u, min(u + ahead, r.reach)), u - 1)
                 moved.append(i)
             s = hold[0] - u
             slack = s if s < slack else slack
@@ -327,6 +391,6 @@ class Engine:
 
     def _leave(self, r: Request) -> None:
         self._steady, self._last = 0, None
-        self._budget.pop(r.key, None)
+        self._used -= self._budget.pop(r.key, 0)
         self._tables, r.hold = None, None  # the live set changed: the next step builds its tables
         self.blocks.release(r.key)

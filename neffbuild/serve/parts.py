@@ -63,6 +63,9 @@ class Request:
     last_step: int | None = None
     transfer: dict | None = None  # NIXL source: what the pull moved
     hold: tuple | None = None  # the engine's: BlockManager.hold_limits after its last reserve for it
+    reach: int = 0  # the engine's: positions its blocks ever cover (prompt + max_new_tokens + drafts, <= max_model_len)
+    need: int = 0  # the engine's: the most KV blocks it ever holds (``Engine.peak_blocks``, admission's budget)
+    ahead: int = 0  # the engine's: positions past a step's that its reserves also hold (``Engine.ahead``)
 
     @property
     def done(self) -> bool:
@@ -109,7 +112,8 @@ class BlockRows:
     def __call__(self, keys: Sequence, upto: Sequence[int], width: int = 0) -> dict[str, torch.Tensor]:
         """``block_rows(keys, upto)``, at least ``width`` columns wide (null-padded past each row's blocks)."""
         blocks, bs = self.blocks, self.blocks.block_size
-        width = max(width, *(-(-n // bs) for n in upto), 1)
+        most = -(-max(upto) // bs) if upto else 0
+        width = max(width, most, 1)
         n_rows = len(keys)
         if n_rows > self.max_rows or width > self.max_width:
             return block_rows(blocks, keys, upto, width)
@@ -139,8 +143,7 @@ class BlockRows:
     def _write_row(self, i: int, key, width: int) -> None:
         """Row ``i`` of every group := the request's blocks at ``width`` (a group's row written only if it changed)."""
         written = self._ids
-        for gi, name in enumerate(self.names):
-            ids, run = self.blocks.row_run(key, name, width)
+        for gi, (ids, run) in enumerate(self.blocks.row_runs(key, width)):
             if written[gi][i] != ids:  # a reserve often changes one group's row only (a sliding release)
                 written[gi][i] = None  # (until the write below has succeeded)
                 self.buffer.write(gi, i, ids, run)  # the manager's run: confirmed by the buffer, spares it a scan
@@ -191,7 +194,9 @@ class LocalPrefill:
             r = reqs[n]
             r.key = r.key if r.key is not None else f"req-{r.index}"
             N = len(r.prompt)
-            blocks.reserve(r.key, N, N)  # prefill reads no cache: keep only what decode reads
+            # Prefill reads no cache: keep only what decode reads, and hold what the engine's first decode reserve
+            # would (position N and ``ahead`` more, within its reach): that reserve then changes nothing.
+            blocks.reserve(r.key, max(N, min(N + 1 + r.ahead, r.reach)), N)
             rows = {g: t[0] for g, t in block_rows(blocks, [r.key], [N]).items()}
             out = self.prefill(r.prompt, self.kv_caches, rows, **kw)
             logits, aux = out if self.aux_layers else (out, None)
