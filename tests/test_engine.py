@@ -132,6 +132,12 @@ def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
     assert stepped_on  # and block boundaries were crossed with only the crossing rows rewritten
 
 
+def _over_budget(engine) -> list:
+    """(key, blocks held, budget) of every live request holding more than admission budgeted for it."""
+    held = engine.blocks.held
+    return [(k, held(k), need) for k, need in engine._budget.items() if held(k) > need]
+
+
 @pytest.mark.slow
 def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built):
     """``Engine.ahead``: every reserve holds whole blocks past the step, as far as the pool can spare for
@@ -147,9 +153,8 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
     runs, over = {}, []
     for ahead in (0, None):
         reqs, blocks = _requests(), session.block_manager()
-        engine = Engine(session.stepper, blocks, LocalPrefill(session.prefill, session.stepper.kv_caches),
-                        ahead=ahead, on_step=lambda plan, out: over.extend(
-                            (k, blocks.held(k), need) for k, need in engine._budget.items() if blocks.held(k) > need))
+        engine = Engine(session.stepper, blocks, LocalPrefill(session.prefill, session.stepper.kv_caches), ahead=ahead)
+        engine.on_step = lambda plan, out, e=engine: over.extend(_over_budget(e))
         engine.run(reqs)
         runs[ahead] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps],
                        blocks.tick, engine.ahead)
