@@ -109,7 +109,7 @@ class Engine:
         self._rows = BlockRows(blocks, self.max_batch, -(-(self.grid.max_model_len + self.k) // blocks.block_size))
         # Plain decode (no proposer): the last batch, advanced in place by _accept, serves the next ``_steady``
         # steps while no request joins or leaves and no table changes (``_tick``: BlockManager.tick then).
-        self._steady, self._last, self._tick, self._going = 0, None, -1, False
+        self._steady, self._last, self._tick, self._going, self._edge = 0, None, -1, False, False
         # (row, request moved there) for each row a finished request left at the last step: a request joining at
         # the next one takes that row and the moved request goes back to its own (one table row written, not two)
         self._holes: list[tuple[int, Request]] = []
@@ -196,15 +196,19 @@ class Engine:
                     r1 = clock()
                     run_s = r1 - q1
                     emitted, finished = self._accept(live, out, plan, t)
-                    sums[4] += clock() - r1
-                    for r in finished:  # the last live request takes the row: one table row rewritten, not all after
-                        at = live.index(r)
-                        live[at] = live[-1]
-                        live.pop()
-                        if at < len(live):  # (a request joining next step takes the row instead: see _join)
-                            self._holes.append((at, live[at]))
-                        self._leave(r)
-                now = clock()
+                    now = clock()
+                    sums[4] += now - r1
+                    if finished:
+                        for r in finished:  # the last live request takes the row: one row rewritten, not all after
+                            at = live.index(r)
+                            live[at] = live[-1]
+                            live.pop()
+                            if at < len(live):  # (a request joining next step takes the row instead: see _join)
+                                self._holes.append((at, live[at]))
+                            self._leave(r)
+                        now = clock()
+                else:
+                    now = clock()
                 wall, t0 = now - t0, now
                 sums[0] += source_s
                 if plan.any_work:
@@ -280,7 +284,7 @@ class Engine:
             if self._steady:
                 self._steady -= 1
                 return last, more or self._going
-            if self._step_on(live, last):
+            if not self._edge and self._step_on(live, last):
                 return last, more or self._going
         self._holes.clear()  # a full pass places the requests where they are
         tokens, computed, upto = [], [], []
@@ -345,7 +349,9 @@ class Engine:
     def _count_down(self, slack: int, top: int) -> None:
         """The kept batch serves the next steps until a request needs a block (``slack``), the batch a wider
         bucket or max_model_len comes, or another part reserves (``_tick``)."""
-        self._steady = max(0, min(slack, self._cover - top, self.grid.max_model_len - top))
+        edge = min(self._cover - top, self.grid.max_model_len - top)
+        self._steady = max(0, min(slack, edge))
+        self._edge = edge <= slack  # it ends at the bucket's edge: the next step builds afresh (no _step_on)
         self._tick = self.blocks.tick
 
     def _accept(self, live: list[Request], out, plan: StepPlan, t: int) -> tuple[int, list[Request]]:
