@@ -11,20 +11,23 @@ when it is written, and keeps what the step check needs as plain Python:
   ``array('q')`` shared with a tensor through ``torch.frombuffer``), so a step's
   ``[R, W]`` table is a view, made once per shape;
 - ``write`` takes a row's ids as anything ``array('q')`` takes (ints; a float or a string is
-  a ``StepInputError``), stores them, and records, from the ids stored (what the graph will
-  read, exactly), their smallest and largest id, the width, and where the null block (0) is:
-  the first null column, and the run of columns holding blocks (C-level scans: a write runs
-  no Python loop over its columns);
+  a ``StepInputError``), stores them, sets the columns past them that an earlier, longer
+  write of the row left to the null block (so a row is its ids, then nulls, at any width),
+  and records, from the ids stored (what the graph will read, exactly), their smallest and
+  largest id, the width, and where the null block (0) is: the first null column, and the run
+  of columns holding blocks (C-level scans: a write runs no Python loop over its columns);
 - ``view(rows, width)`` returns ``BlockTables``: a plain ``{group: [R, W] tensor}`` dict
   (every caller that reads tensors still works) that also carries its buffer, so
   ``step_checks`` reads those Python values instead of the tensors (``checked``: one verdict
   per buffer write, kept while nothing is written).
 
-A view is trusted only while every row it shows was last written at its width; otherwise
-(a row written at another width since, a view kept from an older shape) the step check reads
-the tensors like any other table. Writes go through ``write``: a view's tensors are the
-graph's inputs, and ids stored into them directly are not seen by the check (the contract
-every caller of a view keeps; the engine never writes them).
+A view is trusted when every row it shows was written, at any width: a row written narrower
+than the view shows nulls past its ids (its first null column and its run of blocks end
+there), one written wider shows a prefix of them (its min and max id cover more than the view
+shows: a sound bound). So a wider or narrower context bucket is a new view over the same rows,
+not a rewrite of every row. Writes go through ``write``: a view's tensors are the graph's
+inputs, and ids stored into them directly are not seen by the check (the contract every caller
+of a view keeps; the engine never writes them).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class TableBuffer:
             raise StepInputError(f"TableBuffer: max_rows {max_rows} and max_width {max_width} must be >= 1")
         self.groups, self.max_rows, self.max_width = tuple(groups), max_rows, max_width
         G = len(self.groups)
-        self._buf = array("q", bytes(8 * G * max_rows * max_width))
+        self._buf = array("q", bytes(8 * G * max_rows * max_width))  # every id the null block until written
+        self._nulls = array("q", bytes(8 * max_width))
         self._all = torch.frombuffer(self._buf, dtype=torch.long).view(G, max_rows, max_width)
         # Per group, per row: the ids' min and max, the width written (0: never), ``first_null`` (the first
         # column holding the null block 0, or the width) and ``run``: ``(start, end)``, the columns of the row's
@@ -82,6 +86,9 @@ class TableBuffer:
                                  f"must be 1..{self.max_width}")
         at = (group * self.max_rows + row) * self.max_width
         self._buf[at: at + w] = a  # same length: the buffer (and the tensor over it) never moves
+        was = self.width[group][row]
+        if was > w:  # the columns an earlier, longer write left: null, so the row reads as its ids at any width
+            self._buf[at + w: at + was] = self._nulls[: was - w]
         self.lo[group][row], self.hi[group][row] = min(a), max(a)
         self.width[group][row] = w
         if run is not None and 0 <= run[0] < run[1] <= w and a.count(0) == w - run[1] + run[0] \
@@ -121,7 +128,9 @@ class BlockTables(dict):
     def checked(self, R: int, num_blocks: int):
         """``(first null column per full row, first and end column of each sliding row's run of blocks, or None
         twice)`` when the view has the groups full and (optionally) sliding and every one of its R rows was last
-        written at its width with ids in ``[0, num_blocks)``; else None (the caller then reads the tensors). Kept
+        written (at any width: see the module's docstring) with ids in ``[0, num_blocks)``; else None (the caller
+        then reads the tensors). The columns are the rows' own: a row written wider than the view may give a first
+        null column or a run end past the view's width (the step check compares live columns with both). Kept
         until the next write."""
         at, key = self.buffer.writes, (R, num_blocks)
         if at != self.verdict_at or key != self.verdict_for:
@@ -129,13 +138,13 @@ class BlockTables(dict):
         return self.verdict
 
     def _check(self, R: int, num_blocks: int):
-        buf, W, groups = self.buffer, self.num_cols, self.buffer.groups
+        buf, groups = self.buffer, self.buffer.groups
         if self.num_rows != R or groups not in ((FULL_GROUP,), (FULL_GROUP, SLIDING_GROUP)):
             return None
         for g in range(len(groups)):
             widths, lo, hi = buf.width[g], buf.lo[g], buf.hi[g]
             for r in range(R):
-                if widths[r] != W or lo[r] < 0 or hi[r] >= num_blocks:
+                if not widths[r] or lo[r] < 0 or hi[r] >= num_blocks:
                     return None
         if len(groups) == 1:
             return buf.first_null[0][:R], None, None

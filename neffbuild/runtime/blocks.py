@@ -207,13 +207,14 @@ class BlockManager:
         table = self.tables[rid][group]
         return table[:width] + [NULL_BLOCK] * (width - len(table)), (self._start[rid][group], min(len(table), width))
 
-    def row_runs(self, rid, width: int) -> list[tuple[list[int], tuple[int, int]]]:
-        """``row_run(rid, group, width)`` of every group, in ``groups`` order (one call per request, not per group)."""
+    def row_runs(self, rid, width: int, pad: bool = True) -> list[tuple[list[int], tuple[int, int]]]:
+        """``row_run(rid, group, width)`` of every group, in ``groups`` order (one call per request, not per group);
+        ``pad=False``: rows not padded past their blocks (at most ``width`` ids)."""
         tables, starts, out = self.tables[rid], self._start[rid], []
         for g in self.groups:
             table = tables[g.name]
             n = len(table)
-            out.append((table[:width] + [NULL_BLOCK] * (width - n) if n < width else table[:width],
+            out.append((table[:width] + [NULL_BLOCK] * (width - n) if pad and n < width else table[:width],
                         (starts[g.name], n if n < width else width)))
         return out
 

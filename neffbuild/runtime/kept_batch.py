@@ -49,11 +49,13 @@ class KeptBatch:
         self.ok_at, self.ok_for = tables.verdict_at, params
         _, _, bs, _, mml = params
         first_null, _, s_end = tables.verdict  # (a sliding run's start only recedes behind a growing row)
-        slack = 1 << 62
+        slack, cols = 1 << 62, tables.num_cols
         for i, n in enumerate(self.num_computed):
             # The next step runs position n + 1 (one token): it stays live while (n + 1 + s) // bs < the row's
-            # block columns (first null column, or the end of the sliding run), and below max_model_len.
+            # block columns (first null column, or the end of the sliding run, within the view's width: a row
+            # written wider holds blocks past it), and below max_model_len.
             end = first_null[i] if s_end is None or s_end[i] > first_null[i] else s_end[i]
+            end = end if end < cols else cols
             s = min(end * bs, mml) - n - 1
             slack = s if s < slack else slack
         self.slack = slack if slack > 0 else 0

@@ -94,20 +94,20 @@ class BlockRows:
     call then costs ~10 us, more than the engine's whole step should. So the tables live in a
     ``TableBuffer`` (runtime/block_tables.py: one buffer of ``[groups, max_rows, max_width]``
     block ids under a tensor, each row checked when written) and a step writes, in pure Python,
-    only the rows whose request or blocks changed (``BlockManager.version``); a new width
-    rewrites every row. What a call returns (a ``BlockTables`` view, made once per shape) is
-    valid, read-only, until the next call: the Stepper reads it within the step, and its input
-    check takes the rows as the lists written instead of reading the tensors. A batch beyond
-    the capacity gets fresh tensors (``block_rows``).
+    only the rows whose request or blocks changed (``BlockManager.version``). A row is written
+    as the request's blocks (up to ``max_width``), nulls after them, so it reads right at any
+    width: a wider or narrower context bucket is another view of the same rows. What a call
+    returns (a ``BlockTables`` view, made once per shape) is valid, read-only, until the next
+    call: the Stepper reads it within the step, and its input check takes the rows as written
+    instead of reading the tensors. A batch beyond the capacity gets fresh tensors (``block_rows``).
     """
 
     def __init__(self, blocks: BlockManager, max_rows: int, max_width: int):
         self.blocks, self.max_rows, self.max_width = blocks, max_rows, max_width
         self.names = [g.name for g in blocks.groups]
         self.buffer = TableBuffer(self.names, max_rows, max_width)
-        self._rows: list[tuple[object, int]] = []  # row i: (key, version) written there at ``_width``
-        self._ids: list[list] = [[None] * max_rows for _ in self.names]  # per group, row i's ids at ``_width``
-        self._width = 0
+        self._rows: list[tuple[object, int]] = []  # row i: (key, version) written there
+        self._ids: list[list] = [[None] * max_rows for _ in self.names]  # per group, row i's ids as written
 
     def __call__(self, keys: Sequence, upto: Sequence[int], width: int = 0) -> dict[str, torch.Tensor]:
         """``block_rows(keys, upto)``, at least ``width`` columns wide (null-padded past each row's blocks)."""
@@ -117,33 +117,30 @@ class BlockRows:
         n_rows = len(keys)
         if n_rows > self.max_rows or width > self.max_width:
             return block_rows(blocks, keys, upto, width)
-        if width != self._width:  # a new width rewrites every row
-            self._rows, self._ids, self._width = [], [[None] * self.max_rows for _ in self.names], width
         rows, versions = self._rows, blocks.versions
         for i, k in enumerate(keys):
             have = (k, versions.get(k, 0))  # BlockManager.version, without a call per row
             if i < len(rows) and rows[i] == have:
                 continue
-            self._write_row(i, k, width)
+            self._write_row(i, k)
             if i < len(rows):
                 rows[i] = have
             else:
                 rows.append(have)
-        self._rows = rows
         return self.buffer.view(n_rows, width)
 
     def rewrite(self, rows: Sequence[int], keys: Sequence) -> None:
-        """Rows ``rows`` (of the last call's view, same width) := their requests' blocks now: the kept view
-        shows them (a step that changed only these rows' blocks, as at a block boundary)."""
+        """Rows ``rows`` (of the last call's view) := their requests' blocks now: the kept view shows them (a step
+        that changed only these rows' blocks, as at a block boundary)."""
         versions = self.blocks.versions
         for i, k in zip(rows, keys, strict=True):
-            self._write_row(i, k, self._width)
+            self._write_row(i, k)
             self._rows[i] = (k, versions.get(k, 0))
 
-    def _write_row(self, i: int, key, width: int) -> None:
-        """Row ``i`` of every group := the request's blocks at ``width`` (a group's row written only if it changed)."""
+    def _write_row(self, i: int, key) -> None:
+        """Row ``i`` of every group := the request's blocks (a group's row written only if it changed)."""
         written = self._ids
-        for gi, (ids, run) in enumerate(self.blocks.row_runs(key, width)):
+        for gi, (ids, run) in enumerate(self.blocks.row_runs(key, self.max_width, pad=False)):
             if written[gi][i] != ids:  # a reserve often changes one group's row only (a sliding release)
                 written[gi][i] = None  # (until the write below has succeeded)
                 self.buffer.write(gi, i, ids, run)  # the manager's run: confirmed by the buffer, spares it a scan
