@@ -224,6 +224,26 @@ def test_table_buffer_refuses_a_row_it_cannot_hold_and_keeps_the_old_one(ids, wh
     assert torch.equal(view["full"], torch.tensor([[7, 0, 0], [7, 3, 9]]))
 
 
+def test_table_buffer_row_reads_as_its_ids_then_nulls_at_any_width():
+    """A write nulls the columns a longer earlier write of the row left, so a view of any width over rows written
+    at other widths is exact and trusted (a new context bucket is a new view, not a rewrite of every row)."""
+    import torch
+
+    from neffbuild.runtime.block_tables import TableBuffer
+
+    buf = TableBuffer(["full"], 2, 6)
+    buf.write(0, 0, [9, 9, 9, 9, 9, 9])
+    buf.write(0, 0, [4, 5])  # shorter: columns 2..5 go back to the null block
+    buf.write(0, 1, [7, 8, 3, 2])
+    wide, narrow = buf.view(2, 5), buf.view(2, 3)
+    assert torch.equal(wide["full"], torch.tensor([[4, 5, 0, 0, 0], [7, 8, 3, 2, 0]]))
+    assert torch.equal(narrow["full"], torch.tensor([[4, 5, 0], [7, 8, 3]]))
+    # the rows' own first null columns (2, and 4 past the narrow view: the step check also compares with the width)
+    assert wide.checked(2, 10) == narrow.checked(2, 10) == ([2, 4], None, None)
+    assert narrow.checked(2, 9) == ([2, 4], None, None)  # the 9s written once are gone: a pool of 9 holds the rows
+    assert narrow.checked(2, 8) is None  # id 8, held past nothing: outside a pool of 8 blocks
+
+
 def test_table_buffer_run_claim_is_checked_not_trusted():
     """Exhaustive at width 4: a row written with the writer's word for its run of blocks (``run``, as BlockRows
     passes the block manager's) keeps exactly what the same row written without it keeps, for every claim, true

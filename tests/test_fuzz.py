@@ -360,9 +360,10 @@ def _edge_steps(draw, defect: str):
 
 def _as_buffer_view(tables, data, cols: int):
     """The same tables as a TableBuffer view (runtime/block_tables.py: rows checked when written), cut to one
-    width for every group, mostly no wider than the ``cols`` the graph reads; sometimes with a row written at
-    another width since (a stale view). Tables a buffer cannot hold (not 2-D int CPU tensors of one row count,
-    unknown groups) stay as they are."""
+    width for every group, mostly no wider than the ``cols`` the graph reads; sometimes with a row written since,
+    first wider than the view with odd ids, then at another width (a write nulls what a longer one left: the row
+    reads as its ids, then nulls, and the view stays exact). Tables a buffer cannot hold (not 2-D int CPU tensors
+    of one row count, unknown groups) stay as they are. Returns (tables, True when a row was rewritten)."""
     import torch
 
     from neffbuild.runtime.block_tables import TableBuffer
@@ -379,11 +380,12 @@ def _as_buffer_view(tables, data, cols: int):
         for r, row in enumerate(t[:, :W].tolist()):
             buf.write(gi, r, row)
     view = buf.view(R, W)
-    if data.draw(st.integers(0, 3)) == 0:  # a row written at another width after the view was made: the view's
-        g, r = data.draw(st.integers(0, len(ts) - 1)), data.draw(st.integers(0, R - 1))  # columns past it are
-        buf.write(g, r, [data.draw(st.sampled_from([0, 1, -1, 10**6])) for _ in range(W + 1)])  # stale ids
+    if data.draw(st.integers(0, 3)) == 0:  # a row written at other widths after the view was made
+        g, r = data.draw(st.integers(0, len(ts) - 1)), data.draw(st.integers(0, R - 1))
+        buf.write(g, r, [data.draw(st.sampled_from([0, 1, -1, 10**6])) for _ in range(W + 1)])  # ids past W
         w = data.draw(st.sampled_from([w for w in range(1, W + 2) if w != W]))
         buf.write(g, r, [1] * w)
+        assert view[list(tables)[g]][r].tolist() == ([1] * w + [0] * W)[:W]  # its ids, then nulls
         return view, True
     return view, False
 
@@ -410,10 +412,11 @@ def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defe
     monkeypatch.setattr(step_checks, "_PY_IDS", step_checks.LIST_LIMIT if scan == "python" else 0)
     (tokens, computed, tables, k, vocab, bs, nb, mml), exact = data.draw(_edge_steps(defect))
     if scan == "buffer":
-        tables, stale = _as_buffer_view(tables, data, -(-mml // bs))
-        # Left to the reference, so the fast path may only refuse them: a stale view, and one wider than the
-        # columns the graph reads (ids beyond them may be anything; the checked rows' range covers all columns).
-        exact = exact and not stale and getattr(tables, "num_cols", 0) <= -(-mml // bs)
+        tables, _ = _as_buffer_view(tables, data, -(-mml // bs))
+        # Left to the reference, so the fast path may only refuse it: a view wider than the columns the graph reads
+        # (ids beyond them may be anything; the checked rows' range covers all columns). A row rewritten at another
+        # width is exact: it reads as its ids, then nulls.
+        exact = exact and getattr(tables, "num_cols", 0) <= -(-mml // bs)
         # Also left to the reference: a sliding row with the null block between two runs of blocks (no block
         # manager writes one; the checked rows know one run of blocks per row).
         exact = exact and _one_run(tables)
@@ -430,7 +433,8 @@ def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defe
 def _decode_rows(draw):
     """A plain decode step as an engine keeps it: one token per row, positions below max_model_len, every row
     holding blocks for its live columns and often some columns past them (its block not yet full, blocks held
-    ahead), null-padded to one width; sometimes a sliding group whose run starts at or before the row's block."""
+    ahead), then nulls; sometimes a sliding group whose run starts at or before the row's block. The view is as
+    wide as some context bucket covering the live columns: rows may hold blocks past it (written wider)."""
 
     from neffbuild.runtime.block_tables import TableBuffer
 
@@ -438,14 +442,16 @@ def _decode_rows(draw):
     k, vocab, R, cols = draw(st.integers(0, 3)), draw(st.sampled_from([256, 3])), draw(st.integers(1, 4)), -(-mml // bs)
     computed = [draw(st.integers(0, mml - 1)) for _ in range(R)]
     held = [draw(st.integers(n // bs + 1, cols)) for n in computed]  # columns holding blocks: past the live ones
-    W = draw(st.integers(max(held), cols))
+    W = draw(st.integers(max(n // bs + 1 for n in computed), cols))  # the view: a row may hold blocks past it
     groups = ["full", "sliding"] if draw(st.booleans()) else ["full"]
-    buf = TableBuffer(groups, R, W)
+    buf = TableBuffer(groups, R, cols)
     for r, (n, h) in enumerate(zip(computed, held, strict=True)):
-        buf.write(0, r, [draw(st.integers(1, nb - 1)) for _ in range(h)] + [0] * (W - h))
+        pad = draw(st.integers(0, cols - h))  # nulls written after its blocks (or none: the row ends there)
+        buf.write(0, r, [draw(st.integers(1, nb - 1)) for _ in range(h)] + [0] * pad)
         if len(groups) == 2:  # its own run: from at or before the row's block to at least the live columns
-            a, e = draw(st.integers(0, n // bs)), draw(st.integers(n // bs + 1, W))
-            buf.write(1, r, [0] * a + [draw(st.integers(1, nb - 1)) for _ in range(e - a)] + [0] * (W - e))
+            a, e = draw(st.integers(0, n // bs)), draw(st.integers(n // bs + 1, cols))
+            buf.write(1, r, [0] * a + [draw(st.integers(1, nb - 1)) for _ in range(e - a)]
+                      + [0] * draw(st.integers(0, cols - e)))
     tokens = [[draw(st.integers(0, vocab - 1))] for _ in range(R)]
     return tokens, computed, buf.view(R, W), k, vocab, bs, nb, mml
 
