@@ -241,7 +241,7 @@ def test_table_buffer_row_reads_as_its_ids_then_nulls_at_any_width():
     # the rows' own first null columns (2, and 4 past the narrow view: the step check also compares with the width)
     assert wide.checked(2, 10) == narrow.checked(2, 10) == ([2, 4], None, None)
     assert narrow.checked(2, 9) == ([2, 4], None, None)  # the 9s written once are gone: a pool of 9 holds the rows
-    assert narrow.checked(2, 8) is None  # id 8, held past nothing: outside a pool of 8 blocks
+    assert narrow.checked(2, 8) is None  # id 8 is outside a pool of 8 blocks
 
 
 def test_table_buffer_run_claim_is_checked_not_trusted():
