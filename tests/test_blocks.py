@@ -131,9 +131,10 @@ def test_reserve_fast_path_changes_exactly_what_the_full_route_changes(bs, windo
     pos = {}
     for rid, step, q, release in calls:
         if release and rid in pos:
+            want = fast._free + [b for t in fast.tables[rid].values() for b in reversed(t) if b != NULL_BLOCK]
             fast.release(rid), slow.release(rid)
             del pos[rid]
-            assert fast.version(rid) == 0
+            assert fast.version(rid) == 0 and fast._free == want  # every held block back, in table order reversed
             continue
         n = pos.get(rid, 0) + step  # positions only move forward, as an engine's do
         before = (fast.version(rid), {g: list(t) for g, t in fast.tables.get(rid, {}).items()})

@@ -192,11 +192,12 @@ class BlockManager:
 
     def release(self, rid) -> None:
         """Return every block of a finished request to the pool."""
-        self._start.pop(rid, None)
+        starts = self._start.pop(rid, None)
         self._quick.pop(rid, None)
         self._version.pop(rid, None)
-        for table in self.tables.pop(rid, {}).values():
-            self._free.extend(b for b in reversed(table) if b != NULL_BLOCK)
+        free = self._free
+        for name, table in self.tables.pop(rid, {}).items():  # held: from the group's start to the end (C slices)
+            free.extend(reversed(table[starts[name]:]))
 
     def row(self, rid, group: str, width: int) -> list[int]:
         """One group's table row for a request, padded with the null block to ``width`` entries."""
