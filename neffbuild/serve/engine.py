@@ -157,32 +157,36 @@ class Engine:
         live: list[Request] = []
         check = getattr(self.source, "check", None)  # optional: a KV source that can die between admissions
         source, stats, clock, max_batch = self.source, self.stats, time.perf_counter, self.max_batch
-        solo = self.stepper.group is None and not source.collective
-        # The step's timings add up in locals and go to ``stats`` when the run ends (or fails): a few attribute
-        # writes less per step, each with the caches cold. One clock read ends a step and starts the next.
-        sums = [0.0] * 5  # source, run, plan, engine, accept seconds
-        t, t0 = 0, clock()
+        proposer, collective = self.proposer, source.collective
+        solo = self.stepper.group is None and not collective
+        # The step's timings add up in locals and go to ``stats`` when the run ends (or fails): the per-step path
+        # then makes no attribute write for them. A step's wall time runs from its first clock read to its last; the
+        # timing's own bookkeeping (these sums, the per-step lists) falls between two steps, outside both.
+        step_seconds, step_tokens = stats.step_seconds.append, stats.step_tokens.append
+        source_t = run_t = plan_t = engine_t = accept_t = 0.0
+        t = 0
         try:
             while True:
                 if not live and waiting and solo:
                     t = max(t, waiting[0].arrival)  # nothing runs until then: skip the idle steps (DP ranks count them)
+                t0 = clock()
                 if waiting and len(live) < max_batch and waiting[0].arrival <= t:  # (_admissible's common "no")
                     admit = self._admissible(waiting, live, t)
                 else:
                     admit = ()
                 if check is not None and len(waiting) > len(admit):
                     check(waiting[len(admit)])  # a remote KV source still alive for what waits (rate-limited)
-                source_s = propose_s = run_s = 0.0
+                source_s = propose_s = 0.0
                 if admit:
                     self._steady, self._last = 0, None  # the live set changes: the next batch is built afresh
-                if admit or source.collective:
+                if admit or collective:
                     s0 = clock()
                     source.admit(list(admit), self.blocks)
                     source_s = clock() - s0
                     self._join(admit, waiting, live)
-                if self.proposer is not None and live:
+                if proposer is not None and live:
                     p0 = clock()
-                    label = self.proposer.propose(live, self.blocks)
+                    label = proposer.propose(live, self.blocks)
                     propose_s = clock() - p0
                     if label:
                         stats.draft_calls.append(label)
@@ -194,10 +198,9 @@ class Engine:
                 if plan.any_work:
                     out = self.stepper.run(plan, batch)
                     r1 = clock()
-                    run_s = r1 - q1
                     emitted, finished = self._accept(live, out, plan, t)
                     now = clock()
-                    sums[4] += now - r1
+                    accept_t += now - r1
                     if finished:
                         for r in finished:  # the last live request takes the row: one row rewritten, not all after
                             at = live.index(r)
@@ -207,23 +210,24 @@ class Engine:
                                 self._holes.append((at, live[at]))
                             self._leave(r)
                         now = clock()
+                    wall = now - t0 - source_s  # the step, its KV source's prefill or transfer left out
+                    step_seconds(wall)
+                    step_tokens(emitted)
+                    run_t += r1 - q1
+                    plan_t += q1 - q0
+                    engine_t += wall - propose_s - (r1 - q0)  # less the proposer, the plan and the run
                 else:
                     now = clock()
-                wall, t0 = now - t0, now
-                sums[0] += source_s
-                if plan.any_work:
-                    stats.step_seconds.append(wall - source_s)
-                    stats.step_tokens.append(emitted)
-                    sums[1] += run_s
-                    sums[2] += q1 - q0
-                    sums[3] += wall - source_s - propose_s - run_s - (q1 - q0)
+                source_t += source_s
                 if not plan.more:
                     break
                 t += 1
         finally:
-            for name, v in zip(("source_seconds", "run_seconds", "plan_seconds", "engine_seconds", "accept_seconds"),
-                               sums, strict=True):
-                setattr(stats, name, getattr(stats, name) + v)
+            stats.source_seconds += source_t
+            stats.run_seconds += run_t
+            stats.plan_seconds += plan_t
+            stats.engine_seconds += engine_t
+            stats.accept_seconds += accept_t
         return requests
 
     def _join(self, admit: list[Request], waiting: list[Request], live: list[Request]) -> None:
