@@ -90,10 +90,11 @@ def test_continuous_batching_equals_solo_runs(built, tmp_path):
 @pytest.mark.slow
 def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
     """Plain decode reuses the step before's batch (advanced in place by ``_accept``) until a request joins or
-    leaves (serve/engine.py ``_batch``); at a block boundary it rewrites only the rows that crossed one
-    (``_step_on``), and a wider bucket builds afresh. At every step the kept batch serves, the batch built afresh is
-    the same (tokens, positions, tables) and counts down the same steps; the whole run gives the tokens and step
-    log of an engine that builds every batch afresh."""
+    leaves (serve/engine.py ``run`` and ``_batch``); at a block boundary it rewrites only the rows that crossed one
+    (``_step_on``), and a wider bucket builds afresh. At every step the kept batch serves (seen in ``_accept``: the
+    batch the step ran, the same object as the step before's), the batch built afresh is the same (tokens,
+    positions, tables) and counts down the same steps; the whole run gives the tokens and step log of an engine
+    that builds every batch afresh."""
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.session import open_session
 
@@ -101,23 +102,29 @@ def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
     kept, stepped_on = [], []
 
     class Checked(Engine):
-        def _batch(self, live, more):
-            before = self._last if self._last is not None and self.blocks.tick == self._tick else None
-            steady = self._steady
-            got, more_got = super()._batch(live, more)
-            if before is not None and got is before:  # served by the kept batch, as it is or stepped on
+        _prev, _prev_tick = None, -1
+
+        def _accept(self, live, out, plan, t):
+            got = self._last  # the batch this step ran (plain decode), not yet moved on
+            if got is not None and got is self._prev:  # served again: kept as it is, or stepped on
                 tables = {g: t.tolist() for g, t in got.block_tables.items()}
-                left, self._steady, self._last = self._steady, 0, None
-                fresh, more_fresh = super()._batch(live, more)
-                assert (fresh.tokens, fresh.num_computed, more_fresh) == (got.tokens, got.num_computed, more_got)
+                left, tick = self._steady, self.blocks.tick
+                self._steady, self._last = 0, None
+                fresh, _ = super()._batch(live, False)
+                assert (fresh.tokens, fresh.num_computed) == (got.tokens, got.num_computed)
                 assert {g: t.tolist() for g, t in fresh.block_tables.items()} == tables and self._steady == left
                 self._last, self._tick = got, self.blocks.tick
-                (kept if steady else stepped_on).append(got)
-            return got, more_got
+                (stepped_on if tick != self._prev_tick else kept).append(got)
+            self._prev, self._prev_tick = got, self.blocks.tick
+            return super()._accept(live, out, plan, t)
 
     class Fresh(Engine):
+        def _count_down(self, slack, top):
+            super()._count_down(slack, top)
+            self._steady = 0  # run() never takes the kept batch
+
         def _batch(self, live, more):
-            self._steady, self._last = 0, None
+            self._last = None  # and every step builds afresh (no _step_on)
             return super()._batch(live, more)
 
     runs = {}

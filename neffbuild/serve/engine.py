@@ -191,7 +191,12 @@ class Engine:
                     if label:
                         stats.draft_calls.append(label)
                 # "more": this rank has work after this step for sure or maybe (a draft may finish a request early)
-                batch, more = self._batch(live, bool(waiting))
+                batch = self._last
+                if batch is not None and self._steady and self.blocks.tick == self._tick:
+                    self._steady -= 1  # plain decode's kept batch, moved on by _accept: no pass (see _batch)
+                    more = self._going or bool(waiting)
+                else:
+                    batch, more = self._batch(live, bool(waiting))
                 q0 = clock()  # one clock read between phases (each read costs ~1 us here)
                 plan = self.stepper.plan(batch, more=more)
                 q1 = clock()
@@ -282,14 +287,11 @@ class Engine:
         Plain decode goes further: every step moves each request one position, so the positions at
         which the next block boundary or wider context bucket comes are known here (``slack``); until
         then the batch of this step (a ``KeptBatch``), its tokens and positions advanced in place by
-        ``_accept``, each row checked as it moves, is the next one, and this returns it without a pass."""
+        ``_accept``, each row checked as it moves, is the next one: ``run`` takes it without calling this (one
+        call less on the common step) while ``_steady`` counts down, and this steps it on at a block boundary."""
         last = self._last
-        if last is not None and self.blocks.tick == self._tick:  # the same requests, no other part's reserve
-            if self._steady:
-                self._steady -= 1
-                return last, more or self._going
-            if not self._edge and self._step_on(live, last):
-                return last, more or self._going
+        if last is not None and self.blocks.tick == self._tick and not self._edge and self._step_on(live, last):
+            return last, more or self._going  # the same requests, no other part's reserve: stepped on
         self._holes.clear()  # a full pass places the requests where they are
         tokens, computed, upto = [], [], []
         changed, top, versions, ahead = self._tables is None, 0, self.blocks.versions, self.ahead
