@@ -91,8 +91,9 @@ class TableBuffer:
             self._buf[at + w: at + was] = self._nulls[: was - w]
         self.lo[group][row], self.hi[group][row] = min(a), max(a)
         self.width[group][row] = w
-        if run is not None and 0 <= run[0] < run[1] <= w and a.count(0) == w - run[1] + run[0] \
-                and 0 not in a[run[0]: run[1]]:  # the claim holds: blocks in [start, end), nulls elsewhere
+        nulls = a.count(0) if run is not None else -1
+        if run is not None and 0 <= run[0] < run[1] <= w and nulls == w - run[1] + run[0] \
+                and (not nulls or 0 not in a[run[0]: run[1]]):  # the claim holds: blocks in [start, end), nulls else
             start, end = run
             first = end if start == 0 else 0
         else:

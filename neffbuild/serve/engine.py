@@ -141,9 +141,10 @@ class Engine:
 
     def check_fits(self, reqs: list[Request]) -> None:
         """Refuse (exit 2) a request that even an empty pool could not serve: waiting would not help. Sets each
-        request's ``reach`` and ``need`` (its peak blocks), which admission then reads."""
+        request's ``key`` (if it has none), ``reach`` and ``need`` (its peak blocks), which admission then reads."""
         mml = self.grid.max_model_len
         for r in reqs:
+            r.key = f"req-{r.index}" if r.key is None else r.key  # the block manager's key, from admission on
             r.reach, r.ahead = min(len(r.prompt) + r.max_new_tokens + self.k, mml), self.ahead
             r.need = self.peak_blocks(r)
             if r.need > self.pool:
@@ -265,8 +266,7 @@ class Engine:
                 break  # first come, first served: a later, smaller request does not jump the queue
             used += r.need
             out.append(r)
-            r.key = f"req-{r.index}" if r.key is None else r.key
-            self._budget[r.key] = r.need
+            self._budget[r.key] = r.need  # r.key: check_fits
         self._used = used
         return out
 
@@ -293,7 +293,7 @@ class Engine:
         if last is not None and self.blocks.tick == self._tick and not self._edge and self._step_on(live, last):
             return last, more or self._going  # the same requests, no other part's reserve: stepped on
         self._holes.clear()  # a full pass places the requests where they are
-        tokens, computed, upto = [], [], []
+        tokens, computed, upto, keys = [], [], [], []
         changed, top, versions, ahead = self._tables is None, 0, self.blocks.versions, self.ahead
         slack = 1 << 30
         for r in live:
@@ -307,9 +307,11 @@ class Engine:
                 changed = True
             s = hold[0] - u  # steps until this request needs a new block
             slack = s if s < slack else slack
-            tokens.append([r.next, *r.drafts])
+            d = r.drafts
+            tokens.append([r.next, *d] if d else [r.next])
             computed.append(n)
             upto.append(u)
+            keys.append(r.key)
             top = u if u > top else top
             if not more and r.remaining > 1:
                 more = True
@@ -321,7 +323,7 @@ class Engine:
                     break
             else:
                 ctx = top
-            self._tables = self._rows([r.key for r in live], upto, width=-(-ctx // self.blocks.block_size))
+            self._tables = self._rows(keys, upto, width=-(-ctx // self.blocks.block_size))
             self._cover = ctx
         if self.proposer is None and live:  # kept and advanced in place: its rows are checked as they change
             batch = self._last = KeptBatch(tokens, computed, self._tables)
