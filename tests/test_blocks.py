@@ -12,6 +12,7 @@ from neffbuild.runtime.blocks import (
     blocks_needed,
     group_blocks,
     kv_groups,
+    lookahead,
     min_pool_blocks,
 )
 
@@ -72,6 +73,43 @@ def test_formula_is_tight_for_single_token_steps():
         groups = kv_groups(window)
         mgr = BlockManager(10_000, bs, groups)
         assert _serve(mgr, 0, 1, 2000, [1]) == blocks_needed(2000, bs, groups)
+
+
+def test_lookahead_is_what_the_pool_spares_for_num_seqs_at_max_model_len():
+    """0 at the recipe's formula minimum; whole blocks; the most that fits (one block more does not); every
+    position when the pool has room; a model without sliding layers holds no more for it (any pool at the
+    formula gets every position)."""
+    free = min_pool_blocks(512, 16, GROUPS, num_seqs=4) - 1  # the pool's blocks but the null block
+    assert lookahead(free, 4, 512, 16, GROUPS) == 0
+    for pool in (free + 3, free + 4, free + 40, 509):
+        a = lookahead(pool, 4, 512, 16, GROUPS)
+        assert a % 16 == 0 and 4 * blocks_needed(512, 16, GROUPS, 1 + a) <= pool
+        assert a == 512 or 4 * blocks_needed(512, 16, GROUPS, 1 + a + 16) > pool
+    assert lookahead(free + 4, 4, 512, 16, GROUPS) == 16  # one more sliding block per sequence: one block ahead
+    assert lookahead(509, 4, 512, 16, GROUPS) == 512  # the tests' and tiny recipe's pool: every position
+    assert lookahead(32 * 4, 4, 512, 16, kv_groups(None)) == 512
+
+
+@settings(max_examples=60, deadline=None)
+@given(bs=st.sampled_from([1, 4, 16]), window=st.one_of(st.none(), st.integers(1, 40)),
+       blocks_ahead=st.integers(0, 6), prompt=st.integers(1, 60), new=st.integers(1, 80))
+def test_reserving_ahead_stays_within_blocks_needed_with_the_longer_step(bs, window, blocks_ahead, prompt, new):
+    """The engine's rule: one position a step, reserve only when the next one leaves the blocks held, then
+    ``ahead`` positions more (to the sequence's last): the blocks held never exceed ``blocks_needed`` of the
+    sequence with the step ``ahead`` tokens longer (admission's budget), and the tables change about once per
+    ``ahead`` tokens."""
+    groups, ahead, last = kv_groups(window), blocks_ahead * bs, prompt + new
+    mgr = BlockManager(10_000, bs, groups)
+    budget = blocks_needed(last, bs, groups, 1 + ahead)
+    hold, changes = mgr.reserve("r", max(prompt, min(prompt + 1 + ahead, last)), prompt), 0
+    for n in range(prompt, last):
+        u = n + 1
+        if u > hold[0]:
+            hold = mgr.reserve("r", max(u, min(u + ahead, last)), n)
+            changes += 1
+        assert mgr.held("r") <= budget, (n, mgr.tables["r"])
+    if ahead:
+        assert changes <= -(-new // ahead) + 1
 
 
 def test_sliding_blocks_return_to_the_pool_and_become_null():

@@ -72,6 +72,27 @@ def min_pool_blocks(max_model_len: int, block_size: int, groups: Iterable[KVGrou
     return num_seqs * blocks_needed(max_model_len, block_size, groups, query_len) + 1
 
 
+def lookahead(pool: int, num_seqs: int, max_model_len: int, block_size: int, groups: Iterable[KVGroup],
+              query_len: int = 1) -> int:
+    """Tokens (whole blocks) an engine's reserves may hold past a step's positions: the most for which ``pool``
+    blocks still hold ``num_seqs`` sequences of ``max_model_len`` tokens, each step ``query_len`` + that long (so
+    admission by peak blocks never waits for it). 0 at the recipe's formula minimum; every position when the pool
+    has room for it.
+
+    A full-attention group holds no more at its peak for it (a reserve stops at the sequence's last position);
+    a sliding-window group holds up to ``lookahead / block_size`` blocks more than its window. What it buys: a
+    sequence's tables change once per ``lookahead`` tokens, not once per block, and on CPU each change runs its
+    Python with the caches the artifact left cold (docs/benchmarks.md)."""
+    lo, hi = 0, _ceil_div(max_model_len, block_size)  # blocks ahead: 0 always fits the formula; hi covers all
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if num_seqs * blocks_needed(max_model_len, block_size, groups, query_len + mid * block_size) <= pool:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * block_size
+
+
 def live_blocks(group: KVGroup, block_size: int, upto: int, next_query: int) -> range:
     """Logical block indices a group must hold: positions below ``upto`` a query at ``next_query`` or later reads."""
     hi = _ceil_div(upto, block_size)

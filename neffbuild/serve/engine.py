@@ -12,7 +12,9 @@ One engine step (``t`` counts decode steps, the clock of ``Request.arrival``):
    mid-way: nothing is preempted). A request that cannot fit yet waits; one that could
    never fit in an empty pool is refused before anything runs (``check_fits``).
 2. **propose** -- the proposer drafts k tokens for the requests with verified rows and room.
-3. **step** -- reserve blocks, build the ``StepBatch`` of the live requests, ``Stepper.plan``
+3. **step** -- reserve blocks (``ahead`` positions past the step's as well: the most the pool
+   can spare without making admission wait, ``runtime.blocks.lookahead``; a request's tables
+   then change once per ``ahead`` tokens), build the ``StepBatch`` of the live requests, ``Stepper.plan``
    (the one DP collective: it syncs the buckets and whether any rank still has work),
    ``Stepper.run``. A rank without requests runs the synced bucket with no rows.
 4. **accept** -- greedy: the longest prefix of drafts equal to the target's argmax plus the
@@ -42,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neffbuild.errors import InvalidInput
-from neffbuild.runtime.blocks import BlockManager, blocks_needed
+from neffbuild.runtime.blocks import BlockManager, blocks_needed, lookahead
 from neffbuild.runtime.buckets import ctx_buckets_with_fallback
 from neffbuild.runtime.dispatch import StepPlan
 from neffbuild.runtime.kept_batch import KeptBatch
@@ -102,7 +104,8 @@ class Engine:
         self.pool = blocks.num_free  # blocks the engine may hand out (the block manager starts empty)
         if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
             raise InvalidInput(f"Engine: ahead must be an integer >= 0 (tokens), got {ahead!r}")
-        self.ahead = self._lookahead() if ahead is None else ahead
+        self.ahead = (lookahead(self.pool, self.max_batch, self.grid.max_model_len, blocks.block_size, blocks.groups,
+                                1 + self.k) if ahead is None else ahead)
         self._tables: dict | None = None  # the last step's tables (BlockRows), while no request changed them
         self._cover = 0  # tokens the last tables' width covers
         self._ctx = ctx_buckets_with_fallback(self.grid.ctx_buckets, self.grid.max_model_len)  # (ctx_bucket_for)
@@ -113,25 +116,6 @@ class Engine:
         # (row, request moved there) for each row a finished request left at the last step: a request joining at
         # the next one takes that row and the moved request goes back to its own (one table row written, not two)
         self._holes: list[tuple[int, Request]] = []
-
-    def _lookahead(self) -> int:
-        """Tokens every reserve holds past the step's positions (whole blocks): the most the pool can spare while
-        it still holds ``max_batch`` requests at ``max_model_len`` with them, so admission never waits for it.
-
-        A full-attention group holds no more at its peak for it (its reserve stops at the request's last
-        position), so that part is free; a sliding-window group holds up to ``ahead / block_size`` blocks more
-        than its window (blocks_needed with the step ``ahead`` tokens longer). What it buys: a request's tables
-        change once per ``ahead`` tokens, not once per block, and the step that changes them runs its Python
-        with the caches the artifact left cold (~30 us a change on CPU, docs/benchmarks.md)."""
-        bs, groups, mml = self.blocks.block_size, self.blocks.groups, self.grid.max_model_len
-        lo, hi = 0, -(-mml // bs)  # blocks ahead: 0 always fits (the recipe's formula), hi covers every position
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.max_batch * blocks_needed(mml, bs, groups, 1 + self.k + mid * bs) <= self.pool:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * bs
 
     def peak_blocks(self, req: Request) -> int:
         """The most blocks a request holds over its life (prompt + tokens + drafts past the last, and the
