@@ -16,7 +16,8 @@ as a fraction of the decode time, split into ``scheduling`` (admission, scheduli
 and ``accept`` (the greedy argmax and acceptance: ``EngineStats.accept_seconds``); ``check_*``: the
 Stepper's input check (runtime/step_checks.py) timed where the loop calls it, per step. Runs
 alternate; medians over ``--repeat``. Each run is a fresh engine (a server's first 120 steps).
-``--cold-cache-demo`` also prints what one block-manager call costs after the CPU touched N MB.
+``--cold-cache-demo`` also prints what one block-manager call costs after the CPU touched N MB;
+``--ahead 0`` runs the engine without look-ahead (what a pool at the recipe's formula minimum gets).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def workload(stagger: int) -> list[Request]:
             for k, (n, new) in enumerate(LENGTHS)]
 
 
-def run(session, reqs) -> dict:
-    engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches))
+def run(session, reqs, ahead: int | None = None) -> dict:
+    engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches),
+                    ahead=ahead)
     with _timed_checks() as checks:
         engine.run(reqs)
     st = engine.stats
@@ -60,7 +62,8 @@ def run(session, reqs) -> dict:
             "scheduling_us_per_step": (st.engine_seconds - st.accept_seconds) / len(st.step_seconds) * 1e6,
             "accept_us_per_step": st.accept_seconds / len(st.step_seconds) * 1e6,
             "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs,
-            "check_us_per_step": checks[0] / len(st.step_seconds) * 1e6, "check_fraction": checks[0] / secs}
+            "check_us_per_step": checks[0] / len(st.step_seconds) * 1e6, "check_fraction": checks[0] / secs,
+            "ahead": engine.ahead}
 
 
 @contextlib.contextmanager
@@ -119,13 +122,16 @@ def main() -> None:
     ap.add_argument("bundle")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cold-cache-demo", action="store_true", help="also time one call after N MB were read")
+    ap.add_argument("--ahead", type=int, default=None,
+                    help="the engine's look-ahead in tokens (default: what the pool spares, Engine.ahead; 0: a pool "
+                         "at the recipe's formula minimum, where a request's tables change at every block boundary)")
     args = ap.parse_args()
     session = open_session(open_bundle(args.bundle, preload=True))
-    run(session, workload(0))  # warm-up: first calls of every artifact
+    run(session, workload(0), args.ahead)  # warm-up: first calls of every artifact
     rows = {"requests": [], "static": []}
     for _ in range(args.repeat):
-        rows["requests"].append(run(session, workload(3)))
-        rows["static"].append(run(session, workload(0)))
+        rows["requests"].append(run(session, workload(3), args.ahead))
+        rows["static"].append(run(session, workload(0), args.ahead))
     out = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
     if args.cold_cache_demo:
         out["cold_cache_demo"] = cold_cache_demo()
