@@ -225,9 +225,9 @@ class Engine:
         leaves. A row that the last step's leave emptied is taken first, and the request moved there goes back to
         its own row: one table row written, not two."""
         holes = self._holes
+        del waiting[: len(admit)]  # admission takes the waiting requests from the front, in order
         for r in admit:
-            waiting.remove(r)
-            if r.done:  # local prefill's token was its only one
+            if len(r.tokens) >= r.max_new_tokens:  # done: local prefill's token was its only one
                 self._leave(r)
                 continue
             while holes:
@@ -239,6 +239,7 @@ class Engine:
             live.append(r)
 
     def _admissible(self, waiting: list[Request], live: list[Request], t: int) -> list[Request]:
+        """The requests to admit this step: always a prefix of ``waiting`` (first come, first served; _join cuts it)."""
         free_slots = self.max_batch - len(live)
         if not waiting or free_slots <= 0 or waiting[0].arrival > t:
             return []  # the step's common case: nothing to look at
@@ -297,7 +298,7 @@ class Engine:
             upto.append(u)
             keys.append(r.key)
             top = u if u > top else top
-            if not more and r.remaining > 1:
+            if not more and r.max_new_tokens - len(r.tokens) > 1:  # (Request.remaining)
                 more = True
         if changed or top > self._cover:
             # As wide as the context bucket the longest needs (the columns the graph reads): the
