@@ -152,7 +152,7 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
     holds at most its admission budget at every step (a sliding group keeps more blocks, within it); the
     tables change far less often (the block manager's ``tick``). A pool at the recipe's formula minimum
     gets no look-ahead."""
-    from neffbuild.runtime.blocks import min_pool_blocks
+    from neffbuild.runtime.blocks import BlockManager, min_pool_blocks
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.session import open_session
 
@@ -171,8 +171,6 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
     assert runs[None][2] * 2 <= runs[0][2], (runs[None][2], runs[0][2])  # table changes at least halved
     grid, groups = session.stepper.grid, blocks.groups
     tight = min_pool_blocks(grid.max_model_len, blocks.block_size, groups, num_seqs=grid.num_seqs_buckets[-1])
-    from neffbuild.runtime.blocks import BlockManager
-
     assert Engine(session.stepper, BlockManager(tight, blocks.block_size, groups), None).ahead == 0
 
 

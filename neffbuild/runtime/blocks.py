@@ -222,22 +222,17 @@ class BlockManager:
 
     def row(self, rid, group: str, width: int) -> list[int]:
         """One group's table row for a request, padded with the null block to ``width`` entries."""
-        return self.row_run(rid, group, width)[0]
-
-    def row_run(self, rid, group: str, width: int) -> tuple[list[int], tuple[int, int]]:
-        """``row(rid, group, width)`` and the columns its blocks fill, ``(start, stop)`` (a TableBuffer's ``run``)."""
         table = self.tables[rid][group]
-        return table[:width] + [NULL_BLOCK] * (width - len(table)), (self._start[rid][group], min(len(table), width))
+        return table[:width] + [NULL_BLOCK] * (width - len(table))
 
-    def row_runs(self, rid, width: int, pad: bool = True) -> list[tuple[list[int], tuple[int, int]]]:
-        """``row_run(rid, group, width)`` of every group, in ``groups`` order (one call per request, not per group);
-        ``pad=False``: rows not padded past their blocks (at most ``width`` ids)."""
+    def row_runs(self, rid, width: int) -> list[tuple[list[int], tuple[int, int]]]:
+        """Per group, in ``groups`` order: the request's blocks (its table, at most ``width`` entries, not padded)
+        and the columns they fill, ``(start, stop)`` (a TableBuffer's ``run``). One call per request, not per group."""
         tables, starts, out = self.tables[rid], self._start[rid], []
         for g in self.groups:
             table = tables[g.name]
             n = len(table)
-            out.append((table[:width] + [NULL_BLOCK] * (width - n) if pad and n < width else table[:width],
-                        (starts[g.name], n if n < width else width)))
+            out.append((table[:width], (starts[g.name], n if n < width else width)))
         return out
 
     def held(self, rid) -> int:

@@ -239,10 +239,9 @@ class Engine:
             live.append(r)
 
     def _admissible(self, waiting: list[Request], live: list[Request], t: int) -> list[Request]:
-        """The requests to admit this step: always a prefix of ``waiting`` (first come, first served; _join cuts it)."""
+        """The requests to admit this step: always a prefix of ``waiting`` (first come, first served; _join cuts it).
+        ``run`` calls it only when one has arrived and a row is free."""
         free_slots = self.max_batch - len(live)
-        if not waiting or free_slots <= 0 or waiting[0].arrival > t:
-            return []  # the step's common case: nothing to look at
         out, used = [], self._used
         for r in waiting:
             if r.arrival > t or len(out) >= free_slots:

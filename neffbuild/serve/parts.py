@@ -140,7 +140,7 @@ class BlockRows:
     def _write_row(self, i: int, key) -> None:
         """Row ``i`` of every group := the request's blocks (a group's row written only if it changed)."""
         written = self._ids
-        for gi, (ids, run) in enumerate(self.blocks.row_runs(key, self.max_width, pad=False)):
+        for gi, (ids, run) in enumerate(self.blocks.row_runs(key, self.max_width)):
             if written[gi][i] != ids:  # a reserve often changes one group's row only (a sliding release)
                 written[gi][i] = None  # (until the write below has succeeded)
                 self.buffer.write(gi, i, ids, run)  # the manager's run: confirmed by the buffer, spares it a scan
