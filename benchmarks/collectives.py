@@ -47,7 +47,7 @@ def replay(bundle, entry, steps: int) -> float:
     """Seconds per step of the step's collectives alone, replayed eagerly at the same shapes and groups."""
     import torch.distributed as dist
 
-    from kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
+    from neffbuild.kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
     from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP
 
     par, B = bundle.layout, entry["batch"] * entry["query_len"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import rope_cos_sin, sdpa_with_sinks
 from neffbuild.errors import InvalidInput
+from neffbuild.kernels import rope_cos_sin, sdpa_with_sinks
 from neffbuild.models.eagle3 import weights as dw
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft, draft_layer, no_sinks, prefill, propose

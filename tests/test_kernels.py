@@ -5,9 +5,18 @@ import math
 import pytest
 import torch
 
-from kernels import apply_rope, moe, paged_attention, rms_norm, sdpa_with_sinks, swiglu, write_kv, yarn_inv_freq
-from kernels.kv import FP8, fp8_bytes_to_float, gather_blocks, pack_k_fp8_view
-from kernels.moe import DENSE_TOKENS
+from neffbuild.kernels import (
+    apply_rope,
+    moe,
+    paged_attention,
+    rms_norm,
+    sdpa_with_sinks,
+    swiglu,
+    write_kv,
+    yarn_inv_freq,
+)
+from neffbuild.kernels.kv import FP8, fp8_bytes_to_float, gather_blocks, pack_k_fp8_view
+from neffbuild.kernels.moe import DENSE_TOKENS
 
 g = torch.Generator().manual_seed(0)
 

@@ -41,7 +41,7 @@ RUNTIME_THIRD_PARTY = {"torch", "safetensors", "nixl", "nixl_cu12", "prometheus_
 
 def modules(root: Path) -> dict[str, Path]:
     out = {}
-    for path in sorted([*root.glob("neffbuild/**/*.py"), *root.glob("kernels/**/*.py")]):
+    for path in sorted(root.glob("neffbuild/**/*.py")):
         name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         out[name] = path
     return out
@@ -49,8 +49,6 @@ def modules(root: Path) -> dict[str, Path]:
 
 def part(module: str) -> str:
     bits = module.split(".")
-    if bits[0] == "kernels":
-        return "kernels"
     return "base" if len(bits) == 1 or bits[1] in BASE else bits[1]
 
 
@@ -81,7 +79,7 @@ def problems(root: Path) -> list[str]:
                 out.append(f"{known[m].relative_to(root)} imports {t}: base modules import only errors")
     for m, p in known.items():
         if part(m) == "runtime":
-            third = {i for i in imports(p, known) if i not in known and i not in ("neffbuild", "kernels")}
+            third = {i for i in imports(p, known) if i not in known and i != "neffbuild"}
             bad = sorted(i for i in third if i not in sys.stdlib_module_names and i not in RUNTIME_THIRD_PARTY)
             out += [f"{p.relative_to(root)} imports {b}: the runtime's only third-party imports are "
                     f"{sorted(RUNTIME_THIRD_PARTY)}" for b in bad]
@@ -134,8 +132,7 @@ def test_every_import_follows_an_allowed_arrow_and_nothing_cycles():
 
 
 def _copy(tmp_path: Path) -> Path:
-    for pkg in ("neffbuild", "kernels"):
-        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "neffbuild", tmp_path / "neffbuild", ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 

@@ -101,7 +101,7 @@ def test_sharded_graph_traces_without_peers_and_key_covers_layout(tiny_recipe):
 def _subgroup_rank(rank, world):
     import torch.distributed as dist
 
-    from kernels.collectives import all_reduce_sum
+    from neffbuild.kernels.collectives import all_reduce_sum
     from neffbuild.runtime.parallel import TP_GROUP
     from neffbuild.runtime.world import join
 

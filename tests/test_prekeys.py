@@ -15,8 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def tree(tmp_path):
-    for pkg in ("neffbuild", "kernels"):
-        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "neffbuild", tmp_path / "neffbuild", ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 
@@ -34,7 +33,7 @@ def test_graph_sources_are_the_graphs_and_what_they_import():
     (lambda r: (r / "neffbuild/runtime/new_module.py").write_text('"""a new runtime module"""\n'), False),
     (lambda r: (r / "neffbuild/cli/main.py").open("a").write("\n# a comment\n"), False),
     (lambda r: (r / "neffbuild/runtime/kv_layout.py").open("a").write("\n# a comment\n"), True),
-    (lambda r: (r / "kernels/__init__.py").open("a").write("\n# a comment\n"), True),
+    (lambda r: (r / "neffbuild/kernels/__init__.py").open("a").write("\n# a comment\n"), True),
 ])
 def test_only_graph_source_edits_change_the_pre_key_source_digest(tree, edit, changes):
     before = digest(tree)

@@ -54,14 +54,9 @@ _FILE_RE = re.compile(r"(# File: )(.+?)(:\d+ in )")
 
 
 def _source_roots() -> tuple[str, ...]:
-    """The folders the graph code comes from: this checkout's root (neffbuild/, kernels/) first."""
-    import importlib.util
-
-    roots = [str(Path(__file__).resolve().parents[2])]
-    spec = importlib.util.find_spec("kernels")
-    if spec is not None and spec.origin:
-        roots.append(str(Path(spec.origin).resolve().parent.parent))
-    return tuple(dict.fromkeys(roots))
+    """The folder the graph code comes from: the one holding the ``neffbuild`` package (a checkout's root
+    or site-packages)."""
+    return (str(Path(__file__).resolve().parents[2]),)
 
 
 def portable_graph_text(graph_text: str, roots: tuple[str, ...] | None = None) -> str:

@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-import kernels
 import neffbuild
 from neffbuild.compiler import memory_plan
 from neffbuild.compiler.cache import Cache
@@ -69,7 +68,7 @@ def build_remote(job: Job, shared: bool, index: dict) -> dict:
         log = os.path.join(scratch, "target.log")
         cache_root = job.cache_root if shared else os.path.join(scratch, "cache")
         local = dataclasses.replace(job, log_path=log, cache_root=cache_root)
-        result = run_job(local, None if shared else index.get)
+        result = run_job(local, None if shared else index.get, own_process=True)
         out = {"result": result, "node": socket.gethostname()}
         with open(log, "rb") as f:
             out["log"] = f.read()[-LOG_LIMIT:].decode(errors="replace")
@@ -104,7 +103,7 @@ class RayExecutor:
             return False
         kwargs = {"include_dashboard": False, "log_to_driver": False}
         if self.address:  # nodes of a real cluster may not have this checkout: ship the packages
-            pkgs = [str(Path(m.__file__).parent) for m in (neffbuild, kernels)]
+            pkgs = [str(Path(neffbuild.__file__).parent)]  # everything the build imports lives under it
             # The build's C++ compiler choice (CXX, read by inductor) is the driver's, as for local workers.
             env = {k: os.environ[k] for k in ("CXX",) if k in os.environ}
             ray.init(address=self.address, runtime_env={"py_modules": pkgs, **({"env_vars": env} if env else {})},

@@ -13,8 +13,8 @@ import functools
 import hashlib
 from pathlib import Path
 
-ROOTS = ("kernels", "neffbuild/models", "neffbuild/compiler/graphs.py", "neffbuild/compiler/backends")
-PACKAGES = ("neffbuild", "kernels")
+ROOTS = ("neffbuild/kernels", "neffbuild/models", "neffbuild/compiler/graphs.py", "neffbuild/compiler/backends")
+PACKAGES = ("neffbuild",)
 
 
 def _module_file(root: Path, name: str) -> Path | None:
@@ -69,6 +69,6 @@ def digest(root: Path) -> str:
 @functools.cache
 def source_digest() -> str:
     """sha256 over the source that shapes a graph in this checkout."""
-    import kernels
+    import neffbuild
 
-    return digest(Path(kernels.__file__).resolve().parent.parent)
+    return digest(Path(neffbuild.__file__).resolve().parent.parent)

@@ -2,14 +2,15 @@
 then a smoke run of the artifact bound to the bundle's weights (compiler/smoke.py).
 
 Runs inside a long-lived worker process (a warm worker compiles ~3x faster than a fresh
-one). Everything the compiler prints goes to the target's log file (fds 1 and 2 are
-redirected for the duration), and the result is a ``JobResult`` (compiler/jobs.py). ``cached_result`` is the
-cheap path the builder tries first, in its own process: a pre-key hit needs no tracing.
+one). Everything the job and the compiler print goes to the target's log file (``job_output``: in a worker
+process fds 1 and 2 too; never the caller's stdout), and the result is a ``JobResult`` (compiler/jobs.py).
+``cached_result`` is the cheap path the builder tries first, in its own process: a pre-key hit needs no tracing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import resource
@@ -63,24 +64,46 @@ def pre_key_for(graph: TargetGraph, backend) -> str:
     return pre_key(spec, backend.fingerprint(), source_digest())
 
 
+_OWN_PROCESS = False  # set by warm_up: a pool worker runs one job at a time, so its fds 1 and 2 may be the job's
+_LOG: contextvars.ContextVar = contextvars.ContextVar("job_log", default=None)
+
+
+def _say(line: str) -> None:
+    """One line into the running job's log file (never the caller's stdout: ``--json`` owns that)."""
+    log = _LOG.get()
+    if log is not None:
+        log.write(line + "\n")
+        log.flush()
+
+
 @contextlib.contextmanager
-def redirected_output(path: str):
+def job_output(path: str, *, own_process: bool | None = None):
+    """The job's log for its duration. The job's own lines go there through ``_say``, whatever process or thread
+    runs it. In a process of its own (a pool or Ray worker) fds 1 and 2 point there too, so a compiler's native
+    output is kept; in a shared process (the driver's pre-key hits, the inline executor) the fds stay as they
+    are, because swapping them would carry other threads' output (the progress line, another job) with it."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
+    own = _OWN_PROCESS if own_process is None else own_process
     with open(path, "a") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
+        token = _LOG.set(log)
+        saved = None
+        if own:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            saved = os.dup(1), os.dup(2)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
         try:
             yield
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
+            _LOG.reset(token)
+            if saved is not None:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
 
 
 def key_for(graph: TargetGraph, backend, *, fake: bool = False) -> tuple[str, object, list, str]:
@@ -111,7 +134,7 @@ def _smoke(job: Job, backend, entry) -> None:
         return
     t0 = time.monotonic()
     smoke_run(backend, entry.path, job.graph, weights_file.load(Path(job.weights_path)))
-    print(f"== smoke run ok in {time.monotonic() - t0:.2f}s", flush=True)
+    _say(f"== smoke run ok in {time.monotonic() - t0:.2f}s")
 
 
 def _classified(result: JobResult, exc: BaseException, job: Job) -> JobResult:
@@ -139,8 +162,8 @@ def cached_result(job: Job) -> JobResult | None:
         return None
     result = JobResult(job.label, job.log_path, pid=os.getpid(), traced=False, pre_key=pre)
     try:
-        with redirected_output(job.log_path):
-            print(f"== {job.label}: cache hit {entry.key} (pre-key, not traced)", flush=True)
+        with job_output(job.log_path):
+            _say(f"== {job.label}: cache hit {entry.key} (pre-key, not traced)")
             _smoke(job, backend, entry)
         result = _ok(result, entry, hit=True)
     except Exception as exc:
@@ -178,13 +201,13 @@ def _build(job: Job, backend, result: JobResult):
     if remote is not None:
         result = result.replace(remote=dict(remote.stats.to_json(), state=remote.state), remote_hit=bool(fetched))
     if compiled:
-        print(f"== compiled in {compiled[0]:.1f}s -> {entry.path}", flush=True)
+        _say(f"== compiled in {compiled[0]:.1f}s -> {entry.path}")
         if getattr(backend, "profile", None):
-            print(f"== compile profile: trace {trace_s:.1f}s, {backend.profile}", flush=True)
+            _say(f"== compile profile: trace {trace_s:.1f}s, {backend.profile}")
     elif fetched:
-        print(f"== remote cache hit {key} ({remote.url})", flush=True)
+        _say(f"== remote cache hit {key} ({remote.url})")
     else:
-        print(f"== cache hit {key}", flush=True)
+        _say(f"== cache hit {key}")
     return entry, not compiled, result
 
 
@@ -206,21 +229,23 @@ def _driver_hit(job: Job, backend, result: JobResult, lookup: Callable[[str], di
     meta = lookup(key)
     if meta is None:
         return result
-    print(f"== cache hit {key} (driver's cache)", flush=True)
+    _say(f"== cache hit {key} (driver's cache)")
     return result.from_meta(dict(meta, input_signature=signature), hit=True, artifact=None)
 
 
-def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None) -> JobResult:
+def run_job(job: Job, lookup: Callable[[str], dict | None] | None = None, *,
+            own_process: bool | None = None) -> JobResult:
     """Build one target through the cache and smoke-run it. Never raises: failures come back classified.
 
     ``lookup(key)`` (Ray without a shared cache) asks the driver's cache first: on a hit the
-    result carries the entry's meta and no local artifact path.
+    result carries the entry's meta and no local artifact path. ``own_process``: this process runs only this
+    job (a Ray task), so the compiler's native output may be captured by fd (``job_output``).
     """
     result = JobResult(job.label, job.log_path, pid=os.getpid(), traced=True)
     started = time.monotonic()
     try:
-        with redirected_output(job.log_path):
-            print(f"== {job.label}: {job.backend}", flush=True)
+        with job_output(job.log_path, own_process=own_process):
+            _say(f"== {job.label}: {job.backend}")
             backend = get_backend(**job.backend)
             result = result.replace(pre_key=pre_key_for(job.graph, backend))
             if lookup is not None:
@@ -247,6 +272,8 @@ def warm_up() -> int:
     translation unit per kind (wrapper, kernels), so the pool only adds processes (one per
     core, in every worker) that compete with the workers themselves for the same cores.
     """
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     import torch._inductor.config  # workers only: the driver never compiles, and its start stays short
 
     torch._inductor.config.compile_threads = 1

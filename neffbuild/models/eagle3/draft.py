@@ -22,7 +22,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import apply_rope, paged_attention, rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
+from neffbuild.kernels import (
+    apply_rope,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+    sdpa_with_sinks,
+    write_kv,
+    yarn_inv_freq,
+)
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.weights import DRAFT_EMBED, DRAFT_NAMES
 

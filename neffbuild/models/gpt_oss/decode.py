@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import (
+from neffbuild.kernels import (
     apply_rope,
     moe,
     paged_attention,
@@ -30,7 +30,7 @@ from kernels import (
     write_kv,
     yarn_inv_freq,
 )
-from kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
+from neffbuild.kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.models.gpt_oss.weights import STACKED_NAMES

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
+from neffbuild.kernels import rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
 from neffbuild.models.gpt_oss.config import SLIDING, GptOssConfig
 from neffbuild.models.gpt_oss.decode import (
     SINGLE,

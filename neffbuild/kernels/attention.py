@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv import FP8, block_operand, gather_blocks
+from neffbuild.kernels.kv import FP8, block_operand, gather_blocks
 
 ROWS_IN_PLACE = 4  # query rows per KV head up to which the in-place read beats the copy on CPU (measured)
 

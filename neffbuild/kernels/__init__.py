@@ -4,11 +4,11 @@ No data-dependent Python control flow and no ``.item()``: every function exports
 ``torch.export`` for any static shape. The graphs in ``neffbuild.models`` call them.
 """
 
-from kernels.attention import paged_attention, sdpa_with_sinks
-from kernels.kv import gather_blocks, pack_k_fp8_view, write_kv
-from kernels.moe import moe, swiglu
-from kernels.norm import rms_norm
-from kernels.rope import apply_rope, rope_cos_sin, yarn_inv_freq
+from neffbuild.kernels.attention import paged_attention, sdpa_with_sinks
+from neffbuild.kernels.kv import gather_blocks, pack_k_fp8_view, write_kv
+from neffbuild.kernels.moe import moe, swiglu
+from neffbuild.kernels.norm import rms_norm
+from neffbuild.kernels.rope import apply_rope, rope_cos_sin, yarn_inv_freq
 
 __all__ = [
     "apply_rope",
