@@ -10,24 +10,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv clean bench
+.PHONY: demo test test-fast lint venv lock clean bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# torch first, pinned, so pip takes the CPU wheel on disk and never a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+LOCK := requirements/test.lock
+UV_VERSION := 0.13.9
+
+# The exact, hashed versions of every test and benchmark dependency (requirements/test.lock, made by
+# `make lock`), so CI, a developer and a fresh machine get the same packages; torch is the CPU wheel on disk
+# (requirements/torch.txt), never a multi-GB CUDA build. Then the project itself, editable, without deps.
+$(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --require-hashes -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-BENCH_STAMP := $(VENV)/.installed-bench
-$(BENCH_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $(BENCH_STAMP)
+# Refresh the lock from pyproject.toml's ranges (the test and bench extras), then `make venv` installs it.
+lock: $(BIN)/python
+	$(BIN)/pip install -q uv==$(UV_VERSION)
+	$(BIN)/uv pip compile pyproject.toml --extra test --extra bench --generate-hashes --python-version 3.11 \
+		--find-links /opt/wheels -c requirements/torch.txt --no-header -o $(LOCK)
 
 demo: $(STAMP)
 	$(BIN)/neffbuild validate recipes/gpt-oss-tiny.yaml
@@ -51,7 +58,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # Timing on a shared host is noisy: run it alone, or under `nice -n -5` (see docs/benchmarks.md).
-bench: $(BENCH_STAMP)
+bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m bench tests
 	$(BIN)/python benchmarks/step_cost.py --plot docs/img/step-cost.png
 	$(BIN)/python benchmarks/build_pipeline.py

@@ -80,8 +80,8 @@ def cli(*args, env: dict | None = None, process: bool = False, timeout: float | 
 
 
 def last_json(res: CliResult) -> dict:
-    """The JSON document a ``--json`` command printed last on stdout."""
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    """The JSON document a ``--json`` command printed: the whole of stdout (a line beside it fails here)."""
+    return json.loads(res.stdout)
 
 
 # ----------------------------------------------------------------------------------------------- test bundles
