@@ -111,10 +111,11 @@ def read_regular(path: str | os.PathLike, what: str, limit: int) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise InvalidInput(f"{what} {path}: cannot read ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # checked before fdopen: a folder's descriptor cannot become a file object
+        os.close(fd)
+        raise InvalidInput(f"{what} {path}: not a regular file (a FIFO, device or folder cannot be read)")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidInput(f"{what} {path}: not a regular file (a FIFO, device or folder cannot be read)")
         if st.st_size > limit:
             raise InvalidInput(f"{what} {path}: {st.st_size} bytes; the limit is {limit}")
         data = f.read(limit + 1)

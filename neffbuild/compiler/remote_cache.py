@@ -54,9 +54,13 @@ class RemoteStats:
 class RemoteCache:
     """One remote tier for one run. Never raises a RemoteError: failures become warnings and counts."""
 
-    def __init__(self, url: str, mode: str = "auto", *, client: s3.S3Remote | None = None):
+    def __init__(self, url: str, mode: str = "auto", *, client: s3.S3Remote | None = None,
+                 trusted: tuple[bytes, ...] = (), sign_key=None):
         self.url = s3.parse_url(url)
         self.mode = mode
+        self.trusted = tuple(trusted)  # PEM public keys whose entry signatures are accepted (empty: any entry)
+        self.sign_key = sign_key  # the EC private key that signs what this run pushes (None: pushed unsigned)
+        self._keys = None
         self.read_only = mode == "ro"
         self.down: str | None = None  # why the remote is not asked any more
         self.stats = RemoteStats()
@@ -99,20 +103,32 @@ class RemoteCache:
             return "unreachable" if self.down == s3.UNREACHABLE else "unusable"
         return "read-only" if self.read_only else "read-write"
 
+    @property
+    def trusted_keys(self) -> list:
+        if self._keys is None:
+            from neffbuild.runtime.signature import load_trusted_keys
+
+            self._keys = load_trusted_keys(list(self.trusted))
+        return self._keys
+
     # -- reads
-    def fetch(self, cache: Cache, key: str) -> Entry | None:
+    def fetch(self, cache: Cache, key: str, check=None) -> Entry | None:
         """The remote entry ``key`` published into ``cache`` (call under ``cache.lock(key)``), or None (a miss)."""
         tmp = cache.new_tmp(key)
-        got = self.fetch_to(key, tmp)
+        got = self.fetch_to(key, tmp, check)
         if got is None:
             _rmtree(tmp)
             return None
         return cache.publish(key, tmp, *got)
 
-    def fetch_to(self, key: str, tmp: Path) -> tuple[Path, dict] | None:
+    def fetch_to(self, key: str, tmp: Path, check=None) -> tuple[Path, dict] | None:
         """(artifact, meta) of the remote entry ``key`` downloaded into ``tmp`` and checked against its meta,
         ready for ``Cache.publish`` (the ``produce`` of ``jobs.publish``), or None (a miss; ``tmp`` is left
-        empty). A key whose remote entry failed its check is in ``rejected`` and is not asked again."""
+        empty). A key whose remote entry failed its check is in ``rejected`` and is not asked again.
+
+        With trusted keys the entry must carry a signature by one of them over this key, these bytes and
+        this toolchain (compiler/entry_sig.py). ``check(artifact)`` (the smoke run in a child process) runs
+        last, before anything is published; a LoadFailed rejects the entry (it is rebuilt)."""
         client = self.client
         if client is None or key in self.rejected:
             return None
@@ -128,11 +144,20 @@ class RemoteCache:
                 return None
             artifact = tmp / Path(meta["file"]).name
             found = client.get_to_file(self._key("entries", key, meta["file"]), artifact)
-            if not found or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
+            digest = sha256_file(artifact) if found and artifact.stat().st_size == meta["bytes"] else None
+            if digest != meta["sha256"]:
                 artifact.unlink(missing_ok=True)
                 self._reject(key, f"remote cache: entry {key[:16]}: the artifact does not match the sha256/size "
                                   f"its {META} records; treated as a miss and rebuilt (the remote object is left "
                                   f"as it is)")
+                return None
+            why = self._untrusted(client, key, meta, digest)
+            if why is None and check is not None:
+                why = self._check(check, artifact)
+            if why is not None:
+                artifact.unlink(missing_ok=True)
+                self._reject(key, f"remote cache: entry {key[:16]} ({meta.get('label', '')}) {why}: remote entry "
+                                  f"rejected, rebuilt (the remote object is left as it is)")
                 return None
         except s3.RemoteError as exc:
             if artifact is not None:
@@ -149,12 +174,31 @@ class RemoteCache:
         meta = {k: v for k, v in meta.items() if k not in ("key", "file", "bytes", "sha256", "created")}
         return artifact, dict(meta, fetched_from=str(self.url))
 
+    def _untrusted(self, client: s3.S3Remote, key: str, meta: dict, digest: str) -> str | None:
+        """Why the entry is not signed by a trusted key (None: it is, or no key is trusted: the bucket is)."""
+        if not self.trusted:
+            return None
+        from neffbuild.compiler.entry_sig import ENTRY_SIG, entry_problem
+
+        raw = client.get(self._key("entries", key, ENTRY_SIG))
+        return entry_problem(raw, key, meta, digest, self.trusted_keys)
+
+    @staticmethod
+    def _check(check, artifact: Path) -> str | None:
+        from neffbuild.compiler.smoke import LoadFailed
+
+        try:
+            check(artifact)
+        except LoadFailed as exc:
+            return f"failed its smoke run in a child process ({exc})"
+        return None
+
     def _reject(self, key: str, message: str) -> None:
         self.rejected.add(key)
         self.stats.errors += 1
         self.warn(message)
 
-    def fetch_pre(self, cache: Cache, pre: str) -> Entry | None:
+    def fetch_pre(self, cache: Cache, pre: str, check=None) -> Entry | None:
         """The entry a remote pre-key record names (fetched when the local cache lacks it), or None."""
         client = self.client
         if client is None:
@@ -172,7 +216,7 @@ class RemoteCache:
         with cache.lock(key):
             entry = cache.get(key)
             if entry is None:
-                entry = self.fetch(cache, key)
+                entry = self.fetch(cache, key, check)
         if entry is not None:
             cache.put_pre(pre, key)
         return entry
@@ -221,6 +265,11 @@ class RemoteCache:
                 self.warn(f"remote cache: lost the race for {entry.meta.get('label', '')} ({entry.key[:16]}) and the "
                           f"winner's artifact bytes differ from ours: this build is not reproducible")
                 return "lost-race"
+        if self.sign_key is not None:  # before the meta: a reader that sees the meta finds the signature
+            from neffbuild.compiler.entry_sig import ENTRY_SIG, sign_entry
+
+            client.put_if_absent(self._key("entries", entry.key, ENTRY_SIG),
+                                 sign_entry(entry.key, entry.meta, self.sign_key))
         body = json.dumps(entry.meta, sort_keys=True, indent=1).encode()
         if client.put_if_absent(meta_key, body):
             self.stats.pushes += 1
@@ -244,9 +293,9 @@ def _rmtree(path: Path) -> None:
 
 
 @functools.cache
-def for_worker(url: str, mode: str) -> RemoteCache:
-    """One RemoteCache per worker process and remote (its client is reused across jobs)."""
-    return RemoteCache(url, mode)
+def for_worker(url: str, mode: str, trusted: tuple[bytes, ...] = ()) -> RemoteCache:
+    """One RemoteCache per worker process, remote and set of trusted keys (its client is reused across jobs)."""
+    return RemoteCache(url, mode, trusted=trusted)
 
 
 def check(url: str) -> dict:
