@@ -159,6 +159,24 @@ def test_smoke_in_child_survives_a_crashing_artifact(tmp_path, tiny_recipe):
         smoke_in_child(backend_kwargs(recipe), bad, target_graph(recipe, target), str(weights))
 
 
+def test_smoke_child_killed_by_a_signal_is_named(tmp_path, tiny_recipe, monkeypatch):
+    """A real child that dies of SIGSEGV (a stand-in interpreter that kills itself): LoadFailed naming it."""
+    import sys
+
+    from neffbuild import grid
+    from neffbuild.compiler.builder import backend_kwargs
+    from neffbuild.compiler.graphs import target_graph
+    from neffbuild.compiler.smoke import smoke_in_child
+
+    crash = tmp_path / "python"
+    crash.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crash.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(crash))
+    with pytest.raises(LoadFailed, match=r"signal 11 \(SIGSEGV\)"):
+        smoke_in_child(backend_kwargs(tiny_recipe), tmp_path / "a.pt2", target_graph(tiny_recipe,
+                       grid.targets(tiny_recipe)[0]), str(tmp_path / "w"))
+
+
 @pytest.mark.parametrize("bad", ["dir", "fifo", "notakey", "private"])
 def test_bad_trust_key_is_invalid_input(tmp_path, ci, bad):
     import os

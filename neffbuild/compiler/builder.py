@@ -225,6 +225,8 @@ def _placement(runner, results: list[JobResult]) -> dict:
 
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:
     dest = Path(out_dir) / f"{writer.final.name}.failed-logs"
+    if dest.is_symlink() or dest.is_file():  # the name is ours; a link there is removed, never followed
+        dest.unlink()
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(writer.path(paths.LOGS_DIR), dest)
     return dest

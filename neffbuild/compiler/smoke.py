@@ -90,12 +90,14 @@ def smoke_in_child(backend_kwargs: dict, artifact: Path, spec: TargetGraph, weig
                                  capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             raise LoadFailed(f"the smoke run did not finish within {timeout_s:.0f} s") from None
+        why = job.with_suffix(".err")
+        message = why.read_text(errors="replace")[:400] if why.is_file() else None
     if res.returncode < 0:
         name = signal.Signals(-res.returncode).name if -res.returncode in signal.valid_signals() else "?"
         raise LoadFailed(f"the smoke run died of signal {-res.returncode} ({name})")
     if res.returncode != 0:
-        tail = (res.stderr.strip().splitlines() or ["no message"])[-1]
-        raise LoadFailed(f"the smoke run failed: {tail[:400]}")
+        tail = message or (res.stderr.strip().splitlines() or ["no message"])[-1][:400]
+        raise LoadFailed(f"the smoke run failed: {tail}")
 
 
 def _child(job_file: str) -> int:
@@ -108,7 +110,8 @@ def _child(job_file: str) -> int:
     backend_kwargs, artifact, spec, weights_path = pickle.loads(Path(job_file).read_bytes())
     try:
         smoke_run(get_backend(**backend_kwargs), Path(artifact), spec, weights_file.load(Path(weights_path)))
-    except LoadFailed as exc:
+    except LoadFailed as exc:  # its first line (a C++ error's stack trace follows it) for the parent's message
+        Path(job_file).with_suffix(".err").write_text((str(exc).strip().splitlines() or ["?"])[0])
         print(str(exc), file=sys.stderr)
         return 3
     return 0
