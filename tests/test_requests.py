@@ -51,7 +51,7 @@ def test_request_file_quirks_are_one_clean_error(tmp_path, text, needle):
 
 def test_u2028_inside_a_string_does_not_split_the_line(tmp_path):
     path = _file(tmp_path, '{"id": "a\u2028b", "prompt_ids": [1]}\r\n{"id": "c", "prompt_ids": [2]}\n')
-    with pytest.raises(InvalidInput, match="line|printable"):  # one line, refused for its id, not split in two
+    with pytest.raises(InvalidInput, match=r"reqs\.jsonl:1: field 'id'"):  # one line, refused for its id
         load_requests(path, 4)
     ok = _file(tmp_path, '{"id": "x", "prompt_ids": [1, 2]}\r\n\n{"id": "y\u00e9", "prompt_ids": [3]}\n')
     assert [(r.id, r.prompt) for r in load_requests(ok, 4)] == [("x", [1, 2]), ("y\u00e9", [3])]
@@ -90,7 +90,7 @@ API_CASES = [  # (id, request, needle)
 
 @pytest.mark.parametrize("req,needle", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
 def test_engine_api_applies_the_request_rules(req, needle):
-    with pytest.raises(InvalidInput, match="Engine.run|request") as err:
+    with pytest.raises(InvalidInput, match=r"^request ") as err:
         check_fields([req], 256, 512)
     assert needle in str(err.value)
 

@@ -96,6 +96,8 @@ def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, ti
              shared_cache, sign_key, remote, remote_mode, shard, tier) -> BuildResult:
     cache.sweep()
     targets = grid.build_order(grid.targets(recipe))
+    if tier is not None:
+        tier.probe()  # seconds, not minutes, to find a remote that never answers (then built without it)
     if shard:
         targets = remote_tier.shard_slice(targets, *shard)
     runner = executor

@@ -37,6 +37,8 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None, remote:
     from neffbuild.compiler.remote_tier import open_tier
 
     tier = open_tier(remote, "ro")
+    if tier is not None:
+        tier.probe()
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir())
     entries = cache.list()  # every entry here has been validated (sha256 checked) once
     valid_keys = {e["key"] for e in entries}

@@ -36,6 +36,22 @@ from neffbuild.compiler.cache import CACHE_VERSION, META, Cache, Entry, _meta_ok
 from neffbuild.fsutil import sha256_file
 
 MODES = ("auto", "rw", "ro")
+# A probe (the first request of a run, `cache remote check`) waits at most this long per request: a remote that
+# accepts connections and never answers is found down in seconds, not after minutes of silence.
+PROBE_CONNECT_S, PROBE_READ_S = 3.0, 5.0
+PROBE_SAY_AFTER_S = 1.0  # a probe still waiting after this long says so on stderr
+
+
+def _say_while_waiting(what: str, timeout_s: float):
+    """A started timer that prints one line on stderr if the wait outlives PROBE_SAY_AFTER_S (cancel it)."""
+    import sys
+    import threading
+
+    timer = threading.Timer(PROBE_SAY_AFTER_S, lambda: print(
+        f"waiting for {what} (giving up after {timeout_s:.0f} s)...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 @dataclass
@@ -79,6 +95,24 @@ class RemoteCache:
             except s3.RemoteError as exc:
                 self._error(exc)
         return self._client
+
+    def probe(self) -> bool:
+        """Ask the remote once with short timeouts (connect and first byte; one attempt) before the run uses it;
+        unreachable: ``down``, with the warning, so no later request waits its long timeout. True when usable."""
+        if self.down is not None:
+            return False
+        limit = PROBE_CONNECT_S + PROBE_READ_S
+        timer = _say_while_waiting(f"the remote cache {self.url}", limit)
+        try:
+            quick = s3.S3Remote(self.url, connect_timeout=PROBE_CONNECT_S, read_timeout=PROBE_READ_S, attempts=1)
+            quick.head(self._key(META))  # any answer (found or not) proves the remote answers
+        except s3.RemoteError as exc:
+            if exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
+                self._error(exc)
+                return False
+        finally:
+            timer.cancel()
+        return True
 
     def _key(self, *parts: str) -> str:
         return self.url.key(f"v{CACHE_VERSION}", *parts)
@@ -302,12 +336,22 @@ def check(url: str) -> dict:
     """``cache remote check``: {"url", "endpoint", "reachable", "readable", "writable", "errors"}.
 
     Writable is tested by a create-only put of a probe object under ``PREFIX/.neffbuild-probe/``
-    (left there: the cache never deletes; its name is unique per check)."""
+    (left there: the cache never deletes; its name is unique per check). Each request waits at most
+    PROBE_CONNECT_S + PROBE_READ_S, once; a wait longer than a second says so on stderr."""
+    out = {"url": url, "endpoint": None, "reachable": False, "readable": False, "writable": False, "errors": []}
+    timer = _say_while_waiting(url, 2 * (PROBE_CONNECT_S + PROBE_READ_S))
+    try:
+        return _check(url, out)
+    finally:
+        timer.cancel()
+
+
+def _check(url: str, out: dict) -> dict:
     import uuid
 
-    out = {"url": url, "endpoint": None, "reachable": False, "readable": False, "writable": False, "errors": []}
+    client = None
     try:
-        client = s3.open_remote(url)
+        client = s3.open_remote(url, connect_timeout=PROBE_CONNECT_S, read_timeout=PROBE_READ_S, attempts=1)
         out["endpoint"] = client.endpoint
         next(iter(client.list(f"v{CACHE_VERSION}")), None)
         out["reachable"] = out["readable"] = True
@@ -315,7 +359,7 @@ def check(url: str) -> dict:
         out["errors"].append(str(exc))
         if exc.kind in (s3.DENIED, s3.NOT_FOUND, s3.OTHER, s3.SERVER):
             out["reachable"] = True
-        if exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
+        if client is None or exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
             return out
     try:
         out["writable"] = client.put_if_absent(client.url.key(".neffbuild-probe", uuid.uuid4().hex), b"probe")
