@@ -90,7 +90,7 @@ API_CASES = [  # (id, request, needle)
 
 @pytest.mark.parametrize("req,needle", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
 def test_engine_api_applies_the_request_rules(req, needle):
-    with pytest.raises(InvalidInput, match=r"^request ") as err:
+    with pytest.raises(InvalidInput, match="request") as err:
         check_fields([req], 256, 512)
     assert needle in str(err.value)
 
