@@ -115,3 +115,28 @@ def test_engine_run_refuses_before_any_step(tiny_recipe):
             engine.run([bad])
     assert steps == []
     assert [len(r.tokens) for r in engine.run([Request("ok", [1, 2, 3], 2)])] == [2]
+
+
+def test_a_long_run_prints_progress_on_stderr(capsys):
+    from neffbuild.serve.run import progress
+
+    reqs = [Request(str(n), [1], 2) for n in range(3)]
+    quiet = progress(reqs, every_s=3600)
+    quiet(None, None)
+    assert capsys.readouterr().err == ""  # a short run prints nothing
+    hook = progress(reqs, every_s=0)
+    reqs[0].tokens = [5, 6]
+    hook(None, None)
+    err = capsys.readouterr().err
+    assert "1/3 requests done, 1 decode steps" in err
+
+
+def test_plan_of_a_big_grid_prints_progress(capsys, monkeypatch):
+    from neffbuild.cli import plan_cmd
+
+    monkeypatch.setattr("time.monotonic", iter([0.0, 6.0, 7.0, 13.0]).__next__)
+    hook = plan_cmd._progress(every_s=5)
+    for n in range(3):
+        hook(n, 2048)
+    assert capsys.readouterr().err.splitlines() == ["plan: keyed 0/2048 targets (6 s)",
+                                                    "plan: keyed 2/2048 targets (13 s)"]
