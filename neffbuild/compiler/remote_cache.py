@@ -4,12 +4,14 @@ The local cache (compiler/cache.py) stays the first tier. Remote layout under
 ``s3://BUCKET/PREFIX``, mirroring the local one::
 
     v{CACHE_VERSION}/entries/<key>/<artifact file>   written first
+    v{CACHE_VERSION}/entries/<key>/entry.sig         a signed writer's signature (compiler/entry_sig.py)
     v{CACHE_VERSION}/entries/<key>/meta.json         written last: a reader never sees a half entry
     v{CACHE_VERSION}/prekeys/<pre-key>.json          pre-key -> key (a fresh machine skips tracing)
 
 Reads: on a local miss the meta is fetched, then the artifact; its size and sha256 are checked
-against the meta and the entry is published locally (the local cache's atomic publish). A
-mismatch is a miss with a warning; the remote object is never deleted (it may be someone
+against the meta; with trusted keys its signature must cover this key, these bytes and this
+toolchain; then it is smoke-run in a child process, and only then published locally (the local
+cache's atomic publish). A mismatch is a miss with a warning ("remote entry rejected, rebuilt"); the remote object is never deleted (it may be someone
 else's in-flight upload, and a cache never destroys what it did not write).
 
 Writes (the driver, after a target compiled and passed its smoke run, or a local hit the
