@@ -342,3 +342,38 @@ def test_poisoned_entry_is_rebuilt_by_a_trusting_reader(first_push, rc_recipe, s
                str(tmp_path / "u-cache"), "--cache-remote", url, "--json")
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("trusted as is") == 1 and _doc(res)["remote_hits"] == 1  # the hazard, said once
+
+
+def test_a_remote_entry_that_fails_its_smoke_run_is_rejected_and_never_cached(first_push, rc_recipe, s3_server,
+                                                                               tmp_path, monkeypatch, rc_pool):
+    """An entry whose artifact cannot run (bytes a loader rejects, digest rewritten to match) was published locally
+    before its smoke run: the compile failed, and every later compile on that machine too. Now it is smoke-run in a
+    child process first: rejected, rebuilt, and the local cache holds the rebuilt entry."""
+    import hashlib
+
+    from neffbuild.compiler.cache import Cache
+
+    src_url, _, first = first_push
+    url = s3_server.url()
+    c = s3_server.client()
+    src_prefix, prefix = src_url.split("/", 3)[3], url.split("/", 3)[3]
+    for key in s3_server.keys(src_url):
+        c.copy_object(Bucket=s3_server.bucket, Key=prefix + key[len(src_prefix):],
+                      CopySource={"Bucket": s3_server.bucket, "Key": key})
+    [art] = [k for k in _entry_keys(s3_server, url) if k.endswith(".pt2")]
+    bad = b"PK\x03\x04" + b"\0" * 4096  # a zip header, then nothing a loader can use
+    meta_key = art.rsplit("/", 1)[0] + "/meta.json"
+    meta = json.loads(c.get_object(Bucket=s3_server.bucket, Key=meta_key)["Body"].read())
+    meta.update(sha256=hashlib.sha256(bad).hexdigest(), bytes=len(bad))
+    c.put_object(Bucket=s3_server.bucket, Key=art, Body=bad)
+    c.put_object(Bucket=s3_server.bucket, Key=meta_key, Body=json.dumps(meta).encode())
+    _env(monkeypatch, s3_server)
+    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url,
+                         executor=rc_pool)  # 1 compile: the rebuild
+    doc = res.to_json()
+    assert not res.failed and (doc["built"], doc["remote_hits"]) == (1, 0), doc
+    assert any("smoke run in a child process" in w and "rebuilt" in w for w in doc["remote"]["warnings"])
+    key = art.split("/")[-2]
+    entry = Cache(tmp_path / "cache").get(key)
+    assert entry is not None and entry.path.read_bytes() != bad
+    assert _bundle_bytes(res.bundle) == _bundle_bytes(first.bundle)

@@ -11,13 +11,15 @@ The local cache (compiler/cache.py) stays the first tier. Remote layout under
 Reads: on a local miss the meta is fetched, then the artifact; its size and sha256 are checked
 against the meta; with trusted keys its signature must cover this key, these bytes and this
 toolchain; then it is smoke-run in a child process, and only then published locally (the local
-cache's atomic publish). A mismatch is a miss with a warning ("remote entry rejected, rebuilt"); the remote object is never deleted (it may be someone
-else's in-flight upload, and a cache never destroys what it did not write).
+cache's atomic publish). A mismatch is a miss with a warning ("remote entry rejected, rebuilt");
+the remote object is never deleted (it may be someone else's in-flight upload, and a cache never
+destroys what it did not write).
 
 Writes (the driver, after a target compiled and passed its smoke run, or a local hit the
 remote lacks): create-only puts (``If-None-Match: *``), artifact first, meta last. A lost race
 is fine; when the winner's bytes differ from ours (compared by the S3 ETag, the MD5 of a
 single-part upload) a warning says the build is not reproducible. Failures are never pushed.
+With a signing key the entry's ``entry.sig`` goes between the artifact and the meta.
 
 Every remote error (network, 403, 5xx, a bad digest) is a miss or a skipped push with a
 warning and a count, never a failed build. Modes: ``rw`` writes; ``ro`` never writes;
