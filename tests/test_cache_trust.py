@@ -195,3 +195,18 @@ def test_bad_trust_key_is_invalid_input(tmp_path, ci, bad):
                                                    serialization.NoEncryption()))
     with pytest.raises(InvalidInput, match="--cache-trust"):
         load_trusted([path])
+
+
+@pytest.mark.parametrize("drop", ["ext", "compile_seconds"])
+def test_a_remote_meta_without_what_a_hit_reads_is_a_miss(monkeypatch, s3_server, tmp_path, drop):
+    """A hit's result reads meta ext and compile_seconds: a meta without them failed the build (KeyError)."""
+    _env(monkeypatch, s3_server)
+    url = s3_server.url()
+    RemoteCache(url).push(_local(tmp_path / "a"))
+    c = s3_server.client()
+    key = f"{url.split('/', 3)[3]}/v1/entries/{KEY}/meta.json"
+    meta = json.loads(c.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+    meta.pop(drop)
+    c.put_object(Bucket=s3_server.bucket, Key=key, Body=json.dumps(meta).encode())
+    rc = RemoteCache(url)
+    assert rc.fetch(Cache(tmp_path / "b").ensure(), KEY) is None and "malformed" in rc.stats.warnings[0]

@@ -176,7 +176,8 @@ class RemoteCache:
             if raw is None:
                 return None
             meta = json.loads(raw)
-            if not _meta_ok(meta) or meta.get("key") != key:
+            if not _meta_ok(meta) or meta.get("key") != key or not isinstance(meta.get("ext"), str) or \
+                    not isinstance(meta.get("compile_seconds"), (int, float)):  # what a hit's result reads
                 self._reject(key, f"remote cache: entry {key[:16]} has a malformed {META}; treated as a miss "
                                   f"(the remote object is left as it is)")
                 return None
