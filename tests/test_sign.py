@@ -333,3 +333,19 @@ def test_trust_and_key_files_are_bounded_regular_files(tmp_path, kind):
         load_trusted_keys([path])
     with pytest.raises(InvalidInput, match="not a regular file"):
         load_private_key(path)
+
+
+@pytest.mark.parametrize("doc", ["[]", '"x"', "null"])
+def test_model_sig_not_an_object_is_a_clean_refusal_everywhere(copy, keys, doc):
+    """verify --trust, inspect and generate --trust gave an AttributeError traceback; open_bundle raised it too."""
+    from neffbuild.runtime.bundle import open_bundle
+
+    (copy / "model.sig").write_text(doc)
+    pub = str(keys["a"][1])
+    for args in (["verify", str(copy), "--trust", pub], ["inspect", str(copy)],
+                 ["generate", str(copy), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--trust", pub]):
+        code, _, err, exc = run_cli(*args)
+        assert exc is None and "Traceback" not in err, (args, err)
+        assert code == (0 if args[0] == "inspect" else 1), (args, err)
+    with pytest.raises(SignatureError, match="not a model-signing signature"):
+        open_bundle(copy, trusted_keys=[keys["a"][1]])
