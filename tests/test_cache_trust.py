@@ -147,7 +147,7 @@ def test_smoke_in_child_survives_a_crashing_artifact(tmp_path, tiny_recipe):
     from neffbuild import grid
     from neffbuild.compiler.builder import backend_kwargs
     from neffbuild.compiler.graphs import target_graph
-    from neffbuild.compiler.smoke import smoke_in_child
+    from neffbuild.compiler.smoke_child import smoke_in_child
 
     bad = tmp_path / "artifact.pt2"
     bad.write_bytes(b"\0" * 4096)
@@ -156,6 +156,8 @@ def test_smoke_in_child_survives_a_crashing_artifact(tmp_path, tiny_recipe):
     recipe = tiny_recipe
     target = grid.targets(recipe)[0]
     with pytest.raises(LoadFailed, match="smoke run failed"):
+        smoke_in_child(backend_kwargs(recipe), bad, target_graph(recipe, target), str(weights))
+    with pytest.raises(LoadFailed, match="smoke run failed"):  # the same child answers the next check
         smoke_in_child(backend_kwargs(recipe), bad, target_graph(recipe, target), str(weights))
 
 
@@ -166,12 +168,15 @@ def test_smoke_child_killed_by_a_signal_is_named(tmp_path, tiny_recipe, monkeypa
     from neffbuild import grid
     from neffbuild.compiler.builder import backend_kwargs
     from neffbuild.compiler.graphs import target_graph
-    from neffbuild.compiler.smoke import smoke_in_child
+    from neffbuild.compiler.smoke_child import smoke_in_child
+
+    from neffbuild.compiler import smoke_child
 
     crash = tmp_path / "python"
     crash.write_text("#!/bin/sh\nkill -SEGV $$\n")
     crash.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(crash))
+    monkeypatch.setattr(smoke_child, "_CHILD", [])  # a fresh child, started from the stand-in interpreter
     with pytest.raises(LoadFailed, match=r"signal 11 \(SIGSEGV\)"):
         smoke_in_child(backend_kwargs(tiny_recipe), tmp_path / "a.pt2", target_graph(tiny_recipe,
                        grid.targets(tiny_recipe)[0]), str(tmp_path / "w"))
