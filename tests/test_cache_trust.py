@@ -166,11 +166,10 @@ def test_smoke_child_killed_by_a_signal_is_named(tmp_path, tiny_recipe, monkeypa
     import sys
 
     from neffbuild import grid
+    from neffbuild.compiler import smoke_child
     from neffbuild.compiler.builder import backend_kwargs
     from neffbuild.compiler.graphs import target_graph
     from neffbuild.compiler.smoke_child import smoke_in_child
-
-    from neffbuild.compiler import smoke_child
 
     crash = tmp_path / "python"
     crash.write_text("#!/bin/sh\nkill -SEGV $$\n")
