@@ -66,6 +66,15 @@ def output_problem(path: str | os.PathLike, what: str) -> str | None:
             return f"{what} {p}: is inside the bundle {folder}; write outputs outside bundles"
     if not os.access(parent, os.W_OK) or (st is not None and not os.access(p, os.W_OK)):
         return f"{what} {p}: not writable (permission denied)"
+    if st is None:  # a probe: /proc and /sys pass access() for root yet refuse a new file
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileExistsError:
+            return None  # someone created it meanwhile: write_output checks it again
+        except OSError as exc:
+            return f"{what} {p}: cannot be created there ({exc.strerror or exc})"
+        os.close(fd)
+        os.unlink(p)
     return None
 
 
@@ -111,10 +120,11 @@ def read_regular(path: str | os.PathLike, what: str, limit: int) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise InvalidInput(f"{what} {path}: cannot read ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # checked before fdopen: a folder's descriptor cannot become a file object
+        os.close(fd)
+        raise InvalidInput(f"{what} {path}: not a regular file (a FIFO, device or folder cannot be read)")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidInput(f"{what} {path}: not a regular file (a FIFO, device or folder cannot be read)")
         if st.st_size > limit:
             raise InvalidInput(f"{what} {path}: {st.st_size} bytes; the limit is {limit}")
         data = f.read(limit + 1)

@@ -225,17 +225,23 @@ class S3Remote:
         finally:
             part.unlink(missing_ok=True)
 
-    def put_file_if_absent(self, key: str, path: Path, *, part_size: int = 64 << 20, on_bytes=None) -> bool:
+    def put_file_if_absent(self, key: str, path: Path, *, part_size: int = 64 << 20, on_bytes=None,
+                           replace: bool = False) -> bool:
         """Stream a file into ``key`` only if absent: True if created, False if the key existed.
 
         Up to ``part_size`` bytes: one create-only PUT. Larger: a multipart upload (memory bounded by one
         part; files over S3's 5 GiB single-PUT limit work) completed with ``If-None-Match: *``, aborted on
-        any failure. ``on_bytes(n)`` is called as bytes are sent (per part), for progress bars.
+        any failure. ``on_bytes(n)`` is called as bytes are sent (per part), for progress bars. ``replace``:
+        write whatever is there (a content-addressed blob found holding other bytes than its address says).
         """
         path = Path(path)
         size = path.stat().st_size
         if size <= part_size:
-            created = self.put_if_absent(key, path)
+            created = True
+            if replace:
+                self.put(key, path)
+            else:
+                created = self.put_if_absent(key, path)
             if on_bytes:
                 on_bytes(size)
             return created
@@ -253,7 +259,8 @@ class S3Remote:
                         on_bytes(len(body))
             try:
                 self.client.complete_multipart_upload(Bucket=self.url.bucket, Key=key, UploadId=uid,
-                                                      MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+                                                      MultipartUpload={"Parts": parts},
+                                                      **({} if replace else {"IfNoneMatch": "*"}))
             except self._botocore.exceptions.ClientError as exc:
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                 if status == 412 or exc.response.get("Error", {}).get("Code") in ("PreconditionFailed",

@@ -9,6 +9,10 @@ AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL  endpoint of an S3-compatible server (the
                      credentials come from the standard AWS chain, read by boto3 itself)
 NEFFBUILD_TRUSTED_KEYS  PEM public keys (paths joined by the OS path separator, `:`) whose
                      signature `open_bundle` requires before it loads anything (default: none)
+NEFFBUILD_CACHE_TRUSTED_KEYS  PEM public keys (paths joined by `:`) one of which must have signed a remote
+                     cache entry before a build uses it (default: none; --cache-trust wins)
+NEFFBUILD_CACHE_SIGN_KEY  PEM EC private key that signs the remote cache entries a build pushes (default:
+                     none, entries are pushed unsigned; --cache-sign-key wins)
 NEURON_LOGICAL_NC_CONFIG  the Neuron runtime's logical NeuronCore config (read to refuse a
                      bundle compiled for another LNC; the SDK's own variable)
 NEFFBUILD_FREE_MEMORY  host memory the local compile pool may plan with (a size: 6GiB, 512MiB or
@@ -122,3 +126,14 @@ def free_memory_bytes() -> tuple[int | None, str]:
     except (OSError, ValueError, IndexError):
         pass
     return None, "unknown"
+
+
+def cache_trusted_keys() -> list[str]:
+    """NEFFBUILD_CACHE_TRUSTED_KEYS as a list of key paths (empty: remote cache entries need no signature)."""
+    value = os.environ.get("NEFFBUILD_CACHE_TRUSTED_KEYS", "")
+    return [part for part in value.split(os.pathsep) if part.strip()]
+
+
+def cache_sign_key() -> str | None:
+    value = os.environ.get("NEFFBUILD_CACHE_SIGN_KEY", "").strip()
+    return value or None

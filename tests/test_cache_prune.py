@@ -79,3 +79,44 @@ def test_cli_ls_and_prune(cache):
     bad = run("prune")
     assert bad.returncode == 2 and "give --max-size SIZE and/or --unused-for DAYS" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_prune_leaves_folders_that_are_not_entries(cache, tmp_path):
+    """Only key-named entry folders are pruned: a stranger's folder under entries/ and a link stay."""
+    stranger = cache.entries_dir / "photos"
+    stranger.mkdir()
+    (stranger / "a.jpg").write_bytes(b"jpg")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("mine")
+    (cache.entries_dir / ("f" * 64)).symlink_to(outside, target_is_directory=True)
+    res = prune(cache, max_bytes=parse_size("100G"))
+    assert res["removed"] == [] and (stranger / "a.jpg").read_bytes() == b"jpg"
+    assert (outside / "keep").read_text() == "mine" and (cache.entries_dir / ("f" * 64)).is_symlink()
+
+
+def test_prune_refuses_a_folder_that_is_not_a_cache(tmp_path):
+    home = tmp_path / "home"
+    (home / "v1" / "entries" / ("a" * 64)).mkdir(parents=True)  # a cache-like path, no marker
+    (home / "v1" / "thesis.tex").write_text("years of work")
+    with pytest.raises(InvalidInput, match="nothing removed"):
+        prune(Cache(home), max_bytes=0)
+    assert (home / "v1" / "entries" / ("a" * 64)).is_dir() and (home / "v1" / "thesis.tex").is_file()
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_dry_run_writes_nothing(tmp_path, made):
+    """--dry-run on a folder that is no cache creates no cache folders and no CACHEDIR.TAG (which would later
+    let `cache clear` treat it as one)."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    if made:
+        (folder / "v1").mkdir()
+        (folder / "v1" / "notes.txt").write_text("x")
+    before = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+    if made:
+        with pytest.raises(InvalidInput):
+            prune(Cache(folder), max_bytes=0, dry_run=True)
+    else:
+        assert prune(Cache(folder), max_bytes=0, dry_run=True)["removed"] == []
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == before

@@ -40,3 +40,14 @@ def test_progress_lines_without_a_terminal(capsys):
 def test_no_terminal_means_progress_lines():
     assert isinstance(make_progress(), LineProgress)  # pytest's stderr is not a terminal
 
+
+
+def test_an_output_path_on_a_pseudo_file_system_is_refused_before_any_work(tmp_path):
+    """bench --plot /proc/x.png failed after the whole run: /proc passes access() for root yet refuses a file."""
+    from neffbuild.fsutil import output_problem
+    from tests.helpers import cli
+
+    assert "cannot be created there" in output_problem("/proc/x.png", "--plot")
+    assert output_problem(tmp_path / "x.png", "--plot") is None and not (tmp_path / "x.png").exists()
+    res = cli("bench", str(tmp_path), "--plot", "/proc/x.png")
+    assert res.returncode == 2 and "--plot /proc/x.png" in res.stderr and "Traceback" not in res.stderr

@@ -93,3 +93,20 @@ def test_two_cold_builds_give_identical_manifests(built, build_cache, small_chec
     assert cache_key(runs[0].bundle, "decode_b1_ctx512") == session_key
     info = json.loads((runs[0].bundle / paths.BUILD_INFO_PATH).read_text())
     assert set(info["compile_seconds"]) == {"decode_b1_ctx512"}
+
+
+@pytest.mark.parametrize("par,needle", [
+    ({}, "parallel.tp"),
+    ([], "must be an object"),
+    ({"tp": 2, "dp": 1, "ep": 1, "world_size": 4, "pieces": {}}, "must be tp x dp"),
+    ({"tp": 2, "dp": 1, "ep": 1, "world_size": 2, "pieces": {"tp0": []}}, "parallel.pieces"),
+])
+def test_a_malformed_parallel_field_is_a_schema_problem(par, needle):
+    """`parallel: {}` in an unsharded manifest (digests recomputed) was a KeyError in generate."""
+    m = json.loads(GOLDEN.read_text())
+    assert problems(m) == []
+    found = problems(dict(m, parallel=par))
+    assert any(needle in str(p) for p in found), found
+    good = {"tp": 2, "dp": 1, "ep": 1, "world_size": 2, "pieces": {"tp0": {"file": "weights/tp0.safetensors",
+                                                                           "tensors": {}}}}
+    assert problems(dict(m, parallel=good)) == []

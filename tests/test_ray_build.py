@@ -109,3 +109,17 @@ def test_memory_estimate_uses_past_peaks_of_the_same_graph(tiny_recipe):
             {"label": big.label, "graph": dict(graph_summary(jobs[1].graph), num_blocks=1), "peak_rss_bytes": 9 << 30}]
     assert estimate_memory(jobs[0], past) == int(1.25 * (4 << 30))
     assert estimate_memory(jobs[1], past) == estimate_memory(jobs[1], [])  # another graph's peak does not count
+
+
+def test_an_address_where_no_cluster_answers_is_refused_first(tmp_path):
+    """Before any work, even when every target would be a cache hit (no task would ever connect)."""
+    from tests.helpers import TINY, cli
+    from tests.s3_server import closed_endpoint
+
+    address = closed_endpoint().removeprefix("http://")
+    res = cli("compile", str(TINY), "-o", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"),
+              "--executor", "ray", "--address", address)
+    assert res.returncode == 2 and "no Ray cluster answers there" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not list((tmp_path / "o").glob("*/manifest.json"))
+    res = cli("compile", str(TINY), "-o", str(tmp_path / "o"), "--executor", "ray", "--address", "bogus")
+    assert res.returncode == 2 and "HOST:PORT" in res.stderr

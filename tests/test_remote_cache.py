@@ -273,3 +273,107 @@ def test_remote_check(s3_server, tmp_path):
     assert rows == {"rw": (0, True, True, True), "ro": (0, True, True, False), "down": (1, False, False, False)}
     bad = _cli(dict(os.environ), "cache", "remote", "check", "http://nope")
     assert bad.returncode == 2 and "expected s3://BUCKET/PREFIX" in bad.stderr
+
+
+def _tokens(bundle: Path) -> list:
+    from tests.helpers import cli
+
+    res = cli("generate", str(bundle), "--prompt-ids", "3,14,15,92", "--max-new-tokens", "6", "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["tokens"]
+
+
+def _ci_key(folder: Path) -> tuple[object, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    pub = folder / "ci.pub.pem"
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    return key, pub
+
+
+def test_poisoned_entry_is_rebuilt_by_a_trusting_reader(first_push, rc_recipe, s3_server, tmp_path, monkeypatch,
+                                                         rc_pool, tiny_cfg):
+    """A bucket writer replaces a CI-signed entry's artifact with another model's (same input signature: only
+    swiglu_limit differs) and rewrites meta.json's digest and size. A reader trusting the CI key rebuilds that
+    target and gets the genuine tokens; a reader without keys is told once that the bucket is trusted as is."""
+    pytest.importorskip("cryptography")
+    from neffbuild.compiler.entry_sig import load_trusted
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+    from tests.conftest import _save_hf
+
+    _, seed, first = first_push
+    genuine = _tokens(first.bundle)
+    key, pub = _ci_key(tmp_path)
+    _env(monkeypatch, s3_server)
+    url = s3_server.url()
+    ci = compile_recipe(R.load(rc_recipe), tmp_path / "ci", jobs=1, cache_root=_seeded(tmp_path / "ci-cache", seed),
+                        remote=url, executor=rc_pool, remote_sign_key=key)  # a local hit the remote lacks: pushed
+    assert (ci.built, ci.to_json()["pushes"]) == (0, 1)
+    assert any(k.endswith("/entry.sig") for k in _entry_keys(s3_server, url))
+    hf = dict(tiny_cfg.to_hf_dict(), num_hidden_layers=2, swiglu_limit=0.25)  # same shapes, another graph
+    hf.pop("layer_types")
+    other_ckpt = _save_hf(tmp_path / "other-ckpt", GptOssConfig.from_hf_dict(hf))
+    other = compile_recipe(R.load(write_recipe(tmp_path, other_ckpt, name="rc", **FALLBACK_ONLY)), tmp_path / "oth",
+                           jobs=1, cache_root=tmp_path / "other-cache", executor=rc_pool)  # 1 compile
+    [art] = [k for k in _entry_keys(s3_server, url) if k.endswith(".pt2")]
+    poison = (other.bundle / "artifacts" / Path(art).name.replace("artifact", "decode_b1_ctx512")).read_bytes()
+    c = s3_server.client()
+    meta_key = art.rsplit("/", 1)[0] + "/meta.json"
+    meta = json.loads(c.get_object(Bucket=s3_server.bucket, Key=meta_key)["Body"].read())
+    assert poison != c.get_object(Bucket=s3_server.bucket, Key=art)["Body"].read()
+    import hashlib
+
+    meta.update(sha256=hashlib.sha256(poison).hexdigest(), bytes=len(poison))
+    c.put_object(Bucket=s3_server.bucket, Key=art, Body=poison)
+    c.put_object(Bucket=s3_server.bucket, Key=meta_key, Body=json.dumps(meta).encode())
+
+    trusting = compile_recipe(R.load(rc_recipe), tmp_path / "t", jobs=1, cache_root=tmp_path / "t-cache", remote=url,
+                              executor=rc_pool, remote_trust=load_trusted([pub]))  # 1 compile: the rebuild
+    doc = trusting.to_json()
+    assert (doc["built"], doc["remote_hits"]) == (1, 0), doc
+    assert any("remote entry rejected, rebuilt" in w for w in doc["remote"]["warnings"])
+    assert _tokens(trusting.bundle) == genuine
+    assert (trusting.bundle / "artifacts" / "decode_b1_ctx512.pt2").read_bytes() != poison
+
+    res = _cli(s3_server.env("rw"), "compile", str(rc_recipe), "-o", str(tmp_path / "u"), "--cache-dir",
+               str(tmp_path / "u-cache"), "--cache-remote", url, "--json")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("trusted as is") == 1 and _doc(res)["remote_hits"] == 1  # the hazard, said once
+
+
+def test_a_remote_entry_that_fails_its_smoke_run_is_rejected_and_never_cached(first_push, rc_recipe, s3_server,
+                                                                               tmp_path, monkeypatch, rc_pool):
+    """An entry whose artifact cannot run (bytes a loader rejects, digest rewritten to match) was published locally
+    before its smoke run: the compile failed, and every later compile on that machine too. Now it is smoke-run in a
+    child process first: rejected, rebuilt, and the local cache holds the rebuilt entry."""
+    import hashlib
+
+    from neffbuild.compiler.cache import Cache
+
+    src_url, _, first = first_push
+    url = s3_server.url()
+    c = s3_server.client()
+    src_prefix, prefix = src_url.split("/", 3)[3], url.split("/", 3)[3]
+    for key in s3_server.keys(src_url):
+        c.copy_object(Bucket=s3_server.bucket, Key=prefix + key[len(src_prefix):],
+                      CopySource={"Bucket": s3_server.bucket, "Key": key})
+    [art] = [k for k in _entry_keys(s3_server, url) if k.endswith(".pt2")]
+    bad = b"PK\x03\x04" + b"\0" * 4096  # a zip header, then nothing a loader can use
+    meta_key = art.rsplit("/", 1)[0] + "/meta.json"
+    meta = json.loads(c.get_object(Bucket=s3_server.bucket, Key=meta_key)["Body"].read())
+    meta.update(sha256=hashlib.sha256(bad).hexdigest(), bytes=len(bad))
+    c.put_object(Bucket=s3_server.bucket, Key=art, Body=bad)
+    c.put_object(Bucket=s3_server.bucket, Key=meta_key, Body=json.dumps(meta).encode())
+    _env(monkeypatch, s3_server)
+    res = compile_recipe(R.load(rc_recipe), tmp_path / "out", jobs=1, cache_root=tmp_path / "cache", remote=url,
+                         executor=rc_pool)  # 1 compile: the rebuild
+    doc = res.to_json()
+    assert not res.failed and (doc["built"], doc["remote_hits"]) == (1, 0), doc
+    assert any("smoke run in a child process" in w and "rebuilt" in w for w in doc["remote"]["warnings"])
+    key = art.split("/")[-2]
+    entry = Cache(tmp_path / "cache").get(key)
+    assert entry is not None and entry.path.read_bytes() != bad
+    assert _bundle_bytes(res.bundle) == _bundle_bytes(first.bundle)

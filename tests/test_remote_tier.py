@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from neffbuild.compiler.cache import Cache
@@ -94,3 +96,66 @@ def test_shards_are_disjoint_and_cover_the_grid():
     for bad in ("0/2", "3/2", "x", "1/2/3"):
         with pytest.raises(InvalidInput, match="--shard"):
             parse_shard(bad)
+
+
+class Silent:
+    """A TCP server that accepts connections and never answers (a hung remote)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.held = []
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self):
+        for c in self.held:
+            c.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def silent(monkeypatch, s3_server):
+    server = Silent()
+    _env(monkeypatch, s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
+    yield server
+    server.close()
+
+
+def test_a_remote_that_never_answers_is_found_down_in_seconds(silent, capfd):
+    import time
+
+    from neffbuild.compiler.remote_cache import PROBE_CONNECT_S, PROBE_READ_S
+
+    rc = RemoteCache("s3://neffbuild-test/hung")
+    t0 = time.monotonic()
+    assert rc.probe() is False
+    took = time.monotonic() - t0
+    assert took < PROBE_CONNECT_S + PROBE_READ_S + 5 and rc.state == "unreachable" and rc.client is None
+    assert "waiting for the remote cache s3://neffbuild-test/hung" in capfd.readouterr().err
+    assert any("building without it" in w for w in rc.stats.warnings)
+
+
+def test_cache_remote_check_of_a_hung_remote_says_it_waits(silent):
+    import time
+
+    from tests.helpers import cli
+
+    t0 = time.monotonic()
+    res = cli("cache", "remote", "check", "s3://neffbuild-test/hung", "--json", process=True, timeout=120)
+    assert res.returncode == 1 and time.monotonic() - t0 < 40, res.stderr
+    assert "waiting for s3://neffbuild-test/hung" in res.stderr and "Traceback" not in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["readable"] is False and doc["errors"]

@@ -217,3 +217,49 @@ def test_stepper_fails_closed_before_running_anything():
     with pytest.raises(StepInputError, match="must be \\[R=2, W>=1\\]"):
         step.step(StepBatch([[1], [1]], [5, 5], {"full": table}))
     assert ran == []
+
+
+def test_verify_refuses_nan_weights_with_recomputed_digests(built, tmp_path):
+    """NaN weights whose digests were recomputed passed verify, and generate printed zeros."""
+    import hashlib
+    import json
+    import shutil
+    import struct
+
+    from neffbuild.bundle import manifest as manifest_mod
+    from tests.helpers import cli
+
+    root = tmp_path / built.bundle.name
+    shutil.copytree(built.bundle, root)
+    wpath = root / "weights" / "model.safetensors"
+    raw = bytearray(wpath.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name, info = next((k, v) for k, v in sorted(header.items()) if k != "__metadata__" and v["dtype"] == "F32")
+    at = 8 + n + info["data_offsets"][0]
+    raw[at:at + 4] = struct.pack("<f", float("nan"))
+    wpath.write_bytes(bytes(raw))
+    m = json.loads((root / "manifest.json").read_text())
+    m["files"]["weights/model.safetensors"]["sha256"] = hashlib.sha256(raw).hexdigest()
+    text = manifest_mod.dumps(m)
+    (root / "manifest.json").write_text(text)
+    (root / "manifest.sha256").write_text(f"{hashlib.sha256(text.encode()).hexdigest()}  manifest.json\n")
+    res = cli("verify", str(root), "--json")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    [problem] = json.loads(res.stdout)["problems"]
+    assert problem["path"] == "weights/model.safetensors" and name in problem["message"] and "NaN" in problem["message"]
+    assert cli("verify", str(built.bundle)).returncode == 0
+
+
+def test_nonfinite_finds_nan_and_inf_and_not_an_overflowing_sum(tmp_path):
+    from safetensors.torch import save_file
+
+    from neffbuild.runtime import weights_file
+
+    big = torch.full((8,), 3e38)  # finite values whose float32 sum overflows: the exact test clears them
+    nan, inf = torch.zeros(10), torch.ones(3, 3, dtype=torch.bfloat16)
+    nan[7], inf[2, 1] = float("nan"), float("-inf")
+    ints = torch.full((4,), 255, dtype=torch.uint8)  # packed MXFP4 bytes: not floats, not read
+    path = tmp_path / "w.safetensors"
+    save_file({"big": big, "nan": nan, "inf": inf, "ints": ints, "ok": torch.randn(100)}, str(path))
+    assert weights_file.nonfinite(path) == ["inf", "nan"]

@@ -228,3 +228,82 @@ def test_pull_refuses_a_bundle_signed_by_another_key(aws, shipped, tmp_path):
     code, _, err, exc = run_cli("pull", f"{url}/{root.name}", str(tmp_path / "d"), "--trust", str(other))
     assert exc is None and code == 1 and "not a trusted key" in err
     assert not (tmp_path / "d" / root.name).exists()
+
+
+def _put_index(aws, url: str, key: str, index: dict) -> None:
+    c = aws.client()
+    c.put_object(Bucket=aws.bucket, Key=f"{url.split('/', 3)[3]}/{key}", Body=json.dumps(index).encode())
+
+
+def _index(aws, url: str, name: str) -> dict:
+    c = aws.client()
+    return json.loads(c.get_object(Bucket=aws.bucket, Key=f"{url.split('/', 3)[3]}/bundles/{name}.json")["Body"]
+                      .read())
+
+
+def test_pull_refuses_an_index_naming_another_version(aws, shipped, tmp_path):
+    """An index planted at NAME-0.2.0 listing the signed 0.1.0 bundle: a rollback the signature does not catch."""
+    root, _, pub = shipped
+    url = aws.url()
+    _json(["push", str(root), url])
+    name = root.name.rsplit("-", 1)[0]
+    idx = dict(_index(aws, url, root.name), version="0.2.0")
+    _put_index(aws, url, f"bundles/{name}-0.2.0.json", idx)
+    code, _, err, exc = run_cli("pull", f"{url}/{name}-0.2.0", str(tmp_path / "d"), "--trust", str(pub))
+    assert exc is None and code == 1 and "rollback" in err, err
+    assert not (tmp_path / "d" / f"{name}-0.2.0").exists()
+
+
+def test_pull_by_digest_checks_the_manifest_hashes_to_it(aws, shipped, tmp_path):
+    root, _, _ = shipped
+    url = aws.url()
+    _json(["push", str(root), url])
+    fake = "ab" * 32
+    _put_index(aws, url, f"digests/{fake}.json", _index(aws, url, root.name))
+    code, _, err, exc = run_cli("pull", f"{url}/sha256:{fake}", str(tmp_path / "d"))
+    assert exc is None and code == 1 and "the digest that was asked for" in err, err
+    assert not list((tmp_path / "d").glob("*")) if (tmp_path / "d").exists() else True
+
+
+def test_pull_index_with_a_file_that_is_also_a_folder(aws, shipped, tmp_path):
+    root, _, _ = shipped
+    url = aws.url()
+    _json(["push", str(root), url])
+    idx = _index(aws, url, root.name)
+    idx["files"]["manifest.json/x"] = dict(idx["files"]["manifest.json"])
+    _put_index(aws, url, f"bundles/{root.name}.json", idx)
+    code, _, err, exc = run_cli("pull", f"{url}/{root.name}", str(tmp_path / "d"))
+    assert exc is None and code == 1 and "as a file and as the folder" in err, err
+
+
+@pytest.mark.parametrize("where", ["tmp", "final", "lock"])
+def test_pull_never_follows_a_planted_symlink(aws, shipped, tmp_path, where):
+    root, _, _ = shipped
+    url = aws.url()
+    _json(["push", str(root), url])
+    dest, victim = tmp_path / "serving", tmp_path / "victim"
+    dest.mkdir()
+    victim.mkdir()
+    (victim / "precious.txt").write_text("mine")
+    link = {"tmp": dest / f".{root.name}.pull", "final": dest / root.name,
+            "lock": dest / f".{root.name}.pull.lock"}[where]
+    link.symlink_to(victim / "lockfile" if where == "lock" else victim)
+    code, _, err, exc = run_cli("pull", f"{url}/{root.name}", str(dest))
+    assert exc is None and code == 1 and "link" in err, err
+    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"] and link.is_symlink()
+    assert (victim / "precious.txt").read_text() == "mine"
+
+
+def test_push_replaces_a_same_size_blob_with_other_bytes(aws, shipped, tmp_path):
+    """A same-size blob of zeros at the weights' address is read back and replaced, so the version pulls."""
+    root, _, _ = shipped
+    url = aws.url()
+    weights = root / "weights" / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    key = f"{url.split('/', 3)[3]}/blobs/sha256/{digest}"
+    aws.client().put_object(Bucket=aws.bucket, Key=key, Body=b"\0" * weights.stat().st_size)
+    doc = _json(["push", str(root), url])
+    assert doc["replaced_blobs"] == 1
+    assert aws.client().get_object(Bucket=aws.bucket, Key=key)["Body"].read() == weights.read_bytes()
+    got = _json(["pull", f"{url}/{root.name}", str(tmp_path / "d")])
+    assert Path(got["bundle"]).is_dir()

@@ -283,3 +283,69 @@ def test_runtime_imports_cryptography_only_with_trusted_keys(signed, keys):
                          text=True, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_sign_refuses_a_model_sig_that_is_a_folder(tmp_path):
+    """`sign` when model.sig is a folder was a traceback (os.replace of a file onto a folder)."""
+    from neffbuild.bundle import signing
+    from neffbuild.errors import InvalidInput
+
+    root = tmp_path / "b"
+    (root / "model.sig").mkdir(parents=True)
+    (root / "manifest.json").write_text("{}")
+    priv, _ = _keypair(tmp_path, "k")
+    with pytest.raises(InvalidInput, match=r"model\.sig: is not a regular file"):
+        signing.sign(root, priv, check=False)
+    assert (root / "model.sig").is_dir()
+
+
+@pytest.mark.parametrize("doc", ["[]", '"x"', "null", "3", '{"mediaType": []}',
+                                 '{"mediaType": "application/vnd.dev.sigstore.x", "dsseEnvelope": []}'])
+def test_a_signature_that_is_json_but_not_an_object_is_a_signature_error(tmp_path, doc):
+    from neffbuild.runtime import signature
+
+    (tmp_path / "model.sig").write_text(doc)
+    with pytest.raises(SignatureError, match="not a model-signing signature"):
+        signature.read_signature(tmp_path)
+
+
+@pytest.mark.parametrize("statement", [[], "x", None, {"_type": 1, "predicate": []},
+                                       {"_type": "https://in-toto.io/Statement/v1", "predicate": {"resources": []},
+                                        "predicateType": "https://model_signing/signature/v1.0",
+                                        "subject": [{"digest": []}]}])
+def test_a_statement_that_is_not_an_object_is_a_signature_error(statement):
+    from neffbuild.runtime import signature
+
+    with pytest.raises(SignatureError):
+        signature.signed_resources(Path("model.sig"), signature.PAYLOAD_TYPE, json.dumps(statement).encode())
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_trust_and_key_files_are_bounded_regular_files(tmp_path, kind):
+    from neffbuild.bundle.signing import load_private_key
+    from neffbuild.errors import InvalidInput
+    from neffbuild.runtime.signature import load_trusted_keys
+
+    path = "/dev/zero" if kind == "dev-zero" else tmp_path / "k.pem"
+    if kind == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(InvalidInput, match="not a regular file"):
+        load_trusted_keys([path])
+    with pytest.raises(InvalidInput, match="not a regular file"):
+        load_private_key(path)
+
+
+@pytest.mark.parametrize("doc", ["[]", '"x"', "null"])
+def test_model_sig_not_an_object_is_a_clean_refusal_everywhere(copy, keys, doc):
+    """verify --trust, inspect and generate --trust gave an AttributeError traceback; open_bundle raised it too."""
+    from neffbuild.runtime.bundle import open_bundle
+
+    (copy / "model.sig").write_text(doc)
+    pub = str(keys["a"][1])
+    for args in (["verify", str(copy), "--trust", pub], ["inspect", str(copy)],
+                 ["generate", str(copy), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--trust", pub]):
+        code, _, err, exc = run_cli(*args)
+        assert exc is None and "Traceback" not in err, (args, err)
+        assert code == (0 if args[0] == "inspect" else 1), (args, err)
+    with pytest.raises(SignatureError, match="not a model-signing signature"):
+        open_bundle(copy, trusted_keys=[keys["a"][1]])

@@ -246,3 +246,82 @@ def test_validate_refuses_a_pool_below_one_sequence(tmp_path):
     [err] = json.loads(res.stdout)["errors"]
     assert err["path"] == "serving.num_blocks" and err["value"] == 35
     assert "must be >= 36" in err["message"] and "32 full + 3 sliding + 1 null block" in err["message"]
+
+
+# -- what the runtime refuses before native code sees it (no compile: the checks run before any artifact)
+
+def _tiny_layout():
+    return KVLayout(2, 12, 2, 16, 16)
+
+
+def _ro_mmap(tmp_path, shape):
+    import mmap
+
+    import numpy as np
+
+    path = tmp_path / "kv.bin"
+    path.write_bytes(b"\0" * (4 * int(np.prod(shape))))
+    with open(path, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    return torch.from_numpy(np.frombuffer(m, dtype=np.float32).reshape(shape))
+
+
+def _fake(shape):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(shape)
+
+
+BUFFER_CASES = [  # (id, make(shape, tmp_path), needle)
+    ("readonly-mmap", lambda s, t: _ro_mmap(t, s), "memory torch does not own"),
+    ("fake-tensor", lambda s, t: _fake(s), "FakeTensor"),
+    ("mkldnn", lambda s, t: torch.zeros(s).to_mkldnn(), "layout torch._mkldnn"),
+    ("bytes-backed", lambda s, t: torch.frombuffer(bytes(4 * torch.Size(s).numel()), dtype=torch.float32).view(s),
+     "memory torch does not own"),
+    ("numpy-backed", lambda s, t: torch.from_numpy(__import__("numpy").zeros(s, dtype="float32")),
+     "memory torch does not own"),
+    ("subclass", lambda s, t: torch.zeros(s).as_subclass(type("MyTensor", (torch.Tensor,), {})), "MyTensor"),
+]
+
+
+@pytest.mark.parametrize("make,needle", [c[1:] for c in BUFFER_CASES], ids=[c[0] for c in BUFFER_CASES])
+def test_kv_buffers_must_be_writable_real_strided_storage(tmp_path, make, needle):
+    import warnings
+
+    from neffbuild.errors import StepInputError
+    from neffbuild.runtime.step_checks import check_kv_buffers
+
+    layout = _tiny_layout()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that a read-only buffer is not writable
+        bad = make(tuple(layout.buffer_shape), tmp_path)
+    with pytest.raises(StepInputError, match="kv_caches") as err:
+        check_kv_buffers([bad] * layout.num_buffers, layout, "cpu")
+    assert needle in str(err.value)
+    good = [torch.empty(layout.buffer_shape), torch.empty(layout.buffer_shape).share_memory_()]
+    assert check_kv_buffers(good, layout, "cpu") == good  # torch's own memory, private or shared
+
+
+@pytest.mark.parametrize("group", ["notagroup", 0, object(), [None]])
+def test_stepper_refuses_a_group_that_is_not_a_process_group(group):
+    from neffbuild.errors import StepInputError
+
+    with pytest.raises(StepInputError, match="ProcessGroup"):
+        Stepper(None, group=group)
+
+
+@pytest.mark.parametrize("device,toolchain,needle", [
+    ("meta", {"backend": "inductor", "device": "cpu"}, "compiled for 'cpu'"),
+    ("cuda", {"backend": "inductor", "device": "cpu"}, "compiled for 'cpu'"),
+    ("cuda:0", {"backend": "inductor", "device": "cuda"}, "no CUDA device"),
+    ("bogus!", {"backend": "inductor", "device": "cpu"}, "not a torch device"),
+    (3.5, {"backend": "inductor", "device": "cpu"}, "not a torch device"),
+])
+def test_open_bundle_refuses_a_device_the_artifacts_cannot_run_on(device, toolchain, needle):
+    from neffbuild.runtime.loaders import device_problem
+
+    if device == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    assert needle in (device_problem(toolchain, device) or "")
+    assert device_problem({"backend": "inductor", "device": "cpu"}, "cpu") is None

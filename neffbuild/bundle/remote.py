@@ -92,22 +92,38 @@ def push(bundle_path: str | Path, url: str, progress: Progress | None = None) ->
         _same_or_refuse(existing, raw, base, dirname)
         return dict(out, noop=True, skipped_bytes=out["bytes"])
     blobs = {f["sha256"]: (rel, f["bytes"]) for rel, f in sorted(index["files"].items())}
-    missing = {}
+    missing, wrong = {}, set()
     for digest, (rel, size) in blobs.items():
         have = remote.head(blob_key(base, digest))
-        if have is not None and have["size"] == size:
+        if have is not None and have["size"] == size and _blob_digest(remote, blob_key(base, digest)) == digest:
             out["skipped_bytes"] += size
         else:
             missing[digest] = (rel, size)
+            if have is not None:  # bytes at a content address that are not that content: replaced, never trusted
+                wrong.add(digest)
     progress.start(sum(size for _, size in missing.values()), "push")
     for digest, (rel, size) in missing.items():
-        remote.put_file_if_absent(blob_key(base, digest), root / rel, on_bytes=progress.advance)
+        remote.put_file_if_absent(blob_key(base, digest), root / rel, on_bytes=progress.advance,
+                                  replace=digest in wrong)
         out["uploaded_blobs"] += 1
         out["uploaded_bytes"] += size
+    out["replaced_blobs"] = len(wrong)
     remote.put_if_absent(digest_key(base, index["manifest_sha256"]), raw)
     if not remote.put_if_absent(ref, raw):  # another push of this version won the race
         _same_or_refuse(remote.get(ref) or b"", raw, base, dirname)
     return dict(out, noop=False)
+
+
+def _blob_digest(remote: s3.S3Remote, key: str) -> str | None:
+    """The sha256 of a remote blob's bytes, read back (a size is no proof: a same-size blob of zeros at the
+    weights' address would make the version unpullable for good, since versions are immutable)."""
+    chunks = remote.iter_from(key)
+    if chunks is None:
+        return None
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def _same_or_refuse(existing: bytes, raw: bytes, base: s3.S3Url, dirname: str) -> None:
@@ -145,6 +161,16 @@ def parse_index(raw: bytes, where: str, ref: str) -> dict:
         raise bad(f"name-version {dirname!r} is not a folder name")
     if not ref.startswith("sha256:") and ref != dirname:
         raise bad(f"it describes {dirname}, not {ref}")
+    asked = ref.removeprefix("sha256:") if ref.startswith("sha256:") else None
+    if asked is not None and (idx["files"][layout.MANIFEST_PATH].get("sha256") != asked
+                              or idx.get("manifest_sha256", asked) != asked):
+        raise bad(f"its manifest's sha256 is not {asked[:16]}…, the digest that was asked for")
+    names = set(idx["files"])
+    for rel in names:  # a path that is also another path's folder cannot be laid out (manifest.json/x)
+        parts = rel.split("/")
+        clash = next(("/".join(parts[:i]) for i in range(1, len(parts)) if "/".join(parts[:i]) in names), None)
+        if clash is not None:
+            raise bad(f"{clash[:120]!r} is listed as a file and as the folder of {rel[:120]!r}")
     for rel, f in idx["files"].items():
         pure = PurePosixPath(rel)
         if (not rel or "\\" in rel or "\x00" in rel or pure.is_absolute() or ".." in pure.parts
@@ -178,6 +204,9 @@ def pull(value: str, dest: str | Path, *, trusted_keys=None, progress: Progress 
     total = sum(f["bytes"] for f in idx["files"].values())
     out = {"bundle": str(final), "url": f"{base}/{dirname}", "files": len(idx["files"]), "bytes": total,
            "downloaded_bytes": 0, "resumed_bytes": 0, "reused_bytes": 0, "signature": None}
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise BundleError(f"{final}: exists and is not a bundle folder (a link or a file); remove it or pull into "
+                          "another folder")
     if final.exists():
         if _matches(final, idx["files"]):
             return dict(out, noop=True, reused_bytes=total, signature=_verify(final, keys))
@@ -188,6 +217,8 @@ def pull(value: str, dest: str | Path, *, trusted_keys=None, progress: Progress 
         raise InvalidInput(f"DIR {dest}: cannot create it ({exc.strerror or exc})") from None
     tmp = dest / f".{dirname}{PULL_MARK}"
     with _locked(dest / f".{dirname}{PULL_MARK}.lock", final):
+        if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):  # never follow a link to empty its target
+            raise BundleError(f"{tmp}: is not a pull's temp folder (a link or a file); remove it, then pull again")
         tmp.mkdir(exist_ok=True)
         _drop_strays(tmp, idx["files"])
         progress.start(total, "pull")
@@ -195,7 +226,7 @@ def pull(value: str, dest: str | Path, *, trusted_keys=None, progress: Progress 
             got = _fetch(remote, blob_key(base, f["sha256"]), tmp, rel, f, progress)
             for k in ("downloaded_bytes", "resumed_bytes", "reused_bytes"):
                 out[k] += got[k]
-        problems = reader.check(tmp, full=False)
+        problems = reader.check(tmp, full=False) or _not_asked(tmp, idx)
         if problems:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BundleError(f"{base}/{ref}: the pulled files are not a valid bundle: "
@@ -203,6 +234,16 @@ def pull(value: str, dest: str | Path, *, trusted_keys=None, progress: Progress 
         out["signature"] = _verify(tmp, keys)  # a SignatureError keeps the temp folder: nothing is published
         os.replace(tmp, final)
     return dict(out, noop=False)
+
+
+def _not_asked(root: Path, idx: dict) -> list[str]:
+    """The pulled manifest must be the bundle the index (and so the ref) names: an index planted at NAME-0.2.0
+    listing the signed 0.1.0 bundle is a rollback the signature alone does not catch."""
+    m = reader.read_manifest(root)
+    if (m.get("name"), m.get("version")) != (idx["name"], idx["version"]):
+        return [f"the manifest is {m.get('name')!r} version {m.get('version')!r}, but the index names "
+                f"{idx['name']!r} version {idx['version']!r} (a rollback or a swapped bundle)"]
+    return []
 
 
 def _verify(root: Path, keys) -> dict | None:
@@ -228,7 +269,12 @@ class _locked:
         self.path, self.final = path, final
 
     def __enter__(self):
-        self.fh = open(self.path, "a+")
+        try:  # never through a link: a planted .lock symlink must not create or hold another file
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise BundleError(f"{self.path}: cannot take the pull lock ({exc.strerror or exc}); if it is a link, "
+                              "remove it") from None
+        self.fh = os.fdopen(fd, "a+")
         try:
             fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

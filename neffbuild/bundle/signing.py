@@ -15,12 +15,12 @@ import os
 from pathlib import Path
 
 from neffbuild.errors import BundleError, InvalidInput
-from neffbuild.fsutil import sha256_file
+from neffbuild.fsutil import read_regular, sha256_file
 from neffbuild.runtime import bundle as reader
 from neffbuild.runtime import layout, signature
 
 
-def load_private_key(path: str | Path, password: bytes | None = None):
+def load_private_key(path: str | Path, password: bytes | None = None, what: str = "--key"):
     """A PEM EC private key (P-256/384/521); a bad file is the user's input (exit 2)."""
     try:
         from cryptography.hazmat.primitives import serialization
@@ -28,14 +28,12 @@ def load_private_key(path: str | Path, password: bytes | None = None):
     except ImportError:
         raise InvalidInput("signing needs the `cryptography` package: pip install 'neffbuild[signing]'") from None
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password)
-    except OSError as exc:
-        raise InvalidInput(f"--key {path}: unreadable ({exc.strerror or exc})") from None
+        key = serialization.load_pem_private_key(read_regular(path, what, signature.MAX_KEY_BYTES), password)
     except (ValueError, TypeError) as exc:
-        raise InvalidInput(f"--key {path}: not an unencrypted PEM private key ({str(exc)[:120]}); make one with "
+        raise InvalidInput(f"{what} {path}: not an unencrypted PEM private key ({str(exc)[:120]}); make one with "
                            "`openssl ecparam -genkey -name prime256v1 -noout -out key.pem`") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.key_size not in (256, 384, 521):
-        raise InvalidInput(f"--key {path}: must be an elliptic-curve key on P-256, P-384 or P-521")
+        raise InvalidInput(f"{what} {path}: must be an elliptic-curve key on P-256, P-384 or P-521")
     return key
 
 
@@ -63,23 +61,32 @@ def sign(root: str | Path, key, *, check: bool = True, name: str | None = None) 
         if rel in listed and listed[rel]["sha256"] != digest:
             raise BundleError(f"{root}: not signed: {rel}: sha256 mismatch with the manifest (corrupt or modified)")
         resources.append((rel, digest))
-    name = name or root.name
-    payload = json.dumps(signature.statement(name, resources), sort_keys=True, separators=(",", ":")).encode()
-    pub = key.public_key()
-    sig = key.sign(signature.pae(signature.PAYLOAD_TYPE, payload), ec.ECDSA(signature.ec_hash(pub)))
-    hint = signature.key_hint(pub)
-    doc = {
-        "mediaType": signature.MEDIA_TYPE,
-        "verificationMaterial": {"publicKey": {"hint": hint}, "tlogEntries": []},
-        "dsseEnvelope": {"payload": base64.b64encode(payload).decode(), "payloadType": signature.PAYLOAD_TYPE,
-                         "signatures": [{"sig": base64.b64encode(sig).decode(), "keyid": ""}]},
-    }
+    doc = signed_document(name or root.name, resources, key)
+    hint = doc["verificationMaterial"]["publicKey"]["hint"]
     dest = root / layout.SIGNATURE_PATH
+    if dest.is_symlink() or (dest.exists() and not dest.is_file()):
+        raise InvalidInput(f"{dest}: is not a regular file (a folder or a link); remove it, then sign again")
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, dest)
     return {"bundle": str(root), "signature": str(dest), "key_hint": hint, "files": len(resources),
             "bytes": sum((root / rel).stat().st_size for rel, _ in resources)}
+
+
+def signed_document(name: str, resources: list[tuple[str, str]], key) -> dict:
+    """The signature document (Sigstore bundle, DSSE envelope, model-signing statement) over ``resources``
+    ((name, sha256 hex), sorted by name) with subject ``name``, signed with the EC private key ``key``."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    payload = json.dumps(signature.statement(name, resources), sort_keys=True, separators=(",", ":")).encode()
+    pub = key.public_key()
+    sig = key.sign(signature.pae(signature.PAYLOAD_TYPE, payload), ec.ECDSA(signature.ec_hash(pub)))
+    return {
+        "mediaType": signature.MEDIA_TYPE,
+        "verificationMaterial": {"publicKey": {"hint": signature.key_hint(pub)}, "tlogEntries": []},
+        "dsseEnvelope": {"payload": base64.b64encode(payload).decode(), "payloadType": signature.PAYLOAD_TYPE,
+                         "signatures": [{"sig": base64.b64encode(sig).decode(), "keyid": ""}]},
+    }
 
 
 def describe(root: str | Path) -> dict:

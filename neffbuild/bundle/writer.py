@@ -1,7 +1,10 @@
 """Write a bundle into a temp folder beside its destination, then rename it into place.
 
 Nothing half-written is ever visible under ``<out>/<name>-<version>``: a crash leaves only
-a ``.<name>-<version>.tmp-<pid>`` folder, swept by the next build.
+a ``.<name>-<version>.tmp-<pid>`` folder, swept by the next build of that bundle. A writer owns
+only what it made: it sweeps only folders of that exact form (and ``.<name>-<version>.old-<pid>``)
+whose process is gone, replaces ``<name>-<version>`` only when it is a bundle (a folder holding
+``manifest.json`` and ``manifest.sha256``), and follows no symbolic link in these paths.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import time
@@ -23,6 +27,7 @@ from neffbuild.errors import InvalidInput
 from neffbuild.fsutil import pid_alive, sha256_file
 
 TMP_MARK = ".tmp-"
+OLD_MARK = ".old-"
 
 
 class BundleWriter:
@@ -32,9 +37,13 @@ class BundleWriter:
         self.started = time.time()
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            sweep(self.out_dir)
+            refuse_replacing(self.final)  # before any work: a build must not end in a refusal
+            sweep(self.out_dir, self.final.name)
             self.tmp = self.out_dir / f".{self.final.name}{TMP_MARK}{os.getpid()}"
+            if self.tmp.is_symlink():
+                raise InvalidInput(f"{self.tmp}: a symbolic link where the bundle's temp folder goes; remove it")
             shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()  # created here: what is written below is ours
             for d in (paths.WEIGHTS_DIR, paths.ARTIFACTS_DIR, paths.LOGS_DIR, paths.METRICS_DIR):
                 (self.tmp / d).mkdir(parents=True)
         except OSError as exc:
@@ -98,8 +107,11 @@ class BundleWriter:
 
     def publish(self) -> Path:
         old = None
+        refuse_replacing(self.final)  # again: the folder may have changed during the build
         if self.final.exists():
-            old = self.out_dir / f".{self.final.name}.old-{os.getpid()}"
+            old = self.out_dir / f".{self.final.name}{OLD_MARK}{os.getpid()}"
+            if os.path.lexists(old):
+                raise InvalidInput(f"{old}: exists (not made by this build); remove it, then compile again")
             os.replace(self.final, old)
         os.replace(self.tmp, self.final)
         if old is not None:
@@ -110,16 +122,36 @@ class BundleWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def sweep(out_dir: Path) -> None:
-    """Remove temp bundles whose writer process is gone."""
-    for p in out_dir.glob(".*"):
-        marker = TMP_MARK if TMP_MARK in p.name else (".old-" if ".old-" in p.name else None)
-        if marker is None:
-            continue
-        pid = p.name.rsplit(marker, 1)[1]
-        if pid.isdigit() and pid_alive(int(pid)):
+def is_bundle_dir(path: Path) -> bool:
+    """A real folder (not a link) holding a manifest and its digest as regular files."""
+    marks = (paths.MANIFEST_PATH, paths.MANIFEST_DIGEST_PATH)
+    return path.is_dir() and not path.is_symlink() and all(
+        (path / f).is_file() and not (path / f).is_symlink() for f in marks)
+
+
+def refuse_replacing(final: Path) -> None:
+    """InvalidInput unless ``final`` is absent or a bundle: a build never replaces what it does not own."""
+    if not os.path.lexists(final) or is_bundle_dir(final):
+        return
+    kind = "a symbolic link" if final.is_symlink() else "a folder that is not a bundle" if final.is_dir() else \
+        "a file"
+    raise InvalidInput(f"--out: {final} exists and is {kind} (no manifest.json and manifest.sha256); it is not "
+                       "replaced: move it away or choose another --out")
+
+
+def sweep(out_dir: Path, name: str) -> None:
+    """Remove the temp folders of bundle ``name`` (``.NAME.tmp-PID``, ``.NAME.old-PID``, exactly) whose writer
+    process is gone; nothing else in ``out_dir`` is touched, and a link is never followed."""
+    form = re.compile(rf"\.{re.escape(name)}(?:{re.escape(TMP_MARK)}|{re.escape(OLD_MARK)})([0-9]+)")
+    for p in out_dir.glob(f".{glob_escape(name)}.*"):
+        m = form.fullmatch(p.name)
+        if m is None or p.is_symlink() or not p.is_dir() or pid_alive(int(m.group(1))):
             continue
         shutil.rmtree(p, ignore_errors=True)
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 def compile_metrics(seconds: dict[str, float]) -> str:

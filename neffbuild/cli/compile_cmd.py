@@ -198,13 +198,19 @@ def summary_table(res):
 @click.option("--cache-remote-mode", type=click.Choice(["auto", "rw", "ro"]), default="auto", show_default=True,
               help="auto: write until a write is refused, then read-only for the run. rw: always try to write. "
                    "ro: never write.")
+@click.option("--cache-trust", "cache_trust", multiple=True, type=click.Path(dir_okay=False), metavar="KEY.pub",
+              help="Use only remote cache entries signed by this EC public key (PEM); others are rebuilt. Repeat "
+                   "for several keys; default: $NEFFBUILD_CACHE_TRUSTED_KEYS. Without one the bucket is trusted.")
+@click.option("--cache-sign-key", "cache_sign_key", type=click.Path(dir_okay=False), default=None, metavar="KEY.pem",
+              help="Sign every entry this build pushes to the remote cache with this EC private key (PEM); "
+                   "default: $NEFFBUILD_CACHE_SIGN_KEY.")
 @click.option("--shard", default=None, metavar="I/N",
               help="Build only the I-th of N deterministic slices of the grid into the cache (no bundle); a "
                    "later compile with every shard's entries in the remote tier assembles the bundle.")
 @json_option('Print {"bundle", "built", "cached", "local_hits", "remote_hits", "misses", "pushes", '
              '"remote_errors", "remote", "failed"} on stdout (errors too); progress goes to stderr.')
 def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, executor, address, shared_cache,
-             sign_key, cache_remote, cache_remote_mode, shard, as_json):
+             sign_key, cache_remote, cache_remote_mode, cache_trust, cache_sign_key, shard, as_json):
     """Compile every graph of RECIPE into a versioned bundle under OUT.
 
     Targets build largest first on a pool of warm workers, through a content-addressed
@@ -226,6 +232,7 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
         from neffbuild.bundle.signing import load_private_key
 
         key = load_private_key(sign_key)
+    trust, entry_key = _cache_keys(cache_remote, cache_trust, cache_sign_key)
     r = recipe_mod.load(recipe_path)
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
@@ -239,7 +246,8 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
     try:
         res = compile_recipe(r, out_dir, jobs=jobs, backend_name=backend, cache_root=cache_dir, progress=progress,
                              timeout_s=timeout_s, executor=executor, address=address, shared_cache=shared_cache,
-                             sign_key=key, remote=cache_remote, remote_mode=cache_remote_mode, shard=shard_t)
+                             sign_key=key, remote=cache_remote, remote_mode=cache_remote_mode, shard=shard_t,
+                             remote_trust=trust, remote_sign_key=entry_key)
     finally:
         progress.close()
     for w in (res.remote or {}).get("warnings", []):
@@ -256,6 +264,22 @@ def compile_(ctx, recipe_path, out_dir, jobs, backend, cache_dir, timeout_s, exe
         raise BuildFailed(f"{len(res.failed)} of {len(res.results)} targets failed; no bundle published.\n"
                           + "\n".join(lines))
     click.echo(counts_line(res), err=True)
+
+
+def _cache_keys(cache_remote, cache_trust, cache_sign_key) -> tuple[tuple[bytes, ...], object]:
+    """(trusted PEM keys, signing key) of the remote tier, each read and checked now: a bad key is exit 2 first."""
+    trust_paths = list(cache_trust) or settings.cache_trusted_keys()
+    sign_path = cache_sign_key or settings.cache_sign_key()
+    if not cache_remote:
+        return (), None
+    from neffbuild.compiler.entry_sig import load_trusted
+
+    trust = load_trusted(trust_paths)
+    if not sign_path:
+        return trust, None
+    from neffbuild.bundle.signing import load_private_key
+
+    return trust, load_private_key(sign_path, what="--cache-sign-key")
 
 
 def counts_line(res) -> str:

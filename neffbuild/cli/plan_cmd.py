@@ -40,7 +40,7 @@ def plan(recipe_path, as_json, check_cache, backend, device_memory, cache_remote
     if check_cache:
         from neffbuild.compiler.planner import cache_states
 
-        states = cache_states(r, tgts, remote=cache_remote or settings.cache_remote())
+        states = cache_states(r, tgts, remote=cache_remote or settings.cache_remote(), on_target=_progress())
     memory = memory_view.plan_memory(r, tgts, states, device_memory)
     if as_json:
         rows = []
@@ -66,6 +66,22 @@ def plan(recipe_path, as_json, check_cache, backend, device_memory, cache_remote
     memory_view.print_plan_memory(console, memory, r.jobs or settings.default_jobs())
     if states:
         console.print(_summary(r, tgts, states))
+
+
+def _progress(every_s: float = 5.0):
+    """``on_target`` for cache_states: one stderr line every ``every_s`` seconds of keying (stdout stays --json's)."""
+    import time
+
+    start = time.monotonic()
+    state = {"next": start + every_s}
+
+    def on_target(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now >= state["next"]:
+            state["next"] = now + every_s
+            click.echo(f"plan: keyed {done}/{total} targets ({now - start:.0f} s)", err=True)
+
+    return on_target
 
 
 def _note(state: dict) -> str:

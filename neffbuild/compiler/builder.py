@@ -65,7 +65,8 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
                    cache_root: str | Path | None = None, progress: Progress | None = None,
                    timeout_s: float | None = None, executor="local", address: str | None = None,
                    shared_cache: bool = False, sign_key=None, remote: str | None = None, remote_mode: str = "auto",
-                   shard: tuple[int, int] | None = None) -> BuildResult:
+                   shard: tuple[int, int] | None = None, remote_trust: tuple[bytes, ...] = (),
+                   remote_sign_key=None) -> BuildResult:
     """Build every target of ``recipe`` into a bundle under ``out_dir``.
 
     ``remote``: an ``s3://BUCKET/PREFIX`` cache tier behind the local cache (``remote_mode``
@@ -75,6 +76,8 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     ``executor``: "local" (a pool of ``jobs`` workers), "ray" (``address``, ``shared_cache``:
     see compiler/ray_executor.py) or an executor object with ``run(jobs, on_start)``.
     ``sign_key``: an EC private key; the bundle is signed before it is published (bundle/signing.py).
+    ``remote_trust``: PEM public keys a remote entry must be signed by; ``remote_sign_key``: the EC private key
+    that signs the entries this build pushes (compiler/entry_sig.py).
     """
     progress = progress or Progress()
     started = time.monotonic()
@@ -85,14 +88,16 @@ def compile_recipe(recipe, out_dir: str | Path, *, jobs: int | None = None, back
     with cache.hold():  # prune waits for no build: it refuses while one holds the cache
         return _compile(recipe, out_dir, cache, bk, backend, progress, started, jobs=jobs, timeout_s=timeout_s,
                         executor=executor, address=address, shared_cache=shared_cache, sign_key=sign_key,
-                        remote=remote, remote_mode=remote_mode, shard=shard)
+                        remote=remote, remote_mode=remote_mode, shard=shard,
+                        tier=remote_tier.open_tier(remote, remote_mode, trusted=remote_trust, sign_key=remote_sign_key))
 
 
 def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, timeout_s, executor, address,
-             shared_cache, sign_key, remote, remote_mode, shard) -> BuildResult:
+             shared_cache, sign_key, remote, remote_mode, shard, tier) -> BuildResult:
     cache.sweep()
     targets = grid.build_order(grid.targets(recipe))
-    tier = remote_tier.open_tier(remote, remote_mode)
+    if tier is not None:
+        tier.probe()  # seconds, not minutes, to find a remote that never answers (then built without it)
     if shard:
         targets = remote_tier.shard_slice(targets, *shard)
     runner = executor
@@ -114,7 +119,8 @@ def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, ti
         weights_path = None if parallel else str(writer.path(paths.WEIGHTS_PATH))
         jobs_list = [Job(t.label, target_graph(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
                          str(writer.path(paths.log_path(t.label))), weights_path,
-                         (remote, remote_mode) if tier else None) for t in targets]
+                         (remote, remote_mode) if tier else None, remote_trust=tier.trusted if tier else ())
+                     for t in targets]
         by_label = {t.label: t for t in targets}
         progress.start(len(jobs_list))
         jobs_by_label = {j.label: j for j in jobs_list}
@@ -221,6 +227,8 @@ def _placement(runner, results: list[JobResult]) -> dict:
 
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:
     dest = Path(out_dir) / f"{writer.final.name}.failed-logs"
+    if dest.is_symlink() or dest.is_file():  # the name is ours; a link there is removed, never followed
+        dest.unlink()
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(writer.path(paths.LOGS_DIR), dest)
     return dest

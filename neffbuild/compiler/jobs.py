@@ -29,6 +29,7 @@ class Job:
     weights_path: str | None = None  # the bundle's weights, for the smoke run (None: skip it)
     remote: tuple[str, str] | None = None  # (s3:// URL, mode) of the remote cache tier (compiler/remote_cache.py)
     remote_skip: tuple[str, ...] = ()  # keys whose remote entry the driver already rejected: not fetched again
+    remote_trust: tuple[bytes, ...] = ()  # PEM keys whose signature a remote entry needs (empty: none needed)
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,19 @@ def _diff(meta: dict, fingerprint: dict, graph: dict, signature: list) -> list[s
     return out
 
 
-def cache_states(recipe, targets, *, cache_root=None, backend_name=None, remote: str | None = None) -> dict[str, dict]:
+def cache_states(recipe, targets, *, cache_root=None, backend_name=None, remote: str | None = None,
+                 on_target=None) -> dict[str, dict]:
     """{label: {"cache": "local"|"remote"|"build", "why": str, "estimate_s": float|None}}.
 
     ``remote`` (s3://...): a local miss the remote tier holds is ``remote`` (a remote that cannot be
-    asked leaves it ``build``, with the reason in ``why``)."""
+    asked leaves it ``build``, with the reason in ``why``).
+    ``on_target(done, total)``: called after each target is keyed (each traces its graph: a big grid takes
+    minutes, so the CLI prints progress from it)."""
     from neffbuild.compiler.remote_tier import open_tier
 
     tier = open_tier(remote, "ro")
+    if tier is not None:
+        tier.probe()
     cache = Cache(cache_root or recipe.cache_dir or settings.cache_dir())
     entries = cache.list()  # every entry here has been validated (sha256 checked) once
     valid_keys = {e["key"] for e in entries}
@@ -47,7 +52,9 @@ def cache_states(recipe, targets, *, cache_root=None, backend_name=None, remote:
     except BackendUnavailable as exc:
         return {t.label: {"cache": "unknown", "why": str(exc).split(";")[0]} for t in targets}
     out = {}
-    for t in targets:
+    for n, t in enumerate(targets):
+        if on_target is not None:
+            on_target(n, len(targets))
         backend = get_backend(**dict(kwargs, flags=recipe.flags_for(t.label)))
         spec = target_graph(recipe, t)
         try:

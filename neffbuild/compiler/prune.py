@@ -5,17 +5,21 @@ else its creation time. ``max_bytes``: remove the least recently used entries un
 fit. ``unused_for_s``: remove every entry not used for that long. Both may be given. Pruning
 takes the cache's hold lock exclusively and without waiting, so it refuses while a build
 holds the cache (a build's hits are never removed under it). Corrupt entries are removed too
-(they are misses anyway). The remote tier is never touched.
+(they are misses anyway), but only folders named like a key (64 hex digits), never a link. A
+folder that is not a cache (no ``CACHEDIR.TAG`` and files a cache never writes) is refused, and
+``--dry-run`` writes nothing at all (no lock, no marker). The remote tier is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
-from neffbuild.compiler.cache import Cache
+from neffbuild.compiler.cache import Cache, not_a_cache
 from neffbuild.errors import InvalidInput, NeffbuildError
 
+_KEY = re.compile(r"[0-9a-f]{64}")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
@@ -31,9 +35,11 @@ def parse_size(value: str) -> int:
 def entries(cache: Cache) -> list[dict]:
     """Every entry folder: key, label, bytes on disk, last use, valid; least recently used first."""
     out = []
-    if not cache.entries_dir.is_dir():
+    if not cache.entries_dir.is_dir() or cache.entries_dir.is_symlink():
         return out
     for folder in cache.entries_dir.iterdir():
+        if not _KEY.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
+            continue  # not an entry this cache wrote: never pruned
         entry = cache.get(folder.name, discard=False)
         out.append({"key": folder.name, "label": entry.meta.get("label", "?") if entry else "?",
                     "bytes": cache.entry_bytes(folder.name), "last_used": cache.last_used(folder.name),
@@ -48,8 +54,13 @@ def prune(cache: Cache, *, max_bytes: int | None = None, unused_for_s: float | N
     if max_bytes is None and unused_for_s is None:
         raise InvalidInput("cache prune: give --max-size SIZE and/or --unused-for DAYS")
     now = time.time() if now is None else now
+    if not cache.base.is_dir() or cache.base.is_symlink():  # nothing there: nothing to prune, nothing created
+        return {"dry_run": dry_run, "removed": [], "kept": [], "freed_bytes": 0, "kept_bytes": 0}
+    why = not_a_cache(cache.base)
+    if why:
+        raise InvalidInput(f"cache prune {cache.root}: {why}; nothing removed (is --cache-dir right?)")
     try:
-        with cache.hold(exclusive=True):
+        with contextlib.nullcontext() if dry_run else cache.hold(exclusive=True):
             all_entries = entries(cache)
             doomed = [e for e in all_entries if not e["valid"]
                       or (unused_for_s is not None and now - e["last_used"] > unused_for_s)]

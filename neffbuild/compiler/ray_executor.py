@@ -38,7 +38,7 @@ from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.jobs import COMPILER_ERROR, ENVIRONMENT, KILLED, TIMEOUT, Job, JobResult, failure, publish
 from neffbuild.compiler.memory_plan import BASE_MEMORY, GIB  # noqa: F401  (re-exported)
 from neffbuild.compiler.worker import run_job
-from neffbuild.errors import NeffbuildError
+from neffbuild.errors import InvalidInput, NeffbuildError
 
 LOG_LIMIT = 8 << 20  # bytes of a task's log shipped back
 
@@ -83,6 +83,9 @@ class RayExecutor:
 
     def __init__(self, *, cache_root: str | Path, address: str | None = None, shared_cache: bool = False,
                  timeout_s: float | None = None, num_cpus: float = 1):
+        why = address_problem(address)  # now: a build whose targets are all cached would never connect
+        if why:
+            raise InvalidInput(why)
         self.ray = import_ray()
         self.cache_root, self.address, self.shared = Path(cache_root), address, shared_cache
         self.timeout_s, self.num_cpus = timeout_s, num_cpus
@@ -111,6 +114,21 @@ class RayExecutor:
         else:  # Ray lowers its workers' priority by default; compiles are the build's work, not background work
             ray.init(_system_config={"worker_niceness": 0}, **kwargs)
         return True
+
+
+def address_problem(address: str | None, timeout_s: float = 5.0) -> str | None:
+    """Why ``--address`` names no reachable cluster (a TCP connect to its host and port), or None."""
+    if not address or address == "auto":
+        return None
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--address {address!r}: expected auto, HOST:PORT or ray://HOST:PORT"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"--address {address}: no Ray cluster answers there ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 class _Run:

@@ -4,18 +4,22 @@ The local cache (compiler/cache.py) stays the first tier. Remote layout under
 ``s3://BUCKET/PREFIX``, mirroring the local one::
 
     v{CACHE_VERSION}/entries/<key>/<artifact file>   written first
+    v{CACHE_VERSION}/entries/<key>/entry.sig         a signed writer's signature (compiler/entry_sig.py)
     v{CACHE_VERSION}/entries/<key>/meta.json         written last: a reader never sees a half entry
     v{CACHE_VERSION}/prekeys/<pre-key>.json          pre-key -> key (a fresh machine skips tracing)
 
 Reads: on a local miss the meta is fetched, then the artifact; its size and sha256 are checked
-against the meta and the entry is published locally (the local cache's atomic publish). A
-mismatch is a miss with a warning; the remote object is never deleted (it may be someone
-else's in-flight upload, and a cache never destroys what it did not write).
+against the meta; with trusted keys its signature must cover this key, these bytes and this
+toolchain; then it is smoke-run in a child process, and only then published locally (the local
+cache's atomic publish). A mismatch is a miss with a warning ("remote entry rejected, rebuilt");
+the remote object is never deleted (it may be someone else's in-flight upload, and a cache never
+destroys what it did not write).
 
 Writes (the driver, after a target compiled and passed its smoke run, or a local hit the
 remote lacks): create-only puts (``If-None-Match: *``), artifact first, meta last. A lost race
 is fine; when the winner's bytes differ from ours (compared by the S3 ETag, the MD5 of a
 single-part upload) a warning says the build is not reproducible. Failures are never pushed.
+With a signing key the entry's ``entry.sig`` goes between the artifact and the meta.
 
 Every remote error (network, 403, 5xx, a bad digest) is a miss or a skipped push with a
 warning and a count, never a failed build. Modes: ``rw`` writes; ``ro`` never writes;
@@ -36,6 +40,22 @@ from neffbuild.compiler.cache import CACHE_VERSION, META, Cache, Entry, _meta_ok
 from neffbuild.fsutil import sha256_file
 
 MODES = ("auto", "rw", "ro")
+# A probe (the first request of a run, `cache remote check`) waits at most this long per request: a remote that
+# accepts connections and never answers is found down in seconds, not after minutes of silence.
+PROBE_CONNECT_S, PROBE_READ_S = 3.0, 5.0
+PROBE_SAY_AFTER_S = 1.0  # a probe still waiting after this long says so on stderr
+
+
+def _say_while_waiting(what: str, timeout_s: float):
+    """A started timer that prints one line on stderr if the wait outlives PROBE_SAY_AFTER_S (cancel it)."""
+    import sys
+    import threading
+
+    timer = threading.Timer(PROBE_SAY_AFTER_S, lambda: print(
+        f"waiting for {what} (giving up after {timeout_s:.0f} s)...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 @dataclass
@@ -54,9 +74,13 @@ class RemoteStats:
 class RemoteCache:
     """One remote tier for one run. Never raises a RemoteError: failures become warnings and counts."""
 
-    def __init__(self, url: str, mode: str = "auto", *, client: s3.S3Remote | None = None):
+    def __init__(self, url: str, mode: str = "auto", *, client: s3.S3Remote | None = None,
+                 trusted: tuple[bytes, ...] = (), sign_key=None):
         self.url = s3.parse_url(url)
         self.mode = mode
+        self.trusted = tuple(trusted)  # PEM public keys whose entry signatures are accepted (empty: any entry)
+        self.sign_key = sign_key  # the EC private key that signs what this run pushes (None: pushed unsigned)
+        self._keys = None
         self.read_only = mode == "ro"
         self.down: str | None = None  # why the remote is not asked any more
         self.stats = RemoteStats()
@@ -75,6 +99,24 @@ class RemoteCache:
             except s3.RemoteError as exc:
                 self._error(exc)
         return self._client
+
+    def probe(self) -> bool:
+        """Ask the remote once with short timeouts (connect and first byte; one attempt) before the run uses it;
+        unreachable: ``down``, with the warning, so no later request waits its long timeout. True when usable."""
+        if self.down is not None:
+            return False
+        limit = PROBE_CONNECT_S + PROBE_READ_S
+        timer = _say_while_waiting(f"the remote cache {self.url}", limit)
+        try:
+            quick = s3.S3Remote(self.url, connect_timeout=PROBE_CONNECT_S, read_timeout=PROBE_READ_S, attempts=1)
+            quick.head(self._key(META))  # any answer (found or not) proves the remote answers
+        except s3.RemoteError as exc:
+            if exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
+                self._error(exc)
+                return False
+        finally:
+            timer.cancel()
+        return True
 
     def _key(self, *parts: str) -> str:
         return self.url.key(f"v{CACHE_VERSION}", *parts)
@@ -99,20 +141,32 @@ class RemoteCache:
             return "unreachable" if self.down == s3.UNREACHABLE else "unusable"
         return "read-only" if self.read_only else "read-write"
 
+    @property
+    def trusted_keys(self) -> list:
+        if self._keys is None:
+            from neffbuild.runtime.signature import load_trusted_keys
+
+            self._keys = load_trusted_keys(list(self.trusted))
+        return self._keys
+
     # -- reads
-    def fetch(self, cache: Cache, key: str) -> Entry | None:
+    def fetch(self, cache: Cache, key: str, check=None) -> Entry | None:
         """The remote entry ``key`` published into ``cache`` (call under ``cache.lock(key)``), or None (a miss)."""
         tmp = cache.new_tmp(key)
-        got = self.fetch_to(key, tmp)
+        got = self.fetch_to(key, tmp, check)
         if got is None:
             _rmtree(tmp)
             return None
         return cache.publish(key, tmp, *got)
 
-    def fetch_to(self, key: str, tmp: Path) -> tuple[Path, dict] | None:
+    def fetch_to(self, key: str, tmp: Path, check=None) -> tuple[Path, dict] | None:
         """(artifact, meta) of the remote entry ``key`` downloaded into ``tmp`` and checked against its meta,
         ready for ``Cache.publish`` (the ``produce`` of ``jobs.publish``), or None (a miss; ``tmp`` is left
-        empty). A key whose remote entry failed its check is in ``rejected`` and is not asked again."""
+        empty). A key whose remote entry failed its check is in ``rejected`` and is not asked again.
+
+        With trusted keys the entry must carry a signature by one of them over this key, these bytes and
+        this toolchain (compiler/entry_sig.py). ``check(artifact)`` (the smoke run in a child process) runs
+        last, before anything is published; a LoadFailed rejects the entry (it is rebuilt)."""
         client = self.client
         if client is None or key in self.rejected:
             return None
@@ -122,17 +176,27 @@ class RemoteCache:
             if raw is None:
                 return None
             meta = json.loads(raw)
-            if not _meta_ok(meta) or meta.get("key") != key:
+            if not _meta_ok(meta) or meta.get("key") != key or not isinstance(meta.get("ext"), str) or \
+                    not isinstance(meta.get("compile_seconds"), (int, float)):  # what a hit's result reads
                 self._reject(key, f"remote cache: entry {key[:16]} has a malformed {META}; treated as a miss "
                                   f"(the remote object is left as it is)")
                 return None
             artifact = tmp / Path(meta["file"]).name
             found = client.get_to_file(self._key("entries", key, meta["file"]), artifact)
-            if not found or artifact.stat().st_size != meta["bytes"] or sha256_file(artifact) != meta["sha256"]:
+            digest = sha256_file(artifact) if found and artifact.stat().st_size == meta["bytes"] else None
+            if digest != meta["sha256"]:
                 artifact.unlink(missing_ok=True)
                 self._reject(key, f"remote cache: entry {key[:16]}: the artifact does not match the sha256/size "
                                   f"its {META} records; treated as a miss and rebuilt (the remote object is left "
                                   f"as it is)")
+                return None
+            why = self._untrusted(client, key, meta, digest)
+            if why is None and check is not None:
+                why = self._check(check, artifact)
+            if why is not None:
+                artifact.unlink(missing_ok=True)
+                self._reject(key, f"remote cache: entry {key[:16]} ({meta.get('label', '')}) {why}: remote entry "
+                                  f"rejected, rebuilt (the remote object is left as it is)")
                 return None
         except s3.RemoteError as exc:
             if artifact is not None:
@@ -149,12 +213,31 @@ class RemoteCache:
         meta = {k: v for k, v in meta.items() if k not in ("key", "file", "bytes", "sha256", "created")}
         return artifact, dict(meta, fetched_from=str(self.url))
 
+    def _untrusted(self, client: s3.S3Remote, key: str, meta: dict, digest: str) -> str | None:
+        """Why the entry is not signed by a trusted key (None: it is, or no key is trusted: the bucket is)."""
+        if not self.trusted:
+            return None
+        from neffbuild.compiler.entry_sig import ENTRY_SIG, entry_problem
+
+        raw = client.get(self._key("entries", key, ENTRY_SIG))
+        return entry_problem(raw, key, meta, digest, self.trusted_keys)
+
+    @staticmethod
+    def _check(check, artifact: Path) -> str | None:
+        from neffbuild.compiler.smoke import LoadFailed
+
+        try:
+            check(artifact)
+        except LoadFailed as exc:
+            return f"failed its smoke run in a child process ({exc})"
+        return None
+
     def _reject(self, key: str, message: str) -> None:
         self.rejected.add(key)
         self.stats.errors += 1
         self.warn(message)
 
-    def fetch_pre(self, cache: Cache, pre: str) -> Entry | None:
+    def fetch_pre(self, cache: Cache, pre: str, check=None) -> Entry | None:
         """The entry a remote pre-key record names (fetched when the local cache lacks it), or None."""
         client = self.client
         if client is None:
@@ -172,7 +255,7 @@ class RemoteCache:
         with cache.lock(key):
             entry = cache.get(key)
             if entry is None:
-                entry = self.fetch(cache, key)
+                entry = self.fetch(cache, key, check)
         if entry is not None:
             cache.put_pre(pre, key)
         return entry
@@ -221,6 +304,11 @@ class RemoteCache:
                 self.warn(f"remote cache: lost the race for {entry.meta.get('label', '')} ({entry.key[:16]}) and the "
                           f"winner's artifact bytes differ from ours: this build is not reproducible")
                 return "lost-race"
+        if self.sign_key is not None:  # before the meta: a reader that sees the meta finds the signature
+            from neffbuild.compiler.entry_sig import ENTRY_SIG, sign_entry
+
+            client.put_if_absent(self._key("entries", entry.key, ENTRY_SIG),
+                                 sign_entry(entry.key, entry.meta, self.sign_key))
         body = json.dumps(entry.meta, sort_keys=True, indent=1).encode()
         if client.put_if_absent(meta_key, body):
             self.stats.pushes += 1
@@ -244,21 +332,31 @@ def _rmtree(path: Path) -> None:
 
 
 @functools.cache
-def for_worker(url: str, mode: str) -> RemoteCache:
-    """One RemoteCache per worker process and remote (its client is reused across jobs)."""
-    return RemoteCache(url, mode)
+def for_worker(url: str, mode: str, trusted: tuple[bytes, ...] = ()) -> RemoteCache:
+    """One RemoteCache per worker process, remote and set of trusted keys (its client is reused across jobs)."""
+    return RemoteCache(url, mode, trusted=trusted)
 
 
 def check(url: str) -> dict:
     """``cache remote check``: {"url", "endpoint", "reachable", "readable", "writable", "errors"}.
 
     Writable is tested by a create-only put of a probe object under ``PREFIX/.neffbuild-probe/``
-    (left there: the cache never deletes; its name is unique per check)."""
+    (left there: the cache never deletes; its name is unique per check). Each request waits at most
+    PROBE_CONNECT_S + PROBE_READ_S, once; a wait longer than a second says so on stderr."""
+    out = {"url": url, "endpoint": None, "reachable": False, "readable": False, "writable": False, "errors": []}
+    timer = _say_while_waiting(url, 2 * (PROBE_CONNECT_S + PROBE_READ_S))
+    try:
+        return _check(url, out)
+    finally:
+        timer.cancel()
+
+
+def _check(url: str, out: dict) -> dict:
     import uuid
 
-    out = {"url": url, "endpoint": None, "reachable": False, "readable": False, "writable": False, "errors": []}
+    client = None
     try:
-        client = s3.open_remote(url)
+        client = s3.open_remote(url, connect_timeout=PROBE_CONNECT_S, read_timeout=PROBE_READ_S, attempts=1)
         out["endpoint"] = client.endpoint
         next(iter(client.list(f"v{CACHE_VERSION}")), None)
         out["reachable"] = out["readable"] = True
@@ -266,7 +364,7 @@ def check(url: str) -> dict:
         out["errors"].append(str(exc))
         if exc.kind in (s3.DENIED, s3.NOT_FOUND, s3.OTHER, s3.SERVER):
             out["reachable"] = True
-        if exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
+        if client is None or exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
             return out
     try:
         out["writable"] = client.put_if_absent(client.url.key(".neffbuild-probe", uuid.uuid4().hex), b"probe")

@@ -16,13 +16,21 @@ from neffbuild.compiler.remote_cache import MODES, RemoteCache
 from neffbuild.errors import InvalidInput
 
 
-def open_tier(url: str | None, mode: str = "auto") -> RemoteCache | None:
-    """The run's remote tier (None without a URL); a bad URL or mode is an InvalidInput before any work."""
+def open_tier(url: str | None, mode: str = "auto", *, trusted: tuple[bytes, ...] = (),
+              sign_key=None) -> RemoteCache | None:
+    """The run's remote tier (None without a URL); a bad URL or mode is an InvalidInput before any work.
+
+    ``trusted``: PEM public keys; only entries one of them signed are used (others are rebuilt). Without
+    any, the run says once that the bucket is trusted as is. ``sign_key``: what this run pushes is signed."""
     if not url:
         return None
     if mode not in MODES:
         raise InvalidInput(f"--cache-remote-mode: got {mode!r}, must be one of {', '.join(MODES)}")
-    return RemoteCache(url, mode)
+    tier = RemoteCache(url, mode, trusted=trusted, sign_key=sign_key)
+    if not trusted:
+        tier.warn(f"remote cache {tier.url}: no trusted keys (--cache-trust), so every entry in the bucket is "
+                  "trusted as is: whoever can write it decides what this build runs (docs/remote-cache.md, Trust)")
+    return tier
 
 
 def parse_shard(value: str) -> tuple[int, int]:
@@ -52,8 +60,10 @@ def cached_remote(tier: RemoteCache | None, cache, job: Job) -> JobResult | None
         pre = pre_key_for(job.graph, get_backend(**job.backend))
     except Exception:
         return None
+    from neffbuild.compiler.smoke import fetched_check
+
     before = tier.stats.hits
-    if tier.fetch_pre(cache, pre) is None:
+    if tier.fetch_pre(cache, pre, fetched_check(job)) is None:
         return None
     res = cached_result(job)
     if res is not None and tier.stats.hits > before:

@@ -182,7 +182,9 @@ def _build(job: Job, backend, result: JobResult):
 
     def produce(tmp: Path):
         if remote is not None and key not in job.remote_skip:  # the second tier: fetched and checked into tmp
-            got = remote.fetch_to(key, tmp)
+            from neffbuild.compiler.smoke import fetched_check
+
+            got = remote.fetch_to(key, tmp, fetched_check(job))
             if got is not None:
                 fetched.append(got)
                 return got
@@ -217,7 +219,7 @@ def _remote_tier(job: Job):
         return None
     from neffbuild.compiler.remote_cache import RemoteStats, for_worker
 
-    remote = for_worker(*job.remote)
+    remote = for_worker(*job.remote, job.remote_trust)
     remote.stats = RemoteStats()
     return remote
 

@@ -325,7 +325,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     problems = check(root, full=verify == "full") if verify != "none" else manifest_schema.problems(manifest)
     if problems:
         raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
-    reason = loaders.toolchain_problem(manifest["toolchain"])
+    reason = loaders.toolchain_problem(manifest["toolchain"]) or loaders.device_problem(manifest["toolchain"], device)
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
     if loaders.reads_package_signature(manifest["toolchain"]) and verify != "full":

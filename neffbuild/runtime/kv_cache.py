@@ -38,3 +38,46 @@ def graph_view(buffer: torch.Tensor) -> torch.Tensor:
 def packed_k_view(buffer: torch.Tensor) -> torch.Tensor:
     _, nb, h, bs, d = buffer.shape
     return buffer[0].view(nb, h, bs // 2, d, 2)
+
+
+def storage_problem(b: torch.Tensor) -> str | None:
+    """Why ``b``'s memory is not what an artifact may write in place (None: torch's own, writable storage).
+
+    The artifact writes KV through the raw pointer: a FakeTensor or another subclass has no real storage, an
+    MKLDNN or sparse layout is not the strided memory the artifact indexes, and memory torch did not allocate
+    (a numpy array, Python ``bytes``, a file mapping) may be read-only pages (SIGSEGV) or immutable objects
+    (written silently). Shared memory torch made (``share_memory_``, ``from_file``) must be writable pages."""
+    if type(b) not in (torch.Tensor, torch.nn.Parameter):
+        return f"is a {type(b).__name__} (a tensor subclass without real storage of its own)"
+    if b.layout != torch.strided:
+        return f"has layout {b.layout}, not the strided memory the artifacts write"
+    try:
+        st = b.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return "has no storage the artifacts can write"
+    if st.resizable():  # allocated by torch's own allocator (CPU or device)
+        return None
+    if not st.is_shared():
+        return "is backed by memory torch does not own (a numpy array, Python bytes, a buffer or a file mapping)"
+    if b.device.type == "cpu" and not _writable_pages(st.data_ptr(), st.nbytes()):
+        return "is backed by read-only memory (a read-only file mapping)"
+    return None
+
+
+def _writable_pages(addr: int, size: int) -> bool:
+    """Whether every page of [addr, addr + size) is mapped writable (Linux /proc/self/maps; True elsewhere)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            spans = [line.split()[:2] for line in fh]
+    except OSError:
+        return True
+    end, pos = addr + max(size, 1), addr
+    for rng, perms in sorted(((tuple(int(x, 16) for x in r.split("-")), p) for r, p in spans)):
+        if rng[1] <= pos or rng[0] > pos:
+            continue
+        if "w" not in perms:
+            return False
+        pos = rng[1]
+        if pos >= end:
+            return True
+    return pos >= end

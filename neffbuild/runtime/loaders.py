@@ -132,6 +132,25 @@ def toolchain_problem(toolchain: dict) -> str | None:
     return entry.get("host_problem")(toolchain)
 
 
+def device_problem(toolchain: dict, device) -> str | None:
+    """Why the artifacts cannot run on ``device``, or None. An inductor artifact runs only on the device type it
+    was compiled for (the fingerprint's ``device``), and only where torch has that device: a meta or fake
+    device has no memory for the KV writes (the first step would crash in native code)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"device {str(device)[:40]!r} is not a torch device (e.g. 'cpu', 'cuda:0')"
+    if toolchain.get("backend") == "neuron":
+        return None if dev.type in ("cpu", "privateuseone") or str(device).startswith("neuron") else \
+            f"device {dev}: a neuron bundle runs on its NeuronCores (device 'neuron:N')"
+    built_for = str(toolchain.get("device", "cpu"))
+    if dev.type != torch.device(built_for).type:
+        return f"device {dev}: these artifacts were compiled for {built_for!r} and run only there"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return f"device {dev}: this torch has no CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
 def load(toolchain: dict, path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"):
     """Load one artifact through its backend's loader (named in neffbuild/registry.py)."""
     return registry.backend(toolchain["backend"]).get("loader")(path, weights, toolchain, device)

@@ -77,7 +77,24 @@ def problems(m: dict) -> list[Problem]:
     _weights(c, parts["weights"], files)
     if gi is not None:
         _artifacts(c, parts["artifacts"], gi, files)
+    if "parallel" in m:
+        _parallel(c, m["parallel"])
     return c.out
+
+
+def _parallel(c: _Checker, par) -> None:
+    """A sharded bundle's layout: every reader (open_bundle, generate's world, the prefill worker) indexes it."""
+    if not isinstance(par, dict):
+        c.bad("parallel", f"got {short(par)}, must be an object (absent for an unsharded bundle)")
+        return
+    degrees = [c.int_field(par, k, "parallel", hi=4096) for k in ("tp", "dp", "ep", "world_size")]
+    if None not in degrees and degrees[3] != degrees[0] * degrees[1]:
+        c.bad("parallel.world_size", f"got {degrees[3]}, must be tp x dp = {degrees[0] * degrees[1]}")
+    pieces = par.get("pieces")
+    if not isinstance(pieces, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("tensors"), dict)
+            for e in pieces.values()):
+        c.bad("parallel.pieces", "must be an object of {file, tensors} per weight piece")
 
 
 def _files(c: _Checker, files: dict) -> dict:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neffbuild.errors import InvalidInput, SignatureError
-from neffbuild.fsutil import no_duplicate_keys, sha256_file
+from neffbuild.fsutil import no_duplicate_keys, read_regular, sha256_file
 from neffbuild.runtime import layout
 
 MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
@@ -31,6 +31,7 @@ STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://model_signing/signature/v1.0"
 MAX_SIGNATURE_BYTES = 64 * 1024 * 1024
 MAX_FILES = 100_000
+MAX_KEY_BYTES = 64 * 1024  # a PEM key is under 1 KiB; a cap keeps /dev/zero out
 MAX_PROBLEMS = 10
 
 
@@ -121,10 +122,8 @@ def load_trusted_keys(keys) -> list[TrustedKey]:
     for k in keys:
         source = "<PEM bytes>" if isinstance(k, bytes) else str(k)
         try:
-            data = k if isinstance(k, bytes) else Path(k).read_bytes()
+            data = k if isinstance(k, bytes) else read_regular(k, "trusted key", MAX_KEY_BYTES)
             pub = serialization.load_pem_public_key(data)
-        except OSError as exc:
-            raise InvalidInput(f"trusted key {source}: unreadable ({exc.strerror or exc})") from None
         except (ValueError, TypeError):
             raise InvalidInput(f"trusted key {source}: not a PEM public key (write one with `openssl ec -pubout`)"
                                ) from None
@@ -147,15 +146,23 @@ def read_signature(root: Path) -> dict:
     if not path.is_file() or path.is_symlink():
         raise SignatureError(f"{root}: unsigned ({layout.SIGNATURE_PATH} is missing); sign it with "
                              "`neffbuild sign BUNDLE --key KEY.pem`")
-    if path.stat().st_size > MAX_SIGNATURE_BYTES:
-        raise SignatureError(f"{path}: over {MAX_SIGNATURE_BYTES} bytes; not a signature file")
-    doc = _strict_json(path.read_bytes(), str(path))
+    try:  # a regular file read with a cap on the open descriptor (swapped for a FIFO since the check: no hang)
+        raw = read_regular(path, "signature", MAX_SIGNATURE_BYTES)
+    except InvalidInput as exc:
+        raise SignatureError(str(exc)) from None
+    return parse_signature(raw, str(path))
+
+
+def parse_signature(raw: bytes, where: str) -> dict:
+    """A signature document's JSON checked for the fields verifiers read (an object at every level they open)."""
+    doc = _strict_json(raw, where)
     env = doc.get("dsseEnvelope") if isinstance(doc, dict) else None
     sigs = env.get("signatures") if isinstance(env, dict) else None
-    if (not isinstance(doc.get("mediaType"), str) or not doc["mediaType"].startswith("application/vnd.dev.sigstore")
+    if (not isinstance(doc, dict) or not isinstance(doc.get("mediaType"), str)
+            or not doc["mediaType"].startswith("application/vnd.dev.sigstore")
             or not isinstance(sigs, list) or not sigs or not isinstance(sigs[0], dict)
             or not isinstance(env.get("payload"), str) or not isinstance(sigs[0].get("sig"), str)):
-        raise SignatureError(f"{path}: not a model-signing signature (a Sigstore bundle with a DSSE envelope)")
+        raise SignatureError(f"{where}: not a model-signing signature (a Sigstore bundle with a DSSE envelope)")
     return doc
 
 
@@ -196,8 +203,8 @@ def signed_resources(path: Path, payload_type: str, payload: bytes) -> dict[str,
     """The signed {path: sha256} table, after checking the statement's own consistency."""
     st = _strict_json(payload, f"{path} payload")
     pred = st.get("predicate") if isinstance(st, dict) else None
-    if (payload_type != PAYLOAD_TYPE or st.get("_type") != STATEMENT_TYPE or st.get("predicateType") != PREDICATE_TYPE
-            or not isinstance(pred, dict) or not isinstance(pred.get("resources"), list)):
+    if (payload_type != PAYLOAD_TYPE or not isinstance(pred, dict) or st.get("_type") != STATEMENT_TYPE
+            or st.get("predicateType") != PREDICATE_TYPE or not isinstance(pred.get("resources"), list)):
         raise SignatureError(f"{path}: payload is not a model-signing v1.0 statement")
     ser = pred.get("serialization")
     if not isinstance(ser, dict) or ser.get("method") != "files" or ser.get("hash_type") != "sha256":
@@ -215,10 +222,22 @@ def signed_resources(path: Path, payload_type: str, payload: bytes) -> dict[str,
         table[r["name"]] = r["digest"]
     root = hashlib.sha256(b"".join(bytes.fromhex(table[n]) for n in [r["name"] for r in pred["resources"]]))
     subj = st.get("subject")
-    if not isinstance(subj, list) or len(subj) != 1 or not isinstance(subj[0], dict) \
-            or (subj[0].get("digest") or {}).get("sha256") != root.hexdigest():
+    digest = subj[0].get("digest") if isinstance(subj, list) and len(subj) == 1 and isinstance(subj[0], dict) else None
+    if not isinstance(digest, dict) or digest.get("sha256") != root.hexdigest():
         raise SignatureError(f"{path}: subject digest does not match its resources (an inconsistent statement)")
     return table
+
+
+def verify_document(where: str, doc: dict, keys: list[TrustedKey]) -> tuple[TrustedKey, str, dict[str, str]]:
+    """(the key that signed it, the statement's subject name, the signed {name: sha256} table) of a parsed
+    signature document (``parse_signature``); SignatureError when no trusted key signed it or it is malformed.
+    The compile cache's entry signatures use it too (compiler/entry_sig.py): one format, one verifier."""
+    key = _check_envelope(Path(where), doc, keys)
+    env = doc["dsseEnvelope"]
+    payload = base64.b64decode(env["payload"])
+    table = signed_resources(Path(where), str(env.get("payloadType")), payload)
+    subject = json.loads(payload)["subject"][0].get("name")
+    return key, subject if isinstance(subject, str) else "", table
 
 
 def verify_bundle(root: str | Path, trusted_keys) -> Verified:

@@ -73,6 +73,7 @@ class Stepper:
 
     def __init__(self, artifacts: Artifacts, *, kv_caches: Sequence[torch.Tensor] | None = None, group=None,
                  on_plan: Callable[[StepPlan], None] | None = None, device: str = "cpu", registry=None):
+        step_checks.check_group(group)  # a string or another object would be taken for "no DP" silently
         self.artifacts, self.group, self.on_plan = artifacts, group, on_plan
         self.metrics = StepMetrics(registry)
         self.grid, self.kv_layout, self.num_swa = artifacts.grid, artifacts.kv_layout, artifacts.num_swa

@@ -33,6 +33,7 @@ import torch
 from neffbuild.errors import StepInputError, short_repr
 from neffbuild.runtime.block_tables import BlockTables
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
+from neffbuild.runtime.kv_cache import storage_problem
 
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 _BIG = BIG = 2**62  # above any vocab: the token bound when the bundle names none
@@ -326,6 +327,15 @@ def _step_reference(tokens, computed, tables, *, k: int, vocab: int | None, layo
     return why
 
 
+def check_group(group) -> None:
+    """``Stepper(group=...)``: None (one rank) or a torch.distributed ProcessGroup; StepInputError otherwise."""
+    import torch.distributed as dist
+
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise StepInputError(f"group must be a torch.distributed ProcessGroup of the DP ranks or None, got "
+                             f"{type(group).__name__} {short_repr(group)}")
+
+
 def check_kv_buffers(buffers, layout, device, *, draft: bool = False) -> list[torch.Tensor]:
     """Engine-supplied KV buffers against the bundle's layout, before native code sees them."""
     what = "the draft KV buffer" if draft else "kv_caches"
@@ -342,6 +352,9 @@ def check_kv_buffers(buffers, layout, device, *, draft: bool = False) -> list[to
             raise StepInputError(f"{w} must be a torch.Tensor, got {type(b).__name__}")
         if b.device.type == "meta" or b.is_meta:
             raise StepInputError(f"{w} is a meta tensor (no memory); allocate it on {want_dev}")
+        why = storage_problem(b)
+        if why:
+            raise StepInputError(f"{w} {why}; allocate it with torch.empty on {want_dev} (runtime.kv_cache.allocate)")
         if tuple(b.shape) != shape:
             raise StepInputError(f"{w} is {list(b.shape)}, the bundle's KV layout is {list(shape)}")
         if b.dtype != layout.dtype:

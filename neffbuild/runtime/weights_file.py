@@ -155,3 +155,32 @@ def check_table(where: str, header: dict, table: dict) -> None:
         if not isinstance(want, dict) or {"dtype": want.get("dtype"), "shape": want.get("shape")} != got:
             raise BundleError(f"{where}: weights.tensors.{name}: manifest says {str(want)[:120]}, the file holds {got}")
 
+
+FINITE_CHUNK = 1 << 24  # elements per isfinite pass: a bounded temporary (16 MiB of bools), whatever the tensor
+
+
+def nonfinite(path: Path) -> list[str]:
+    """The floating-point tensors of a weights file holding a NaN or an infinity (``verify``; one pass over the
+    float bytes, as fast as the sha256 pass that precedes it, benchmarks in docs/bundle-format.md).
+    Integer and packed tensors (MXFP4 blocks, their uint8 scales) have no NaN to look for and are skipped."""
+    bad = []
+    for name, t in load(path).items():
+        if not t.is_floating_point():
+            continue
+        flat = t.reshape(-1)
+        for i in range(0, flat.numel(), FINITE_CHUNK):
+            if not _finite(flat[i:i + FINITE_CHUNK]):
+                bad.append(name)
+                break
+    return bad
+
+
+def _finite(part: torch.Tensor) -> bool:
+    """Whether every value is finite: a plain sum first (one vectorised pass, no temporary, ~10x faster than
+    isfinite().all() on CPU; NaN and inf propagate into it), the exact elementwise test only when the sum is not
+    finite (a NaN or inf, or finite values whose sum overflowed)."""
+    if part.element_size() == 1:  # float8: no reduction kernels on every build
+        part = part.float()
+    if math.isfinite(float(part.sum())):
+        return True
+    return bool(torch.isfinite(part).all())

@@ -136,7 +136,11 @@ class Engine:
                                    f"bundle's pool holds {self.pool}; shorten it or build with more serving.num_blocks")
 
     def run(self, requests: list[Request]) -> list[Request]:
-        """Serve ``requests`` (this rank's) to the end; returns them with tokens and step indices."""
+        """Serve ``requests`` (this rank's) to the end; returns them with tokens and step indices. Requests are
+        checked as the CLI checks a request file (InvalidInput naming the request and the field)."""
+        from neffbuild.serve.requests import check_fields
+
+        check_fields(requests, self.stepper.vocab_size, self.grid.max_model_len)
         self.check_fits(requests)
         waiting = sorted(requests, key=lambda r: (r.arrival, r.index))
         live: list[Request] = []

@@ -99,7 +99,7 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     source, proposer = _parts(bundle, session, opts, prefill)
     before = dp_sync.COLLECTIVES["count"]
     try:
-        engine = Engine(session.stepper, session.block_manager(), source, proposer)
+        engine = Engine(session.stepper, session.block_manager(), source, proposer, on_step=progress(requests, group))
         engine.run(requests)
     finally:
         source.close()
@@ -115,3 +115,36 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     if opts.metrics:
         out["metrics"] = prometheus(st.plans) + hist.to_prometheus()
     return out
+
+
+PROGRESS_EVERY_S = 10.0
+
+
+def progress(requests: list[Request], group=None, every_s: float = PROGRESS_EVERY_S):
+    """An ``on_step`` hook that prints ``N/M requests done`` on stderr every ``every_s`` seconds of a long run
+    (a short run prints nothing; one clock read per step otherwise)."""
+    import sys
+    import time
+
+    from neffbuild.runtime import dp_sync
+
+    who = f"rank {dist_rank(group)}: " if dp_sync.world_size(group) > 1 else ""
+    start = time.monotonic()
+    state = {"next": start + every_s, "steps": 0}
+
+    def on_step(plan, out) -> None:
+        state["steps"] += 1
+        now = time.monotonic()
+        if now >= state["next"]:
+            state["next"] = now + every_s
+            done = sum(r.done for r in requests)
+            print(f"{who}{done}/{len(requests)} requests done, {state['steps']} decode steps, "
+                  f"{now - start:.0f} s", file=sys.stderr, flush=True)
+
+    return on_step
+
+
+def dist_rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
