@@ -13,7 +13,7 @@ from neffbuild import registry
 from neffbuild.runtime.bundle import open_bundle
 from neffbuild.runtime.kv_ingest import KVIngest
 from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import open_session
+from neffbuild.serve.rank import open_rank
 
 PROMPTS = [[(7 * i + 3 * n) % 250 + 1 for i in range(n)] for n in [40] * 4]
 
@@ -28,7 +28,7 @@ def step_ms(session) -> float:
 
 def main() -> None:
     bundle = open_bundle(sys.argv[1])
-    session = open_session(bundle)
+    session = open_rank(bundle)
     for label in bundle.labels:
         bundle.artifact(label)
     print("plain, no agent:", step_ms(session), "ms/step", flush=True)

@@ -37,7 +37,7 @@ from _common import machine
 from neffbuild.runtime.bundle import open_bundle
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
-from neffbuild.serve.session import open_session
+from neffbuild.serve.rank import open_rank
 
 LENGTHS = [(20, 40), (150, 30), (8, 60), (60, 20), (200, 50), (5, 45), (90, 25), (33, 35), (12, 55), (120, 40),
            (44, 15), (70, 30)]  # (prompt tokens, max_new_tokens)
@@ -126,7 +126,7 @@ def main() -> None:
                     help="the engine's look-ahead in tokens (default: what the pool spares, Engine.ahead; 0: a pool "
                          "at the recipe's formula minimum, where a request's tables change at every block boundary)")
     args = ap.parse_args()
-    session = open_session(open_bundle(args.bundle, preload=True))
+    session = open_rank(open_bundle(args.bundle, preload=True))
     run(session, workload(0), args.ahead)  # warm-up: first calls of every artifact
     rows = {"requests": [], "static": []}
     for _ in range(args.repeat):

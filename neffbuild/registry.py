@@ -66,8 +66,9 @@ AUTO_FLAG_RULES = "inductor"  # with backend: auto, flags must pass the embedded
 # seed -> stacked weights), placeholder_shapes (config -> {name: shape}), decode (the decode
 # graph module), aux_layers (num_layers -> EAGLE3 aux layer ids), prefill (eager prompt
 # pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
-# -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of
-# (the bundle's weight pieces), unshard (pieces -> the full weights, the --check reference).
+# -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of /
+# piece_names (the bundle's weight pieces and which a rank maps), shard (a rank's weights), unshard
+# (pieces -> the full weights, the --check reference).
 # placeholder_shapes, rank_shapes, local_config and rank_weight_bytes (config, layout -> bytes of the
 # pieces one rank maps, as stored) are torch-free: plan and the validator size a rank with them.
 # Recipe-time rules (torch-free, err(path, value, rule) reporting): field_limits, unknown_keys
@@ -91,6 +92,8 @@ ARCHITECTURES = {
         "rank_weight_bytes": "neffbuild.models.gpt_oss.shapes:rank_weight_bytes",
         "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
+        "piece_names": "neffbuild.models.gpt_oss.sharding:piece_names",  # layout, rank -> the pieces it maps
+        "shard": "neffbuild.models.gpt_oss.sharding:shard",  # config, full weights, layout, rank -> its weights
         "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",
         "unshard": "neffbuild.models.gpt_oss.sharding:unshard",
         "kv_buffer_of_layer": "neffbuild.models.gpt_oss.kv_buffers:kv_buffer_of_layer",  # layer -> its KV buffer

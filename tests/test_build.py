@@ -24,7 +24,7 @@ from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.runtime.step import StepBatch
 from neffbuild.serve.greedy import prometheus, tables_for
-from neffbuild.serve.session import open_session
+from neffbuild.serve.rank import open_rank
 from tests.helpers import POOL, ROOT, TINY, assert_failed_target, cache_key, cli, seed_cache, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def test_artifacts_match_eager_on_prefilled_cache(built):
     b = open_bundle(res.bundle, verify="full")
     cfg = R.load(built[0]).model.config
     eager = GptOssDecode(cfg, b.weights).eval()
-    session = open_session(b)
+    session = open_rank(b)
     blocks, kv = session.block_manager(), session.stepper.kv_caches
     prompts = [list(range(5, 100)), [3, 4, 5], [(i * 11) % 256 for i in range(60)]]
     for rid, p in enumerate(prompts):  # prefill, then one compiled step
@@ -252,7 +252,7 @@ def test_stdlib_reader_from_the_spec_parses_a_bundle(built):
     def read_bundle(root):
         root = Path(root)
         m = json.loads((root / "manifest.json").read_text())
-        if m["format"] != "neffbuild-bundle" or m["format_version"] > 3:
+        if m["format"] != "neffbuild-bundle" or m["format_version"] > 4:
             raise ValueError("unsupported bundle")
         for rel, info in m["files"].items():
             parts = Path(rel).parts

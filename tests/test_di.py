@@ -65,17 +65,17 @@ def test_prefill_last_logits_equal_a_decode_step_at_that_position(tiny_recipe, t
     from neffbuild.models.gpt_oss import weights
     from neffbuild.runtime.step import StepBatch
     from neffbuild.serve.greedy import tables_for
-    from tests.test_gpt_oss import make_session
+    from tests.test_gpt_oss import eager_rank
 
     stacked = weights.stack(tiny_cfg, weights.load_checkpoint(hf_checkpoint))
     for n in (16, 47):
         prompt = _prompts([n])[0]
-        whole = make_session(tiny_recipe, stacked, fp8=fp8, packed=fp8)
+        whole = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=fp8)
         blocks = whole.block_manager()
         blocks.reserve("a", n, n)
         rows = {g: t[0] for g, t in tables_for(blocks, ["a"], [n]).items()}
         want = whole.prefill(prompt, whole.stepper.kv_caches, rows)[-1]
-        split = make_session(tiny_recipe, stacked, fp8=fp8, packed=fp8)
+        split = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=fp8)
         blocks = split.block_manager()
         blocks.reserve("b", n - 1, n - 1)
         rows = {g: t[0] for g, t in tables_for(blocks, ["b"], [n - 1]).items()}
@@ -102,9 +102,9 @@ def _single_process(session, prompts, new):
 def _di_vs_single(bundle_path, lengths, new=4):
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.di import PrefillWorker, generate_di
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(bundle_path))
+    session = open_rank(open_bundle(bundle_path))
     out = []
     with PrefillWorker(bundle_path) as worker:
         for i in range(0, len(lengths), 4):  # the bundles' largest batch bucket
@@ -136,10 +136,10 @@ def test_n_minus_1_rule_is_needed(built):
     or, unchecked, tokens differ."""
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.di import PrefillWorker, generate_di
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
     path = built[1].bundle
-    session = open_session(open_bundle(path))
+    session = open_rank(open_bundle(path))
     lengths = [16, 17, 47, 63]
     prompts = _prompts(lengths)
     ref = _single_process(session, prompts, 6)

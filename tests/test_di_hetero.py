@@ -23,9 +23,9 @@ def _di_tokens(bundle_path, prefill_tp, lengths, new=4):
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.di import generate_di
     from neffbuild.serve.prefill_worker import PrefillGroup
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(bundle_path))
+    session = open_rank(open_bundle(bundle_path))
     prompts = _prompts(lengths)
     with PrefillGroup(bundle_path, prefill_tp) as group:
         assert len(group.processes) == prefill_tp
@@ -49,9 +49,9 @@ def test_nixl_source_admits_requests_that_arrive_mid_run(built):
     from neffbuild.serve.engine import Engine
     from neffbuild.serve.parts import Request
     from neffbuild.serve.prefill_worker import PrefillGroup
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(built[1].bundle))
+    session = open_rank(open_bundle(built[1].bundle))
     prompts = _prompts([30, 9, 47])
     arrivals = [0, 2, 4]
     reqs = [Request(f"r{n}", p, 5 + n, arrival=arrivals[n], index=n) for n, p in enumerate(prompts)]
@@ -72,12 +72,12 @@ def _tp2_rank(rank, init_file, bundle_path, addresses, prompts, new, out_dir):
 
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.di import generate_di
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         bundle = open_bundle(bundle_path, group=dist.group.WORLD)
-        session = open_session(bundle, group=dist.group.WORLD)
+        session = open_rank(bundle, group=dist.group.WORLD)
         gen = generate_di(session, [tuple(a) for a in addresses], prompts, new,
                           request_ids=[f"req-{n}" for n in range(len(prompts))])
         res = {"tokens": gen.tokens, "transfers": gen.transfers}
@@ -128,9 +128,9 @@ def test_a_prefill_rank_that_dies_is_a_typed_error_naming_the_request(built, vic
     it); afterwards no prefill process is left."""
     from neffbuild.runtime.bundle import open_bundle
     from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, pull_prompt
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(built[1].bundle))
+    session = open_rank(open_bundle(built[1].bundle))
     blocks = session.block_manager()
     [first, second] = _prompts([20, 30])
     with PrefillGroup(built[1].bundle, 2) as group:

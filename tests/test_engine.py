@@ -70,14 +70,14 @@ def test_continuous_batching_equals_solo_runs(built, tmp_path):
     """generate --requests: staggered arrivals, different lengths, two requests waiting; each request's tokens
     are a solo run's; the buckets follow the live batch down as well as up."""
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
     path = tmp_path / "reqs.jsonl"
     path.write_text(_lines(_requests()))
     res = _cli("generate", str(built[1].bundle), "--requests", str(path), "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
-    session = open_session(open_bundle(built[1].bundle, preload=True))
+    session = open_rank(open_bundle(built[1].bundle, preload=True))
     for r, got in zip(_requests(), out["requests"], strict=True):
         alone = Request(r.id, r.prompt, r.max_new_tokens)
         _serve(session, [alone])
@@ -96,9 +96,9 @@ def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
     positions, tables) and counts down the same steps; the whole run gives the tokens and step log of an engine
     that builds every batch afresh."""
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(built[1].bundle, preload=True))
+    session = open_rank(open_bundle(built[1].bundle, preload=True))
     kept, stepped_on = [], []
 
     class Checked(Engine):
@@ -154,9 +154,9 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
     gets no look-ahead."""
     from neffbuild.runtime.blocks import BlockManager, min_pool_blocks
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(built[1].bundle, preload=True))
+    session = open_rank(open_bundle(built[1].bundle, preload=True))
     runs, over = {}, []
     for ahead in (0, None):
         reqs, blocks = _requests(), session.block_manager()

@@ -632,7 +632,7 @@ def _dp_out_of_pool_rank(rank, world):
     from neffbuild.runtime import dp_sync
     from neffbuild.runtime.dispatch import GridSpec
     from neffbuild.runtime.kv_cache import KVLayout
-    from neffbuild.serve.session import eager_artifacts
+    from neffbuild.serve.rank import eager_artifacts
 
     cfg = R.load(TINY).model.config
     layout = KVLayout(cfg.num_kv_buffers, 40, cfg.num_key_value_heads, 16, cfg.head_dim)

@@ -11,7 +11,7 @@ from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
 from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import open_session
+from neffbuild.serve.rank import open_rank
 from tests.helpers import ROOT, assert_failed_target, cli, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ def _cli(*args, env=None):
 
 def _decode(bundle_path, prompt, new_tokens):
     """Greedy tokens and every step's logits through the bundle's artifacts."""
-    session = open_session(open_bundle(bundle_path))
+    session = open_rank(open_bundle(bundle_path))
     logits = []
     gen = greedy(session.stepper, session.prefill, session.block_manager(), [prompt], new_tokens,
                  on_step=lambda plan, lg: logits.append(lg.clone()))

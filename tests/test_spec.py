@@ -16,7 +16,7 @@ from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_n
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.eager import EagerArtifacts
 from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import make_session
+from neffbuild.serve.rank import serving_rank
 from neffbuild.serve.spec import EagerSpecArtifacts, generate_spec
 from tests.helpers import cli
 
@@ -73,9 +73,9 @@ def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
     prompts, n_new, ctxs = CASES[case]
     dcfg, weights, target, draft = models
     layout = _layout(tiny_cfg)
-    s = make_session(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
+    s = serving_rank(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
     plain = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new).tokens
-    s = make_session(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
+    s = serving_rank(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
     tokens, stats = generate_spec(s, dcfg, weights, prompts, n_new)
     assert tokens == plain
     fams = [s["family"] for s in stats.steps]
@@ -174,14 +174,14 @@ def _oracle(reference: dict[int, list[int]], k: int):
 def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     """Acceptance 1.0, and ceil((n_new - 1) / (k + 1)) target steps: every step emits k+1 tokens."""
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
     bundle = open_bundle(eagle3_built[1].bundle)
-    s = open_session(bundle)
+    s = open_rank(bundle)
     dcfg = Eagle3Config.from_hf_dict(bundle.manifest["graph_inputs"]["draft_config"], s.config)
     prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
     reference = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new + K + 1).tokens
-    s = open_session(bundle)  # fresh KV
+    s = open_rank(bundle)  # fresh KV
     oracle = _oracle(dict(enumerate(reference)), K)
     tokens, stats = generate_spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=oracle)
     assert tokens == [r[:n_new] for r in reference]

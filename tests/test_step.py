@@ -17,7 +17,7 @@ from neffbuild.runtime import StepBatch, Stepper, dp_sync
 from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import eager_artifacts, make_session
+from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests.conftest import TINY
 from tests.helpers import cli
 
@@ -230,7 +230,7 @@ def _serve_to_max_model_len(r, prompt):
     weights = model_weights(cfg, None, 0)
     layout = KVLayout(cfg.num_kv_buffers, r.num_blocks, cfg.num_key_value_heads, r.block_size, cfg.head_dim)
     spec = Grid(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len)
-    session = make_session(cfg, weights, eager_artifacts(cfg, weights, spec, layout, r.num_swa))
+    session = serving_rank(cfg, weights, eager_artifacts(cfg, weights, spec, layout, r.num_swa))
     blocks, free = session.block_manager(), []
     gen = greedy(session.stepper, session.prefill, blocks, [prompt], r.max_model_len - len(prompt),
                  on_step=lambda plan, _: free.append(blocks.num_free))

@@ -172,7 +172,12 @@ def _parallel_problems(m: dict) -> list[Problem]:
         return [Problem(paths.MANIFEST_PATH, f"parallel: tp/dp/ep must be integers, got {par}")]
     if lay.world_size != par.get("world_size") or min(lay.tp, lay.dp, lay.ep) < 1 or lay.world_size % lay.ep:
         return [Problem(paths.MANIFEST_PATH, f"parallel: inconsistent {lay} / world_size {par.get('world_size')}")]
-    wanted = {n for r in range(lay.world_size) for n in _rank_pieces(lay, r)}
+    ranks = par.get("rank_pieces")
+    if not (isinstance(ranks, list) and len(ranks) == lay.world_size
+            and all(isinstance(r, list) and all(isinstance(n, str) for n in r) for r in ranks)):
+        return [Problem(paths.MANIFEST_PATH, f"parallel.rank_pieces: must list, for each of the {lay.world_size} "
+                        "ranks, the names of the pieces it maps")]
+    wanted = {n for r in ranks for n in r}
     problems = [Problem(paths.MANIFEST_PATH, f"parallel.pieces lacks {n!r}")
                 for n in sorted(wanted - set(par["pieces"]))]
     for name, e in par["pieces"].items():
@@ -182,19 +187,14 @@ def _parallel_problems(m: dict) -> list[Problem]:
     return problems
 
 
-def _rank_pieces(lay: parallel.ParallelLayout, rank: int) -> list[str]:
-    """The per-rank pieces rank ``rank`` maps besides ``weights.file`` (the builder writes them)."""
-    return ([f"tp{lay.tp_rank(rank)}"] if lay.tp > 1 else []) + ([f"ep{lay.ep_rank(rank)}"] if lay.ep > 1 else [])
-
-
 def rank_table(m: dict, rank: int = 0) -> dict:
     """The constants one rank's artifacts bind: ``weights.tensors`` plus its pieces' (same shapes on all ranks)."""
     if "parallel" not in m:
         return m["weights"]["tensors"]
-    lay = parallel.ParallelLayout.from_json(m["parallel"])
+    section = parallel.ParallelSection.from_json(m["parallel"])
     table = dict(m["weights"]["tensors"])
-    for name in _rank_pieces(lay, rank):
-        table.update(m["parallel"]["pieces"][name]["tensors"])
+    for name in section.pieces_of(rank):
+        table.update(section.pieces[name]["tensors"])
     return table
 
 
@@ -220,10 +220,10 @@ class Bundle:
         self.num_swa = self.graph_inputs.num_swa
         self.entries = {a["label"]: a for a in manifest["artifacts"]}
         self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
-        if rank is not None:  # a sharded rank maps the replicated piece plus its own TP and EP pieces, nothing else
-            pieces = manifest["parallel"]["pieces"]
-            for name in _rank_pieces(rank.layout, rank.rank):
-                self.weights.update(weights_file.load(safe_path(root, pieces[name]["file"]), pieces[name]["tensors"]))
+        self.parallel_section = parallel.ParallelSection.from_json(manifest["parallel"]) \
+            if "parallel" in manifest else None
+        if rank is not None:  # a sharded rank maps the replicated piece plus the pieces the manifest lists for it
+            self.weights.update(load_pieces(root, self.parallel_section, self.parallel_section.pieces_of(rank.rank)))
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -282,6 +282,15 @@ class Bundle:
 
 
 
+def load_pieces(root: Path, section: parallel.ParallelSection, names) -> dict[str, torch.Tensor]:
+    """The tensors of the named weight pieces of a sharded bundle, each file mapped once."""
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        entry = section.pieces[name]
+        out.update(weights_file.load(safe_path(root, entry["file"]), entry["tensors"]))
+    return out
+
+
 def _with_rank(fn, context: world.RankContext | None):
     if context is None:
         return fn
@@ -336,7 +345,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     aoti_package.sweep_temp()
     rank = None
     if "parallel" in manifest:  # collective: every rank of the world opens the bundle
-        rank = world.join(parallel.ParallelLayout.from_json(manifest["parallel"]), f"bundle {root}", group)
+        rank = world.join(parallel.ParallelSection.from_json(manifest["parallel"]).layout, f"bundle {root}", group)
     bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:

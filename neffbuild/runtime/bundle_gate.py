@@ -1,12 +1,13 @@
-"""Verify is the gate (issue 25): manifest fields ``generate`` reads that the schema left unchecked.
+"""Verify is the gate: manifest fields ``generate`` reads that the schema left unchecked.
 
 Run by ``check`` (so by ``neffbuild verify`` and by ``open_bundle`` unless ``verify="none"``),
 after the schema passed: the EAGLE3 draft's KV layout (present exactly when the bundle has
 drafts, its heads and head_dim those of ``graph_inputs.draft_config`` over the target's, the
 same buffer every draft artifact records); a ``parallel`` section exactly on a sharded bundle
 (tp or ep above 1), with graph_inputs' tp/dp/ep; the model_config fields the step API reads
-(vocab_size, hidden_size). ``read_digest_line`` reads a bounded prefix of ``manifest.sha256``
-(a 12 GB sparse file is an error, never a MemoryError). Standard library only.
+(vocab_size, hidden_size); the speculative method of a bundle with drafts.
+``read_digest_line`` reads a bounded prefix of ``manifest.sha256`` (a 12 GB sparse file is an
+error, never a MemoryError). Standard library and the registry only.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import stat
 from pathlib import Path
 
+from neffbuild import registry
 from neffbuild.runtime.manifest_schema import Problem, is_int, short
 
 MAX_DIGEST_BYTES = 4096  # "<64 hex digits>  manifest.json\n" is 81 bytes
@@ -35,7 +37,15 @@ def read_digest_line(path: Path) -> str | None:
 def problems(m: dict) -> list[Problem]:
     gi = m["graph_inputs"]
     out = _model_config(gi)
-    return out + _parallel_presence(m, gi) + (_draft_layout(m, gi) if not out else [])
+    return out + _parallel_presence(m, gi) + _speculative_method(gi) + (_draft_layout(m, gi) if not out else [])
+
+
+def _speculative_method(gi: dict) -> list[Problem]:
+    method = gi.get("speculative_method")
+    if gi["num_speculative_tokens"] and method not in registry.SPECULATIVE:
+        return [Problem("graph_inputs.speculative_method", f"got {short(method)}, must name the method the draft "
+                        f"was built for ({', '.join(registry.SPECULATIVE)})")]
+    return []
 
 
 def _model_config(gi: dict) -> list[Problem]:

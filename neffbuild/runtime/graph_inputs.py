@@ -30,6 +30,7 @@ class GraphInputs:
     arch: str
     model_config: dict  # Hugging Face keys (the architecture config's to_hf_dict)
     draft_config: dict | None = None  # EAGLE3: the draft's keys as the recipe gave them
+    speculative_method: str | None = None  # the registry's speculative method of the draft (with draft_config)
 
     @classmethod
     def from_recipe(cls, recipe, kv_layout: KVLayout) -> GraphInputs:
@@ -37,7 +38,12 @@ class GraphInputs:
         return cls(Grid(tuple(r.num_seqs_buckets), tuple(r.decode_context_length_buckets), r.max_model_len,
                         r.num_speculative_tokens),
                    r.block_size, r.num_blocks, r.num_swa, ParallelLayout(r.tp, r.dp, r.ep), r.lnc, r.fp8_packed_kv,
-                   kv_layout, r.model.arch, r.model.config.to_hf_dict(), s.draft_hf_config if s else None)
+                   kv_layout, r.model.arch, r.model.config.to_hf_dict(), s.draft_hf_config if s else None,
+                   s.method if s else None)
+
+    @classmethod
+    def of_manifest(cls, manifest: dict) -> GraphInputs:
+        return cls.from_json(manifest["graph_inputs"])
 
     @classmethod
     def from_json(cls, gi: dict) -> GraphInputs:
@@ -46,7 +52,7 @@ class GraphInputs:
                     gi["num_speculative_tokens"])
         return cls(grid, gi["block_size"], gi["num_blocks"], gi["num_swa"], ParallelLayout.from_json(gi),
                    gi.get("lnc", 1), gi["fp8_packed_kv"], KVLayout.from_json(gi["kv_layout"]), gi["arch"],
-                   dict(gi["model_config"]), gi.get("draft_config"))
+                   dict(gi["model_config"]), gi.get("draft_config"), gi.get("speculative_method"))
 
     def to_json(self) -> dict:
         g, p = self.grid, self.parallel
@@ -58,9 +64,16 @@ class GraphInputs:
             "kv_layout": self.kv_layout.to_json(), "arch": self.arch, "model_config": self.model_config,
         }
         if self.draft_config is not None:
-            out["draft_config"] = self.draft_config
+            out["draft_config"], out["speculative_method"] = self.draft_config, self.speculative_method
         return out
 
     def config(self):
         """The architecture's config dataclass (through the registry)."""
         return registry.arch(self.arch).get("config").from_hf_dict(self.model_config)
+
+    def draft(self, target_config):
+        """The draft's config dataclass over the target's (through the registry), or None without drafts."""
+        if not self.grid.num_speculative_tokens or self.draft_config is None:
+            return None
+        return registry.speculative(self.speculative_method).get("config").from_hf_dict(self.draft_config,
+                                                                                       target_config)

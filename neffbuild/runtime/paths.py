@@ -9,8 +9,10 @@ BUNDLE_FORMAT = "neffbuild-bundle"
 # Version 2: manifest.sha256 added (a MUST); compile_seconds moved out of artifact entries.
 # Version 3: the GPT-OSS expert weights are stacked [out, in] per expert (gate_up_w [L, E, 2I, H],
 # down_w [L, E, H, I]); a version-2 reader would bind them as [in, out].
-BUNDLE_FORMAT_VERSION = 3
-SUPPORTED_FORMAT_VERSIONS = (3,)
+# Version 4: parallel.rank_pieces lists each rank's pieces (the architecture's rule, recorded) instead of a
+# sentence; graph_inputs.speculative_method names the draft's method (a MUST with drafts).
+BUNDLE_FORMAT_VERSION = 4
+SUPPORTED_FORMAT_VERSIONS = (4,)
 
 MANIFEST_PATH = "manifest.json"
 MANIFEST_DIGEST_PATH = "manifest.sha256"  # "<sha256 of manifest.json>  manifest.json\n" (sha256sum -c format)

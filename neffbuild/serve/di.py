@@ -28,7 +28,7 @@ from neffbuild.runtime.di_prompt import unwritten_reads
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.greedy import Generation
 from neffbuild.serve.parts import Request
-from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, decode_tp, pull_prompt
+from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, pull_prompt
 
 PrefillWorker = PrefillGroup  # the name callers used before the group had P ranks
 
@@ -64,7 +64,7 @@ class NixlSource:
     def __init__(self, session, addresses, *, alive=None, prefix: str = "", check_reads: bool = True,
                  _n_minus_1: bool = True):
         self.config, self.prefix, self.check_reads, self.n_minus_1 = session.config, prefix, check_reads, _n_minus_1
-        self.pullers = decode_tp(session)
+        self.pullers = session.parallel.tp
         self.kv = connect_decode(session, [addresses] if isinstance(addresses, int) else addresses, alive=alive)
         self.transfers: list[dict] = []
         self._next_check = 0.0
@@ -134,11 +134,10 @@ def run_di(bundle_path: str, prompts: Sequence[Sequence[int]], max_new_tokens: i
            prefill_tp: int | None = None) -> DIGeneration:
     """``generate --di``: a prefill group of ``prefill_tp`` ranks (default: the bundle's tp), this process decodes
     through the bundle's artifacts."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    bundle = open_bundle(bundle_path)
-    session = open_session(bundle)
+    session = open_rank(bundle_path)
+    bundle = session.bundle
     for label in bundle.labels:  # load now: decode_seconds must not include loading
         bundle.artifact(label)
     with PrefillGroup(bundle_path, prefill_tp) as group:

@@ -89,14 +89,6 @@ class Eagle3Proposer:
         return plan.label
 
 
-def draft_config(bundle, target_cfg) -> Eagle3Config | None:
-    """The bundle's draft config, or None when it was built without EAGLE3."""
-    gi = bundle.manifest["graph_inputs"]
-    if not bundle.grid.num_speculative_tokens or "draft_config" not in gi:
-        return None
-    return Eagle3Config.from_hf_dict(gi["draft_config"], target_cfg)
-
-
 class EagerSpecArtifacts:
     """Eager target (with aux outputs) for target labels and the eager draft for draft labels."""
 
