@@ -12,7 +12,8 @@ import sys
 from neffbuild import registry
 from neffbuild.runtime.bundle import open_bundle
 from neffbuild.runtime.kv_ingest import KVIngest
-from neffbuild.serve.greedy import greedy
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.parts import LocalPrefill, Request
 from neffbuild.serve.rank import open_rank
 
 PROMPTS = [[(7 * i + 3 * n) % 250 + 1 for i in range(n)] for n in [40] * 4]
@@ -21,8 +22,9 @@ PROMPTS = [[(7 * i + 3 * n) % 250 + 1 for i in range(n)] for n in [40] * 4]
 def step_ms(session) -> float:
     xs = []
     for _ in range(3):
-        g = greedy(session.stepper, session.prefill, session.block_manager(), PROMPTS, 24)
-        xs.append(g.decode_seconds / len(g.plans))
+        engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.kv_caches))
+        engine.run([Request(str(n), list(p), 24, index=n) for n, p in enumerate(PROMPTS)])
+        xs.append(sum(engine.stats.step_seconds) / len(engine.stats.plans))
     return round(statistics.median(xs) * 1e3, 3)
 
 

@@ -90,6 +90,7 @@ ARCHITECTURES = {
         "rank_shapes": "neffbuild.models.gpt_oss.shapes:rank_shapes",
         "local_config": "neffbuild.models.gpt_oss.shapes:local_config",
         "rank_weight_bytes": "neffbuild.models.gpt_oss.shapes:rank_weight_bytes",
+        "check_layout": "neffbuild.models.gpt_oss.sharding:check_layout",  # config, layout -> InvalidInput or None
         "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
         "piece_names": "neffbuild.models.gpt_oss.sharding:piece_names",  # layout, rank -> the pieces it maps

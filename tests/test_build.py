@@ -23,8 +23,9 @@ from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.bundle import check, open_bundle
 from neffbuild.runtime.step import StepBatch
-from neffbuild.serve.greedy import prometheus, tables_for
+from neffbuild.serve.parts import block_rows
 from neffbuild.serve.rank import open_rank
+from neffbuild.serve.run import prometheus
 from tests.helpers import POOL, ROOT, TINY, assert_failed_target, cache_key, cli, seed_cache, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -43,18 +44,18 @@ def test_artifacts_match_eager_on_prefilled_cache(built):
     prompts = [list(range(5, 100)), [3, 4, 5], [(i * 11) % 256 for i in range(60)]]
     for rid, p in enumerate(prompts):  # prefill, then one compiled step
         blocks.reserve(rid, len(p), len(p))
-        session.prefill(p, kv, {g: t[0] for g, t in tables_for(blocks, [rid], [len(p)]).items()})
+        session.prefill(p, kv, {g: t[0] for g, t in block_rows(blocks, [rid], [len(p)]).items()})
     computed = torch.tensor([len(p) for p in prompts])
     for rid, c in enumerate(computed.tolist()):
         blocks.reserve(rid, c + 1, c)
-    tables = tables_for(blocks, range(3), computed + 1)
+    tables = block_rows(blocks, range(3), computed + 1)
     out = session.stepper.step(StepBatch([[1], [2], [3]], computed.tolist(), tables))
     assert 'neffbuild_neff_execution_count{bucket="decode_b4"} 1' in prometheus([out.plan])
     assert "neffbuild_batch_padding_ratio 0.250000" in prometheus([out.plan])  # 3 live rows of 4
     computed += 1
     for rid, c in enumerate(computed.tolist()):
         blocks.reserve(rid, c + 1, c)
-    tables = tables_for(blocks, range(3), computed + 1)
+    tables = block_rows(blocks, range(3), computed + 1)
     checked = 0
     for label, entry in b.entries.items():
         if entry["batch"] < 3 or entry["ctx"] < int(computed.max()) + 1:

@@ -10,6 +10,7 @@ import torch
 from neffbuild.errors import KVTransferError
 from neffbuild.runtime.blocks import SLIDING_GROUP, BlockManager, kv_groups
 from neffbuild.runtime.di_prompt import DIPrompt, di_prompt, strip_leading_null, truncate, unwritten_reads
+from tests import engine_runs
 from tests.conftest import ROOT
 from tests.helpers import cli
 
@@ -64,7 +65,7 @@ def test_prefill_last_logits_equal_a_decode_step_at_that_position(tiny_recipe, t
     """What DI relies on: prefill of N tokens and prefill of N-1 plus one decode step agree (FP8 KV too)."""
     from neffbuild.models.gpt_oss import weights
     from neffbuild.runtime.step import StepBatch
-    from neffbuild.serve.greedy import tables_for
+    from neffbuild.serve.parts import block_rows
     from tests.test_gpt_oss import eager_rank
 
     stacked = weights.stack(tiny_cfg, weights.load_checkpoint(hf_checkpoint))
@@ -73,15 +74,15 @@ def test_prefill_last_logits_equal_a_decode_step_at_that_position(tiny_recipe, t
         whole = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=fp8)
         blocks = whole.block_manager()
         blocks.reserve("a", n, n)
-        rows = {g: t[0] for g, t in tables_for(blocks, ["a"], [n]).items()}
+        rows = {g: t[0] for g, t in block_rows(blocks, ["a"], [n]).items()}
         want = whole.prefill(prompt, whole.stepper.kv_caches, rows)[-1]
         split = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=fp8)
         blocks = split.block_manager()
         blocks.reserve("b", n - 1, n - 1)
-        rows = {g: t[0] for g, t in tables_for(blocks, ["b"], [n - 1]).items()}
+        rows = {g: t[0] for g, t in block_rows(blocks, ["b"], [n - 1]).items()}
         split.prefill(prompt[:-1], split.stepper.kv_caches, rows)
         blocks.reserve("b", n, n - 1)
-        got = split.stepper.step(StepBatch([[prompt[-1]]], [n - 1], tables_for(blocks, ["b"], [n]))).logits[0, -1]
+        got = split.stepper.step(StepBatch([[prompt[-1]]], [n - 1], block_rows(blocks, ["b"], [n]))).logits[0, -1]
         torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
         assert int(got.argmax()) == int(want.argmax())
 
@@ -94,23 +95,21 @@ def _prompts(lengths):
 
 
 def _single_process(session, prompts, new):
-    from neffbuild.serve.greedy import greedy
-
-    return greedy(session.stepper, session.prefill, session.block_manager(), prompts, new).tokens
+    return engine_runs.greedy(session, prompts, new).tokens
 
 
 def _di_vs_single(bundle_path, lengths, new=4):
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import PrefillWorker, generate_di
+    from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 
     session = open_rank(open_bundle(bundle_path))
     out = []
-    with PrefillWorker(bundle_path) as worker:
+    with PrefillGroup(bundle_path) as worker:
         for i in range(0, len(lengths), 4):  # the bundles' largest batch bucket
             prompts = _prompts(lengths[i:i + 4])
             ref = _single_process(session, prompts, new)
-            gen = generate_di(session, worker.port, prompts, new)
+            gen = engine_runs.di(session, worker.port, prompts, new)
             out += list(zip(lengths[i:i + 4], gen.tokens, ref, gen.transfers, strict=True))
     return out
 
@@ -135,7 +134,7 @@ def test_n_minus_1_rule_is_needed(built):
     """Rule off on both sides: the first step reads a block never transferred (checked),
     or, unchecked, tokens differ."""
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import PrefillWorker, generate_di
+    from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 
     path = built[1].bundle
@@ -149,10 +148,10 @@ def test_n_minus_1_rule_is_needed(built):
     g = torch.Generator().manual_seed(0)
     for buf in session.stepper.kv_caches:
         buf.copy_(torch.randn(buf.shape, generator=g, dtype=buf.dtype) * 100)
-    with PrefillWorker(path, _n_minus_1=False) as worker:
+    with PrefillGroup(path, _n_minus_1=False) as worker:
         with pytest.raises(KVTransferError, match=r"position 46 reads sliding-group logical blocks \[0\]"):
-            generate_di(session, worker.port, prompts, 6, _n_minus_1=False)
-        gen = generate_di(session, worker.port, prompts, 6, _n_minus_1=False, check_reads=False)
+            engine_runs.di(session, worker.port, prompts, 6, _n_minus_1=False)
+        gen = engine_runs.di(session, worker.port, prompts, 6, _n_minus_1=False, check_reads=False)
     differ = [n for n, di, r in zip(lengths, gen.tokens, ref, strict=True) if di != r]
     assert 47 in differ or 63 in differ
     assert 16 not in differ and 17 not in differ  # other residues are unaffected

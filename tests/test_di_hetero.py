@@ -6,6 +6,7 @@ Real processes, real NIXL/UCX (tcp kept in UCX_TLS), the session bundles (no new
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -14,14 +15,17 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import PrefillWorkerLost
+from tests import engine_runs
+from tests.helpers import cli
 from tests.test_di import _prompts, _single_process
+
+GOLDEN_MANIFEST = Path(__file__).parent / "golden" / "manifest-tiny.json"
 
 LENGTHS = [17, 47, 5, 33]
 
 
 def _di_tokens(bundle_path, prefill_tp, lengths, new=4):
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import generate_di
     from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 
@@ -29,7 +33,7 @@ def _di_tokens(bundle_path, prefill_tp, lengths, new=4):
     prompts = _prompts(lengths)
     with PrefillGroup(bundle_path, prefill_tp) as group:
         assert len(group.processes) == prefill_tp
-        gen = generate_di(session, group.addresses, prompts, new, alive=group.alive)
+        gen = engine_runs.di(session, group.addresses, prompts, new, alive=group.alive)
     return gen, _single_process(session, prompts, new)
 
 
@@ -71,14 +75,13 @@ def _tp2_rank(rank, init_file, bundle_path, addresses, prompts, new, out_dir):
     import torch.distributed as dist
 
     from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import generate_di
     from neffbuild.serve.rank import open_rank
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         bundle = open_bundle(bundle_path, group=dist.group.WORLD)
         session = open_rank(bundle, group=dist.group.WORLD)
-        gen = generate_di(session, [tuple(a) for a in addresses], prompts, new,
+        gen = engine_runs.di(session, [tuple(a) for a in addresses], prompts, new,
                           request_ids=[f"req-{n}" for n in range(len(prompts))])
         res = {"tokens": gen.tokens, "transfers": gen.transfers}
     finally:
@@ -242,3 +245,13 @@ def test_prefill_tp_must_split_the_heads_as_a_tp_degree_does(tiny_cfg):
         check_prefill_tp(tiny_cfg, "gpt_oss", ok)
     with pytest.raises(InvalidInput, match=r"--prefill-tp 3: tp 3 must divide the 4 attention heads"):
         check_prefill_tp(tiny_cfg, "gpt_oss", 3)
+
+
+def test_generate_di_prefill_tp_that_cannot_split_the_heads_exits_2_naming_the_flag(tmp_path):
+    """The product path guards the flag: a valid manifest of the tiny model (2 KV heads, 4 attention heads) is
+    enough, as the check runs before NIXL, any rank or any prefill worker starts."""
+    shutil.copy(GOLDEN_MANIFEST, tmp_path / "manifest.json")
+    res = cli("generate", str(tmp_path), "--di", "--prefill-tp", "3", "--prompt-ids", "1,2", "--json")
+    assert res.returncode == 2, res.stderr
+    msg = json.loads(res.stdout)["error"]["message"]
+    assert msg.startswith("--prefill-tp 3:") and "4 attention heads" in msg

@@ -8,9 +8,9 @@ from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.runtime import attn_metadata
 from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
-from neffbuild.serve.greedy import greedy as run_greedy
-from neffbuild.serve.greedy import tables_for
+from neffbuild.serve.parts import block_rows
 from neffbuild.serve.rank import eager_artifacts, serving_rank
+from tests import engine_runs
 
 PROMPTS = [list(range(3, 3 + 45)), [7, 1, 9, 200, 13], [(i * 37) % 256 for i in range(70)]]
 
@@ -25,7 +25,7 @@ def eager_rank(recipe, stacked, *, fp8=False, packed=False):
 
 
 def greedy(session, prompts, n, **kw):
-    return run_greedy(session.stepper, session.prefill, session.block_manager(), prompts, n, **kw).tokens
+    return engine_runs.greedy(session, prompts, n, **kw).tokens
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,9 @@ def _one_step(tiny_recipe, module, stacked, prompt, ctx, packed=False, fp8=False
     session = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=packed)
     blocks, N = session.block_manager(), len(prompt)
     blocks.reserve(0, N, N)
-    session.prefill(prompt, session.stepper.kv_caches, {g: t[0] for g, t in tables_for(blocks, [0], [N]).items()})
+    session.prefill(prompt, session.stepper.kv_caches, {g: t[0] for g, t in block_rows(blocks, [0], [N]).items()})
     blocks.reserve(0, N + 1, N)
-    tables = tables_for(blocks, [0], [tiny_recipe.max_model_len])
+    tables = block_rows(blocks, [0], [tiny_recipe.max_model_len])
     full, swa = tables["full"], tables["sliding"]
     inputs = attn_metadata.build(torch.tensor([[5]]), torch.tensor([N]), full, swa, batch=1, ctx=ctx,
                                  block_size=tiny_recipe.block_size,

@@ -10,8 +10,8 @@ import torch
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
 from neffbuild.runtime.bundle import check, open_bundle
-from neffbuild.serve.greedy import greedy
 from neffbuild.serve.rank import open_rank
+from tests.engine_runs import greedy
 from tests.helpers import ROOT, assert_failed_target, cli, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ def _decode(bundle_path, prompt, new_tokens):
     """Greedy tokens and every step's logits through the bundle's artifacts."""
     session = open_rank(open_bundle(bundle_path))
     logits = []
-    gen = greedy(session.stepper, session.prefill, session.block_manager(), [prompt], new_tokens,
+    gen = greedy(session, [prompt], new_tokens,
                  on_step=lambda plan, lg: logits.append(lg.clone()))
     return gen.tokens, logits, [p.label for p in gen.plans]
 

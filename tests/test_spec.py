@@ -15,9 +15,9 @@ from neffbuild.models.gpt_oss.weights import random_state_dict, stack
 from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_nospec, plan_draft, plan_synced
 from neffbuild.runtime.kv_cache import KVLayout
 from neffbuild.serve.eager import EagerArtifacts
-from neffbuild.serve.greedy import greedy
 from neffbuild.serve.rank import serving_rank
-from neffbuild.serve.spec import EagerSpecArtifacts, generate_spec
+from neffbuild.serve.spec import EagerSpecArtifacts
+from tests import engine_runs
 from tests.helpers import cli
 
 K = 3
@@ -74,9 +74,10 @@ def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
     dcfg, weights, target, draft = models
     layout = _layout(tiny_cfg)
     s = serving_rank(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
-    plain = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new).tokens
+    plain = engine_runs.greedy(s, prompts, n_new).tokens
     s = serving_rank(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
-    tokens, stats = generate_spec(s, dcfg, weights, prompts, n_new)
+    run = engine_runs.spec(s, dcfg, weights, prompts, n_new)
+    tokens, stats = run.tokens, run.stats
     assert tokens == plain
     fams = [s["family"] for s in stats.steps]
     assert TARGET_SPEC in fams and {s["ctx"] for s in stats.steps} == ctxs
@@ -180,10 +181,11 @@ def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     s = open_rank(bundle)
     dcfg = Eagle3Config.from_hf_dict(bundle.manifest["graph_inputs"]["draft_config"], s.config)
     prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
-    reference = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new + K + 1).tokens
+    reference = engine_runs.greedy(s, prompts, n_new + K + 1).tokens
     s = open_rank(bundle)  # fresh KV
     oracle = _oracle(dict(enumerate(reference)), K)
-    tokens, stats = generate_spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=oracle)
+    run = engine_runs.spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=oracle)
+    tokens, stats = run.tokens, run.stats
     assert tokens == [r[:n_new] for r in reference]
     assert stats.acceptance_rate == 1.0
     assert len(stats.steps) == -(-(n_new - 1) // (K + 1))

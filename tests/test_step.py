@@ -16,9 +16,9 @@ from neffbuild.models.gpt_oss.weights import model_weights
 from neffbuild.runtime import StepBatch, Stepper, dp_sync
 from neffbuild.runtime.dispatch import Grid
 from neffbuild.runtime.kv_cache import KVLayout
-from neffbuild.serve.greedy import greedy
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests.conftest import TINY
+from tests.engine_runs import greedy
 from tests.helpers import cli
 
 
@@ -232,7 +232,7 @@ def _serve_to_max_model_len(r, prompt):
     spec = Grid(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len)
     session = serving_rank(cfg, weights, eager_artifacts(cfg, weights, spec, layout, r.num_swa))
     blocks, free = session.block_manager(), []
-    gen = greedy(session.stepper, session.prefill, blocks, [prompt], r.max_model_len - len(prompt),
+    gen = greedy(session, [prompt], r.max_model_len - len(prompt), blocks=blocks,
                  on_step=lambda plan, _: free.append(blocks.num_free))
     assert gen.plans[-1].needed_seq == r.max_model_len - 1  # the last token is never fed back
     return gen.tokens[0], free

@@ -34,12 +34,14 @@ from typing import Self
 
 from neffbuild import registry
 from neffbuild.errors import InvalidInput, KVTransferError
+from neffbuild.runtime import manifest_schema
 from neffbuild.runtime.bundle import read_manifest
 from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null
+from neffbuild.runtime.graph_inputs import GraphInputs
 from neffbuild.runtime.kv_ingest import KVIngest, KVProducer
 from neffbuild.runtime.nixl_agent import load_nixl
 from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
-from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, open_rank
+from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, model_config, open_rank
 
 _IDS = itertools.count()
 GLOO_TIMEOUT = timedelta(seconds=20)
@@ -57,9 +59,19 @@ def bundle_tp(bundle_path) -> int:
 def check_prefill_tp(cfg, arch: str, tp: int) -> None:
     """``--prefill-tp`` must split the model's heads as a TP degree does (exit 2 otherwise)."""
     try:
-        list(registry.arch(arch).get("iter_pieces")(cfg, {}, ParallelLayout(tp=tp), []))  # runs the layout rules
+        registry.arch(arch).get("check_layout")(cfg, ParallelLayout(tp=tp))
     except InvalidInput as exc:
         raise InvalidInput(f"--prefill-tp {tp}: {exc}") from None
+
+
+def check_group_tp(bundle_path, tp: int) -> None:
+    """A prefill group of ``tp`` ranks can split the bundle's model (exit 2 naming ``--prefill-tp`` otherwise).
+    A broken manifest is left to ``open_rank``, which names what is wrong (exit 1)."""
+    root = Path(bundle_path)
+    m = read_manifest(root)
+    if not manifest_schema.problems(m):
+        gi = GraphInputs.of_manifest(m)
+        check_prefill_tp(model_config(gi, root), gi.arch, tp)
 
 
 class _Rank:
@@ -186,6 +198,8 @@ class PrefillGroup:
     """The prefill ranks: ``with PrefillGroup(bundle, tp=2) as g: ... g.addresses``."""
 
     def __init__(self, bundle_path, tp: int | None = None, *, timeout: float = 180.0, _n_minus_1: bool = True):
+        if tp is not None:
+            check_group_tp(bundle_path, tp)  # the user's flag first (exit 2), before spawning anything
         load_nixl()  # fail here, with the extra to install, before spawning anything
         self.bundle_path, self.tp = str(bundle_path), tp or bundle_tp(bundle_path)
         self.timeout, self._n_minus_1 = timeout, _n_minus_1

@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild.errors import NeffbuildError
-from neffbuild.serve.parts import Request
+from neffbuild.runtime.bundle import read_manifest
+from neffbuild.runtime.graph_inputs import GraphInputs
+from neffbuild.runtime.kv_ingest import load_nixl
+from neffbuild.runtime.manifest_schema import problems
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.parts import LocalPrefill, Request
+from neffbuild.serve.prefill_worker import PrefillGroup, check_group_tp
+from neffbuild.serve.rank import EAGER, model_config, open_rank
+from neffbuild.serve.requests import check_requests
 from neffbuild.serve.run import Options
+from neffbuild.serve.world import run_ranks, world_for
 
 
 @dataclass
@@ -40,7 +49,6 @@ class GenerateResult:
     @property
     def tokens(self) -> list[list[int]]:
         return [r["tokens"] for r in self.requests]
-
     def to_json(self) -> dict:
         out = {"tokens": self.tokens, "requests": self.requests, "steps": self.steps,
                "decode_seconds": round(self.decode_seconds, 6), "decode_tokens": self.decode_tokens,
@@ -89,12 +97,6 @@ def merge(ranks: list[dict], n_requests: int, world: int, dp: int) -> GenerateRe
 
 def _check_early(bundle_path: str, requests: list[Request], what: str) -> None:
     """The requests are the user's: refuse them before any rank or worker starts (a valid manifest only)."""
-    from neffbuild.runtime.bundle import read_manifest
-    from neffbuild.runtime.graph_inputs import GraphInputs
-    from neffbuild.runtime.manifest_schema import problems
-    from neffbuild.serve.rank import model_config
-    from neffbuild.serve.requests import check_requests
-
     root = Path(bundle_path)
     m = read_manifest(root)
     if not problems(m):
@@ -104,29 +106,21 @@ def _check_early(bundle_path: str, requests: list[Request], what: str) -> None:
 
 def generate(bundle_path: str, requests: list[Request], opts: Options) -> GenerateResult:
     """Serve ``requests`` on the bundle with the parts ``opts`` names; one merged result."""
-    from neffbuild.serve.world import run_ranks, world_for
-
     if opts.di:
-        from neffbuild.runtime.kv_ingest import load_nixl
-
+        if opts.prefill_tp is not None:
+            check_group_tp(bundle_path, opts.prefill_tp)  # the user's flag: exit 2 naming it, before anything starts
         load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     world, dp = world_for(bundle_path, opts.dp)
     if world > 1 or opts.di:  # one process checks them after open_rank (a broken bundle is exit 1 first)
         _check_early(bundle_path, requests, opts.source)
     if not opts.di:
         return merge(run_ranks(bundle_path, requests, opts), len(requests), world, dp)
-    from neffbuild.serve.prefill_worker import PrefillGroup
-
     with PrefillGroup(bundle_path, opts.prefill_tp) as group:
         return merge(run_ranks(bundle_path, requests, opts, group), len(requests), world, dp)
 
 
 def reference_tokens(bundle_path: str, requests: list[Request]) -> list[list[int]]:
     """Greedy tokens of the UNSHARDED eager model on the bundle's weights, per request (file order)."""
-    from neffbuild.serve.engine import Engine
-    from neffbuild.serve.parts import LocalPrefill
-    from neffbuild.serve.rank import EAGER, open_rank
-
     ref = open_rank(bundle_path, decode=EAGER)
     fresh = [Request(r.id, list(r.prompt), r.max_new_tokens, index=r.index) for r in requests]
     Engine(ref.stepper, ref.block_manager(), LocalPrefill(ref.prefill, ref.kv_caches)).run(fresh)

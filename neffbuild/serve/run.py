@@ -10,14 +10,16 @@ serve/result.py merges the ranks' answers into one ``GenerateResult``.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from neffbuild.errors import InvalidInput
 from neffbuild.runtime import dp_sync
+from neffbuild.runtime.dispatch import StepPlan
 from neffbuild.runtime.histogram import NeededSeqHistogram
 from neffbuild.serve.di import NixlSource
 from neffbuild.serve.engine import Engine
-from neffbuild.serve.greedy import prometheus
 from neffbuild.serve.parts import LocalPrefill, Request
 from neffbuild.serve.rank import ServingRank, open_rank
 from neffbuild.serve.requests import check_requests
@@ -82,3 +84,14 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     if opts.metrics:
         out["metrics"] = prometheus(st.plans) + hist.to_prometheus()
     return out
+
+
+def prometheus(plans: Sequence[StepPlan]) -> str:
+    """Executions per batch bucket and the batch padding ratio, Prometheus text format."""
+    executions = Counter(f"decode_b{p.batch}" for p in plans)
+    rows, padding = sum(p.batch for p in plans), sum(p.padding for p in plans)
+    lines = ["# TYPE neffbuild_neff_execution_count counter"]
+    lines += [f'neffbuild_neff_execution_count{{bucket="{k}"}} {v}' for k, v in sorted(executions.items())]
+    ratio = padding / rows if rows else 0.0
+    lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {ratio:.6f}"]
+    return "\n".join(lines) + "\n"

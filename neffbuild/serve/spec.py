@@ -98,18 +98,3 @@ class EagerSpecArtifacts:
     def artifact(self, label: str):
         module = self.draft if label.startswith(DRAFT) else self.target
         return torch.no_grad()(module.forward)
-
-
-def generate_spec(session, dcfg: Eagle3Config, weights: dict, prompts: list[list[int]], max_new_tokens: int, *,
-                  draft_fn: DraftFn | None = None):
-    """Speculative greedy tokens per prompt through the engine (all arrive at step 0); (tokens, EngineStats)."""
-    from neffbuild.serve.engine import Engine
-    from neffbuild.serve.parts import LocalPrefill
-
-    proposer = Eagle3Proposer(session.stepper, dcfg, weights, draft_fn=draft_fn)
-    source = LocalPrefill(session.prefill, session.stepper.kv_caches, lockstep_group=session.lockstep_group,
-                          aux_layers=proposer.aux_layers, proposer=proposer)
-    engine = Engine(session.stepper, session.block_manager(), source, proposer)
-    reqs = [Request(str(n), list(p), max_new_tokens, index=n) for n, p in enumerate(prompts)]
-    engine.run(reqs)
-    return [r.tokens for r in reqs], engine.stats
