@@ -63,7 +63,7 @@ def run(session, reqs, ahead: int | None = None) -> dict:
             "accept_us_per_step": st.accept_seconds / len(st.step_seconds) * 1e6,
             "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs,
             "check_us_per_step": checks[0] / len(st.step_seconds) * 1e6, "check_fraction": checks[0] / secs,
-            "ahead": engine.ahead}
+            "ahead": engine.scheduler.ahead}
 
 
 @contextlib.contextmanager
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cold-cache-demo", action="store_true", help="also time one call after N MB were read")
     ap.add_argument("--ahead", type=int, default=None,
-                    help="the engine's look-ahead in tokens (default: what the pool spares, Engine.ahead; 0: a pool "
+                    help="the engine's look-ahead in tokens (default: what the pool spares, Scheduler.ahead; 0: a pool "
                          "at the recipe's formula minimum, where a request's tables change at every block boundary)")
     args = ap.parse_args()
     session = open_rank(open_bundle(args.bundle, preload=True))

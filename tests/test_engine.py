@@ -87,67 +87,15 @@ def test_continuous_batching_equals_solo_runs(built, tmp_path):
     assert "metrics" not in out and "neffbuild_neff_execution_count" not in res.stderr  # only when asked
 
 
-@pytest.mark.slow
-def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
-    """Plain decode reuses the step before's batch (advanced in place by ``_accept``) until a request joins or
-    leaves (serve/engine.py ``run`` and ``_batch``); at a block boundary it rewrites only the rows that crossed one
-    (``_step_on``), and a wider bucket builds afresh. At every step the kept batch serves (seen in ``_accept``: the
-    batch the step ran, the same object as the step before's), the batch built afresh is the same (tokens,
-    positions, tables) and counts down the same steps; the whole run gives the tokens and step log of an engine
-    that builds every batch afresh."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.rank import open_rank
-
-    session = open_rank(open_bundle(built[1].bundle, preload=True))
-    kept, stepped_on = [], []
-
-    class Checked(Engine):
-        _prev, _prev_tick = None, -1
-
-        def _accept(self, live, out, plan, t):
-            got = self._last  # the batch this step ran (plain decode), not yet moved on
-            if got is not None and got is self._prev:  # served again: kept as it is, or stepped on
-                tables = {g: t.tolist() for g, t in got.block_tables.items()}
-                left, tick = self._steady, self.blocks.tick
-                self._steady, self._last = 0, None
-                fresh, _ = super()._batch(live, False)
-                assert (fresh.tokens, fresh.num_computed) == (got.tokens, got.num_computed)
-                assert {g: t.tolist() for g, t in fresh.block_tables.items()} == tables and self._steady == left
-                self._last, self._tick = got, self.blocks.tick
-                (stepped_on if tick != self._prev_tick else kept).append(got)
-            self._prev, self._prev_tick = got, self.blocks.tick
-            return super()._accept(live, out, plan, t)
-
-    class Fresh(Engine):
-        def _count_down(self, slack, top):
-            super()._count_down(slack, top)
-            self._steady = 0  # run() never takes the kept batch
-
-        def _batch(self, live, more):
-            self._last = None  # and every step builds afresh (no _step_on)
-            return super()._batch(live, more)
-
-    runs = {}
-    for cls in (Checked, Fresh):
-        reqs = _requests()  # no look-ahead (ahead=0): every block boundary is a step that changes tables
-        engine = cls(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches),
-                     ahead=0)
-        engine.run(reqs)
-        runs[cls] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps])
-    assert runs[Checked] == runs[Fresh]
-    assert len(kept) >= len(runs[Fresh][1]) // 4, (len(kept), len(runs[Fresh][1]))  # the kept batch served steps
-    assert stepped_on  # and block boundaries were crossed with only the crossing rows rewritten
-
-
 def _over_budget(engine) -> list:
     """(key, blocks held, budget) of every live request holding more than admission budgeted for it."""
     held = engine.blocks.held
-    return [(k, held(k), need) for k, need in engine._budget.items() if held(k) > need]
+    return [(k, held(k), seq.need) for k, seq in engine.scheduler.seqs.items() if held(k) > seq.need]
 
 
 @pytest.mark.slow
 def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built):
-    """``Engine.ahead``: every reserve holds whole blocks past the step, as far as the pool can spare for
+    """``Scheduler.ahead``: every reserve holds whole blocks past the step, as far as the pool can spare for
     max_batch requests at max_model_len. The tokens and step log equal the engine without it; every request
     holds at most its admission budget at every step (a sliding group keeps more blocks, within it); the
     tables change far less often (the block manager's ``tick``). A pool at the recipe's formula minimum
@@ -164,14 +112,14 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
         engine.on_step = lambda plan, out, e=engine: over.extend(_over_budget(e))
         engine.run(reqs)
         runs[ahead] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps],
-                       blocks.tick, engine.ahead)
+                       blocks.tick, engine.scheduler.ahead)
     assert not over, over[:3]
     assert runs[None][:2] == runs[0][:2]
     assert runs[None][3] > 0 and runs[None][3] % blocks.block_size == 0
     assert runs[None][2] * 2 <= runs[0][2], (runs[None][2], runs[0][2])  # table changes at least halved
     grid, groups = session.stepper.grid, blocks.groups
     tight = min_pool_blocks(grid.max_model_len, blocks.block_size, groups, num_seqs=grid.num_seqs_buckets[-1])
-    assert Engine(session.stepper, BlockManager(tight, blocks.block_size, groups), None).ahead == 0
+    assert Engine(session.stepper, BlockManager(tight, blocks.block_size, groups), None).scheduler.ahead == 0
 
 
 @pytest.mark.parametrize("line, needle", [

@@ -62,10 +62,6 @@ class Request:
     first_step: int | None = None  # the first decode step it ran in
     last_step: int | None = None
     transfer: dict | None = None  # NIXL source: what the pull moved
-    hold: tuple | None = None  # the engine's: BlockManager.hold_limits after its last reserve for it
-    reach: int = 0  # the engine's: positions its blocks ever cover (prompt + max_new_tokens + drafts, <= max_model_len)
-    need: int = 0  # the engine's: the most KV blocks it ever holds (``Engine.peak_blocks``, admission's budget)
-    ahead: int = 0  # the engine's: positions past a step's that its reserves also hold (``Engine.ahead``)
 
     @property
     def done(self) -> bool:
@@ -191,9 +187,7 @@ class LocalPrefill:
             r = reqs[n]
             r.key = r.key if r.key is not None else f"req-{r.index}"
             N = len(r.prompt)
-            # Prefill reads no cache: keep only what decode reads, and hold what the engine's first decode reserve
-            # would (position N and ``ahead`` more, within its reach): that reserve then changes nothing.
-            blocks.reserve(r.key, max(N, min(N + 1 + r.ahead, r.reach)), N)
+            blocks.reserve(r.key, N, N)  # prefill reads no cache: keep only what decode reads
             rows = {g: t[0] for g, t in block_rows(blocks, [r.key], [N]).items()}
             out = self.prefill(r.prompt, self.kv_caches, rows, **kw)
             logits, aux = out if self.aux_layers else (out, None)
