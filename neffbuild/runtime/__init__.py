@@ -15,7 +15,7 @@ import importlib
 
 _EXPORTS = {
     "open_bundle": "bundle", "Bundle": "bundle",
-    "Stepper": "step", "StepBatch": "step", "KeptBatch": "kept_batch", "StepOutput": "step", "Artifacts": "step",
+    "Stepper": "step", "StepBatch": "step", "StepOutput": "step", "Artifacts": "step",
     "StepPlan": "dispatch", "Grid": "dispatch", "plan_step": "dispatch", "label": "dispatch",
     "BlockManager": "blocks", "KVGroup": "blocks", "kv_groups": "blocks", "blocks_needed": "blocks",
     "min_pool_blocks": "blocks", "FULL_GROUP": "blocks", "SLIDING_GROUP": "blocks", "NULL_BLOCK": "blocks",
@@ -28,7 +28,7 @@ _ERRORS = ("NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBund
            "StepInputError", "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost")
 
 __all__ = [  # noqa: RUF022 - grouped as above: runtime names, then errors
-    "open_bundle", "Bundle", "Stepper", "StepBatch", "KeptBatch", "StepOutput", "Artifacts", "StepPlan", "Grid",
+    "open_bundle", "Bundle", "Stepper", "StepBatch", "StepOutput", "Artifacts", "StepPlan", "Grid",
     "plan_step", "label", "BlockManager", "KVGroup", "kv_groups", "blocks_needed", "min_pool_blocks", "FULL_GROUP",
     "SLIDING_GROUP", "NULL_BLOCK", "KVLayout", "allocate",
     "KVIngest", "KVProducer", "KVRegions", "register_regions", "head_segments", "DIPrompt", "di_prompt",

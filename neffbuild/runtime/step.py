@@ -26,7 +26,6 @@ from neffbuild.errors import StepInputError
 from neffbuild.runtime import attn_metadata, buckets, dp_sync, draft_inputs, step_checks
 from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
 from neffbuild.runtime.dispatch import Grid, StepPlan, needs_nospec, plan_draft, plan_synced
-from neffbuild.runtime.kept_batch import KeptBatch
 from neffbuild.runtime.kv_cache import KVLayout, allocate, allocate_draft
 from neffbuild.runtime.metrics import StepMetrics
 
@@ -48,10 +47,6 @@ class StepBatch:
     tokens: Sequence[Sequence[int]]  # per request: its next token, then its k drafts if it has them (1 or 1+k)
     num_computed: Sequence[int]  # per request: tokens already in the KV cache (= position of tokens[r][0])
     block_tables: Mapping[str, torch.Tensor]  # KV group ("full", "sliding") -> [R, W] block ids, any W
-
-
-# An engine that keeps its batch between steps passes a KeptBatch (runtime/kept_batch.py) where a StepBatch goes:
-# the same three fields, advanced in place and checked row by row as they change.
 
 
 @dataclass(frozen=True)
@@ -81,10 +76,6 @@ class Stepper:
         self.kv_caches = (step_checks.check_kv_buffers(kv_caches, artifacts.kv_layout, device)
                           if kv_caches is not None else allocate(self.kv_layout, device))
         self.draft_cache = allocate_draft(self.kv_layout, device)  # EAGLE3 bundles: the draft's own KV group
-        # What a KeptBatch's verdict was given for (compared by identity: one tuple per Stepper).
-        self._check_params = (self.grid.num_speculative_tokens, step_checks.BIG if self.vocab_size is None
-                              else self.vocab_size, self.kv_layout.block_size, self.kv_layout.num_blocks,
-                              self.grid.max_model_len)
 
     # Old names, kept while branches written against them merge (use grid / kv_layout).
     spec = property(lambda self: self.grid)
@@ -97,14 +88,9 @@ class Stepper:
         the same collective, ``plan.more`` tells every rank whether to go on (all stop together).
         """
         k, R, lay, mml = self.grid.num_speculative_tokens, len(batch.tokens), self.kv_layout, self.grid.max_model_len
-        kept = type(batch) is KeptBatch
-        if kept and batch.vouched(self._check_params):  # every row checked when it last changed (kept_batch.py)
+        if step_checks.step_ok(batch.tokens, batch.num_computed, batch.block_tables, k, self.vocab_size,
+                               lay.block_size, lay.num_blocks, mml):
             problem = None
-        elif step_checks.step_ok(batch.tokens, batch.num_computed, batch.block_tables, k, self.vocab_size,
-                                 lay.block_size, lay.num_blocks, mml):
-            problem = None
-            if kept:
-                batch.vouch(self._check_params)
         else:
             problem = step_checks.step_problem(batch, k=k, vocab=self.vocab_size, layout=lay, max_model_len=mml)
         base = buckets.needed_seq([int(n) for n in batch.num_computed]) if R and not problem else 0
