@@ -36,7 +36,7 @@ def step_inputs(bundle, entry):
     from neffbuild.runtime.buckets import table_width
 
     B, ctx, bs = entry["batch"], entry["ctx"], bundle.kv_layout.block_size
-    width = table_width(bundle.spec.max_model_len, bs)
+    width = table_width(bundle.grid.max_model_len, bs)
     rows = torch.stack([torch.arange(1, width + 1) + r * width for r in range(B)]) % bundle.kv_layout.num_blocks
     rows = rows.clamp(min=1)
     return attn_metadata.build(torch.ones(B, 1, dtype=torch.long), torch.full((B,), ctx - 1), rows, rows.clone(),
@@ -50,7 +50,7 @@ def replay(bundle, entry, steps: int) -> float:
     from neffbuild.kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
     from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP
 
-    par, B = bundle.layout, entry["batch"] * entry["query_len"]
+    par, B = bundle.parallel, entry["batch"] * entry["query_len"]
     H, L = bundle.weights["embed"].shape[1], bundle.weights["ln_attn"].shape[0]
     x = torch.ones(B, H)
 

@@ -18,11 +18,11 @@ import torch
 from _common import machine, median_us
 
 from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import GridSpec, plan_step
+from neffbuild.runtime.dispatch import Grid, plan_step
 
 
 def overhead() -> dict:
-    spec = GridSpec((1, 2, 4, 8), (16384, 32768, 65536), 131072)
+    spec = Grid((1, 2, 4, 8), (16384, 32768, 65536), 131072)
     bs, num_swa, B = 128, 2, 8
     max_blocks = 131072 // bs
     full = torch.randint(1, 8000, (B, max_blocks))

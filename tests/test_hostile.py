@@ -608,7 +608,7 @@ def eagle3_stepper(eagle3_built):
     step = Stepper(open_bundle(eagle3_built[1].bundle))
     rows, table, mc = _draft_rows(step.artifacts)
     _, drafts = step.draft(rows, table, max_computed=mc)
-    assert drafts.shape == (2, step.spec.num_speculative_tokens)
+    assert drafts.shape == (2, step.grid.num_speculative_tokens)
     return step
 
 
@@ -630,13 +630,13 @@ def _dp_out_of_pool_rank(rank, world):
     from neffbuild import recipe as R
     from neffbuild.models.gpt_oss.weights import model_weights
     from neffbuild.runtime import dp_sync
-    from neffbuild.runtime.dispatch import GridSpec
+    from neffbuild.runtime.dispatch import Grid
     from neffbuild.runtime.kv_cache import KVLayout
     from neffbuild.serve.rank import eager_artifacts
 
     cfg = R.load(TINY).model.config
     layout = KVLayout(cfg.num_kv_buffers, 40, cfg.num_key_value_heads, 16, cfg.head_dim)
-    step = Stepper(eager_artifacts(cfg, model_weights(cfg, None, 0), GridSpec((1, 2), (128,), 256), layout, 8),
+    step = Stepper(eager_artifacts(cfg, model_weights(cfg, None, 0), Grid((1, 2), (128,), 256), layout, 8),
                    group=dist.group.WORLD)
     before = dp_sync.COLLECTIVES["count"]
     for i in range(4):

@@ -85,7 +85,7 @@ def _manifest_bytes(bundle: Path, pieces: list[str]) -> int:
 def test_weight_bytes_are_the_ranks_pieces_in_the_bundle(built_tp2, eagle3_built):
     from neffbuild import memory
     from neffbuild import recipe as R
-    from neffbuild.runtime.layout import RECIPE_PATH
+    from neffbuild.runtime.paths import RECIPE_PATH
 
     sharded = R.load(built_tp2 / RECIPE_PATH)
     assert sum(memory.weight_bytes(sharded)) == _manifest_bytes(built_tp2, ["tp0", "ep0"])

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from neffbuild.errors import NeffbuildError
-from neffbuild.runtime.layout import RECIPE_PATH
 from neffbuild.runtime.manifest_schema import Problem, short
+from neffbuild.runtime.paths import RECIPE_PATH
 
 # graph_inputs field -> (recipe section, key)
 FIELDS = {"max_model_len": ("serving", "max_model_len"), "block_size": ("serving", "block_size"),

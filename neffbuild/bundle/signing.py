@@ -17,7 +17,7 @@ from pathlib import Path
 from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import layout, signature
+from neffbuild.runtime import paths, signature
 
 
 def load_private_key(path: str | Path, password: bytes | None = None):
@@ -74,7 +74,7 @@ def sign(root: str | Path, key, *, check: bool = True, name: str | None = None) 
         "dsseEnvelope": {"payload": base64.b64encode(payload).decode(), "payloadType": signature.PAYLOAD_TYPE,
                          "signatures": [{"sig": base64.b64encode(sig).decode(), "keyid": ""}]},
     }
-    dest = root / layout.SIGNATURE_PATH
+    dest = root / paths.SIGNATURE_PATH
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, dest)
@@ -85,7 +85,7 @@ def sign(root: str | Path, key, *, check: bool = True, name: str | None = None) 
 def describe(root: str | Path) -> dict:
     """What ``inspect`` says about the signature, without verifying it (no key needed)."""
     root = Path(root)
-    if not (root / layout.SIGNATURE_PATH).exists():
+    if not (root / paths.SIGNATURE_PATH).exists():
         return {"signed": False}
     try:
         doc = signature.read_signature(root)

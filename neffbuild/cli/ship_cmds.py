@@ -9,7 +9,7 @@ import click
 
 from neffbuild import settings
 from neffbuild.cli.output import echo_json, json_option
-from neffbuild.runtime import layout
+from neffbuild.runtime import paths
 
 
 class BarProgress:
@@ -165,12 +165,12 @@ def inspect_fields(bundle_path: str) -> dict:
     from neffbuild.bundle import provenance, signing
 
     out = {"signature": signing.describe(bundle_path), "provenance": None}
-    p = Path(bundle_path) / layout.PROVENANCE_PATH
+    p = Path(bundle_path) / paths.PROVENANCE_PATH
     if p.is_file() and not p.is_symlink() and p.stat().st_size < 16 * 1024 * 1024:
         try:
             out["provenance"] = provenance.summary(json.loads(p.read_text(encoding="utf-8")))
         except (ValueError, UnicodeDecodeError, RecursionError):
-            out["provenance"] = {"error": f"{layout.PROVENANCE_PATH} is not JSON"}
+            out["provenance"] = {"error": f"{paths.PROVENANCE_PATH} is not JSON"}
     return out
 
 

@@ -16,12 +16,10 @@ import torch
 
 from neffbuild import registry
 from neffbuild.compiler.graph_spec import (  # noqa: F401  (torch-free; re-exported)
-    GraphSpec,
     TargetGraph,
     draft_config_for,
     kv_layout_for,
     layout_for,
-    spec_for,
     target_graph,
     target_graph_from,
 )

@@ -244,11 +244,7 @@ class Bundle:
     @property
     def parallel(self) -> parallel.ParallelLayout:
         """The parallel layout the artifacts were compiled for (tp = dp = ep = 1 when unsharded)."""
-        return self.context.layout if self.context else self.graph_inputs.parallel
-
-    # Old names, kept while branches written against them merge (one meaning per word: use grid / parallel).
-    spec = property(lambda self: self.grid)
-    layout = property(lambda self: self.parallel)
+        return self.context.parallel if self.context else self.graph_inputs.parallel
 
     @property
     def group(self):
@@ -345,7 +341,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     aoti_package.sweep_temp()
     rank = None
     if "parallel" in manifest:  # collective: every rank of the world opens the bundle
-        rank = world.join(parallel.ParallelSection.from_json(manifest["parallel"]).layout, f"bundle {root}", group)
+        rank = world.join(parallel.ParallelSection.from_json(manifest["parallel"]).parallel, f"bundle {root}", group)
     bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:

@@ -36,7 +36,6 @@ class Grid:
     num_speculative_tokens: int = 0
 
 
-GridSpec = Grid  # the old name, until every caller says Grid
 
 
 @dataclass(frozen=True)

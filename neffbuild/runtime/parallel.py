@@ -86,7 +86,7 @@ class ParallelSection:
     (``models/<arch>/sharding.py``); the builder records its answer per rank in ``rank_pieces``, so a
     reader maps data and restates no rule."""
 
-    layout: ParallelLayout
+    parallel: ParallelLayout
     pieces: dict  # piece name -> {file, tensors}, like the manifest's ``weights``
     rank_pieces: tuple[tuple[str, ...], ...]  # per world rank: the pieces it maps besides ``weights.file``
     shard_layout: dict  # split tensor -> {over: "tp"|"ep", axis}
@@ -96,7 +96,7 @@ class ParallelSection:
         return self.rank_pieces[rank]
 
     def to_json(self) -> dict:
-        return dict(self.layout.to_json(), ep_combine=self.layout.ep_combine, pieces=self.pieces,
+        return dict(self.parallel.to_json(), ep_combine=self.parallel.ep_combine, pieces=self.pieces,
                     rank_pieces=[list(p) for p in self.rank_pieces], shard_layout=self.shard_layout,
                     kv_heads=self.kv_heads)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from neffbuild.errors import InvalidInput, SignatureError
 from neffbuild.fsutil import no_duplicate_keys, sha256_file
-from neffbuild.runtime import layout
+from neffbuild.runtime import paths
 
 MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -69,7 +69,7 @@ def bundle_files(root: Path) -> list[str]:
             rel = p.relative_to(root).as_posix()
             if p.is_symlink():
                 raise SignatureError(f"{root}: {rel} is a symbolic link; a signed bundle holds regular files only")
-            if name in filenames and rel != layout.SIGNATURE_PATH:
+            if name in filenames and rel != paths.SIGNATURE_PATH:
                 if not p.is_file():
                     raise SignatureError(f"{root}: {rel} is not a regular file")
                 out.append(rel)
@@ -87,7 +87,7 @@ def statement(name: str, resources: list[tuple[str, str]]) -> dict:
         "predicateType": PREDICATE_TYPE,
         "predicate": {
             "serialization": {"method": "files", "hash_type": "sha256", "allow_symlinks": False,
-                              "ignore_paths": [layout.SIGNATURE_PATH]},
+                              "ignore_paths": [paths.SIGNATURE_PATH]},
             "resources": [{"name": n, "algorithm": "sha256", "digest": d} for n, d in resources],
         },
     }
@@ -143,9 +143,9 @@ def _strict_json(raw: bytes, what: str):
 
 def read_signature(root: Path) -> dict:
     """The parsed signature file (not verified); SignatureError when absent or malformed."""
-    path = root / layout.SIGNATURE_PATH
+    path = root / paths.SIGNATURE_PATH
     if not path.is_file() or path.is_symlink():
-        raise SignatureError(f"{root}: unsigned ({layout.SIGNATURE_PATH} is missing); sign it with "
+        raise SignatureError(f"{root}: unsigned ({paths.SIGNATURE_PATH} is missing); sign it with "
                              "`neffbuild sign BUNDLE --key KEY.pem`")
     if path.stat().st_size > MAX_SIGNATURE_BYTES:
         raise SignatureError(f"{path}: over {MAX_SIGNATURE_BYTES} bytes; not a signature file")
@@ -232,7 +232,7 @@ def verify_bundle(root: str | Path, trusted_keys) -> Verified:
     keys = trusted_keys if all(isinstance(k, TrustedKey) for k in trusted_keys) else load_trusted_keys(trusted_keys)
     if not keys:
         raise InvalidInput("verify_bundle needs at least one trusted key")
-    path = root / layout.SIGNATURE_PATH
+    path = root / paths.SIGNATURE_PATH
     doc = read_signature(root)
     key = _check_envelope(path, doc, keys)
     env = doc["dsseEnvelope"]

@@ -77,10 +77,6 @@ class Stepper:
                           if kv_caches is not None else allocate(self.kv_layout, device))
         self.draft_cache = allocate_draft(self.kv_layout, device)  # EAGLE3 bundles: the draft's own KV group
 
-    # Old names, kept while branches written against them merge (use grid / kv_layout).
-    spec = property(lambda self: self.grid)
-    layout = property(lambda self: self.kv_layout)
-
     def plan(self, batch: StepBatch, *, more: bool = False) -> StepPlan:
         """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike.
 

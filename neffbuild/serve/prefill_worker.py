@@ -53,7 +53,7 @@ def _window(cfg) -> int | None:
 
 def bundle_tp(bundle_path) -> int:
     section = ParallelSection.of_manifest(read_manifest(Path(bundle_path)))
-    return section.layout.tp if section is not None else 1
+    return section.parallel.tp if section is not None else 1
 
 
 def check_prefill_tp(cfg, arch: str, tp: int) -> None:
@@ -82,11 +82,11 @@ class _Rank:
 
         self.tp, self.rank, self.n_minus_1, self.dist = tp, rank, n_minus_1, dist
         me = open_rank(bundle_path, decode=PREFILL_ONLY, tp=tp, rank=rank)
-        self.cfg, self.layout, self.caches = me.config, me.kv_layout, me.kv_caches
+        self.cfg, self.kv_layout, self.caches = me.config, me.kv_layout, me.kv_caches
         of = registry.arch_of(self.cfg).get("kv_buffer_of_layer")
         self.producer = KVProducer(f"prefill-{os.getpid()}-r{rank}",
                                    [self.caches[of(i)] for i in range(self.cfg.num_hidden_layers)],
-                                   packed_fp8=self.layout.packed_k, heads=me.kv_heads,
+                                   packed_fp8=self.kv_layout.packed_k, heads=me.kv_heads,
                                    total_heads=self.cfg.num_key_value_heads)
         self._prefill = lambda tokens, rows: me.prefill(tokens, self.caches, rows)
         self.lock = threading.Lock()

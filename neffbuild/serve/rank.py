@@ -131,13 +131,13 @@ def _joined_weights(root: Path, m: dict, cfg, gi: GraphInputs) -> dict:
     if section is None:
         return weights
     parts = {name: reader.load_pieces(root, section, [name]) for name in section.pieces}
-    return registry.arch(gi.arch).get("unshard")(cfg, dict(parts, shared=weights), section.layout)
+    return registry.arch(gi.arch).get("unshard")(cfg, dict(parts, shared=weights), section.parallel)
 
 
 def _open_compiled(bundle: reader.Bundle, group, on_plan) -> ServingRank:
     gi, ctx = bundle.graph_inputs, bundle.context
     cfg = model_config(gi, bundle.root)
-    par, rank = (ctx.layout, ctx.rank) if ctx is not None else (ParallelLayout(), 0)
+    par, rank = (ctx.parallel, ctx.rank) if ctx is not None else (ParallelLayout(), 0)
     _check_weights(cfg, gi, bundle.weights, par)
     out = serving_rank(cfg, bundle.weights, bundle, group=bundle.group if ctx is not None else group,
                        on_plan=on_plan, parallel=par, rank=rank)

@@ -112,7 +112,7 @@ def generate(bundle_path: str, requests: list[Request], opts: Options) -> Genera
         load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     world, dp = world_for(bundle_path, opts.dp)
     if world > 1 or opts.di:  # one process checks them after open_rank (a broken bundle is exit 1 first)
-        _check_early(bundle_path, requests, opts.source)
+        _check_early(bundle_path, requests, opts.requests_flag)
     if not opts.di:
         return merge(run_ranks(bundle_path, requests, opts), len(requests), world, dp)
     with PrefillGroup(bundle_path, opts.prefill_tp) as group:

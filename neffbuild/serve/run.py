@@ -33,7 +33,7 @@ class Options:
     dp: int | None = None  # DP ranks for an unsharded bundle (default: the bundle's dp)
     metrics: bool = False  # Prometheus text in the result
     prefill_tp: int | None = None  # DI: ranks of the prefill group (default: the bundle's tp)
-    source: str = "--prompt-ids"  # what the requests came from (error messages)
+    requests_flag: str = "--prompt-ids"  # the flag the requests came from (error messages name it)
 
 
 def _parts(session: ServingRank, opts: Options, prefill):
@@ -62,7 +62,7 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     bundle = session.bundle
     hist = NeededSeqHistogram(bundle.grid.max_model_len)
     session.stepper.on_plan = lambda plan: hist.record(plan.needed_seq)
-    check_requests(requests, session.config.vocab_size, bundle.grid.max_model_len, opts.source)
+    check_requests(requests, session.config.vocab_size, bundle.grid.max_model_len, opts.requests_flag)
     for label in bundle.labels:  # load every artifact now: no decode step pays for loading
         bundle.artifact(label)
     source, proposer = _parts(session, opts, prefill)

@@ -32,7 +32,7 @@ def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
     if section is None:  # unsharded: the same graph serves any number of DP ranks
         dp = dp_flag or GraphInputs.of_manifest(m).parallel.dp
         return dp, dp
-    par = section.layout
+    par = section.parallel
     world, dp = par.world_size, par.dp
     if dp_flag not in (None, dp):
         raise InvalidInput(f"--dp {dp_flag}: this bundle was compiled for dp {dp} (tp {par.tp}, ep {par.ep}); "
