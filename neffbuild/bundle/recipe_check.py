@@ -1,4 +1,4 @@
-"""A bundle's manifest against its own recipe.yaml (issue 25): ``verify`` and ``generate --check`` run it.
+"""A bundle's manifest against its own recipe.yaml: ``verify`` and ``generate --check`` run it.
 
 The manifest's ``graph_inputs`` are what the runtime and ``generate`` read (the model config
 builds the eager prefill and the reference model; the grid picks artifacts). A consistent

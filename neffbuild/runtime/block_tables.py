@@ -1,4 +1,4 @@
-"""Block tables an engine keeps from step to step, checked when a row is written (issue 25).
+"""Block tables an engine keeps from step to step, checked when a row is written.
 
 The step API checks every block id an artifact can read before native code touches it
 (runtime/step_checks.py). For tables handed over as tensors that costs torch reads on every

@@ -1,4 +1,4 @@
-"""What the step API checks before native code touches anything (issue 25). Thin: torch only.
+"""What the step API checks before native code touches anything. Thin: torch only.
 
 A compiled artifact trusts its inputs: a block id outside the pool aborts the process inside
 an OpenMP region, a token id >= vocab runs a C++ bounds check, a KV buffer of the wrong size
@@ -174,7 +174,7 @@ def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
     first_null, s_start, s_end = got
     q2, top, width = 1 + k, _BIG if vocab is None else vocab, tables.num_cols
     # The token and position rules below are _dict_ok's, repeated on purpose: a helper call per row costs more
-    # than this whole row after the artifact ran (docs/benchmarks.md, issue 25); the fuzz holds both to the reference.
+    # than this whole row after the artifact ran (docs/benchmarks.md); the fuzz holds both to the reference.
     for r in range(R):
         toks, n = tokens[r], computed[r]
         if type(toks) not in _SEQ or type(n) is not int or n < 0:
