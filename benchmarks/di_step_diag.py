@@ -10,8 +10,8 @@ import statistics
 import sys
 
 from neffbuild import registry
-from neffbuild.runtime.bundle import open_bundle
-from neffbuild.runtime.kv_ingest import KVIngest
+from neffbuild.runtime.bundle.reader import open_bundle
+from neffbuild.runtime.di.ingest import KVIngest
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from neffbuild.serve.rank import open_rank

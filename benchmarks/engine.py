@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import machine
 
-from neffbuild.runtime.bundle import open_bundle
+from neffbuild.runtime.bundle.reader import open_bundle
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from neffbuild.serve.rank import open_rank
@@ -70,7 +70,7 @@ def run(session, reqs, ahead: int | None = None) -> dict:
 def _timed_checks():
     """Time the Stepper's input check (runtime/step_checks: ``step_ok``, and ``step_problem`` where that says
     no) where the engine's loop calls it: yields [seconds]; the wrappers' own calls are outside the timed span."""
-    from neffbuild.runtime import step_checks
+    from neffbuild.runtime.step import checks as step_checks
 
     real, total = (step_checks.step_ok, step_checks.step_problem), [0.0]
 
@@ -94,7 +94,7 @@ def cold_cache_demo() -> dict:
     (what the artifact does to the caches between two engine phases)."""
     import torch
 
-    from neffbuild.runtime.blocks import BlockManager, kv_groups
+    from neffbuild.runtime.kv.blocks import BlockManager, kv_groups
 
     mgr = BlockManager(509, 16, kv_groups(128))
     mgr.reserve("a", 100, 100)

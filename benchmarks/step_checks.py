@@ -27,9 +27,10 @@ import torch
 from _common import machine
 
 from neffbuild.bench.overhead import timed_seconds
-from neffbuild.runtime import StepBatch, Stepper, step_checks
-from neffbuild.runtime.block_tables import TableBuffer
-from neffbuild.runtime.bundle import open_bundle
+from neffbuild.runtime import StepBatch, Stepper
+from neffbuild.runtime.bundle.reader import open_bundle
+from neffbuild.runtime.kv.tables import TableBuffer
+from neffbuild.runtime.step import checks as step_checks
 
 
 def main(path: str, rounds: int) -> dict:

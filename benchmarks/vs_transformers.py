@@ -107,7 +107,7 @@ def main() -> None:
     args = ap.parse_args()
     import transformers
 
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.rank import open_rank
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="neffbuild-vs-hf-"))

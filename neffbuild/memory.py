@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from neffbuild import registry
 from neffbuild.errors import InvalidInput
-from neffbuild.runtime.blocks import kv_groups, min_pool_blocks
-from neffbuild.runtime.kv_layout import KVLayout
+from neffbuild.runtime.kv.blocks import kv_groups, min_pool_blocks
+from neffbuild.runtime.kv.layout import KVLayout
 from neffbuild.runtime.parallel import ParallelLayout
 
 GIB = 1 << 30

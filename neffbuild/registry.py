@@ -42,8 +42,8 @@ class Entry:
 BACKENDS = {
     "neuron": Entry("neuron", {
         "compile_side": "neffbuild.compiler.backends.neuron:NeuronBackend",
-        "loader": "neffbuild.runtime.loaders:load_neuron",
-        "host_problem": "neffbuild.runtime.loaders:neuron_problem",
+        "loader": "neffbuild.runtime.bundle.loaders:load_neuron",
+        "host_problem": "neffbuild.runtime.bundle.loaders:neuron_problem",
         "available": "neffbuild.compiler.backends.neuron:available",
         "layout_rule": "neffbuild.compiler.backends.neuron_rules:neuron_instance_limit",
         "kv_rule": "neffbuild.compiler.backends.neuron_rules:kv_offsets_32bit",
@@ -52,8 +52,8 @@ BACKENDS = {
     }),
     "inductor": Entry("inductor", {
         "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",
-        "loader": "neffbuild.runtime.loaders:load_inductor",
-        "host_problem": "neffbuild.runtime.loaders:inductor_problem",
+        "loader": "neffbuild.runtime.bundle.loaders:load_inductor",
+        "host_problem": "neffbuild.runtime.bundle.loaders:inductor_problem",
         "available": "neffbuild.compiler.backends.inductor:available",
         "flag_problem": "neffbuild.compiler.backends.flag_rules:inductor_problem",
     }),

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neffbuild.errors import KVPoolExhausted
-from neffbuild.runtime.blocks import (
+from neffbuild.runtime.kv.blocks import (
     NULL_BLOCK,
     BlockManager,
     KVGroup,
@@ -200,7 +200,7 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
     afresh, whatever joins, leaves, boundary crossings and sliding releases happen in between."""
     import torch
 
-    from neffbuild.runtime.block_tables import BlockTables
+    from neffbuild.runtime.kv.tables import BlockTables
     from neffbuild.serve.parts import BlockRows, block_rows
 
     mgr = BlockManager(400, 4, kv_groups(9))
@@ -236,7 +236,7 @@ def test_table_buffer_refuses_a_row_it_cannot_hold_and_keeps_the_old_one(ids, wh
     import torch
 
     from neffbuild.errors import StepInputError
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     buf = TableBuffer(["full", "sliding"], 2, 4)
     buf.write(1, 1, [3, 4, 0])
@@ -268,7 +268,7 @@ def test_table_buffer_row_reads_as_its_ids_then_nulls_at_any_width():
     at other widths is exact and trusted (a new context bucket is a new view, not a rewrite of every row)."""
     import torch
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     buf = TableBuffer(["full"], 2, 6)
     buf.write(0, 0, [9, 9, 9, 9, 9, 9])
@@ -289,7 +289,7 @@ def test_table_buffer_run_claim_is_checked_not_trusted():
     or false, in range or not: the claim only skips a scan when the ids confirm it."""
     import itertools
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     W, seen = 4, 0
     plain, claimed = TableBuffer(["full"], 1, W), TableBuffer(["full"], 1, W)
@@ -327,8 +327,8 @@ def test_checked_rows_agree_with_the_reference_at_every_position_and_null_column
     the rows a block manager writes it says yes exactly where the reference takes the step."""
     from types import SimpleNamespace
 
-    from neffbuild.runtime import step_checks
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
+    from neffbuild.runtime.step import checks as step_checks
 
     bs, W, nb, mml = 4, 4, 9, 16
     layout = SimpleNamespace(block_size=bs, num_blocks=nb)

@@ -20,9 +20,9 @@ from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.graphs import build_graph, target_graph
 from neffbuild.errors import BundleError, IncompatibleBundle
 from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.bundle import check, open_bundle
-from neffbuild.runtime.step import StepBatch
+from neffbuild.runtime.bundle.reader import check, open_bundle
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.stepper import StepBatch
 from neffbuild.serve.parts import block_rows
 from neffbuild.serve.rank import open_rank
 from neffbuild.serve.run import prometheus

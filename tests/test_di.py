@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from neffbuild.errors import KVTransferError
-from neffbuild.runtime.blocks import SLIDING_GROUP, BlockManager, kv_groups
-from neffbuild.runtime.di_prompt import DIPrompt, di_prompt, strip_leading_null, truncate, unwritten_reads
+from neffbuild.runtime.di.prompt import DIPrompt, di_prompt, strip_leading_null, truncate, unwritten_reads
+from neffbuild.runtime.kv.blocks import SLIDING_GROUP, BlockManager, kv_groups
 from tests import engine_runs
 from tests.conftest import ROOT
 from tests.helpers import cli
@@ -64,7 +64,7 @@ def test_without_the_rule_the_block_manager_drops_a_block_the_first_step_reads()
 def test_prefill_last_logits_equal_a_decode_step_at_that_position(tiny_recipe, tiny_cfg, hf_checkpoint, fp8):
     """What DI relies on: prefill of N tokens and prefill of N-1 plus one decode step agree (FP8 KV too)."""
     from neffbuild.models.gpt_oss import weights
-    from neffbuild.runtime.step import StepBatch
+    from neffbuild.runtime.step.stepper import StepBatch
     from neffbuild.serve.parts import block_rows
     from tests.test_gpt_oss import eager_rank
 
@@ -99,7 +99,7 @@ def _single_process(session, prompts, new):
 
 
 def _di_vs_single(bundle_path, lengths, new=4):
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 
@@ -133,7 +133,7 @@ def test_generate_di_equals_single_process_packed_fp8(built_fp8):
 def test_n_minus_1_rule_is_needed(built):
     """Rule off on both sides: the first step reads a block never transferred (checked),
     or, unchecked, tokens differ."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 

@@ -25,7 +25,7 @@ LENGTHS = [17, 47, 5, 33]
 
 
 def _di_tokens(bundle_path, prefill_tp, lengths, new=4):
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 
@@ -48,7 +48,7 @@ def test_prefill_tp2_feeds_an_unsharded_decode(built):
 @pytest.mark.slow
 def test_nixl_source_admits_requests_that_arrive_mid_run(built):
     """The engine with NixlSource: requests arriving at later steps are pulled while others decode."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.di import NixlSource
     from neffbuild.serve.engine import Engine
     from neffbuild.serve.parts import Request
@@ -74,7 +74,7 @@ def test_nixl_source_admits_requests_that_arrive_mid_run(built):
 def _tp2_rank(rank, init_file, bundle_path, addresses, prompts, new, out_dir):
     import torch.distributed as dist
 
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.rank import open_rank
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -129,7 +129,7 @@ def test_a_prefill_rank_that_dies_is_a_typed_error_naming_the_request(built, vic
     """SIGKILL one prefill rank between two requests: the next request fails with PrefillWorkerLost naming it,
     well within 30 s, from the side channel alone (no process handles: as a decode rank on another host sees
     it); afterwards no prefill process is left."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, pull_prompt
     from neffbuild.serve.rank import open_rank
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid
+from neffbuild.runtime.step.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from tests.conftest import ROOT
@@ -69,7 +69,7 @@ def _serve(session, reqs):
 def test_continuous_batching_equals_solo_runs(built, tmp_path):
     """generate --requests: staggered arrivals, different lengths, two requests waiting; each request's tokens
     are a solo run's; the buckets follow the live batch down as well as up."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.rank import open_rank
 
     path = tmp_path / "reqs.jsonl"
@@ -100,8 +100,8 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
     holds at most its admission budget at every step (a sliding group keeps more blocks, within it); the
     tables change far less often (the block manager's ``tick``). A pool at the recipe's formula minimum
     gets no look-ahead."""
-    from neffbuild.runtime.blocks import BlockManager, min_pool_blocks
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.runtime.kv.blocks import BlockManager, min_pool_blocks
     from neffbuild.serve.rank import open_rank
 
     session = open_rank(open_bundle(built[1].bundle, preload=True))

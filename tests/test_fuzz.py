@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from neffbuild import recipe as R
 from neffbuild.errors import BundleError, NeffbuildError, RecipeError
-from neffbuild.runtime import manifest_schema, weights_file
+from neffbuild.runtime.bundle import schema as manifest_schema
+from neffbuild.runtime.bundle import weights_file
 from tests.conftest import TINY
 from tests.test_hostile import run_cli, strict_json
 
@@ -258,7 +259,7 @@ def _steps(draw):
 @pytest.fixture(scope="module")
 def fuzz_stepper(built):
     from neffbuild.runtime import Stepper
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
 
     return Stepper(open_bundle(built[1].bundle))
 
@@ -366,7 +367,7 @@ def _as_buffer_view(tables, data, cols: int):
     of one row count, unknown groups) stay as they are. Returns (tables, True when a row was rewritten)."""
     import torch
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     ts = list(tables.values()) if isinstance(tables, dict) else []
     if not ts or not set(tables) <= {"full", "sliding"} or not all(
@@ -407,7 +408,7 @@ def _one_run(tables) -> bool:
 def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defect, data):
     from types import SimpleNamespace
 
-    from neffbuild.runtime import step_checks
+    from neffbuild.runtime.step import checks as step_checks
 
     monkeypatch.setattr(step_checks, "_PY_IDS", step_checks.LIST_LIMIT if scan == "python" else 0)
     (tokens, computed, tables, k, vocab, bs, nb, mml), exact = data.draw(_edge_steps(defect))
@@ -436,7 +437,7 @@ def _decode_rows(draw):
     ahead), then nulls; sometimes a sliding group whose run starts at or before the row's block. The view is as
     wide as some context bucket covering the live columns: rows may hold blocks past it (written wider)."""
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     bs, mml, nb = draw(st.sampled_from([1, 4, 16])), draw(st.sampled_from([16, 40, 64])), draw(st.sampled_from([9, 40]))
     k, vocab, R, cols = draw(st.integers(0, 3)), draw(st.sampled_from([256, 3])), draw(st.integers(1, 4)), -(-mml // bs)

@@ -5,9 +5,9 @@ import torch
 
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import Grid
-from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.dispatch import Grid
 from neffbuild.serve.parts import block_rows
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests import engine_runs

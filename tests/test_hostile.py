@@ -19,8 +19,8 @@ from neffbuild.bundle import manifest, paths
 from neffbuild.cli.generate_cmd import _parse_prompt
 from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import aoti_package
-from neffbuild.runtime.bundle import check, open_bundle
+from neffbuild.runtime.bundle import aoti_package
+from neffbuild.runtime.bundle.reader import check, open_bundle
 from tests.conftest import POOL, ROOT, TINY
 from tests.helpers import cli
 
@@ -181,7 +181,7 @@ HEADERS = [
 
 @pytest.mark.parametrize("header,nbytes,length,needle", [c[1:] for c in HEADERS], ids=[c[0] for c in HEADERS])
 def test_weights_header_limits(tmp_path, header, nbytes, length, needle):
-    from neffbuild.runtime import weights_file
+    from neffbuild.runtime.bundle import weights_file
 
     p = tmp_path / "w.safetensors"
     write_safetensors(p, header, bytes(nbytes), length)
@@ -190,7 +190,7 @@ def test_weights_header_limits(tmp_path, header, nbytes, length, needle):
 
 
 def test_weights_short_and_deep_files(tmp_path):
-    from neffbuild.runtime import weights_file
+    from neffbuild.runtime.bundle import weights_file
 
     p = tmp_path / "w.safetensors"
     p.write_bytes(b"abc")
@@ -206,7 +206,7 @@ def test_weights_share_one_private_mapping(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from neffbuild.runtime import weights_file
+    from neffbuild.runtime.bundle import weights_file
 
     p = tmp_path / "w.safetensors"
     save_file({"a": torch.arange(8.0), "b": torch.ones(4, 4)}, str(p))
@@ -439,7 +439,7 @@ import torch  # noqa: E402
 
 from neffbuild.errors import StepInputError  # noqa: E402
 from neffbuild.runtime import StepBatch, Stepper  # noqa: E402
-from neffbuild.runtime.blocks import BlockManager, KVGroup  # noqa: E402
+from neffbuild.runtime.kv.blocks import BlockManager, KVGroup  # noqa: E402
 
 VOCAB = 256  # recipes/gpt-oss-tiny.yaml
 
@@ -629,9 +629,9 @@ def _dp_out_of_pool_rank(rank, world):
 
     from neffbuild import recipe as R
     from neffbuild.models.gpt_oss.weights import model_weights
-    from neffbuild.runtime import dp_sync
-    from neffbuild.runtime.dispatch import Grid
-    from neffbuild.runtime.kv_cache import KVLayout
+    from neffbuild.runtime.kv.cache import KVLayout
+    from neffbuild.runtime.step import dp_sync
+    from neffbuild.runtime.step.dispatch import Grid
     from neffbuild.serve.rank import eager_artifacts
 
     cfg = R.load(TINY).model.config

@@ -137,9 +137,9 @@ def _copy(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("file", "line", "needle"), [
-    ("neffbuild/runtime/buckets.py", "\ndef _up():\n    from neffbuild.recipe import load\n", "runtime -> recipe"),
+    ("neffbuild/runtime/step/buckets.py", "\ndef _up():\n    from neffbuild.recipe import load\n", "runtime -> recipe"),
     ("neffbuild/models/gpt_oss/config.py", "\nimport neffbuild.compiler.cache\n", "models -> compiler"),
-    ("neffbuild/runtime/dispatch.py", "\ndef _c():\n    import yaml\n", "imports yaml"),
+    ("neffbuild/runtime/step/dispatch.py", "\ndef _c():\n    import yaml\n", "imports yaml"),
     ("neffbuild/compiler/cache.py", "\ndef _c():\n    from neffbuild.compiler import builder\n", "import cycle"),
 ])
 def test_a_planted_upward_import_fails(tmp_path, file, line, needle):

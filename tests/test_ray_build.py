@@ -9,7 +9,7 @@ import torch
 
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
-from neffbuild.runtime.bundle import check, open_bundle
+from neffbuild.runtime.bundle.reader import check, open_bundle
 from neffbuild.serve.rank import open_rank
 from tests.engine_runs import greedy
 from tests.helpers import ROOT, assert_failed_target, cli, write_recipe

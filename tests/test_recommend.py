@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from neffbuild.cli.main import _register, cli
 from neffbuild.recommend import Constraints, cost, optimise, report
-from neffbuild.runtime.histogram import NeededSeqHistogram, parse_csv, read_csv
+from neffbuild.runtime.step.histogram import NeededSeqHistogram, parse_csv, read_csv
 
 _register()
 

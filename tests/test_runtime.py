@@ -11,8 +11,8 @@ import torch
 from neffbuild import grid
 from neffbuild import recipe as R
 from neffbuild.errors import ShapeNotCovered
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import Grid, plan_step
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.dispatch import Grid, plan_step
 from tests.helpers import ROOT, cli
 
 SPEC = Grid((1, 2, 4), (128, 256), 512)
@@ -94,8 +94,8 @@ def test_head_trim_is_fresh_and_padding_rows_write_nothing():
 
 
 def test_import_runtime_is_cheap():
-    code = ("import sys, neffbuild.runtime as rt, neffbuild.runtime.bundle, neffbuild.runtime.step, "
-            "neffbuild.runtime.blocks, neffbuild.runtime.dp_sync, neffbuild.runtime.attn_metadata; "
+    code = ("import sys, neffbuild.runtime as rt, neffbuild.runtime.bundle.reader, neffbuild.runtime.step.stepper, "
+            "neffbuild.runtime.kv.blocks, neffbuild.runtime.step.dp_sync, neffbuild.runtime.step.attn_metadata; "
             "[getattr(rt, n) for n in rt.__all__]; "
             "bad = [m for m in ('click', 'yaml', 'rich', 'jinja2', 'neffbuild.compiler', 'neffbuild.build', "
             "'neffbuild.bundle', 'neffbuild.grid', 'neffbuild.cli', 'neffbuild.recipe', 'neffbuild.models', "
@@ -108,7 +108,7 @@ def test_import_runtime_is_cheap():
 def test_public_api():
     import neffbuild.runtime as rt
 
-    assert rt.open_bundle.__module__ == "neffbuild.runtime.bundle"
+    assert rt.open_bundle.__module__ == "neffbuild.runtime.bundle.reader"
     assert issubclass(rt.ShapeNotCovered, rt.NeffbuildError) and issubclass(rt.KVPoolExhausted, rt.NeffbuildError)
     assert {"Stepper", "StepBatch", "StepOutput", "BlockManager", "blocks_needed"} <= set(dir(rt))
     with pytest.raises(AttributeError, match="no attribute 'Decoder'"):
@@ -119,7 +119,7 @@ def test_models_import_no_runtime_logic():
     """models/ may import plain layout constants and types from the runtime, nothing else (STYLE.md #11)."""
     import ast
 
-    plain = {"neffbuild.runtime.blocks": {"NULL_BLOCK"}, "neffbuild.runtime.kv_layout": {"KVLayout"},
+    plain = {"neffbuild.runtime.kv.blocks": {"NULL_BLOCK"}, "neffbuild.runtime.kv.layout": {"KVLayout"},
              "neffbuild.runtime.parallel": {"ParallelLayout", "TP_GROUP", "EP_GROUP", "rank_tensor"}}
     for path in (ROOT / "neffbuild" / "models").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -196,8 +196,8 @@ def test_dp2_ranks_agree_every_step(built, case):
 
 def test_stepper_fails_closed_before_running_anything():
     from neffbuild.errors import StepInputError
-    from neffbuild.runtime.kv_cache import KVLayout
-    from neffbuild.runtime.step import StepBatch, Stepper
+    from neffbuild.runtime.kv.cache import KVLayout
+    from neffbuild.runtime.step.stepper import StepBatch, Stepper
     from neffbuild.serve.eager import EagerArtifacts
 
     ran = []

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from neffbuild.errors import InvalidInput
-from neffbuild.runtime.blocks import BlockManager, blocks_needed, kv_groups
-from neffbuild.runtime.dispatch import Grid
+from neffbuild.runtime.kv.blocks import BlockManager, blocks_needed, kv_groups
+from neffbuild.runtime.step.dispatch import Grid
 from neffbuild.serve.parts import Request
 from neffbuild.serve.scheduler import Scheduler
 

@@ -44,7 +44,7 @@ sys.addaudithook(_hook)
 @pytest.fixture
 def watch(monkeypatch):
     """Record .pt2 opens and every call of the package reader and the artifact loader."""
-    from neffbuild.runtime import aoti_package, loaders
+    from neffbuild.runtime.bundle import aoti_package, loaders
 
     calls = []
     for mod, name in ((loaders, "load"), (aoti_package, "describe"), (aoti_package, "load_package")):
@@ -132,7 +132,7 @@ def _rewrite_manifest(root: Path, keys) -> str:
 
 def _other_key(root: Path, keys) -> str:
     from neffbuild.bundle import signing
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     signing.sign(root, keys["b"][0])
     return signature.signer_hint(signature.read_signature(root))[:16]
@@ -237,7 +237,7 @@ def test_sign_refuses_a_corrupt_bundle(copy, keys):
 def test_model_signing_package_verifies_our_signature(signed, keys, tmp_path):
     """Format oracle: the OpenSSF reference implementation accepts model.sig, and ours accepts its signature."""
     ms = pytest.importorskip("model_signing")
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     ms.verifying.Config().use_elliptic_key_verifier(public_key=keys["a"][1]).verify(signed, signed / "model.sig")
     theirs = tmp_path / signed.name

@@ -12,8 +12,8 @@ from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.models.gpt_oss.weights import random_state_dict, stack
-from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_nospec, plan_draft, plan_synced
-from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.step.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_nospec, plan_draft, plan_synced
 from neffbuild.serve.eager import EagerArtifacts
 from neffbuild.serve.rank import serving_rank
 from neffbuild.serve.spec import EagerSpecArtifacts
@@ -174,7 +174,7 @@ def _oracle(reference: dict[int, list[int]], k: int):
 @pytest.mark.parametrize("n_new", [41, 43])
 def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     """Acceptance 1.0, and ceil((n_new - 1) / (k + 1)) target steps: every step emits k+1 tokens."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.rank import open_rank
 
     bundle = open_bundle(eagle3_built[1].bundle)
@@ -215,9 +215,9 @@ def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
 def test_compiled_draft_matches_eager(eagle3_built):
     """The draft artifact proposes the eager graph's tokens and writes the same draft KV in place."""
     from neffbuild.models.gpt_oss.config import GptOssConfig
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.runtime.draft_inputs import build_draft
-    from neffbuild.runtime.kv_cache import allocate_draft
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.runtime.kv.cache import allocate_draft
+    from neffbuild.runtime.step.draft_inputs import build_draft
 
     bundle = open_bundle(eagle3_built[1].bundle)
     gi = bundle.manifest["graph_inputs"]

@@ -13,9 +13,10 @@ from neffbuild import recipe as R
 from neffbuild.errors import NeffbuildError, RecipeError
 from neffbuild.models.gpt_oss.prefill import prefill
 from neffbuild.models.gpt_oss.weights import model_weights
-from neffbuild.runtime import StepBatch, Stepper, dp_sync
-from neffbuild.runtime.dispatch import Grid
-from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime import StepBatch, Stepper
+from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.step import dp_sync
+from neffbuild.runtime.step.dispatch import Grid
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests.conftest import TINY
 from tests.engine_runs import greedy

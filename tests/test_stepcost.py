@@ -12,7 +12,7 @@ from torch import nn
 from neffbuild.compiler.backends.inductor import InductorBackend
 from neffbuild.compiler.codegen import buffer_shapes, loop_bounds, pool_loops
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime.bundle import load_aoti, open_bundle
+from neffbuild.runtime.bundle.reader import load_aoti, open_bundle
 from tests.conftest import POOL, ROOT
 from tests.helpers import cache_key, cli
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from neffbuild.bundle import paths
-from neffbuild.runtime.graph_inputs import GraphInputs
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
 from neffbuild.runtime.parallel import ParallelSection
 
 

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from neffbuild.errors import NeffbuildError
-from neffbuild.runtime.manifest_schema import Problem, short
-from neffbuild.runtime.paths import RECIPE_PATH
+from neffbuild.runtime.bundle.paths import RECIPE_PATH
+from neffbuild.runtime.bundle.schema import Problem, short
 
 # graph_inputs field -> (recipe section, key)
 FIELDS = {"max_model_len": ("serving", "max_model_len"), "block_size": ("serving", "block_size"),
@@ -65,7 +65,7 @@ def problems(root: Path, m: dict) -> list[Problem]:
 def verify_fully(root) -> None:
     """What ``neffbuild verify`` checks (every sha256, each artifact's inputs, recipe.yaml); BundleError if any."""
     from neffbuild.errors import BundleError
-    from neffbuild.runtime import bundle as reader
+    from neffbuild.runtime.bundle import reader
 
     root = Path(root)
     found = reader.check(root, full=True)

@@ -27,8 +27,8 @@ from pathlib import Path, PurePosixPath
 from neffbuild import s3
 from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import paths, signature
+from neffbuild.runtime.bundle import model_sig as signature
+from neffbuild.runtime.bundle import paths, reader
 
 INDEX_FORMAT = "neffbuild-remote-bundle"
 INDEX_VERSION = 1

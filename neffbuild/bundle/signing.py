@@ -16,8 +16,8 @@ from pathlib import Path
 
 from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import paths, signature
+from neffbuild.runtime.bundle import model_sig as signature
+from neffbuild.runtime.bundle import paths, reader
 
 
 def load_private_key(path: str | Path, password: bytes | None = None):

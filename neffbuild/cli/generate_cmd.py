@@ -18,7 +18,7 @@ from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import InvalidInput, NeffbuildError
 from neffbuild.fsutil import output_problem, write_output
-from neffbuild.runtime.histogram import NeededSeqHistogram
+from neffbuild.runtime.step.histogram import NeededSeqHistogram
 
 PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
 

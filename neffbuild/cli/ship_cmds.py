@@ -9,7 +9,7 @@ import click
 
 from neffbuild import settings
 from neffbuild.cli.output import echo_json, json_option
-from neffbuild.runtime import paths
+from neffbuild.runtime.bundle import paths
 
 
 class BarProgress:
@@ -139,7 +139,7 @@ def pull(url, dest, trust, as_json):
 def check_signature(bundle_path: str, trust: tuple[str, ...]) -> list[tuple[str, str]]:
     """``verify``'s signature part: [(path, message)] problems; none when no key is trusted."""
     from neffbuild.errors import SignatureError
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     keys = trusted(trust)
     if not keys:
@@ -155,7 +155,7 @@ def require_signature(bundle_path: str, trust: tuple[str, ...]) -> None:
     """``generate --trust``: SignatureError (exit 1) unless the signature verifies; --trust absent: open_bundle
     still honours NEFFBUILD_TRUSTED_KEYS."""
     if trust:
-        from neffbuild.runtime import signature
+        from neffbuild.runtime.bundle import model_sig as signature
 
         signature.verify_bundle(Path(bundle_path), list(trust))
 

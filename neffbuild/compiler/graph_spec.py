@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from neffbuild import memory, registry
 from neffbuild.runtime import parallel
-from neffbuild.runtime.kv_layout import KVLayout
+from neffbuild.runtime.kv.layout import KVLayout
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from neffbuild.compiler.graph_spec import (  # noqa: F401  (torch-free; re-expor
     target_graph,
     target_graph_from,
 )
-from neffbuild.runtime import parallel, step_inputs, world
-from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
+from neffbuild.runtime import parallel, world
+from neffbuild.runtime.step import inputs as step_inputs
+from neffbuild.runtime.step.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
 
 
 def dims(graph: TargetGraph) -> step_inputs.Dims:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, did_you_mean
-from neffbuild.runtime.buckets import ctx_buckets_with_fallback
-from neffbuild.runtime.cpu_features import targets as cpu_targets
-from neffbuild.runtime.dispatch import families, label
+from neffbuild.runtime.bundle.cpu_features import targets as cpu_targets
+from neffbuild.runtime.step.buckets import ctx_buckets_with_fallback
+from neffbuild.runtime.step.dispatch import families, label
 
 BACKENDS = registry.backend_choices()
 TARGETS = ("trn1", "trn2", *cpu_targets())  # neuron targets, then inductor -march values

@@ -60,7 +60,7 @@ def checkpoint_headers(v, folder: Path, path: str) -> None:
     from safetensors import SafetensorError, safe_open
 
     from neffbuild.errors import BundleError
-    from neffbuild.runtime.weights_file import read_header
+    from neffbuild.runtime.bundle.weights_file import read_header
 
     for f in sorted(folder.glob("*.safetensors"))[:256]:
         try:

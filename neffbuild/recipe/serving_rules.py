@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from neffbuild import registry
 from neffbuild.recipe.checks import LIMITS
-from neffbuild.runtime.blocks import group_blocks, kv_groups, min_pool_blocks
-from neffbuild.runtime.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
+from neffbuild.runtime.kv.blocks import group_blocks, kv_groups, min_pool_blocks
+from neffbuild.runtime.step.buckets import P_MAX, default_num_seqs_buckets, num_swa_blocks
 
 MAX_KV_BYTES = 2**40  # 1 TiB of KV pool is beyond any host; a typo in num_blocks is caught here
 SERVING_KEYS = ("max_model_len", "max_num_seqs", "block_size", "num_blocks")

@@ -5,7 +5,7 @@
     out = step.step(StepBatch(tokens=[[tok]], num_computed=[n], block_tables={"full": rows, "sliding": swa_rows}))
 
 Imports only the standard library, torch and safetensors (nixl lazily) and the base modules
-(errors, fsutil). Names resolve lazily, so ``neffbuild.runtime.buckets`` (imported by the recipe
+(errors, fsutil). Names resolve lazily, so ``neffbuild.runtime.step.buckets`` (imported by the recipe
 validator and the grid) stays torch-free.
 """
 
@@ -14,15 +14,15 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "open_bundle": "bundle", "Bundle": "bundle",
-    "Stepper": "step", "StepBatch": "step", "StepOutput": "step", "Artifacts": "step",
-    "StepPlan": "dispatch", "Grid": "dispatch", "plan_step": "dispatch", "label": "dispatch",
-    "BlockManager": "blocks", "KVGroup": "blocks", "kv_groups": "blocks", "blocks_needed": "blocks",
-    "min_pool_blocks": "blocks", "FULL_GROUP": "blocks", "SLIDING_GROUP": "blocks", "NULL_BLOCK": "blocks",
-    "KVLayout": "kv_layout", "allocate": "kv_cache",
-    "KVIngest": "kv_ingest", "KVProducer": "kv_ingest", "KVRegions": "kv_regions", "register_regions": "kv_regions",
-    "head_segments": "kv_regions",
-    "DIPrompt": "di_prompt", "di_prompt": "di_prompt",
+    "open_bundle": "bundle.reader", "Bundle": "bundle.reader",
+    "Stepper": "step.stepper", "StepBatch": "step.stepper", "StepOutput": "step.stepper", "Artifacts": "step.stepper",
+    "StepPlan": "step.dispatch", "Grid": "step.dispatch", "plan_step": "step.dispatch", "label": "step.dispatch",
+    "BlockManager": "kv.blocks", "KVGroup": "kv.blocks", "kv_groups": "kv.blocks", "blocks_needed": "kv.blocks",
+    "min_pool_blocks": "kv.blocks", "FULL_GROUP": "kv.blocks", "SLIDING_GROUP": "kv.blocks", "NULL_BLOCK": "kv.blocks",
+    "KVLayout": "kv.layout", "allocate": "kv.cache",
+    "KVIngest": "di.ingest", "KVProducer": "di.ingest", "KVRegions": "di.regions", "register_regions": "di.regions",
+    "head_segments": "di.regions",
+    "DIPrompt": "di.prompt", "di_prompt": "di.prompt",
 }
 _ERRORS = ("NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted",
            "StepInputError", "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 
 from neffbuild.errors import KVTransferError, PrefillWorkerLost
-from neffbuild.runtime.blocks import NULL_BLOCK, SLIDING_GROUP
-from neffbuild.runtime.di_prompt import unwritten_reads
+from neffbuild.runtime.di.prompt import unwritten_reads
+from neffbuild.runtime.kv.blocks import NULL_BLOCK, SLIDING_GROUP
 from neffbuild.serve.parts import Request
 from neffbuild.serve.prefill_worker import connect_decode, pull_prompt
 

@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from neffbuild.runtime.blocks import BlockManager
-from neffbuild.runtime.dispatch import StepPlan
-from neffbuild.runtime.step import Stepper
+from neffbuild.runtime.kv.blocks import BlockManager
+from neffbuild.runtime.step.dispatch import StepPlan
+from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve import sampling
 from neffbuild.serve.parts import KVSource, Proposer, Request
 from neffbuild.serve.scheduler import Scheduler, StepDecision

@@ -40,8 +40,8 @@ from typing import Protocol
 
 import torch
 
-from neffbuild.runtime.block_tables import TableBuffer
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager
+from neffbuild.runtime.kv.tables import TableBuffer
 
 
 @dataclass

@@ -34,12 +34,12 @@ from typing import Self
 
 from neffbuild import registry
 from neffbuild.errors import InvalidInput, KVTransferError
-from neffbuild.runtime import manifest_schema
-from neffbuild.runtime.bundle import read_manifest
-from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null
-from neffbuild.runtime.graph_inputs import GraphInputs
-from neffbuild.runtime.kv_ingest import KVIngest, KVProducer
-from neffbuild.runtime.nixl_agent import load_nixl
+from neffbuild.runtime.bundle import schema as manifest_schema
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
+from neffbuild.runtime.bundle.reader import read_manifest
+from neffbuild.runtime.di.ingest import KVIngest, KVProducer
+from neffbuild.runtime.di.nixl_agent import load_nixl
+from neffbuild.runtime.di.prompt import di_prompt, strip_leading_null
 from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
 from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, model_config, open_rank
 

@@ -20,14 +20,13 @@ import torch
 
 from neffbuild import registry
 from neffbuild.errors import BundleError, RecipeError
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import weights_file
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager, kv_groups
-from neffbuild.runtime.dispatch import Grid, StepPlan
-from neffbuild.runtime.graph_inputs import GraphInputs
-from neffbuild.runtime.kv_cache import KVLayout, allocate
+from neffbuild.runtime.bundle import reader, weights_file
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager, kv_groups
+from neffbuild.runtime.kv.cache import KVLayout, allocate
 from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
-from neffbuild.runtime.step import Stepper
+from neffbuild.runtime.step.dispatch import Grid, StepPlan
+from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve.eager import EagerArtifacts
 
 # prompt, KV buffers, {group: block row [W]} -> logits [N, vocab] for every prompt position

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild.errors import NeffbuildError
-from neffbuild.runtime.bundle import read_manifest
-from neffbuild.runtime.graph_inputs import GraphInputs
-from neffbuild.runtime.kv_ingest import load_nixl
-from neffbuild.runtime.manifest_schema import problems
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
+from neffbuild.runtime.bundle.reader import read_manifest
+from neffbuild.runtime.bundle.schema import problems
+from neffbuild.runtime.di.ingest import load_nixl
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from neffbuild.serve.prefill_worker import PrefillGroup, check_group_tp

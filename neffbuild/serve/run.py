@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from neffbuild.errors import InvalidInput
-from neffbuild.runtime import dp_sync
-from neffbuild.runtime.dispatch import StepPlan
-from neffbuild.runtime.histogram import NeededSeqHistogram
+from neffbuild.runtime.step import dp_sync
+from neffbuild.runtime.step.dispatch import StepPlan
+from neffbuild.runtime.step.histogram import NeededSeqHistogram
 from neffbuild.serve.di import NixlSource
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request

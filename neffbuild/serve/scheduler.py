@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neffbuild.errors import InvalidInput
-from neffbuild.runtime.blocks import BlockManager, blocks_needed, lookahead
-from neffbuild.runtime.buckets import ctx_buckets_with_fallback
-from neffbuild.runtime.dispatch import Grid
-from neffbuild.runtime.step import StepBatch
+from neffbuild.runtime.kv.blocks import BlockManager, blocks_needed, lookahead
+from neffbuild.runtime.step.buckets import ctx_buckets_with_fallback
+from neffbuild.runtime.step.dispatch import Grid
+from neffbuild.runtime.step.stepper import StepBatch
 from neffbuild.serve.parts import BlockRows, Request
 
 

@@ -31,9 +31,9 @@ import torch
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.eagle3.draft import prefill as draft_prefill
-from neffbuild.runtime.blocks import FULL_GROUP, BlockManager
-from neffbuild.runtime.dispatch import DRAFT, StepPlan, plan_draft
-from neffbuild.runtime.step import Stepper
+from neffbuild.runtime.kv.blocks import FULL_GROUP, BlockManager
+from neffbuild.runtime.step.dispatch import DRAFT, StepPlan, plan_draft
+from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve.parts import Request, block_rows
 
 # (draft plan, requests) -> proposed target ids [len(requests), k]: replaces the draft artifact (tests)

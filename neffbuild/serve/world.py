@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 from neffbuild.errors import InvalidInput, NeffbuildError
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime.graph_inputs import GraphInputs
+from neffbuild.runtime.bundle import reader
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
 from neffbuild.runtime.parallel import ParallelSection
 from neffbuild.serve.parts import Request
 from neffbuild.serve.run import Options, serve_rank

@@ -31,7 +31,7 @@ from torch import nn
 
 from neffbuild.compiler.backends.base import Backend
 from neffbuild.errors import BuildFailed
-from neffbuild.runtime.loaders import NEURON_WEIGHT_PREFIX, load_neuron
+from neffbuild.runtime.bundle.loaders import NEURON_WEIGHT_PREFIX, load_neuron
 
 TOO_MANY_INSTRUCTIONS = re.compile(r"XTP002|[Tt]oo many instructions")
 INSTRUCTION_LIMIT = 5_000_000

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from neffbuild.runtime.kv_layout import KVLayout
+    from neffbuild.runtime.kv.layout import KVLayout
 
 # Physical NeuronCores of the largest instance per target (trn1.32xlarge, trn2.48xlarge): a TP
 # group's in-graph collectives stay inside one instance, so tp x lnc must fit in it.

@@ -12,7 +12,7 @@ import dataclasses
 
 from neffbuild.errors import NO_VALUE, did_you_mean
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
-from neffbuild.runtime.kv_layout import KVLayout
+from neffbuild.runtime.kv.layout import KVLayout
 
 # Upper bounds: generous for real models (GPT-OSS-120B is far below each), small enough for memory.
 INT_LIMITS = {

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from neffbuild.errors import InvalidInput, SignatureError
 from neffbuild.fsutil import no_duplicate_keys, sha256_file
-from neffbuild.runtime import paths
+from neffbuild.runtime.bundle import paths
 
 MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"

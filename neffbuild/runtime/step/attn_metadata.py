@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neffbuild.runtime.kv_cache import NULL_BLOCK, graph_view
+from neffbuild.runtime.kv.cache import NULL_BLOCK, graph_view
 
 PAD_SLOT = -1
 

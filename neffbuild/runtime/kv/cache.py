@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from neffbuild.runtime.blocks import NULL_BLOCK  # noqa: F401  (re-exported: block 0 is the null block)
-from neffbuild.runtime.kv_layout import KVLayout  # the layout and its bytes (torch-free)
+from neffbuild.runtime.kv.blocks import NULL_BLOCK  # noqa: F401  (re-exported: block 0 is the null block)
+from neffbuild.runtime.kv.layout import KVLayout  # the layout and its bytes (torch-free)
 
 
 def allocate(layout: KVLayout, device: str = "cpu") -> list[torch.Tensor]:

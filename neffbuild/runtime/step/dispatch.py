@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from neffbuild.errors import ShapeNotCovered
-from neffbuild.runtime import buckets
+from neffbuild.runtime.step import buckets
 
 # The one definition of families and labels: the grid (neffbuild.grid) names the targets it
 # compiles with them, the dispatcher the artifact it runs, and the manifest's compile label

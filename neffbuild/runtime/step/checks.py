@@ -31,8 +31,8 @@ from itertools import repeat
 import torch
 
 from neffbuild.errors import StepInputError, short_repr
-from neffbuild.runtime.block_tables import BlockTables
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP
+from neffbuild.runtime.kv.tables import BlockTables
 
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 _BIG = BIG = 2**62  # above any vocab: the token bound when the bundle names none

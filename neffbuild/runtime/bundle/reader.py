@@ -17,18 +17,12 @@ import torch
 
 from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
 from neffbuild.fsutil import no_duplicate_keys, sha256_file
-from neffbuild.runtime import (
-    aoti_package,
-    bundle_gate,
-    loaders,
-    manifest_schema,
-    parallel,
-    paths,
-    signature,
-    weights_file,
-    world,
-)
-from neffbuild.runtime.graph_inputs import GraphInputs
+from neffbuild.runtime import parallel, world
+from neffbuild.runtime.bundle import aoti_package, loaders, paths, weights_file
+from neffbuild.runtime.bundle import gate as bundle_gate
+from neffbuild.runtime.bundle import model_sig as signature
+from neffbuild.runtime.bundle import schema as manifest_schema
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_DEPTH = 32

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from neffbuild.errors import StepInputError
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP
 
 
 class TableBuffer:

@@ -28,7 +28,7 @@ NEURON_WEIGHT_PREFIX = "model."  # the traced wrapper holds the decode module as
 
 def load_inductor(path: Path, weights: dict[str, torch.Tensor], toolchain: dict, device: str = "cpu"):
     """An AOTInductor package with the shared weights bound as user-managed constants (never copied)."""
-    from neffbuild.runtime.aoti_package import load_package
+    from neffbuild.runtime.bundle.aoti_package import load_package
 
     runner = load_package(path)  # extracts into a temp folder of ours, removed if loading fails
     wanted = runner.get_constant_fqns()
@@ -85,7 +85,7 @@ def inductor_problem(toolchain: dict) -> str | None:
 def cpu_problem(toolchain: dict) -> str | None:
     """Why this CPU cannot run the artifacts' native code: instruction-set features it lacks (checked
     before any artifact loads; a bundle from before the target was recorded has no requirement)."""
-    from neffbuild.runtime import cpu_features
+    from neffbuild.runtime.bundle import cpu_features
 
     cpu = toolchain.get("cpu_target")
     if not isinstance(cpu, dict):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from neffbuild.errors import KVTransferError, NixlUnavailable
-from neffbuild.runtime.kv_regions import Desc, KVRegions
+from neffbuild.runtime.di.regions import Desc, KVRegions
 
 NIXL_EXTRA = "nixl"  # pip install 'neffbuild[nixl]' pulls nixl-cu12
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from neffbuild.runtime.attn_metadata import PAD_SLOT, head_trim, widen
-from neffbuild.runtime.kv_cache import NULL_BLOCK, graph_view
+from neffbuild.runtime.kv.cache import NULL_BLOCK, graph_view
+from neffbuild.runtime.step.attn_metadata import PAD_SLOT, head_trim, widen
 
 
 @dataclass

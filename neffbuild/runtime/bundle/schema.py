@@ -14,9 +14,10 @@ import re
 
 from neffbuild.errors import Problem
 from neffbuild.errors import short_repr as short
-from neffbuild.runtime import paths, step_inputs
-from neffbuild.runtime.buckets import table_width
-from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_SPEC, label
+from neffbuild.runtime.bundle import paths
+from neffbuild.runtime.step import inputs as step_inputs
+from neffbuild.runtime.step.buckets import table_width
+from neffbuild.runtime.step.dispatch import DECODE, DRAFT, FAMILIES, TARGET_SPEC, label
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from neffbuild.runtime.buckets import table_width
+from neffbuild.runtime.step.buckets import table_width
 
 INT64 = "int64"
 

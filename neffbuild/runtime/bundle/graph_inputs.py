@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neffbuild import registry
-from neffbuild.runtime.dispatch import Grid
-from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime.kv.cache import KVLayout
 from neffbuild.runtime.parallel import ParallelLayout
+from neffbuild.runtime.step.dispatch import Grid
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from neffbuild import registry
-from neffbuild.runtime.manifest_schema import Problem, is_int, short
+from neffbuild.runtime.bundle.schema import Problem, is_int, short
 
 MAX_DIGEST_BYTES = 4096  # "<64 hex digits>  manifest.json\n" is 81 bytes
 

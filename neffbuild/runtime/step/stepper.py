@@ -23,11 +23,12 @@ from typing import Protocol
 import torch
 
 from neffbuild.errors import StepInputError
-from neffbuild.runtime import attn_metadata, buckets, dp_sync, draft_inputs, step_checks
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP
-from neffbuild.runtime.dispatch import Grid, StepPlan, needs_nospec, plan_draft, plan_synced
-from neffbuild.runtime.kv_cache import KVLayout, allocate, allocate_draft
-from neffbuild.runtime.metrics import StepMetrics
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP
+from neffbuild.runtime.kv.cache import KVLayout, allocate, allocate_draft
+from neffbuild.runtime.step import attn_metadata, buckets, dp_sync, draft_inputs
+from neffbuild.runtime.step import checks as step_checks
+from neffbuild.runtime.step.dispatch import Grid, StepPlan, needs_nospec, plan_draft, plan_synced
+from neffbuild.runtime.step.metrics import StepMetrics
 
 
 class Artifacts(Protocol):

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from neffbuild.errors import KVLayoutMismatch, KVTransferError, PrefillWorkerLost
-from neffbuild.runtime.kv_regions import (
+from neffbuild.runtime.di.nixl_agent import NixlAgent, Progress, Pull, PullResult, load_nixl  # noqa: F401  (callers check NIXL here)
+from neffbuild.runtime.di.regions import (
     HeadSegment,
     KVRegions,
     block_pairs,
@@ -35,8 +36,7 @@ from neffbuild.runtime.kv_regions import (
     pull_descriptors,
     register_regions,
 )
-from neffbuild.runtime.nixl_agent import NixlAgent, Progress, Pull, PullResult, load_nixl  # noqa: F401  (callers check NIXL here)
-from neffbuild.runtime.side_channel import ChannelClosed, ChannelTimeout, Client, Handler, Server
+from neffbuild.runtime.di.side_channel import ChannelClosed, ChannelTimeout, Client, Handler, Server
 
 DEFAULT_TIMEOUT = 30.0
 
