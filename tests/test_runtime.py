@@ -107,10 +107,14 @@ def test_import_runtime_is_cheap():
 
 def test_public_api():
     import neffbuild.runtime as rt
+    from neffbuild.errors import NeffbuildError
 
     assert rt.open_bundle.__module__ == "neffbuild.runtime.bundle.reader"
-    assert issubclass(rt.ShapeNotCovered, rt.NeffbuildError) and issubclass(rt.KVPoolExhausted, rt.NeffbuildError)
+    assert issubclass(rt.ShapeNotCovered, NeffbuildError) and issubclass(rt.KVPoolExhausted, NeffbuildError)
     assert {"Stepper", "StepBatch", "StepOutput", "BlockManager", "blocks_needed"} <= set(dir(rt))
+    assert len(rt.__all__) <= 20, "neffbuild.runtime exports what serving code calls; the rest lives in its room"
+    arch = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"`{n}`" in arch for n in rt.__all__), "docs/architecture.md lists the runtime's exports"
     with pytest.raises(AttributeError, match="no attribute 'Decoder'"):
         rt.Decoder  # noqa: B018
 

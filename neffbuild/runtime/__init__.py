@@ -4,9 +4,15 @@
     step = Stepper(open_bundle("artifacts/gpt-oss-tiny-0.1.0"))
     out = step.step(StepBatch(tokens=[[tok]], num_computed=[n], block_tables={"full": rows, "sliding": swa_rows}))
 
+Four rooms, each a package with its own docstring: ``bundle/`` (open and verify a bundle, load
+its artifacts), ``step/`` (the per-step API), ``kv/`` (KV buffers, blocks and their tables),
+``di/`` (disaggregated inference: KV moved over NIXL); ``parallel.py`` and ``world.py`` (the
+tp/dp/ep layout and a rank's process groups) serve them all. This module exports what serving
+code calls (docs/architecture.md lists it); everything else is imported from its room.
+
 Imports only the standard library, torch and safetensors (nixl lazily) and the base modules
-(errors, fsutil). Names resolve lazily, so ``neffbuild.runtime.step.buckets`` (imported by the recipe
-validator and the grid) stays torch-free.
+(errors, fsutil, registry). Names resolve lazily, so ``neffbuild.runtime.step.buckets``
+(imported by the recipe validator and the grid) stays torch-free.
 """
 
 from __future__ import annotations
@@ -16,26 +22,19 @@ import importlib
 _EXPORTS = {
     "open_bundle": "bundle.reader", "Bundle": "bundle.reader",
     "Stepper": "step.stepper", "StepBatch": "step.stepper", "StepOutput": "step.stepper", "Artifacts": "step.stepper",
-    "StepPlan": "step.dispatch", "Grid": "step.dispatch", "plan_step": "step.dispatch", "label": "step.dispatch",
-    "BlockManager": "kv.blocks", "KVGroup": "kv.blocks", "kv_groups": "kv.blocks", "blocks_needed": "kv.blocks",
-    "min_pool_blocks": "kv.blocks", "FULL_GROUP": "kv.blocks", "SLIDING_GROUP": "kv.blocks", "NULL_BLOCK": "kv.blocks",
-    "KVLayout": "kv.layout", "allocate": "kv.cache",
-    "KVIngest": "di.ingest", "KVProducer": "di.ingest", "KVRegions": "di.regions", "register_regions": "di.regions",
-    "head_segments": "di.regions",
-    "DIPrompt": "di.prompt", "di_prompt": "di.prompt",
+    "StepPlan": "step.dispatch", "Grid": "step.dispatch",
+    "BlockManager": "kv.blocks", "kv_groups": "kv.blocks", "blocks_needed": "kv.blocks", "FULL_GROUP": "kv.blocks",
+    "SLIDING_GROUP": "kv.blocks", "KVLayout": "kv.layout",
+    "KVIngest": "di.ingest", "KVProducer": "di.ingest",
 }
-_ERRORS = ("NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted",
-           "StepInputError", "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost")
+_ERRORS = ("BundleError", "ShapeNotCovered", "StepInputError", "KVPoolExhausted")
 
 __all__ = [  # noqa: RUF022 - grouped as above: runtime names, then errors
     "open_bundle", "Bundle", "Stepper", "StepBatch", "StepOutput", "Artifacts", "StepPlan", "Grid",
-    "plan_step", "label", "BlockManager", "KVGroup", "kv_groups", "blocks_needed", "min_pool_blocks", "FULL_GROUP",
-    "SLIDING_GROUP", "NULL_BLOCK", "KVLayout", "allocate",
-    "KVIngest", "KVProducer", "KVRegions", "register_regions", "head_segments", "DIPrompt", "di_prompt",
-    "NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted", "StepInputError",
-    "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost",
+    "BlockManager", "kv_groups", "blocks_needed", "FULL_GROUP", "SLIDING_GROUP", "KVLayout", "KVIngest", "KVProducer",
+    "BundleError", "ShapeNotCovered", "StepInputError", "KVPoolExhausted",
 ]
-assert set(__all__) == set(_EXPORTS) | set(_ERRORS)
+assert set(__all__) == set(_EXPORTS) | set(_ERRORS) and len(__all__) <= 20
 
 
 def __getattr__(name: str):

@@ -144,12 +144,21 @@ def _open_compiled(bundle: reader.Bundle, group, on_plan) -> ServingRank:
     return out
 
 
-def _open_joined(root: Path, decode: str, tp: int, rank: int) -> ServingRank:
+def read_valid(root: str | Path, *, strict: bool = True) -> tuple[dict, GraphInputs] | None:
+    """(manifest, graph_inputs) of a bundle ``reader.check`` (the one judge of validity) passes. Not valid: a
+    BundleError naming the problems, or None with ``strict=False`` (a caller that leaves the report to the open)."""
+    root = Path(root)
     problems = reader.check(root, full=False)
     if problems:
+        if not strict:
+            return None
         raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
     m = reader.read_manifest(root)
-    gi = GraphInputs.of_manifest(m)
+    return m, GraphInputs.of_manifest(m)
+
+
+def _open_joined(root: Path, decode: str, tp: int, rank: int) -> ServingRank:
+    m, gi = read_valid(root)
     cfg = model_config(gi, root)
     weights, par = _joined_weights(root, m, cfg, gi), ParallelLayout(tp=tp)
     if tp > 1:  # re-split for this group's TP degree by the architecture's rule

@@ -14,10 +14,9 @@ import tempfile
 from pathlib import Path
 
 from neffbuild.errors import InvalidInput, NeffbuildError
-from neffbuild.runtime.bundle import reader
-from neffbuild.runtime.bundle.graph_inputs import GraphInputs
 from neffbuild.runtime.parallel import ParallelSection
 from neffbuild.serve.parts import Request
+from neffbuild.serve.rank import read_valid
 from neffbuild.serve.run import Options, serve_rank
 
 MAX_LOCAL_WORLD = 16
@@ -25,12 +24,13 @@ MAX_LOCAL_WORLD = 16
 
 def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
     """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default: the recipe's dp)."""
-    if reader.check(bundle_path, full=False):  # broken: the ranks' open_bundle names what is wrong (exit 1)
+    valid = read_valid(bundle_path, strict=False)
+    if valid is None:  # broken: the ranks' open_bundle names what is wrong (exit 1)
         return dp_flag or 1, dp_flag or 1
-    m = reader.read_manifest(Path(bundle_path))
+    m, gi = valid
     section = ParallelSection.of_manifest(m)
     if section is None:  # unsharded: the same graph serves any number of DP ranks
-        dp = dp_flag or GraphInputs.of_manifest(m).parallel.dp
+        dp = dp_flag or gi.parallel.dp
         return dp, dp
     par = section.parallel
     world, dp = par.world_size, par.dp
