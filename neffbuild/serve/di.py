@@ -66,7 +66,7 @@ class NixlSource:
             raise PrefillWorkerLost(waiting.id, "the prefill group is gone (a rank's side channel closed) before "
                                                 "this request was prefilled")
 
-    def admit(self, reqs, blocks) -> None:
+    def admit(self, reqs, blocks, hold=()) -> None:  # ``hold`` unused: the pull reserves what it moves
         for r in reqs:
             r.key = r.key if r.key is not None else f"req-{r.index}"
             wire = f"{self.prefix}{r.key}"

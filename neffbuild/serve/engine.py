@@ -138,7 +138,7 @@ class Engine:
         seconds = 0.0
         if admit or self.source.collective:  # a collective source takes part at every step
             s0 = time.perf_counter()
-            self.source.admit(admit, self.blocks)
+            self.source.admit(admit, self.blocks, [sched.first_hold(r) for r in admit])
             seconds = time.perf_counter() - s0
         sched.join(admit)
         return seconds

@@ -3,7 +3,7 @@
 The engine (serve/engine.py) is one loop per rank; a mode is a choice of parts, never a loop:
 
 * ``KVSource`` -- how an admitted request gets its prompt's KV into this rank's blocks.
-  ``admit(reqs, blocks)`` reserves each request's blocks (under ``req.key``), fills them,
+  ``admit(reqs, blocks, hold)`` reserves each request's blocks (under ``req.key``), fills them,
   and sets ``req.computed`` (tokens in the KV cache) and ``req.next`` (the token the first
   decode step runs); a source that produces the first generated token itself (local
   prefill) appends it to ``req.tokens``. ``collective`` sources must be called on every
@@ -146,7 +146,7 @@ class BlockRows:
 class KVSource(Protocol):
     collective: bool
 
-    def admit(self, reqs: list[Request], blocks: BlockManager) -> None: ...
+    def admit(self, reqs: list[Request], blocks: BlockManager, hold: Sequence[int] = ()) -> None: ...
 
     def close(self) -> None: ...
 
@@ -174,7 +174,9 @@ class LocalPrefill:
         self.group = lockstep_group
         self.collective = self.group is not None
 
-    def admit(self, reqs: list[Request], blocks: BlockManager) -> None:
+    def admit(self, reqs: list[Request], blocks: BlockManager, hold: Sequence[int] = ()) -> None:
+        """``hold``: per request, the positions the engine's first decode reserve will hold (the scheduler's
+        ``first_hold``): reserved here already, so that reserve changes nothing and the tables change once."""
         pads = _lockstep([r.prompt for r in reqs], self.group) if self.collective else [0] * len(reqs)
         for n, pad_to in enumerate(pads):
             kw = {"pad_to": pad_to} if self.collective else {}
@@ -187,7 +189,7 @@ class LocalPrefill:
             r = reqs[n]
             r.key = r.key if r.key is not None else f"req-{r.index}"
             N = len(r.prompt)
-            blocks.reserve(r.key, N, N)  # prefill reads no cache: keep only what decode reads
+            blocks.reserve(r.key, max(N, hold[n] if n < len(hold) else N), N)  # prefill reads no cache
             rows = {g: t[0] for g, t in block_rows(blocks, [r.key], [N]).items()}
             out = self.prefill(r.prompt, self.kv_caches, rows, **kw)
             logits, aux = out if self.aux_layers else (out, None)

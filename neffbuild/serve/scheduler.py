@@ -90,6 +90,13 @@ class Scheduler:
             self.seqs[r.key] = seq
         self.waiting = sorted(self.waiting + list(requests), key=lambda r: (r.arrival, r.index))
 
+    def first_hold(self, req: Request) -> int:
+        """The positions a request's first decode reserve holds after a local prefill of its prompt (its next
+        token, ``ahead`` more, within its reach): a KV source that reserves this much at admission spares that
+        reserve a table change."""
+        n = len(req.prompt)
+        return max(n, min(n + 1 + self.ahead, self.seqs[req.key].reach))
+
     def idle_until(self, t: int) -> int:
         """The next step at which anything can run: with nothing live, the first arrival (a rank alone skips the
         idle steps between; DP ranks step through them together)."""
