@@ -22,7 +22,7 @@ from neffbuild.errors import BundleError, NeffbuildError, RecipeError
 from neffbuild.runtime.bundle import schema as manifest_schema
 from neffbuild.runtime.bundle import weights_file
 from tests.conftest import TINY
-from tests.test_hostile import run_cli, strict_json
+from tests.helpers import run_cli, strict_json
 
 BASE = yaml.safe_load(TINY.read_text())
 def fuzz(n: int):

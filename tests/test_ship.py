@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import run_cli
 from tests.s3_server import s3_server  # noqa: F401 - the session fixture
-from tests.test_hostile import run_cli
 from tests.test_sign import _keypair
 
 pytest.importorskip("cryptography")

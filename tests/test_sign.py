@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import SignatureError
-from tests.test_hostile import run_cli
+from tests.helpers import run_cli
 
 pytest.importorskip("cryptography")
 
