@@ -91,8 +91,7 @@ class TestBundle:
     """A bundle a test compiled: the recipe it came from, the bundle folder, the builder's result
     (None when a CLI subprocess built it) and the environment a subprocess needs to load it.
 
-    ``path, res = built`` and ``built[1].bundle`` unpack as (recipe, result); as a path (``os.fspath``,
-    ``str``, ``/``) it is the bundle folder, as the parallel fixtures were.
+    As a path (``os.fspath``, ``str``, ``/``) it is the bundle folder.
     """
 
     __test__ = False  # not a test class
@@ -100,12 +99,6 @@ class TestBundle:
     bundle: Path
     result: object | None = None
     env: dict | None = None
-
-    def __iter__(self):
-        return iter((self.recipe, self.result))
-
-    def __getitem__(self, i):
-        return (self.recipe, self.result)[i]
 
     def __fspath__(self) -> str:
         return str(self.bundle)

@@ -116,7 +116,7 @@ def _di_vs_single(bundle_path, lengths, new=4):
 
 @pytest.mark.slow
 def test_generate_di_equals_single_process(built):
-    rows = _di_vs_single(built[1].bundle, LENGTHS)
+    rows = _di_vs_single(built.bundle, LENGTHS)
     assert [n for n, di, ref, _ in rows if di != ref] == []
     kv = {n: t["kv_len"] for n, _, _, t in rows}
     assert kv == {n: max(n - 1, 1) for n in LENGTHS}  # the tiny model has sliding layers: N-1 travels
@@ -137,7 +137,7 @@ def test_n_minus_1_rule_is_needed(built):
     from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 
-    path = built[1].bundle
+    path = built.bundle
     session = open_rank(open_bundle(path))
     lengths = [16, 17, 47, 63]
     prompts = _prompts(lengths)
@@ -162,7 +162,7 @@ _cli = cli  # in-process (tests/helpers.py); --di starts its prefill worker proc
 
 @pytest.mark.slow
 def test_generate_di_cli_matches_generate(built):
-    args = ["generate", str(built[1].bundle), "--max-new-tokens", "3", "--json"]
+    args = ["generate", str(built.bundle), "--max-new-tokens", "3", "--json"]
     for p in _prompts([47, 3]):
         args += ["--prompt-ids", ",".join(map(str, p))]
     plain, di = _cli(*args), _cli(*args, "--di")

@@ -40,7 +40,7 @@ def _di_tokens(bundle_path, prefill_tp, lengths, new=4):
 @pytest.mark.slow
 def test_prefill_tp2_feeds_an_unsharded_decode(built):
     """P=2 (one KV head per prefill rank) into T=1: every local block gathers two remote blocks (two READs)."""
-    gen, ref = _di_tokens(built[1].bundle, 2, LENGTHS)
+    gen, ref = _di_tokens(built.bundle, 2, LENGTHS)
     assert gen.tokens == ref
     assert [t["transfers"] for t in gen.transfers] == [2] * len(LENGTHS)
 
@@ -55,11 +55,11 @@ def test_nixl_source_admits_requests_that_arrive_mid_run(built):
     from neffbuild.serve.prefill_worker import PrefillGroup
     from neffbuild.serve.rank import open_rank
 
-    session = open_rank(open_bundle(built[1].bundle))
+    session = open_rank(open_bundle(built.bundle))
     prompts = _prompts([30, 9, 47])
     arrivals = [0, 2, 4]
     reqs = [Request(f"r{n}", p, 5 + n, arrival=arrivals[n], index=n) for n, p in enumerate(prompts)]
-    with PrefillGroup(built[1].bundle) as group:
+    with PrefillGroup(built.bundle) as group:
         source = NixlSource(session, group.addresses, alive=group.alive, prefix="mid-")
         try:
             Engine(session.stepper, session.block_manager(), source).run(reqs)
@@ -133,10 +133,10 @@ def test_a_prefill_rank_that_dies_is_a_typed_error_naming_the_request(built, vic
     from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, pull_prompt
     from neffbuild.serve.rank import open_rank
 
-    session = open_rank(open_bundle(built[1].bundle))
+    session = open_rank(open_bundle(built.bundle))
     blocks = session.block_manager()
     [first, second] = _prompts([20, 30])
-    with PrefillGroup(built[1].bundle, 2) as group:
+    with PrefillGroup(built.bundle, 2) as group:
         pids = [p.pid for p in group.processes]
         kv = connect_decode(session, group.addresses)
         try:
@@ -185,7 +185,7 @@ def test_generate_di_exits_1_naming_the_request_when_the_prefill_worker_dies(bui
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(json.dumps({"id": i, "prompt_ids": p, "max_new_tokens": 480}) + "\n"
                             for i, p in zip(ids, _prompts([8] * 12), strict=True)))
-    proc = subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "generate", str(built[1].bundle),
+    proc = subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "generate", str(built.bundle),
                              "--requests", str(path), "--di"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     me = psutil.Process(proc.pid)
@@ -230,7 +230,7 @@ def test_di_decode_step_costs_what_a_plain_step_costs(built):
 
     from tests.helpers import ROOT
 
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "di_step.py"), str(built[1].bundle), "--rounds",
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "di_step.py"), str(built.bundle), "--rounds",
                           "4", "--threads", "1"], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     res = json.loads(out.strip().splitlines()[-1])
     print(json.dumps(res))

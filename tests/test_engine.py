@@ -74,10 +74,10 @@ def test_continuous_batching_equals_solo_runs(built, tmp_path):
 
     path = tmp_path / "reqs.jsonl"
     path.write_text(_lines(_requests()))
-    res = _cli("generate", str(built[1].bundle), "--requests", str(path), "--json")
+    res = _cli("generate", str(built.bundle), "--requests", str(path), "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
-    session = open_rank(open_bundle(built[1].bundle, preload=True))
+    session = open_rank(open_bundle(built.bundle, preload=True))
     for r, got in zip(_requests(), out["requests"], strict=True):
         alone = Request(r.id, r.prompt, r.max_new_tokens)
         _serve(session, [alone])
@@ -104,7 +104,7 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
     from neffbuild.runtime.kv.blocks import BlockManager, min_pool_blocks
     from neffbuild.serve.rank import open_rank
 
-    session = open_rank(open_bundle(built[1].bundle, preload=True))
+    session = open_rank(open_bundle(built.bundle, preload=True))
     runs, over = {}, []
     for ahead in (0, None):
         reqs, blocks = _requests(), session.block_manager()
@@ -149,7 +149,7 @@ EIGHT = [[(5 * i + 11 * n) % 250 + 1 for i in range(n)] for n in (3, 40, 7, 90, 
 @pytest.mark.parametrize("mode", [[], ["--spec"]], ids=["plain", "spec"])
 def test_eight_prompts_on_a_largest_bucket_of_two(eagle3_built, mode):
     """eagle3_built's largest batch bucket is 2: eight prompts queue, all complete with their solo tokens."""
-    bundle = str(eagle3_built[1].bundle)
+    bundle = str(eagle3_built.bundle)
     res = _cli("generate", bundle, *_prompt_args(EIGHT), "--max-new-tokens", "9", "--json", "--check", *mode)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
@@ -173,7 +173,7 @@ def assert_nospec_after_each_transfer(out, dp: int):
 def test_spec_di_dp2_on_an_unsharded_bundle_equals_plain(eagle3_built):
     """--spec --di --dp 2: each DP rank pulls its own requests' KV; the first step after a transfer runs
     without spec, later ones with; the tokens are plain greedy's."""
-    args = [str(eagle3_built[1].bundle), *_prompt_args(EIGHT[:4]), "--max-new-tokens", "12", "--json"]
+    args = [str(eagle3_built.bundle), *_prompt_args(EIGHT[:4]), "--max-new-tokens", "12", "--json"]
     plain, mixed = _cli("generate", *args), _cli("generate", *args, "--spec", "--di", "--dp", "2")
     assert plain.returncode == 0 and mixed.returncode == 0, mixed.stderr[-3000:]
     plain, mixed = json.loads(plain.stdout), json.loads(mixed.stdout)

@@ -190,7 +190,7 @@ def test_fuzz_bundle_manifest(built, tmp_path_factory, data):
     from neffbuild.serve.requests import from_prompts
     from neffbuild.serve.run import Options, serve_rank
 
-    src = built[1].bundle
+    src = built.bundle
     m = json.loads((src / "manifest.json").read_text())
     candidates = [p for p in paths(m) if p and p[0] in ("graph_inputs", "artifacts", "weights", "files", "toolchain")]
     for _ in range(data.draw(st.integers(1, 2))):
@@ -261,7 +261,7 @@ def fuzz_stepper(built):
     from neffbuild.runtime import Stepper
     from neffbuild.runtime.bundle.reader import open_bundle
 
-    return Stepper(open_bundle(built[1].bundle))
+    return Stepper(open_bundle(built.bundle))
 
 
 @fuzz(150)

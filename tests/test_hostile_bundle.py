@@ -210,7 +210,7 @@ def _weights_gap(root, m, *, at_end):
 @pytest.mark.slow
 @pytest.mark.parametrize("edit,stage,needle", [c[1:] for c in BUNDLES], ids=[c[0] for c in BUNDLES])
 def test_tampered_bundle_is_refused(built, tmp_path, edit, stage, needle):
-    root = tampered(built[1].bundle, tmp_path / "b", edit)
+    root = tampered(built.bundle, tmp_path / "b", edit)
     with pytest.raises(BundleError, match=needle):
         b = open_bundle(root)
         assert stage == "load", "expected open_bundle to refuse it"
@@ -222,7 +222,7 @@ def test_tampered_bundle_is_refused(built, tmp_path, edit, stage, needle):
 @pytest.mark.slow
 def test_manifest_edit_without_digest_is_caught(built, tmp_path):
     root = tmp_path / "b"
-    shutil.copytree(built[1].bundle, root)
+    shutil.copytree(built.bundle, root)
     text = (root / paths.MANIFEST_PATH).read_text().replace('"max_model_len": 512', '"max_model_len": 1024')
     (root / paths.MANIFEST_PATH).write_text(text)
     with pytest.raises(BundleError, match=r"manifest\.sha256"):
@@ -241,7 +241,7 @@ def _generate(*args):
     (gi(lambda g: g["model_config"].update(num_hidden_layers=10**30)), "num_hidden_layers"),
 ], ids=["kv-lie", "fp8-lie", "vocab-2", "layers-1e30"])
 def test_generate_on_a_broken_bundle_exits_1_with_json(built, tmp_path, edit, needle):
-    root = tampered(built[1].bundle, tmp_path / "b", edit)
+    root = tampered(built.bundle, tmp_path / "b", edit)
     res = _generate(str(root), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json")
     assert res.returncode == 1, res.stderr
     assert "Traceback" not in res.stderr and needle in strict_json(res.stdout)["error"]["message"]
@@ -249,11 +249,11 @@ def test_generate_on_a_broken_bundle_exits_1_with_json(built, tmp_path, edit, ne
 
 @pytest.mark.slow
 def test_verify_json_and_dp_prompt_error(built, tmp_path):
-    root = tampered(built[1].bundle, tmp_path / "b", _extra_so)
+    root = tampered(built.bundle, tmp_path / "b", _extra_so)
     res = cli("verify", root, "--json")
     doc = strict_json(res.stdout)
     assert res.returncode == 1 and not doc["ok"] and doc["problems"][0]["path"] == "artifacts/evil.so"
-    res = _generate(str(built[1].bundle), "--dp", "2", "--prompt-ids", "1,2", "--prompt-ids", "1,999", "--json")
+    res = _generate(str(built.bundle), "--dp", "2", "--prompt-ids", "1,2", "--prompt-ids", "1,999", "--json")
     assert res.returncode == 2 and "outside the vocabulary" in strict_json(res.stdout)["error"]["message"]
     assert "Traceback" not in res.stderr
 
@@ -261,7 +261,7 @@ def test_verify_json_and_dp_prompt_error(built, tmp_path):
 def test_sparse_12gb_digest_is_an_error_not_a_memory_error(built, tmp_path):
 
     root = tmp_path / "b"
-    shutil.copytree(built[1].bundle, root)
+    shutil.copytree(built.bundle, root)
     os.truncate(root / paths.MANIFEST_DIGEST_PATH, 12 * 10**9)  # sparse: no disk used
     with pytest.raises(BundleError, match="missing or unreadable"):
         open_bundle(root)
@@ -278,7 +278,7 @@ def _draft_heads(root, m):
     (gi(lambda g: g["kv_layout"].pop("draft")), "missing with num_speculative_tokens"),
 ], ids=["draft-layout-heads", "+ draft-layout-removed"])
 def test_tampered_draft_layout_is_refused(eagle3_built, tmp_path, edit, needle):
-    root = tampered(eagle3_built[1].bundle, tmp_path / "b", edit)
+    root = tampered(eagle3_built.bundle, tmp_path / "b", edit)
     with pytest.raises(BundleError, match=needle):
         open_bundle(root)
     assert any(needle.split(":")[0] in str(p) for p in check(root))
@@ -297,7 +297,7 @@ def _recipe_yaml_edited(root, m):
     (_recipe_yaml_edited, "does not hash to the manifest's recipe_sha256"),
 ], ids=["model-config-edited", "+ rope-theta-edited", "+ recipe-yaml-edited"])
 def test_verify_cross_checks_model_config_with_recipe_yaml(built, tmp_path, edit, needle):
-    root = tampered(built[1].bundle, tmp_path / "b", edit)
+    root = tampered(built.bundle, tmp_path / "b", edit)
     code, out, err, unhandled = run_cli("verify", str(root), "--json")
     assert unhandled is None and code == 1 and needle in out, (out, err)
     code, out, err, unhandled = run_cli("generate", str(root), "--prompt-ids", "1,2", "--check", "--json")
@@ -313,7 +313,7 @@ def _flip_weight_byte(root, m):
 
 @pytest.mark.slow
 def test_generate_check_verifies_every_sha256(built, tmp_path):
-    root = tampered(built[1].bundle, tmp_path / "b", _flip_weight_byte)
+    root = tampered(built.bundle, tmp_path / "b", _flip_weight_byte)
     assert open_bundle(root) is not None  # the default open checks sizes only (documented)
     code, out, err, unhandled = run_cli("generate", str(root), "--prompt-ids", "1,2", "--check", "--json")
     assert unhandled is None and code == 1 and "sha256 mismatch" in strict_json(out)["error"]["message"], err

@@ -74,7 +74,7 @@ OUTPUT_CASES = ["dev-null", "fifo", "symlink", "missing-parent", "into-a-bundle"
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_output_paths_that_are_not_ours_are_refused_before_any_work(built, tmp_path, command, case):
 
-    bundle = built[1].bundle
+    bundle = built.bundle
     path, needle = _special_outputs(tmp_path, bundle)[case]
     before = sorted(os.listdir(bundle)), sorted(os.listdir(Path(bundle) / "weights"))
     args = (["generate", str(bundle), "--prompt-ids", "1,2", "--histogram", path] if command == "generate"
@@ -140,9 +140,9 @@ def test_recommend_refuses_non_regular_histograms(tmp_path):
 
 
 def test_bench_refuses_bad_input_before_timing(built, eagle3_built):
-    code, out, _, unhandled = run_cli("bench", str(built[1].bundle), "--context", "100000", "--json")
+    code, out, _, unhandled = run_cli("bench", str(built.bundle), "--context", "100000", "--json")
     assert unhandled is None and code == 2 and "above the bundle's max_model_len (512)" in out
-    code, out, _, unhandled = run_cli("bench", str(eagle3_built[1].bundle), "--json")
+    code, out, _, unhandled = run_cli("bench", str(eagle3_built.bundle), "--json")
     assert unhandled is None and code == 2 and "EAGLE3" in strict_json(out)["error"]["message"]
 
 

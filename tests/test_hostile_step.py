@@ -81,7 +81,7 @@ STEP_CASES = [  # (id, edit, needle); "+" marks cases the fuzz run did not try
 
 @pytest.fixture(scope="module")
 def tiny_stepper(built):
-    step = Stepper(open_bundle(built[1].bundle))
+    step = Stepper(open_bundle(built.bundle))
     assert step.step(StepBatch(*_good())).logits.shape == (2, 1, VOCAB)
     return step
 
@@ -129,7 +129,7 @@ KV_CASES = [  # (id, engine buffers from the right ones, needle)
 
 @pytest.mark.parametrize("make,needle", [c[1:] for c in KV_CASES], ids=[c[0] for c in KV_CASES])
 def test_engine_kv_buffers_are_checked_at_construction(built, make, needle):
-    bundle = open_bundle(built[1].bundle)
+    bundle = open_bundle(built.bundle)
     good = Stepper(bundle).kv_caches
     assert len(good) == TEST_KV_BUFFERS
     with pytest.raises(StepInputError, match="kv_caches") as err:
@@ -139,7 +139,7 @@ def test_engine_kv_buffers_are_checked_at_construction(built, make, needle):
 
 
 def test_fp8_bundle_refuses_float32_kv_buffers(fp8_built):
-    bundle = open_bundle(fp8_built[1].bundle)
+    bundle = open_bundle(fp8_built.bundle)
     with pytest.raises(StepInputError, match="float8_e4m3fn"):
         Stepper(bundle, kv_caches=[torch.zeros(bundle.kv_layout.buffer_shape)] * bundle.kv_layout.num_buffers)
 
@@ -181,7 +181,7 @@ DRAFT_CASES = [
 
 @pytest.fixture(scope="module")
 def eagle3_stepper(eagle3_built):
-    step = Stepper(open_bundle(eagle3_built[1].bundle))
+    step = Stepper(open_bundle(eagle3_built.bundle))
     rows, table, mc = _draft_rows(step.artifacts)
     _, drafts = step.draft(rows, table, max_computed=mc)
     assert drafts.shape == (2, step.grid.num_speculative_tokens)

@@ -89,7 +89,7 @@ def test_weight_bytes_are_the_ranks_pieces_in_the_bundle(built_tp2, eagle3_built
 
     sharded = R.load(built_tp2 / RECIPE_PATH)
     assert sum(memory.weight_bytes(sharded)) == _manifest_bytes(built_tp2, ["tp0", "ep0"])
-    path, res = eagle3_built
+    path, res = eagle3_built.recipe, eagle3_built.result
     target, draft = memory.weight_bytes(R.load(path))
     assert target + draft == _manifest_bytes(res.bundle, []) and draft > 0
 
@@ -194,7 +194,7 @@ def test_plan_compile_memory_follows_the_free_memory_override(tmp_path, tiny_raw
 def test_plan_reads_artifact_size_and_rss_from_the_cache(built, build_cache):
     from neffbuild.compiler.cache import Cache
 
-    path, res = built
+    path, res = built.recipe, built.result
     env = dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache))
     out = _cli("plan", str(path), "--json", env=env)
     assert out.returncode == 0, out.stderr

@@ -135,7 +135,7 @@ def test_recommend_with_recipe_json_and_snippet(tmp_path):
 @pytest.mark.slow
 def test_generate_histogram_feeds_recommend(built, tmp_path):
     """The CSV that generate writes counts every decode step at its synced needed_seq."""
-    recipe_path, res = built
+    recipe_path, res = built.recipe, built.result
     hist = tmp_path / "gen.csv"
     prompts = ["--prompt-ids", ",".join(["7"] * 140), "--prompt-ids", "1,2,3"]
     r = CliRunner().invoke(cli, ["generate", str(res.bundle), *prompts, "--max-new-tokens", "4",

@@ -137,7 +137,7 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, small_chec
 
     prompts = [[(i * 37) % 256 for i in range(100)], list(range(10, 40)), [5, 6, 7]]
     n_new = 170
-    res = _cli("generate", str(built[1].bundle), *_prompt_args(prompts),
+    res = _cli("generate", str(built.bundle), *_prompt_args(prompts),
                "--max-new-tokens", str(n_new), "--json", "--check")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -163,7 +163,7 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, small_chec
 
 @pytest.mark.slow
 def test_generate_human_output_reports_speed(built):
-    res = _cli("generate", str(built[1].bundle), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
+    res = _cli("generate", str(built.bundle), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
     assert res.returncode == 0, res.stderr
     line = [x for x in res.stdout.splitlines() if x.startswith("decode:")]
     assert line and " s, " in line[0] and "tokens/s" in line[0], res.stdout
@@ -182,10 +182,10 @@ def test_dp2_ranks_agree_every_step(built, case):
         prompts = [[rng.randrange(256) for _ in range(rng.randrange(*span))] for span in spans]
     n_new = 260 - max(map(len, prompts))  # the last step's needed_seq is 259: in the fallback (512)
     args = _prompt_args(prompts)
-    dp = _cli("generate", str(built[1].bundle), *args, "--max-new-tokens", str(n_new), "--dp", "2", "--json")
+    dp = _cli("generate", str(built.bundle), *args, "--max-new-tokens", str(n_new), "--dp", "2", "--json")
     assert dp.returncode == 0, dp.stderr
     dp = json.loads(dp.stdout)
-    single = json.loads(_cli("generate", str(built[1].bundle), *args, "--max-new-tokens", str(n_new), "--json").stdout)
+    single = json.loads(_cli("generate", str(built.bundle), *args, "--max-new-tokens", str(n_new), "--json").stdout)
     r0, r1 = dp["ranks"]
     assert len(r0["steps"]) == len(r1["steps"]) == n_new - 1
     assert [s["label"] for s in r0["steps"]] == [s["label"] for s in r1["steps"]]

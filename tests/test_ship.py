@@ -46,8 +46,8 @@ def shipped(built, tmp_path_factory):
     """(signed copy of the session bundle, private key, public key)."""
     folder = tmp_path_factory.mktemp("ship")
     priv, pub = _keypair(folder, "ci")
-    root = folder / "src" / built[1].bundle.name
-    shutil.copytree(built[1].bundle, root)
+    root = folder / "src" / built.bundle.name
+    shutil.copytree(built.bundle, root)
     code, _, err, _ = run_cli("sign", str(root), "--key", str(priv))
     assert code == 0, err
     return root, priv, pub

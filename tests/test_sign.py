@@ -78,8 +78,8 @@ def keys(tmp_path_factory):
 @pytest.fixture(scope="module")
 def signed(built, keys, tmp_path_factory):
     """A copy of the session bundle, signed with key a by `neffbuild sign`."""
-    dest = tmp_path_factory.mktemp("signed") / built[1].bundle.name
-    shutil.copytree(built[1].bundle, dest)
+    dest = tmp_path_factory.mktemp("signed") / built.bundle.name
+    shutil.copytree(built.bundle, dest)
     code, out, err, exc = run_cli("sign", str(dest), "--key", str(keys["a"][0]), "--json")
     assert code == 0 and exc is None, err
     assert json.loads(out)["files"] > 10
@@ -210,7 +210,7 @@ def test_unsigned_bundle_without_keys_is_as_today(built, monkeypatch):
     from neffbuild.runtime import open_bundle
 
     monkeypatch.delenv("NEFFBUILD_TRUSTED_KEYS", raising=False)
-    root = built[1].bundle
+    root = built.bundle
     assert open_bundle(root).labels
     code, out, err, _ = run_cli("inspect", str(root), "--json")
     assert code == 0, err
@@ -250,7 +250,7 @@ def test_model_signing_package_verifies_our_signature(signed, keys, tmp_path):
 
 def test_compile_sign_key_signs_and_records_provenance(built, build_cache, keys, tmp_path):
     """A cache-hit rebuild (no compile) with --sign-key: signed before publishing; provenance names every hit."""
-    recipe, res = built
+    recipe, res = built.recipe, built.result
     out = tmp_path / "out"
     code, _, err, exc = run_cli("compile", str(recipe), "-o", str(out), "--cache-dir", str(build_cache),
                                 "--sign-key", str(keys["a"][0]), "--json")

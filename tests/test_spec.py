@@ -97,7 +97,7 @@ def _prompt_args(prompts):
 
 @pytest.mark.slow
 def test_eagle3_bundle_has_three_families_and_verifies(eagle3_built):
-    bundle = eagle3_built[1].bundle
+    bundle = eagle3_built.bundle
     res = _cli("inspect", str(bundle), "--json")
     assert res.returncode == 0, res.stderr
     m = json.loads(res.stdout)
@@ -131,7 +131,7 @@ def test_generate_spec_equals_plain_up_to_max_model_len(eagle3_built):
     the last steps switch to without-spec, first as a mixed batch (one request still has room)."""
     prompts = [[(i * 37) % 256 for i in range(100)], [(i * 11) % 256 for i in range(20)]]
     n_new = 256 - 100
-    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    args = [str(eagle3_built.bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
     plain, spec = _cli("generate", *args), _cli("generate", *args, "--spec")
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)
@@ -148,7 +148,7 @@ def test_generate_spec_equals_plain_up_to_max_model_len(eagle3_built):
 def test_generate_spec_mixed_batch_near_the_end(eagle3_built):
     """One request reaches max_model_len while the other still has room: the batch runs without spec."""
     prompts = [[(i * 3) % 256 for i in range(240)], list(range(20))]
-    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", "16", "--json", "--spec",
+    args = [str(eagle3_built.bundle), *_prompt_args(prompts), "--max-new-tokens", "16", "--json", "--spec",
             "--check"]
     res = _cli("generate", *args)
     assert res.returncode == 0, res.stderr
@@ -177,7 +177,7 @@ def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.rank import open_rank
 
-    bundle = open_bundle(eagle3_built[1].bundle)
+    bundle = open_bundle(eagle3_built.bundle)
     s = open_rank(bundle)
     dcfg = Eagle3Config.from_hf_dict(bundle.manifest["graph_inputs"]["draft_config"], s.config)
     prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
@@ -197,7 +197,7 @@ def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
     """Ranks with different lengths: every step is labelled, all ranks agree, tokens equal plain (--dp 2)."""
     prompts = [[(i * 7) % 256 for i in range(236)], [1, 2, 3], [(i * 5) % 256 for i in range(60)]]
     n_new = 256 - 236
-    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    args = [str(eagle3_built.bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
     dp, plain = _cli("generate", *args, "--spec", "--dp", "2"), _cli("generate", *args, "--dp", "2")
     assert dp.returncode == 0 and plain.returncode == 0, dp.stderr + plain.stderr
     dp, plain = json.loads(dp.stdout), json.loads(plain.stdout)
@@ -219,7 +219,7 @@ def test_compiled_draft_matches_eager(eagle3_built):
     from neffbuild.runtime.kv.cache import allocate_draft
     from neffbuild.runtime.step.draft_inputs import build_draft
 
-    bundle = open_bundle(eagle3_built[1].bundle)
+    bundle = open_bundle(eagle3_built.bundle)
     gi = bundle.manifest["graph_inputs"]
     cfg = GptOssConfig.from_hf_dict(gi["model_config"])
     dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], cfg)

@@ -68,7 +68,7 @@ def test_engine_owned_tables_join_leave_across_buckets(built, small_checkpoint):
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.runtime import open_bundle
 
-    b = open_bundle(built[1].bundle)
+    b = open_bundle(built.bundle)
     needed = []
     step = Stepper(b, on_plan=lambda plan: needed.append(plan.needed_seq))
     engine = Engine(b, GptOssConfig.from_hf_dict(b.manifest["graph_inputs"]["model_config"]))
