@@ -113,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     from benchmarks._common import machine
     from neffbuild.compiler.backends.inductor import InductorBackend
-    from neffbuild.runtime.loaders import load_inductor
+    from neffbuild.runtime.bundle.loaders import load_inductor
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="attn-bench-"))

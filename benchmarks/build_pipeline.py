@@ -43,7 +43,7 @@ MEM_PROBE = r"""
 import json, sys, torch
 sys.path.insert(0, %(bench)r)
 from _common import rss_mb
-from neffbuild.runtime.bundle import open_bundle
+from neffbuild.runtime.bundle.reader import open_bundle
 mode = sys.argv[1]
 base = rss_mb()
 b = open_bundle(%(bundle)r)
@@ -52,7 +52,7 @@ labels = b.labels[:1] if mode == "one" else b.labels
 for lb in labels:
     if mode == "all_copied":  # the counterfactual: every artifact gets its own copy of the weights
         own = {k: v.clone() for k, v in b.weights.items()}
-        from neffbuild.runtime.aoti_package import AOTIArtifact
+        from neffbuild.runtime.bundle.aoti_package import AOTIArtifact
         r = AOTIArtifact(b.root / b.entries[lb]["file"])
         r.load_constants({n: own[n] for n in r.get_constant_fqns()}, check_full_update=True, user_managed=True)
         b._loaded[lb] = (r, own)

@@ -32,11 +32,11 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "wait_tensor", "
 
 def step_inputs(bundle, entry):
     """A full decode step at the label's shape: every row at the bucket's last position."""
-    from neffbuild.runtime import attn_metadata
-    from neffbuild.runtime.buckets import table_width
+    from neffbuild.runtime.step import attn_metadata
+    from neffbuild.runtime.step.buckets import table_width
 
     B, ctx, bs = entry["batch"], entry["ctx"], bundle.kv_layout.block_size
-    width = table_width(bundle.spec.max_model_len, bs)
+    width = table_width(bundle.grid.max_model_len, bs)
     rows = torch.stack([torch.arange(1, width + 1) + r * width for r in range(B)]) % bundle.kv_layout.num_blocks
     rows = rows.clamp(min=1)
     return attn_metadata.build(torch.ones(B, 1, dtype=torch.long), torch.full((B,), ctx - 1), rows, rows.clone(),
@@ -50,7 +50,7 @@ def replay(bundle, entry, steps: int) -> float:
     from neffbuild.kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
     from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP
 
-    par, B = bundle.layout, entry["batch"] * entry["query_len"]
+    par, B = bundle.parallel, entry["batch"] * entry["query_len"]
     H, L = bundle.weights["embed"].shape[1], bundle.weights["ln_attn"].shape[0]
     x = torch.ones(B, H)
 
@@ -93,8 +93,8 @@ def profiled(art, args, steps: int) -> tuple[float, dict]:
 
 def measure(rank: int, bundle_path: str, steps: int) -> list[dict]:
 
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.runtime.kv_cache import allocate
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.runtime.kv.cache import allocate
 
     bundle = open_bundle(bundle_path)
     kv = allocate(bundle.kv_layout)
@@ -130,7 +130,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch.multiprocessing as mp
 
-    from neffbuild.runtime.bundle import read_manifest
+    from neffbuild.runtime.bundle.reader import read_manifest
 
     world = read_manifest(Path(a.bundle))["parallel"]["world_size"]
     print(f"# {machine()}; {world} gloo ranks, 1 thread each", file=sys.stderr)

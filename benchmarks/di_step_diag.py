@@ -10,10 +10,11 @@ import statistics
 import sys
 
 from neffbuild import registry
-from neffbuild.runtime.bundle import open_bundle
-from neffbuild.runtime.kv_ingest import KVIngest
-from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import open_session
+from neffbuild.runtime.bundle.reader import open_bundle
+from neffbuild.runtime.di.ingest import KVIngest
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.parts import LocalPrefill, Request
+from neffbuild.serve.rank import open_rank
 
 PROMPTS = [[(7 * i + 3 * n) % 250 + 1 for i in range(n)] for n in [40] * 4]
 
@@ -21,14 +22,15 @@ PROMPTS = [[(7 * i + 3 * n) % 250 + 1 for i in range(n)] for n in [40] * 4]
 def step_ms(session) -> float:
     xs = []
     for _ in range(3):
-        g = greedy(session.stepper, session.prefill, session.block_manager(), PROMPTS, 24)
-        xs.append(g.decode_seconds / len(g.plans))
+        engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.kv_caches))
+        engine.run([Request(str(n), list(p), 24, index=n) for n, p in enumerate(PROMPTS)])
+        xs.append(sum(engine.stats.step_seconds) / len(engine.stats.plans))
     return round(statistics.median(xs) * 1e3, 3)
 
 
 def main() -> None:
     bundle = open_bundle(sys.argv[1])
-    session = open_session(bundle)
+    session = open_rank(bundle)
     for label in bundle.labels:
         bundle.artifact(label)
     print("plain, no agent:", step_ms(session), "ms/step", flush=True)

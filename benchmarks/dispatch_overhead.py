@@ -17,12 +17,12 @@ import sys
 import torch
 from _common import machine, median_us
 
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import GridSpec, plan_step
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.dispatch import Grid, plan_step
 
 
 def overhead() -> dict:
-    spec = GridSpec((1, 2, 4, 8), (16384, 32768, 65536), 131072)
+    spec = Grid((1, 2, 4, 8), (16384, 32768, 65536), 131072)
     bs, num_swa, B = 128, 2, 8
     max_blocks = 131072 // bs
     full = torch.randint(1, 8000, (B, max_blocks))
@@ -44,8 +44,8 @@ def overhead() -> dict:
 
 
 def step_time(bundle_path: str) -> dict:
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.runtime.kv_cache import allocate
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.runtime.kv.cache import allocate
 
     b = open_bundle(bundle_path)
     label = min(b.entries.values(), key=lambda a: (a["batch"] * a["ctx"], a["label"]))["label"]

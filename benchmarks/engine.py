@@ -14,7 +14,7 @@ Per run: tokens/s (steps after the first, see serve/result.py), the step time, a
 engine's own work (admission, scheduling, block tables, acceptance: ``EngineStats.engine_seconds``)
 as a fraction of the decode time, split into ``scheduling`` (admission, scheduling, tables, finish)
 and ``accept`` (the greedy argmax and acceptance: ``EngineStats.accept_seconds``); ``check_*``: the
-Stepper's input check (runtime/step_checks.py) timed where the loop calls it, per step. Runs
+Stepper's input check (runtime/step/checks.py) timed where the loop calls it, per step. Runs
 alternate; medians over ``--repeat``. Each run is a fresh engine (a server's first 120 steps).
 ``--cold-cache-demo`` also prints what one block-manager call costs after the CPU touched N MB;
 ``--ahead 0`` runs the engine without look-ahead (what a pool at the recipe's formula minimum gets).
@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import machine
 
-from neffbuild.runtime.bundle import open_bundle
+from neffbuild.runtime.bundle.reader import open_bundle
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
-from neffbuild.serve.session import open_session
+from neffbuild.serve.rank import open_rank
 
 LENGTHS = [(20, 40), (150, 30), (8, 60), (60, 20), (200, 50), (5, 45), (90, 25), (33, 35), (12, 55), (120, 40),
            (44, 15), (70, 30)]  # (prompt tokens, max_new_tokens)
@@ -63,14 +63,14 @@ def run(session, reqs, ahead: int | None = None) -> dict:
             "accept_us_per_step": st.accept_seconds / len(st.step_seconds) * 1e6,
             "run_fraction": st.run_seconds / secs, "plan_fraction": st.plan_seconds / secs,
             "check_us_per_step": checks[0] / len(st.step_seconds) * 1e6, "check_fraction": checks[0] / secs,
-            "ahead": engine.ahead}
+            "ahead": engine.scheduler.ahead}
 
 
 @contextlib.contextmanager
 def _timed_checks():
     """Time the Stepper's input check (runtime/step_checks: ``step_ok``, and ``step_problem`` where that says
     no) where the engine's loop calls it: yields [seconds]; the wrappers' own calls are outside the timed span."""
-    from neffbuild.runtime import step_checks
+    from neffbuild.runtime.step import checks as step_checks
 
     real, total = (step_checks.step_ok, step_checks.step_problem), [0.0]
 
@@ -94,7 +94,7 @@ def cold_cache_demo() -> dict:
     (what the artifact does to the caches between two engine phases)."""
     import torch
 
-    from neffbuild.runtime.blocks import BlockManager, kv_groups
+    from neffbuild.runtime.kv.blocks import BlockManager, kv_groups
 
     mgr = BlockManager(509, 16, kv_groups(128))
     mgr.reserve("a", 100, 100)
@@ -123,10 +123,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cold-cache-demo", action="store_true", help="also time one call after N MB were read")
     ap.add_argument("--ahead", type=int, default=None,
-                    help="the engine's look-ahead in tokens (default: what the pool spares, Engine.ahead; 0: a pool "
+                    help="the engine's look-ahead in tokens (default: what the pool spares, Scheduler.ahead; 0: a pool "
                          "at the recipe's formula minimum, where a request's tables change at every block boundary)")
     args = ap.parse_args()
-    session = open_session(open_bundle(args.bundle, preload=True))
+    session = open_rank(open_bundle(args.bundle, preload=True))
     run(session, workload(0), args.ahead)  # warm-up: first calls of every artifact
     rows = {"requests": [], "static": []}
     for _ in range(args.repeat):

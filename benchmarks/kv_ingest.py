@@ -25,9 +25,9 @@ import torch
 from _common import machine
 
 from neffbuild.bench.overhead import timed_seconds
-from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null
-from neffbuild.runtime.kv_cache import KVLayout, allocate
-from neffbuild.runtime.kv_ingest import KVIngest, KVProducer
+from neffbuild.runtime.di.ingest import KVIngest, KVProducer
+from neffbuild.runtime.di.prompt import di_prompt, strip_leading_null
+from neffbuild.runtime.kv.cache import KVLayout, allocate
 
 SMALL = KVLayout(num_buffers=4, num_blocks=8192, kv_heads=2, block_size=32, head_dim=32)
 SMALL_LAYERS, SMALL_WINDOW = 8, 128

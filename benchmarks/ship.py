@@ -55,7 +55,7 @@ def shaped_folder(root: Path, gib: float) -> Path:
 
 def sign_verify(root: Path, key, pub: Path, check: bool) -> tuple[float, float]:
     from neffbuild.bundle import signing
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     s = _timed(lambda: signing.sign(root, key, check=check))
     v = _timed(lambda: signature.verify_bundle(root, [pub]))

@@ -1,4 +1,4 @@
-"""The step API's input checks (runtime/step_checks.py) vs the tiny bundle's decode steps.
+"""The step API's input checks (runtime/step/checks.py) vs the tiny bundle's decode steps.
 
     .venv/bin/python benchmarks/step_checks.py BUNDLE [--rounds 30]
 
@@ -27,31 +27,19 @@ import torch
 from _common import machine
 
 from neffbuild.bench.overhead import timed_seconds
-from neffbuild.runtime import StepBatch, Stepper, step_checks
-from neffbuild.runtime.block_tables import TableBuffer
-from neffbuild.runtime.bundle import open_bundle
-from neffbuild.runtime.kept_batch import KeptBatch
+from neffbuild.runtime import StepBatch, Stepper
+from neffbuild.runtime.bundle.reader import open_bundle
+from neffbuild.runtime.kv.tables import TableBuffer
+from neffbuild.runtime.step import checks as step_checks
 
 
 def main(path: str, rounds: int) -> dict:
     step = Stepper(open_bundle(path))
-    lay, mml = step.artifacts.kv_layout, step.spec.max_model_len
+    lay, mml = step.artifacts.kv_layout, step.grid.max_model_len
     one = StepBatch([[5]], [20], {"full": torch.arange(1, 3)[None], "sliding": torch.arange(9, 11)[None]})
     four = StepBatch([[5], [6], [7], [8]], [20, 100, 300, 7],
                      {"full": torch.arange(1, 129).reshape(4, 32), "sliding": torch.arange(200, 328).reshape(4, 32)})
     one_rows, four_rows = (StepBatch(b.tokens, b.num_computed, _buffer_view(b.block_tables)) for b in (one, four))
-    # As the engine keeps a plain-decode batch (runtime/kept_batch.py): vouched by one whole check, then moved on by
-    # advance_greedy (the engine's argmax, made in the runtime) and read by the next plan as a verdict. Tables with
-    # blocks in every column of the bucket, so a round's ten steps stay inside them (a fresh batch each round).
-    kept_b1 = ([[5]], [20], {"full": torch.arange(1, 9)[None], "sliding": torch.arange(9, 17)[None]})
-    kept_b4 = (four.tokens, four.num_computed, four.block_tables)
-
-    def kept(b):
-        tokens, computed, tables = b
-        batch = KeptBatch([list(t) for t in tokens], list(computed), _buffer_view(tables))
-        step.plan(batch)  # the whole check, which vouches for it
-        assert batch.vouched(step._check_params) and batch.slack >= 10
-        return batch
     kw = {"k": 0, "vocab": step.vocab_size, "layout": lay, "max_model_len": mml}
     vocab = step.vocab_size
 
@@ -59,10 +47,6 @@ def main(path: str, rounds: int) -> dict:
         return lambda: None if step_checks.step_ok(b.tokens, b.num_computed, b.block_tables, 0, vocab, lay.block_size,
                                                    lay.num_blocks, mml) else step_checks.step_problem(
             b, k=0, vocab=vocab, layout=lay, max_model_len=mml)
-
-    def check_kept(b):  # as Stepper.plan reads a KeptBatch: the verdict, else the whole check (which vouches)
-        params = step._check_params
-        return lambda: None if b.vouched(params) else check(b)()
 
     def reference(b):
         return lambda: step_checks._step_reference(b.tokens, b.num_computed, b.block_tables, **kw)
@@ -84,36 +68,26 @@ def main(path: str, rounds: int) -> dict:
             "check_rows_b4_mixed_us": (ten(check(four_rows)), 20, 10)}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     after = {"check_after_step_b1_us": one, "check_after_step_b4_mixed_us": four,
-             "check_rows_after_step_b1_us": one_rows, "check_rows_after_step_b4_mixed_us": four_rows,
-             "check_kept_after_step_b1_us": kept_b1, "check_kept_after_step_b4_mixed_us": kept_b4}
+             "check_rows_after_step_b1_us": one_rows, "check_rows_after_step_b4_mixed_us": four_rows}
     samples |= {name: [] for name in after}
-    samples |= {name.replace("check_kept", "advance_greedy"): [] for name in after if "kept" in name}
     samples |= {name.replace("check_rows", "argmax"): [] for name in after if "rows" in name}
-    paired: dict[str, list[float]] = {"b1": [], "b4_mixed": [], "kept_b1": [], "kept_b4_mixed": []}
+    paired: dict[str, list[float]] = {"b1": [], "b4_mixed": []}
     load = [os.getloadavg()[0]]
     for _ in range(rounds):
         for name, (fn, n, calls) in fns.items():
             samples[name] += [t / calls for t in timed_seconds(fn, n, warmup=1)]
         for name, b in after.items():
-            is_kept = type(b) is tuple
-            b = kept(b) if is_kept else b
-            fn = check_kept(b) if is_kept else check(b)
+            fn = check(b)
             for _ in range(10):  # one check right after a step, as in a serving loop: the artifact
                 out = step.step(b)  # has just run, so the interpreter's caches are cold
-                if is_kept:  # the engine's _accept: the argmax, the rows moved on, their check kept (timed alone)
-                    a0 = time.perf_counter()
-                    b.advance_greedy(out.logits)
-                    samples[name.replace("check_kept", "advance_greedy")].append(time.perf_counter() - a0)
-                    assert b.vouched(step._check_params)
-                elif "rows" in name:  # what the engine's _accept did before: the argmax alone
+                if "rows" in name:  # the engine's update: the argmax alone
                     a0 = time.perf_counter()
                     out.logits.argmax(-1).tolist()
                     samples[name.replace("check_rows", "argmax")].append(time.perf_counter() - a0)
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)
-        for name, b in (("b1", one_rows), ("b4_mixed", four_rows), ("kept_b1", kept(kept_b1)),
-                        ("kept_b4_mixed", kept(kept_b4))):
+        for name, b in (("b1", one_rows), ("b4_mixed", four_rows)):
             paired[name] += _paired_step_cost(step, b, 40)
     load.append(os.getloadavg()[0])
     out = {name: round(statistics.median(s) * 1e6, 2) for name, s in samples.items()}
@@ -121,12 +95,6 @@ def main(path: str, rounds: int) -> dict:
         out[f"check_in_step_{name}_us"] = round(statistics.median(diffs) * 1e6, 2)
         out[f"check_in_step_of_step_{name}_pct"] = round(
             100 * out[f"check_in_step_{name}_us"] / out["step_b1_us" if name.endswith("b1") else "step_b4_us"], 2)
-    for name, step_us in (("b1", out["step_b1_us"]), ("b4_mixed", out["step_b4_us"])):
-        # A kept batch's whole check: the verdict read, plus what advance_greedy adds to the argmax it replaces.
-        total = (out[f"check_kept_after_step_{name}_us"] + out[f"advance_greedy_after_step_{name}_us"]
-                 - out[f"argmax_after_step_{name}_us"])
-        out[f"kept_total_{name}_us"] = round(total, 2)
-        out[f"kept_total_of_step_{name}_pct"] = round(100 * total / step_us, 2)
     out |= {"step_b1_label": step.plan(one).label, "step_b4_label": step.plan(four).label,
             "check_of_step_b1_pct": round(100 * out["check_b1_us"] / out["step_b1_us"], 2),
             "check_of_step_b4_pct": round(100 * out["check_b4_mixed_us"] / out["step_b4_us"], 2),
@@ -146,20 +114,19 @@ def _paired_step_cost(step: Stepper, batch: StepBatch, pairs: int) -> list[float
     """Per pair, ``Stepper.step`` with its input check minus the same step with the check skipped (in ABBA
     order, so drift cancels): what the check adds to a step, the caches it warms for the code after it
     included."""
-    real, skip, vouched = step_checks.step_ok, (lambda *a: True), KeptBatch.vouched
+    real, skip = step_checks.step_ok, (lambda *a: True)
     diffs = []
     try:
         for i in range(pairs):
             took = {}
             for checked in ((True, False) if i % 2 == 0 else (False, True)):
                 step_checks.step_ok = real if checked else skip
-                KeptBatch.vouched = vouched if checked else skip
                 t0 = time.perf_counter()
                 step.step(batch)
                 took[checked] = time.perf_counter() - t0
             diffs.append(took[True] - took[False])
     finally:
-        step_checks.step_ok, KeptBatch.vouched = real, vouched
+        step_checks.step_ok = real
     return diffs
 
 

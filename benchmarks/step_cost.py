@@ -42,8 +42,8 @@ def build(raw: dict, work: Path, name: str, cache: Path) -> Path:
 def pool_comparison(small: Path, big: Path, repeat: int) -> dict:
     """Median step time of the same labels on both pools, one call of each per round."""
     from neffbuild.bench.steps import make_case
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.runtime.kv_cache import allocate
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.runtime.kv.cache import allocate
 
     runs = {}
     for tag, path in (("pool", small), ("pool_x4", big)):

@@ -107,15 +107,15 @@ def main() -> None:
     args = ap.parse_args()
     import transformers
 
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.rank import open_rank
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="neffbuild-vs-hf-"))
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     ckpt = checkpoint(work / "checkpoint")
     bundle = build(ckpt, work, args.cache_dir or work / "cache")
-    session = open_session(open_bundle(bundle, preload=True))
+    session = open_rank(open_bundle(bundle, preload=True))
     model = transformers.GptOssForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # a fixed 200 tokens on both sides
     runs = {"bundle": bundle_run, "transformers": lambda m, n: hf_run(m, n)}

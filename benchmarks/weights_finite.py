@@ -23,7 +23,7 @@ from _common import machine
 from safetensors.torch import save_file
 
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime.weights_file import nonfinite
+from neffbuild.runtime.bundle.weights_file import nonfinite
 
 
 def main(gib: float, rounds: int) -> dict:

@@ -38,7 +38,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def output_problem(path: str | os.PathLike, what: str) -> str | None:
-    """Why ``path`` may not be written as an output file, or None (issue 25: write only what you own).
+    """Why ``path`` may not be written as an output file, or None (write only what you own).
 
     Allowed: a regular file (overwritten in place) or an absent name in an existing folder.
     Refused: symbolic links, devices, FIFOs, sockets, folders, a missing parent folder, and any

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from neffbuild.runtime.buckets import ctx_buckets_with_fallback
-from neffbuild.runtime.dispatch import DECODE, DRAFT, FAMILIES, TARGET_NOSPEC, TARGET_SPEC, families, label
+from neffbuild.runtime.step.buckets import ctx_buckets_with_fallback
+from neffbuild.runtime.step.dispatch import DECODE, DRAFT, FAMILIES, TARGET_NOSPEC, TARGET_SPEC, families, label
 
 __all__ = ["DECODE", "DRAFT", "FAMILIES", "TARGET_NOSPEC", "TARGET_SPEC", "Target", "families", "label", "targets"]
 

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from neffbuild.runtime.buckets import P_MAX, round_up
-from neffbuild.runtime.dispatch import families
+from neffbuild.runtime.step.buckets import P_MAX, round_up
+from neffbuild.runtime.step.dispatch import families
 
 
 @dataclass(frozen=True)

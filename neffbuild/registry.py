@@ -42,8 +42,8 @@ class Entry:
 BACKENDS = {
     "neuron": Entry("neuron", {
         "compile_side": "neffbuild.compiler.backends.neuron:NeuronBackend",
-        "loader": "neffbuild.runtime.loaders:load_neuron",
-        "host_problem": "neffbuild.runtime.loaders:neuron_problem",
+        "loader": "neffbuild.runtime.bundle.loaders:load_neuron",
+        "host_problem": "neffbuild.runtime.bundle.loaders:neuron_problem",
         "available": "neffbuild.compiler.backends.neuron:available",
         "layout_rule": "neffbuild.compiler.backends.neuron_rules:neuron_instance_limit",
         "kv_rule": "neffbuild.compiler.backends.neuron_rules:kv_offsets_32bit",
@@ -52,8 +52,8 @@ BACKENDS = {
     }),
     "inductor": Entry("inductor", {
         "compile_side": "neffbuild.compiler.backends.inductor:InductorBackend",
-        "loader": "neffbuild.runtime.loaders:load_inductor",
-        "host_problem": "neffbuild.runtime.loaders:inductor_problem",
+        "loader": "neffbuild.runtime.bundle.loaders:load_inductor",
+        "host_problem": "neffbuild.runtime.bundle.loaders:inductor_problem",
         "available": "neffbuild.compiler.backends.inductor:available",
         "flag_problem": "neffbuild.compiler.backends.flag_rules:inductor_problem",
     }),
@@ -66,8 +66,9 @@ AUTO_FLAG_RULES = "inductor"  # with backend: auto, flags must pass the embedded
 # seed -> stacked weights), placeholder_shapes (config -> {name: shape}), decode (the decode
 # graph module), aux_layers (num_layers -> EAGLE3 aux layer ids), prefill (eager prompt
 # pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
-# -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of
-# (the bundle's weight pieces), unshard (pieces -> the full weights, the --check reference).
+# -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of /
+# piece_names (the bundle's weight pieces and which a rank maps), shard (a rank's weights), unshard
+# (pieces -> the full weights, the --check reference).
 # placeholder_shapes, rank_shapes, local_config and rank_weight_bytes (config, layout -> bytes of the
 # pieces one rank maps, as stored) are torch-free: plan and the validator size a rank with them.
 # Recipe-time rules (torch-free, err(path, value, rule) reporting): field_limits, unknown_keys
@@ -89,8 +90,11 @@ ARCHITECTURES = {
         "rank_shapes": "neffbuild.models.gpt_oss.shapes:rank_shapes",
         "local_config": "neffbuild.models.gpt_oss.shapes:local_config",
         "rank_weight_bytes": "neffbuild.models.gpt_oss.shapes:rank_weight_bytes",
+        "check_layout": "neffbuild.models.gpt_oss.sharding:check_layout",  # config, layout -> InvalidInput or None
         "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
+        "piece_names": "neffbuild.models.gpt_oss.sharding:piece_names",  # layout, rank -> the pieces it maps
+        "shard": "neffbuild.models.gpt_oss.sharding:shard",  # config, full weights, layout, rank -> its weights
         "kv_heads_of": "neffbuild.models.gpt_oss.sharding:kv_heads_of",
         "unshard": "neffbuild.models.gpt_oss.sharding:unshard",
         "kv_buffer_of_layer": "neffbuild.models.gpt_oss.kv_buffers:kv_buffer_of_layer",  # layer -> its KV buffer

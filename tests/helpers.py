@@ -91,8 +91,7 @@ class TestBundle:
     """A bundle a test compiled: the recipe it came from, the bundle folder, the builder's result
     (None when a CLI subprocess built it) and the environment a subprocess needs to load it.
 
-    ``path, res = built`` and ``built[1].bundle`` unpack as (recipe, result); as a path (``os.fspath``,
-    ``str``, ``/``) it is the bundle folder, as the parallel fixtures were.
+    As a path (``os.fspath``, ``str``, ``/``) it is the bundle folder.
     """
 
     __test__ = False  # not a test class
@@ -100,12 +99,6 @@ class TestBundle:
     bundle: Path
     result: object | None = None
     env: dict | None = None
-
-    def __iter__(self):
-        return iter((self.recipe, self.result))
-
-    def __getitem__(self, i):
-        return (self.recipe, self.result)[i]
 
     def __fspath__(self) -> str:
         return str(self.bundle)
@@ -198,3 +191,58 @@ def neuron_recipe(folder: Path, checkpoint: Path, name: str, num_seqs_buckets=(1
     return write_recipe(folder, checkpoint, name=name, num_seqs_buckets=list(num_seqs_buckets),
                         ctx_buckets=list(ctx_buckets), serving__max_num_seqs=num_seqs_buckets[-1],
                         compiler__backend="neuron", neuron_config__lnc=2)
+
+
+# ----------------------------------------------------------------------------------------------- hostile input
+
+def strict_json(text: str):
+    """JSON that refuses NaN and Infinity (what the CLI must never print)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def run_cli(*args):
+    """In-process CLI: (exit code, stdout, stderr, unhandled exception or None)."""
+    res = cli(*args)
+    return res.returncode, res.stdout, res.stderr, res.unhandled
+
+
+def tampered(src: Path, dest: Path, edit) -> Path:
+    """A copy of bundle ``src`` at ``dest`` with ``edit(root, manifest)`` applied and its checksums and manifest
+    digest rewritten to match ("consistent": what the schema and the header and artifact checks must catch)."""
+    from neffbuild.bundle import manifest, paths
+    from neffbuild.fsutil import sha256_file
+
+    shutil.copytree(src, dest)
+    m = json.loads((dest / paths.MANIFEST_PATH).read_text())
+    out = edit(dest, m)
+    if isinstance(out, str):
+        text = out
+    else:
+        for rel in out or []:
+            p = dest / rel
+            m["files"][rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for a in m["artifacts"]:
+                if a["file"] == rel:
+                    a.update(m["files"][rel])
+        text = manifest.dumps(m)
+    (dest / paths.MANIFEST_PATH).write_text(text)
+    digest = __import__("hashlib").sha256(text.encode()).hexdigest()
+    (dest / paths.MANIFEST_DIGEST_PATH).write_text(f"{digest}  {paths.MANIFEST_PATH}\n")
+    return dest
+
+
+def gi(fn):
+    def edit(root, m):
+        fn(m["graph_inputs"])
+
+    return edit
+
+
+def kv_sigs(m, fn):
+    for a in m["artifacts"]:
+        for s in a["input_signature"]:
+            if s["name"].startswith("kv_caches"):
+                fn(s)

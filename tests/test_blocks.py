@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neffbuild.errors import KVPoolExhausted
-from neffbuild.runtime.blocks import (
+from neffbuild.runtime.kv.blocks import (
     NULL_BLOCK,
     BlockManager,
     KVGroup,
@@ -200,7 +200,7 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
     afresh, whatever joins, leaves, boundary crossings and sliding releases happen in between."""
     import torch
 
-    from neffbuild.runtime.block_tables import BlockTables
+    from neffbuild.runtime.kv.tables import BlockTables
     from neffbuild.serve.parts import BlockRows, block_rows
 
     mgr = BlockManager(400, 4, kv_groups(9))
@@ -231,12 +231,12 @@ def test_engine_tables_kept_between_steps_equal_fresh_ones(events):
 @pytest.mark.parametrize("ids,why", [([1.5, 2], "integers"), (["3"], "integers"), ([2**63], "integers"),
                                      ([], "1..4"), ([1] * 5, "1..4"), (None, "integers")])
 def test_table_buffer_refuses_a_row_it_cannot_hold_and_keeps_the_old_one(ids, why):
-    """runtime/block_tables.py checks a row when it is written: what it cannot store as int64 ids of a width
+    """runtime/kv/tables.py checks a row when it is written: what it cannot store as int64 ids of a width
     the buffer holds is a StepInputError naming the row, and the buffer (tensor and lists) is unchanged."""
     import torch
 
     from neffbuild.errors import StepInputError
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     buf = TableBuffer(["full", "sliding"], 2, 4)
     buf.write(1, 1, [3, 4, 0])
@@ -268,7 +268,7 @@ def test_table_buffer_row_reads_as_its_ids_then_nulls_at_any_width():
     at other widths is exact and trusted (a new context bucket is a new view, not a rewrite of every row)."""
     import torch
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     buf = TableBuffer(["full"], 2, 6)
     buf.write(0, 0, [9, 9, 9, 9, 9, 9])
@@ -289,7 +289,7 @@ def test_table_buffer_run_claim_is_checked_not_trusted():
     or false, in range or not: the claim only skips a scan when the ids confirm it."""
     import itertools
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     W, seen = 4, 0
     plain, claimed = TableBuffer(["full"], 1, W), TableBuffer(["full"], 1, W)
@@ -323,12 +323,12 @@ def test_reserve_fast_path_at_every_position_of_a_decode(bs, window, q):
 def test_checked_rows_agree_with_the_reference_at_every_position_and_null_column(group):
     """Exhaustive on a small table: a TableBuffer view (step_ok's checked-rows path) with the null block in one
     column (or none), every position and query length: step_ok never says yes where the reference refuses
-    (runtime/step_checks.py), so a null block in a live column, even the only one, is never let through; and on
+    (runtime/step/checks.py), so a null block in a live column, even the only one, is never let through; and on
     the rows a block manager writes it says yes exactly where the reference takes the step."""
     from types import SimpleNamespace
 
-    from neffbuild.runtime import step_checks
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
+    from neffbuild.runtime.step import checks as step_checks
 
     bs, W, nb, mml = 4, 4, 9, 16
     layout = SimpleNamespace(block_size=bs, num_blocks=nb)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from neffbuild import grid
 from neffbuild.errors import ShapeNotCovered
-from neffbuild.runtime import buckets as B
+from neffbuild.runtime.step import buckets as B
 
 
 @pytest.mark.parametrize("count,buckets,expected", [

@@ -20,11 +20,12 @@ from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.graphs import build_graph, target_graph
 from neffbuild.errors import BundleError, IncompatibleBundle
 from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.bundle import check, open_bundle
-from neffbuild.runtime.step import StepBatch
-from neffbuild.serve.greedy import prometheus, tables_for
-from neffbuild.serve.session import open_session
+from neffbuild.runtime.bundle.reader import check, open_bundle
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.stepper import StepBatch
+from neffbuild.serve.parts import block_rows
+from neffbuild.serve.rank import open_rank
+from neffbuild.serve.run import prometheus
 from tests.helpers import POOL, ROOT, TINY, assert_failed_target, cache_key, cli, seed_cache, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -34,27 +35,27 @@ _cli = cli  # in-process (tests/helpers.py); the kill, Ctrl-C and concurrency te
 
 
 def test_artifacts_match_eager_on_prefilled_cache(built):
-    _, res = built
+    res = built.result
     b = open_bundle(res.bundle, verify="full")
-    cfg = R.load(built[0]).model.config
+    cfg = R.load(built.recipe).model.config
     eager = GptOssDecode(cfg, b.weights).eval()
-    session = open_session(b)
+    session = open_rank(b)
     blocks, kv = session.block_manager(), session.stepper.kv_caches
     prompts = [list(range(5, 100)), [3, 4, 5], [(i * 11) % 256 for i in range(60)]]
     for rid, p in enumerate(prompts):  # prefill, then one compiled step
         blocks.reserve(rid, len(p), len(p))
-        session.prefill(p, kv, {g: t[0] for g, t in tables_for(blocks, [rid], [len(p)]).items()})
+        session.prefill(p, kv, {g: t[0] for g, t in block_rows(blocks, [rid], [len(p)]).items()})
     computed = torch.tensor([len(p) for p in prompts])
     for rid, c in enumerate(computed.tolist()):
         blocks.reserve(rid, c + 1, c)
-    tables = tables_for(blocks, range(3), computed + 1)
+    tables = block_rows(blocks, range(3), computed + 1)
     out = session.stepper.step(StepBatch([[1], [2], [3]], computed.tolist(), tables))
     assert 'neffbuild_neff_execution_count{bucket="decode_b4"} 1' in prometheus([out.plan])
     assert "neffbuild_batch_padding_ratio 0.250000" in prometheus([out.plan])  # 3 live rows of 4
     computed += 1
     for rid, c in enumerate(computed.tolist()):
         blocks.reserve(rid, c + 1, c)
-    tables = tables_for(blocks, range(3), computed + 1)
+    tables = block_rows(blocks, range(3), computed + 1)
     checked = 0
     for label, entry in b.entries.items():
         if entry["batch"] < 3 or entry["ctx"] < int(computed.max()) + 1:
@@ -75,9 +76,10 @@ def test_artifacts_match_eager_on_prefilled_cache(built):
 
 def test_artifacts_share_one_weight_copy(built):
     """Bound as user-managed constants: editing the mmapped weights in place changes every artifact."""
-    b = open_bundle(built[1].bundle)
-    spec = target_graph(R.load(built[0]), [t for t in __import__("neffbuild.grid").grid.targets(R.load(built[0]))
-                                       if t.label == "decode_b1_ctx128"][0])
+    b = open_bundle(built.bundle)
+    recipe = R.load(built.recipe)
+    spec = target_graph(recipe, [t for t in __import__("neffbuild.grid").grid.targets(recipe)
+                                 if t.label == "decode_b1_ctx128"][0])
     _, inputs = build_graph(spec)
     before = {lb: b.artifact(lb)(*inputs[:7], tuple(t.clone() for t in inputs[7])) for lb in ("decode_b1_ctx128",)}
     ptr = b.weights["lm_head"].data_ptr()
@@ -85,11 +87,11 @@ def test_artifacts_share_one_weight_copy(built):
     assert b.weights["lm_head"].data_ptr() == ptr
     after = b.artifact("decode_b1_ctx128")(*inputs[:7], tuple(t.clone() for t in inputs[7]))
     torch.testing.assert_close(after, before["decode_b1_ctx128"] * 2, rtol=1e-5, atol=1e-6)
-    assert not check(built[1].bundle)  # the bundle on disk is unchanged
+    assert not check(built.bundle)  # the bundle on disk is unchanged
 
 
 def test_second_compile_is_all_cache_hits_and_manifest_is_identical(built, build_cache, tmp_path):
-    path, first = built
+    path, first = built.recipe, built.result
     manifest_1 = (first.bundle / "manifest.json").read_bytes()
     t0 = time.monotonic()
     res = compile_recipe(R.load(path), tmp_path / "again", jobs=2, cache_root=build_cache)
@@ -230,7 +232,7 @@ def _newer(b):
                          ids=["flipped-byte", "truncated-weights", "missing-file", "dotdot", "absolute", "symlink",
                               "newer-format"])
 def test_verify_catches(built, tmp_path, damage):
-    b = _copy(built[1].bundle, tmp_path)
+    b = _copy(built.bundle, tmp_path)
     named = damage(b)
     res = _cli("verify", str(b))
     assert res.returncode == 1 and named in res.stderr and "Traceback" not in res.stderr, res.stderr
@@ -239,7 +241,7 @@ def test_verify_catches(built, tmp_path, damage):
 
 
 def test_open_bundle_refuses_other_torch(built, tmp_path):
-    b = _copy(built[1].bundle, tmp_path)
+    b = _copy(built.bundle, tmp_path)
     _edit_manifest(b, lambda m: m["toolchain"].update(torch="2.11.0+cpu"))
     with pytest.raises(IncompatibleBundle, match=r"compiled by torch 2\.11\.0"):
         open_bundle(b)
@@ -252,7 +254,7 @@ def test_stdlib_reader_from_the_spec_parses_a_bundle(built):
     def read_bundle(root):
         root = Path(root)
         m = json.loads((root / "manifest.json").read_text())
-        if m["format"] != "neffbuild-bundle" or m["format_version"] > 3:
+        if m["format"] != "neffbuild-bundle" or m["format_version"] > 4:
             raise ValueError("unsupported bundle")
         for rel, info in m["files"].items():
             parts = Path(rel).parts
@@ -269,22 +271,22 @@ def test_stdlib_reader_from_the_spec_parses_a_bundle(built):
         header_len = int.from_bytes((root / m["weights"]["file"]).read_bytes()[:8], "little")
         return m["name"], m["version"], grid, header_len
 
-    name, version, grid, header_len = read_bundle(built[1].bundle)
+    name, version, grid, header_len = read_bundle(built.bundle)
     assert (name, version) == ("gpt-oss-test", "0.1.0") and header_len > 0
     assert grid == [(1, 128), (1, 256), (1, 512), (4, 128), (4, 256), (4, 512)]
 
 
 def test_inspect_and_diff(built, tmp_path):
-    res = _cli("inspect", str(built[1].bundle), "--json")
+    res = _cli("inspect", str(built.bundle), "--json")
     doc = json.loads(res.stdout)
     assert doc["totals"]["artifacts"] == 6 and doc["name"] == "gpt-oss-test"
-    b = _copy(built[1].bundle, tmp_path)
+    b = _copy(built.bundle, tmp_path)
     _edit_manifest(b, lambda m: (m["artifacts"].pop(0), m["graph_inputs"].update(num_blocks=1024)))
-    d = json.loads(_cli("diff", str(built[1].bundle), str(b), "--json").stdout)
+    d = json.loads(_cli("diff", str(built.bundle), str(b), "--json").stdout)
     assert d["removed"] == ["decode_b1_ctx128"] and d["config"]["graph_inputs.num_blocks"] == [POOL, 1024]
-    html = (built[1].bundle / "report.html").read_text()
+    html = (built.bundle / "report.html").read_text()
     assert "decode_b4_ctx512" in html and "compile s" in html
-    prom = (built[1].bundle / "metrics" / "compile.prom").read_text()
+    prom = (built.bundle / "metrics" / "compile.prom").read_text()
     assert 'neffbuild_compilation_time_seconds{bucket="decode_b4_ctx512"}' in prom
 
 
@@ -397,7 +399,7 @@ def test_cache_cli(built, build_cache, tmp_path):
 
 def test_packed_fp8_kv_bundle_matches_eager(fp8_built):
     """float8_e4m3fn KV with packed K survives export + AOTInductor: compiled tokens == eager tokens."""
-    _, res = fp8_built
+    res = fp8_built.result
     assert not res.failed and res.built + res.cached == 1
     m = json.loads((res.bundle / "manifest.json").read_text())
     assert m["graph_inputs"]["kv_layout"]["dtype"] == "float8_e4m3fn" and m["graph_inputs"]["kv_layout"]["packed_k"]
@@ -418,7 +420,7 @@ def test_packed_fp8_kv_bundle_matches_eager(fp8_built):
     (["compile", "/nope.yaml"], 2, "recipe file not found"),
 ])
 def test_cli_errors_are_clear(built, tmp_path, args, code, needle):
-    args = [a.format(tmp=tmp_path, bundle=built[1].bundle) for a in args]
+    args = [a.format(tmp=tmp_path, bundle=built.bundle) for a in args]
     res = _cli(*args)
     assert res.returncode == code, res.stderr
     assert needle in res.stderr and "Traceback" not in res.stderr

@@ -17,7 +17,7 @@ from neffbuild import recipe as R
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.builder import compile_recipe
 from neffbuild.errors import IncompatibleBundle
-from neffbuild.runtime import cpu_features
+from neffbuild.runtime.bundle import cpu_features
 from tests.conftest import ROOT, cli, write_recipe
 
 FALLBACK_ONLY = {"num_seqs_buckets": [1], "ctx_buckets": [512], "serving__max_num_seqs": 1}  # 1 target: b1, ctx 512
@@ -154,8 +154,8 @@ def test_target_changes_key_is_recorded_and_decodes_the_same(v2_build):
 @x86
 @pytest.mark.slow
 def test_bundle_needing_a_missing_cpu_feature_is_refused_before_native_code(v2_build, tmp_path, monkeypatch):
-    from neffbuild.runtime import aoti_package, loaders
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle import aoti_package, loaders
+    from neffbuild.runtime.bundle.reader import open_bundle
 
     bundle = tmp_path / "b"
     shutil.copytree(v2_build[2].bundle, bundle)

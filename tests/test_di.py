@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from neffbuild.errors import KVTransferError
-from neffbuild.runtime.blocks import SLIDING_GROUP, BlockManager, kv_groups
-from neffbuild.runtime.di_prompt import DIPrompt, di_prompt, strip_leading_null, truncate, unwritten_reads
+from neffbuild.runtime.di.prompt import DIPrompt, di_prompt, strip_leading_null, truncate, unwritten_reads
+from neffbuild.runtime.kv.blocks import SLIDING_GROUP, BlockManager, kv_groups
+from tests import engine_runs
 from tests.conftest import ROOT
 from tests.helpers import cli
 
@@ -63,25 +64,25 @@ def test_without_the_rule_the_block_manager_drops_a_block_the_first_step_reads()
 def test_prefill_last_logits_equal_a_decode_step_at_that_position(tiny_recipe, tiny_cfg, hf_checkpoint, fp8):
     """What DI relies on: prefill of N tokens and prefill of N-1 plus one decode step agree (FP8 KV too)."""
     from neffbuild.models.gpt_oss import weights
-    from neffbuild.runtime.step import StepBatch
-    from neffbuild.serve.greedy import tables_for
-    from tests.test_gpt_oss import make_session
+    from neffbuild.runtime.step.stepper import StepBatch
+    from neffbuild.serve.parts import block_rows
+    from tests.test_gpt_oss import eager_rank
 
     stacked = weights.stack(tiny_cfg, weights.load_checkpoint(hf_checkpoint))
     for n in (16, 47):
         prompt = _prompts([n])[0]
-        whole = make_session(tiny_recipe, stacked, fp8=fp8, packed=fp8)
+        whole = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=fp8)
         blocks = whole.block_manager()
         blocks.reserve("a", n, n)
-        rows = {g: t[0] for g, t in tables_for(blocks, ["a"], [n]).items()}
+        rows = {g: t[0] for g, t in block_rows(blocks, ["a"], [n]).items()}
         want = whole.prefill(prompt, whole.stepper.kv_caches, rows)[-1]
-        split = make_session(tiny_recipe, stacked, fp8=fp8, packed=fp8)
+        split = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=fp8)
         blocks = split.block_manager()
         blocks.reserve("b", n - 1, n - 1)
-        rows = {g: t[0] for g, t in tables_for(blocks, ["b"], [n - 1]).items()}
+        rows = {g: t[0] for g, t in block_rows(blocks, ["b"], [n - 1]).items()}
         split.prefill(prompt[:-1], split.stepper.kv_caches, rows)
         blocks.reserve("b", n, n - 1)
-        got = split.stepper.step(StepBatch([[prompt[-1]]], [n - 1], tables_for(blocks, ["b"], [n]))).logits[0, -1]
+        got = split.stepper.step(StepBatch([[prompt[-1]]], [n - 1], block_rows(blocks, ["b"], [n]))).logits[0, -1]
         torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
         assert int(got.argmax()) == int(want.argmax())
 
@@ -94,30 +95,28 @@ def _prompts(lengths):
 
 
 def _single_process(session, prompts, new):
-    from neffbuild.serve.greedy import greedy
-
-    return greedy(session.stepper, session.prefill, session.block_manager(), prompts, new).tokens
+    return engine_runs.greedy(session, prompts, new).tokens
 
 
 def _di_vs_single(bundle_path, lengths, new=4):
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import PrefillWorker, generate_di
-    from neffbuild.serve.session import open_session
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.prefill_worker import PrefillGroup
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(bundle_path))
+    session = open_rank(open_bundle(bundle_path))
     out = []
-    with PrefillWorker(bundle_path) as worker:
+    with PrefillGroup(bundle_path) as worker:
         for i in range(0, len(lengths), 4):  # the bundles' largest batch bucket
             prompts = _prompts(lengths[i:i + 4])
             ref = _single_process(session, prompts, new)
-            gen = generate_di(session, worker.port, prompts, new)
+            gen = engine_runs.di(session, worker.port, prompts, new)
             out += list(zip(lengths[i:i + 4], gen.tokens, ref, gen.transfers, strict=True))
     return out
 
 
 @pytest.mark.slow
 def test_generate_di_equals_single_process(built):
-    rows = _di_vs_single(built[1].bundle, LENGTHS)
+    rows = _di_vs_single(built.bundle, LENGTHS)
     assert [n for n, di, ref, _ in rows if di != ref] == []
     kv = {n: t["kv_len"] for n, _, _, t in rows}
     assert kv == {n: max(n - 1, 1) for n in LENGTHS}  # the tiny model has sliding layers: N-1 travels
@@ -134,12 +133,12 @@ def test_generate_di_equals_single_process_packed_fp8(built_fp8):
 def test_n_minus_1_rule_is_needed(built):
     """Rule off on both sides: the first step reads a block never transferred (checked),
     or, unchecked, tokens differ."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import PrefillWorker, generate_di
-    from neffbuild.serve.session import open_session
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.prefill_worker import PrefillGroup
+    from neffbuild.serve.rank import open_rank
 
-    path = built[1].bundle
-    session = open_session(open_bundle(path))
+    path = built.bundle
+    session = open_rank(open_bundle(path))
     lengths = [16, 17, 47, 63]
     prompts = _prompts(lengths)
     ref = _single_process(session, prompts, 6)
@@ -149,10 +148,10 @@ def test_n_minus_1_rule_is_needed(built):
     g = torch.Generator().manual_seed(0)
     for buf in session.stepper.kv_caches:
         buf.copy_(torch.randn(buf.shape, generator=g, dtype=buf.dtype) * 100)
-    with PrefillWorker(path, _n_minus_1=False) as worker:
+    with PrefillGroup(path, _n_minus_1=False) as worker:
         with pytest.raises(KVTransferError, match=r"position 46 reads sliding-group logical blocks \[0\]"):
-            generate_di(session, worker.port, prompts, 6, _n_minus_1=False)
-        gen = generate_di(session, worker.port, prompts, 6, _n_minus_1=False, check_reads=False)
+            engine_runs.di(session, worker.port, prompts, 6, _n_minus_1=False)
+        gen = engine_runs.di(session, worker.port, prompts, 6, _n_minus_1=False, check_reads=False)
     differ = [n for n, di, r in zip(lengths, gen.tokens, ref, strict=True) if di != r]
     assert 47 in differ or 63 in differ
     assert 16 not in differ and 17 not in differ  # other residues are unaffected
@@ -163,7 +162,7 @@ _cli = cli  # in-process (tests/helpers.py); --di starts its prefill worker proc
 
 @pytest.mark.slow
 def test_generate_di_cli_matches_generate(built):
-    args = ["generate", str(built[1].bundle), "--max-new-tokens", "3", "--json"]
+    args = ["generate", str(built.bundle), "--max-new-tokens", "3", "--json"]
     for p in _prompts([47, 3]):
         args += ["--prompt-ids", ",".join(map(str, p))]
     plain, di = _cli(*args), _cli(*args, "--di")

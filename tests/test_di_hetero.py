@@ -6,6 +6,7 @@ Real processes, real NIXL/UCX (tcp kept in UCX_TLS), the session bundles (no new
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -14,29 +15,32 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import PrefillWorkerLost
+from tests import engine_runs
+from tests.helpers import cli
 from tests.test_di import _prompts, _single_process
+
+GOLDEN_MANIFEST = Path(__file__).parent / "golden" / "manifest-tiny.json"
 
 LENGTHS = [17, 47, 5, 33]
 
 
 def _di_tokens(bundle_path, prefill_tp, lengths, new=4):
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import generate_di
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.prefill_worker import PrefillGroup
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(bundle_path))
+    session = open_rank(open_bundle(bundle_path))
     prompts = _prompts(lengths)
     with PrefillGroup(bundle_path, prefill_tp) as group:
         assert len(group.processes) == prefill_tp
-        gen = generate_di(session, group.addresses, prompts, new, alive=group.alive)
+        gen = engine_runs.di(session, group.addresses, prompts, new, alive=group.alive)
     return gen, _single_process(session, prompts, new)
 
 
 @pytest.mark.slow
 def test_prefill_tp2_feeds_an_unsharded_decode(built):
     """P=2 (one KV head per prefill rank) into T=1: every local block gathers two remote blocks (two READs)."""
-    gen, ref = _di_tokens(built[1].bundle, 2, LENGTHS)
+    gen, ref = _di_tokens(built.bundle, 2, LENGTHS)
     assert gen.tokens == ref
     assert [t["transfers"] for t in gen.transfers] == [2] * len(LENGTHS)
 
@@ -44,18 +48,18 @@ def test_prefill_tp2_feeds_an_unsharded_decode(built):
 @pytest.mark.slow
 def test_nixl_source_admits_requests_that_arrive_mid_run(built):
     """The engine with NixlSource: requests arriving at later steps are pulled while others decode."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.di import NixlSource
     from neffbuild.serve.engine import Engine
     from neffbuild.serve.parts import Request
     from neffbuild.serve.prefill_worker import PrefillGroup
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(built[1].bundle))
+    session = open_rank(open_bundle(built.bundle))
     prompts = _prompts([30, 9, 47])
     arrivals = [0, 2, 4]
     reqs = [Request(f"r{n}", p, 5 + n, arrival=arrivals[n], index=n) for n, p in enumerate(prompts)]
-    with PrefillGroup(built[1].bundle) as group:
+    with PrefillGroup(built.bundle) as group:
         source = NixlSource(session, group.addresses, alive=group.alive, prefix="mid-")
         try:
             Engine(session.stepper, session.block_manager(), source).run(reqs)
@@ -70,15 +74,14 @@ def test_nixl_source_admits_requests_that_arrive_mid_run(built):
 def _tp2_rank(rank, init_file, bundle_path, addresses, prompts, new, out_dir):
     import torch.distributed as dist
 
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.di import generate_di
-    from neffbuild.serve.session import open_session
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.rank import open_rank
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         bundle = open_bundle(bundle_path, group=dist.group.WORLD)
-        session = open_session(bundle, group=dist.group.WORLD)
-        gen = generate_di(session, [tuple(a) for a in addresses], prompts, new,
+        session = open_rank(bundle, group=dist.group.WORLD)
+        gen = engine_runs.di(session, [tuple(a) for a in addresses], prompts, new,
                           request_ids=[f"req-{n}" for n in range(len(prompts))])
         res = {"tokens": gen.tokens, "transfers": gen.transfers}
     finally:
@@ -126,14 +129,14 @@ def test_a_prefill_rank_that_dies_is_a_typed_error_naming_the_request(built, vic
     """SIGKILL one prefill rank between two requests: the next request fails with PrefillWorkerLost naming it,
     well within 30 s, from the side channel alone (no process handles: as a decode rank on another host sees
     it); afterwards no prefill process is left."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, pull_prompt
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(built[1].bundle))
+    session = open_rank(open_bundle(built.bundle))
     blocks = session.block_manager()
     [first, second] = _prompts([20, 30])
-    with PrefillGroup(built[1].bundle, 2) as group:
+    with PrefillGroup(built.bundle, 2) as group:
         pids = [p.pid for p in group.processes]
         kv = connect_decode(session, group.addresses)
         try:
@@ -182,7 +185,7 @@ def test_generate_di_exits_1_naming_the_request_when_the_prefill_worker_dies(bui
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(json.dumps({"id": i, "prompt_ids": p, "max_new_tokens": 480}) + "\n"
                             for i, p in zip(ids, _prompts([8] * 12), strict=True)))
-    proc = subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "generate", str(built[1].bundle),
+    proc = subprocess.Popen([sys.executable, "-m", "neffbuild.cli.main", "generate", str(built.bundle),
                              "--requests", str(path), "--di"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     me = psutil.Process(proc.pid)
@@ -227,7 +230,7 @@ def test_di_decode_step_costs_what_a_plain_step_costs(built):
 
     from tests.helpers import ROOT
 
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "di_step.py"), str(built[1].bundle), "--rounds",
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "di_step.py"), str(built.bundle), "--rounds",
                           "4", "--threads", "1"], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     res = json.loads(out.strip().splitlines()[-1])
     print(json.dumps(res))
@@ -242,3 +245,13 @@ def test_prefill_tp_must_split_the_heads_as_a_tp_degree_does(tiny_cfg):
         check_prefill_tp(tiny_cfg, "gpt_oss", ok)
     with pytest.raises(InvalidInput, match=r"--prefill-tp 3: tp 3 must divide the 4 attention heads"):
         check_prefill_tp(tiny_cfg, "gpt_oss", 3)
+
+
+def test_generate_di_prefill_tp_that_cannot_split_the_heads_exits_2_naming_the_flag(tmp_path):
+    """The product path guards the flag: a valid manifest of the tiny model (2 KV heads, 4 attention heads) is
+    enough, as the check runs before NIXL, any rank or any prefill worker starts."""
+    shutil.copy(GOLDEN_MANIFEST, tmp_path / "manifest.json")
+    res = cli("generate", str(tmp_path), "--di", "--prefill-tp", "3", "--prompt-ids", "1,2", "--json")
+    assert res.returncode == 2, res.stderr
+    msg = json.loads(res.stdout)["error"]["message"]
+    assert msg.startswith("--prefill-tp 3:") and "4 attention heads" in msg

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid
+from neffbuild.runtime.step.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from tests.conftest import ROOT
@@ -69,15 +69,15 @@ def _serve(session, reqs):
 def test_continuous_batching_equals_solo_runs(built, tmp_path):
     """generate --requests: staggered arrivals, different lengths, two requests waiting; each request's tokens
     are a solo run's; the buckets follow the live batch down as well as up."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.rank import open_rank
 
     path = tmp_path / "reqs.jsonl"
     path.write_text(_lines(_requests()))
-    res = _cli("generate", str(built[1].bundle), "--requests", str(path), "--json")
+    res = _cli("generate", str(built.bundle), "--requests", str(path), "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
-    session = open_session(open_bundle(built[1].bundle, preload=True))
+    session = open_rank(open_bundle(built.bundle, preload=True))
     for r, got in zip(_requests(), out["requests"], strict=True):
         alone = Request(r.id, r.prompt, r.max_new_tokens)
         _serve(session, [alone])
@@ -87,76 +87,24 @@ def test_continuous_batching_equals_solo_runs(built, tmp_path):
     assert "metrics" not in out and "neffbuild_neff_execution_count" not in res.stderr  # only when asked
 
 
-@pytest.mark.slow
-def test_plain_decode_keeps_its_batch_between_block_boundaries(built):
-    """Plain decode reuses the step before's batch (advanced in place by ``_accept``) until a request joins or
-    leaves (serve/engine.py ``run`` and ``_batch``); at a block boundary it rewrites only the rows that crossed one
-    (``_step_on``), and a wider bucket builds afresh. At every step the kept batch serves (seen in ``_accept``: the
-    batch the step ran, the same object as the step before's), the batch built afresh is the same (tokens,
-    positions, tables) and counts down the same steps; the whole run gives the tokens and step log of an engine
-    that builds every batch afresh."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
-
-    session = open_session(open_bundle(built[1].bundle, preload=True))
-    kept, stepped_on = [], []
-
-    class Checked(Engine):
-        _prev, _prev_tick = None, -1
-
-        def _accept(self, live, out, plan, t):
-            got = self._last  # the batch this step ran (plain decode), not yet moved on
-            if got is not None and got is self._prev:  # served again: kept as it is, or stepped on
-                tables = {g: t.tolist() for g, t in got.block_tables.items()}
-                left, tick = self._steady, self.blocks.tick
-                self._steady, self._last = 0, None
-                fresh, _ = super()._batch(live, False)
-                assert (fresh.tokens, fresh.num_computed) == (got.tokens, got.num_computed)
-                assert {g: t.tolist() for g, t in fresh.block_tables.items()} == tables and self._steady == left
-                self._last, self._tick = got, self.blocks.tick
-                (stepped_on if tick != self._prev_tick else kept).append(got)
-            self._prev, self._prev_tick = got, self.blocks.tick
-            return super()._accept(live, out, plan, t)
-
-    class Fresh(Engine):
-        def _count_down(self, slack, top):
-            super()._count_down(slack, top)
-            self._steady = 0  # run() never takes the kept batch
-
-        def _batch(self, live, more):
-            self._last = None  # and every step builds afresh (no _step_on)
-            return super()._batch(live, more)
-
-    runs = {}
-    for cls in (Checked, Fresh):
-        reqs = _requests()  # no look-ahead (ahead=0): every block boundary is a step that changes tables
-        engine = cls(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches),
-                     ahead=0)
-        engine.run(reqs)
-        runs[cls] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps])
-    assert runs[Checked] == runs[Fresh]
-    assert len(kept) >= len(runs[Fresh][1]) // 4, (len(kept), len(runs[Fresh][1]))  # the kept batch served steps
-    assert stepped_on  # and block boundaries were crossed with only the crossing rows rewritten
-
-
 def _over_budget(engine) -> list:
     """(key, blocks held, budget) of every live request holding more than admission budgeted for it."""
     held = engine.blocks.held
-    return [(k, held(k), need) for k, need in engine._budget.items() if held(k) > need]
+    return [(k, held(k), seq.need) for k, seq in engine.scheduler.seqs.items() if held(k) > seq.need]
 
 
 @pytest.mark.slow
 def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built):
-    """``Engine.ahead``: every reserve holds whole blocks past the step, as far as the pool can spare for
+    """``Scheduler.ahead``: every reserve holds whole blocks past the step, as far as the pool can spare for
     max_batch requests at max_model_len. The tokens and step log equal the engine without it; every request
     holds at most its admission budget at every step (a sliding group keeps more blocks, within it); the
     tables change far less often (the block manager's ``tick``). A pool at the recipe's formula minimum
     gets no look-ahead."""
-    from neffbuild.runtime.blocks import BlockManager, min_pool_blocks
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.runtime.kv.blocks import BlockManager, min_pool_blocks
+    from neffbuild.serve.rank import open_rank
 
-    session = open_session(open_bundle(built[1].bundle, preload=True))
+    session = open_rank(open_bundle(built.bundle, preload=True))
     runs, over = {}, []
     for ahead in (0, None):
         reqs, blocks = _requests(), session.block_manager()
@@ -164,14 +112,14 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
         engine.on_step = lambda plan, out, e=engine: over.extend(_over_budget(e))
         engine.run(reqs)
         runs[ahead] = ([r.tokens for r in reqs], [(s["label"], s["num_reqs"], s["step"]) for s in engine.stats.steps],
-                       blocks.tick, engine.ahead)
+                       blocks.tick, engine.scheduler.ahead)
     assert not over, over[:3]
     assert runs[None][:2] == runs[0][:2]
     assert runs[None][3] > 0 and runs[None][3] % blocks.block_size == 0
     assert runs[None][2] * 2 <= runs[0][2], (runs[None][2], runs[0][2])  # table changes at least halved
     grid, groups = session.stepper.grid, blocks.groups
     tight = min_pool_blocks(grid.max_model_len, blocks.block_size, groups, num_seqs=grid.num_seqs_buckets[-1])
-    assert Engine(session.stepper, BlockManager(tight, blocks.block_size, groups), None).ahead == 0
+    assert Engine(session.stepper, BlockManager(tight, blocks.block_size, groups), None).scheduler.ahead == 0
 
 
 @pytest.mark.parametrize("line, needle", [
@@ -201,7 +149,7 @@ EIGHT = [[(5 * i + 11 * n) % 250 + 1 for i in range(n)] for n in (3, 40, 7, 90, 
 @pytest.mark.parametrize("mode", [[], ["--spec"]], ids=["plain", "spec"])
 def test_eight_prompts_on_a_largest_bucket_of_two(eagle3_built, mode):
     """eagle3_built's largest batch bucket is 2: eight prompts queue, all complete with their solo tokens."""
-    bundle = str(eagle3_built[1].bundle)
+    bundle = str(eagle3_built.bundle)
     res = _cli("generate", bundle, *_prompt_args(EIGHT), "--max-new-tokens", "9", "--json", "--check", *mode)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
@@ -225,7 +173,7 @@ def assert_nospec_after_each_transfer(out, dp: int):
 def test_spec_di_dp2_on_an_unsharded_bundle_equals_plain(eagle3_built):
     """--spec --di --dp 2: each DP rank pulls its own requests' KV; the first step after a transfer runs
     without spec, later ones with; the tokens are plain greedy's."""
-    args = [str(eagle3_built[1].bundle), *_prompt_args(EIGHT[:4]), "--max-new-tokens", "12", "--json"]
+    args = [str(eagle3_built.bundle), *_prompt_args(EIGHT[:4]), "--max-new-tokens", "12", "--json"]
     plain, mixed = _cli("generate", *args), _cli("generate", *args, "--spec", "--di", "--dp", "2")
     assert plain.returncode == 0 and mixed.returncode == 0, mixed.stderr[-3000:]
     plain, mixed = json.loads(plain.stdout), json.loads(mixed.stdout)

@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neffbuild import recipe as R
-from neffbuild.errors import BundleError, NeffbuildError, RecipeError, StepInputError
-from neffbuild.runtime import manifest_schema, weights_file
+from neffbuild.errors import BundleError, NeffbuildError, RecipeError
+from neffbuild.runtime.bundle import schema as manifest_schema
+from neffbuild.runtime.bundle import weights_file
 from tests.conftest import TINY
-from tests.test_hostile import run_cli, strict_json
+from tests.helpers import run_cli, strict_json
 
 BASE = yaml.safe_load(TINY.read_text())
 def fuzz(n: int):
@@ -189,7 +190,7 @@ def test_fuzz_bundle_manifest(built, tmp_path_factory, data):
     from neffbuild.serve.requests import from_prompts
     from neffbuild.serve.run import Options, serve_rank
 
-    src = built[1].bundle
+    src = built.bundle
     m = json.loads((src / "manifest.json").read_text())
     candidates = [p for p in paths(m) if p and p[0] in ("graph_inputs", "artifacts", "weights", "files", "toolchain")]
     for _ in range(data.draw(st.integers(1, 2))):
@@ -258,9 +259,9 @@ def _steps(draw):
 @pytest.fixture(scope="module")
 def fuzz_stepper(built):
     from neffbuild.runtime import Stepper
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
 
-    return Stepper(open_bundle(built[1].bundle))
+    return Stepper(open_bundle(built.bundle))
 
 
 @fuzz(150)
@@ -359,14 +360,14 @@ def _edge_steps(draw, defect: str):
 
 
 def _as_buffer_view(tables, data, cols: int):
-    """The same tables as a TableBuffer view (runtime/block_tables.py: rows checked when written), cut to one
+    """The same tables as a TableBuffer view (runtime/kv/tables.py: rows checked when written), cut to one
     width for every group, mostly no wider than the ``cols`` the graph reads; sometimes with a row written since,
     first wider than the view with odd ids, then at another width (a write nulls what a longer one left: the row
     reads as its ids, then nulls, and the view stays exact). Tables a buffer cannot hold (not 2-D int CPU tensors
     of one row count, unknown groups) stay as they are. Returns (tables, True when a row was rewritten)."""
     import torch
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     ts = list(tables.values()) if isinstance(tables, dict) else []
     if not ts or not set(tables) <= {"full", "sliding"} or not all(
@@ -407,7 +408,7 @@ def _one_run(tables) -> bool:
 def test_fuzz_step_check_fast_path_agrees_with_reference(monkeypatch, scan, defect, data):
     from types import SimpleNamespace
 
-    from neffbuild.runtime import step_checks
+    from neffbuild.runtime.step import checks as step_checks
 
     monkeypatch.setattr(step_checks, "_PY_IDS", step_checks.LIST_LIMIT if scan == "python" else 0)
     (tokens, computed, tables, k, vocab, bs, nb, mml), exact = data.draw(_edge_steps(defect))
@@ -436,7 +437,7 @@ def _decode_rows(draw):
     ahead), then nulls; sometimes a sliding group whose run starts at or before the row's block. The view is as
     wide as some context bucket covering the live columns: rows may hold blocks past it (written wider)."""
 
-    from neffbuild.runtime.block_tables import TableBuffer
+    from neffbuild.runtime.kv.tables import TableBuffer
 
     bs, mml, nb = draw(st.sampled_from([1, 4, 16])), draw(st.sampled_from([16, 40, 64])), draw(st.sampled_from([9, 40]))
     k, vocab, R, cols = draw(st.integers(0, 3)), draw(st.sampled_from([256, 3])), draw(st.integers(1, 4)), -(-mml // bs)
@@ -456,45 +457,3 @@ def _decode_rows(draw):
     return tokens, computed, buf.view(R, W), k, vocab, bs, nb, mml
 
 
-@fuzz(150)
-@given(data=st.data())
-def test_fuzz_kept_batch_greedy_steps_agree_with_reference(data):
-    """``KeptBatch.advance_greedy`` (plain greedy decode's next step, made in the runtime) keeps the verdict exactly
-    as long as the reference takes every step it makes, never longer; an id at or above the vocab (wider logits),
-    more than one id per row or another row count drop it."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from neffbuild.runtime import step_checks
-    from neffbuild.runtime.kept_batch import KeptBatch
-
-    tokens, computed, tables, k, vocab, bs, nb, mml = data.draw(_decode_rows())
-    params = (k, vocab, bs, nb, mml)
-    batch = KeptBatch(tokens, list(computed), tables)
-    assert step_checks.step_ok(batch.tokens, batch.num_computed, tables, k, vocab, bs, nb, mml)
-    batch.vouch(params)
-    R = len(tokens)
-    for _ in range(data.draw(st.integers(1, 3 * bs + 2))):
-        shape = data.draw(st.sampled_from([(R, 1, vocab)] * 8 + [(R, 1, vocab + 1), (R, 2, vocab), (R + 1, 1, vocab),
-                                                                (R, 0), ()]))
-        if len(shape) < 2 or shape[0] != R or shape[-1] == 0:  # another row count, no rows, no logits at all
-            with pytest.raises(StepInputError):
-                batch.advance_greedy(torch.randn(shape) if shape else [[0.5]] * R)
-            assert not batch.vouched(params)
-            return
-        was = batch.vouched(params)
-        logits = torch.zeros(shape)  # each row's argmax drawn here (the last one wins where a row has two)
-        for r in range(R):
-            logits[r, :, data.draw(st.integers(0, shape[2] - 1))] = 1.0
-        ids = batch.advance_greedy(logits)
-        assert batch.tokens == ids and len(ids) == R
-        if shape[1] != 1 or any(row[0] >= vocab for row in ids):  # an id the graph could not embed, or q != 1
-            assert not batch.vouched(params)
-            return
-        ref = step_checks._step_reference(batch.tokens, batch.num_computed, tables, k=k, vocab=vocab,
-                                          max_model_len=mml, layout=SimpleNamespace(block_size=bs, num_blocks=nb))
-        if batch.vouched(params):
-            assert ref is None, ref  # soundness
-        elif was and max(batch.num_computed) < mml:
-            assert ref is not None  # exact: the verdict goes when a row leaves its blocks, not before

@@ -122,7 +122,7 @@ key_bytes = st.one_of(st.binary(max_size=300), st.sampled_from([
 def test_fuzz_key_files(tmp_path_factory, data, kind):
     from neffbuild.bundle.signing import load_private_key
     from neffbuild.compiler.entry_sig import load_trusted
-    from neffbuild.runtime.signature import load_trusted_keys
+    from neffbuild.runtime.bundle.model_sig import load_trusted_keys
 
     if budget("keys").spent:
         return
@@ -206,7 +206,7 @@ def test_fuzz_output_paths(tmp_path_factory, kind, data):
 # -- the runtime API: buffers, devices, groups, requests
 
 def _layout():
-    from neffbuild.runtime.kv_cache import KVLayout
+    from neffbuild.runtime.kv.cache import KVLayout
 
     return KVLayout(2, 12, 2, 16, 16)
 
@@ -246,7 +246,7 @@ def _buffer(kind: str, shape, dtype):
 def test_fuzz_kv_buffers(kinds, dtype, shape_kind, device):
     import warnings
 
-    from neffbuild.runtime.step_checks import check_kv_buffers
+    from neffbuild.runtime.step.checks import check_kv_buffers
 
     if budget("buffers").spent:
         return
@@ -271,7 +271,7 @@ def test_fuzz_kv_buffers(kinds, dtype, shape_kind, device):
        st.sampled_from([{"backend": "inductor", "device": "cpu"}, {"backend": "inductor", "device": "cuda"},
                         {"backend": "neuron"}, {"backend": "inductor"}]))
 def test_fuzz_devices(device, toolchain):
-    from neffbuild.runtime.loaders import device_problem
+    from neffbuild.runtime.bundle.loaders import device_problem
 
     if budget("devices").spent:
         return
@@ -285,7 +285,7 @@ def test_fuzz_devices(device, toolchain):
 @given(st.one_of(st.none(), st.text(max_size=8), st.integers(), st.floats(), st.lists(st.integers(), max_size=2),
                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.just(object())))
 def test_fuzz_groups(group):
-    from neffbuild.runtime.step_checks import check_group
+    from neffbuild.runtime.step.checks import check_group
 
     if budget("groups").spent:
         return

@@ -5,28 +5,27 @@ import torch
 
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.decode import GptOssDecode
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import Grid
-from neffbuild.runtime.kv_cache import KVLayout
-from neffbuild.serve.greedy import greedy as run_greedy
-from neffbuild.serve.greedy import tables_for
-from neffbuild.serve.session import eager_artifacts
-from neffbuild.serve.session import make_session as _make_session
+from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.dispatch import Grid
+from neffbuild.serve.parts import block_rows
+from neffbuild.serve.rank import eager_artifacts, serving_rank
+from tests import engine_runs
 
 PROMPTS = [list(range(3, 3 + 45)), [7, 1, 9, 200, 13], [(i * 37) % 256 for i in range(70)]]
 
 
-def make_session(recipe, stacked, *, fp8=False, packed=False):
+def eager_rank(recipe, stacked, *, fp8=False, packed=False):
     """The eager graph behind the step API, with the recipe's pool and buckets."""
     cfg = recipe.model.config
     layout = KVLayout(cfg.num_kv_buffers, recipe.num_blocks, cfg.num_key_value_heads, recipe.block_size,
                       cfg.head_dim, fp8=fp8, packed_k=packed)
     spec = Grid(recipe.num_seqs_buckets, recipe.decode_context_length_buckets, recipe.max_model_len)
-    return _make_session(cfg, stacked, eager_artifacts(cfg, stacked, spec, layout, recipe.num_swa))
+    return serving_rank(cfg, stacked, eager_artifacts(cfg, stacked, spec, layout, recipe.num_swa))
 
 
 def greedy(session, prompts, n, **kw):
-    return run_greedy(session.stepper, session.prefill, session.block_manager(), prompts, n, **kw).tokens
+    return engine_runs.greedy(session, prompts, n, **kw).tokens
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def hf_greedy(folder, prompt, n):
 def test_oracle_matches_transformers(tiny_recipe, tiny_cfg, stacked, hf_checkpoint):
     """Prefill + 32 greedy steps, batched with different lengths, equal HF token for token."""
     assert max(map(len, PROMPTS)) > tiny_cfg.sliding_window
-    session = make_session(tiny_recipe, stacked)
+    session = eager_rank(tiny_recipe, stacked)
     step_logits = []
     ours = greedy(session, PROMPTS, 33, on_step=lambda plan, lg: step_logits.append(lg.clone()))
     for n, prompt in enumerate(PROMPTS):
@@ -60,12 +59,12 @@ def test_oracle_matches_transformers(tiny_recipe, tiny_cfg, stacked, hf_checkpoi
 
 def _one_step(tiny_recipe, module, stacked, prompt, ctx, packed=False, fp8=False, trim_swa=True):
     """Prefill ``prompt`` (block manager tables), then one step of ``module`` at context bucket ``ctx``."""
-    session = make_session(tiny_recipe, stacked, fp8=fp8, packed=packed)
+    session = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=packed)
     blocks, N = session.block_manager(), len(prompt)
     blocks.reserve(0, N, N)
-    session.prefill(prompt, session.stepper.kv_caches, {g: t[0] for g, t in tables_for(blocks, [0], [N]).items()})
+    session.prefill(prompt, session.stepper.kv_caches, {g: t[0] for g, t in block_rows(blocks, [0], [N]).items()})
     blocks.reserve(0, N + 1, N)
-    tables = tables_for(blocks, [0], [tiny_recipe.max_model_len])
+    tables = block_rows(blocks, [0], [tiny_recipe.max_model_len])
     full, swa = tables["full"], tables["sliding"]
     inputs = attn_metadata.build(torch.tensor([[5]]), torch.tensor([N]), full, swa, batch=1, ctx=ctx,
                                  block_size=tiny_recipe.block_size,
@@ -87,7 +86,7 @@ def test_bucket_invariance(tiny_recipe, tiny_cfg, stacked):
 def test_packed_fp8_k_equals_unpacked_fp8(tiny_recipe, tiny_cfg, stacked):
     toks = {}
     for packed in (False, True):
-        toks[packed] = greedy(make_session(tiny_recipe, stacked, fp8=True, packed=packed), PROMPTS[:2], 16)
+        toks[packed] = greedy(eager_rank(tiny_recipe, stacked, fp8=True, packed=packed), PROMPTS[:2], 16)
     assert toks[True] == toks[False]
     fp32 = _one_step(tiny_recipe, GptOssDecode(tiny_cfg, stacked), stacked, PROMPTS[0], 128)
     fp8 = _one_step(tiny_recipe, GptOssDecode(tiny_cfg, stacked, packed_k=True), stacked, PROMPTS[0], 128,

@@ -1,5 +1,5 @@
-"""One bundle contract: ``GraphInputs`` (runtime/graph_inputs.py) is what the writer emits and every
-reader decodes, and the step-input table (runtime/step_inputs.py) gives both the traced example
+"""One bundle contract: ``GraphInputs`` (runtime/bundle/graph_inputs.py) is what the writer emits and every
+reader decodes, and the step-input table (runtime/step/inputs.py) gives both the traced example
 inputs and the signatures the manifest schema expects, for every family and layout."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from neffbuild import grid
 from neffbuild import recipe as R
 from neffbuild.bundle.manifest import graph_inputs
 from neffbuild.compiler.graphs import example_inputs, input_signature, kv_layout_for, target_graph, target_graph_from
-from neffbuild.runtime.graph_inputs import GraphInputs
-from neffbuild.runtime.manifest_schema import expected_draft_signature, expected_signature
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
+from neffbuild.runtime.bundle.schema import expected_draft_signature, expected_signature
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
@@ -63,7 +63,8 @@ def test_what_the_runtime_passes_matches_the_table(name):
     """attn_metadata / draft_inputs (+ graph_view) build exactly the table's inputs, FP8 caches as bytes."""
     import torch
 
-    from neffbuild.runtime import attn_metadata, draft_inputs, kv_cache
+    from neffbuild.runtime.kv import cache as kv_cache
+    from neffbuild.runtime.step import attn_metadata, draft_inputs
 
     r = _recipe(name)
     doc, kv = graph_inputs(r, kv_layout_for(r)), kv_layout_for(r)

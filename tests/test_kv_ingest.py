@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from neffbuild.errors import KVLayoutMismatch, KVTransferError
-from neffbuild.runtime.kv_cache import KVLayout, allocate
-from neffbuild.runtime.kv_regions import (
+from neffbuild.runtime.di.regions import (
     HeadSegment,
     KVRegions,
     block_pairs,
@@ -17,6 +16,7 @@ from neffbuild.runtime.kv_regions import (
     pull_descriptors,
     register_regions,
 )
+from neffbuild.runtime.kv.cache import KVLayout, allocate
 
 H = 2  # the model's KV heads in these tests
 LAYOUT = KVLayout(num_buffers=2, num_blocks=8, kv_heads=H, block_size=4, head_dim=3)
@@ -131,7 +131,7 @@ def ranks_heads(tp: int, heads: int = H) -> list[range]:
 
 
 def _prefill_rank(layout, heads, port_q, stop_q):
-    from neffbuild.runtime.kv_ingest import KVProducer
+    from neffbuild.runtime.di.ingest import KVProducer
 
     shard = [c[:, :, heads.start:heads.stop].contiguous() for c in _full(layout)]
     producer = KVProducer(f"prefill-r{heads.start}", per_layer(shard), heads=heads, total_heads=H)
@@ -167,7 +167,7 @@ def prefill_group():
 
 
 def _decode_rank(name, heads, layout=LAYOUT):
-    from neffbuild.runtime.kv_ingest import KVIngest
+    from neffbuild.runtime.di.ingest import KVIngest
 
     caches = allocate(KVLayout(layout.num_buffers, layout.num_blocks, len(heads), layout.block_size, layout.head_dim))
     return KVIngest(name, per_layer(caches), heads=heads, total_heads=H), caches
@@ -246,8 +246,8 @@ def test_runtime_stays_thin_and_imports_nixl_lazily():
 
     from tests.conftest import ROOT
 
-    mods = "neffbuild.runtime.kv_ingest, neffbuild.runtime.kv_regions, neffbuild.runtime.side_channel, " \
-           "neffbuild.runtime.nixl_agent, neffbuild.runtime.di_prompt"
+    mods = "neffbuild.runtime.di.ingest, neffbuild.runtime.di.regions, neffbuild.runtime.di.side_channel, " \
+           "neffbuild.runtime.di.nixl_agent, neffbuild.runtime.di.prompt"
     code = (f"import sys, neffbuild.runtime as rt, {mods}; [getattr(rt, n) for n in rt.__all__]; "
             "print([m for m in ('nixl', 'nixl_cu12', 'neffbuild.serve', 'neffbuild.models', 'neffbuild.cli', "
             "'click', 'yaml') if m in sys.modules])")

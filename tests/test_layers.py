@@ -15,26 +15,35 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"neffbuild", "errors", "settings", "fsutil", "registry"}  # base modules: every part may import them
+# The runtime's rooms are parts of their own (neffbuild/runtime/<room>/), so an upward arrow inside the
+# runtime fails too; "runtime" alone is its top (parallel.py, world.py, the lazy __init__).
+ROOMS = ("bundle", "step", "kv", "di")
+RUNTIME = {"runtime", *(f"runtime.{r}" for r in ROOMS)}
 # part -> the parts it may import (besides the base modules and itself).
 ALLOWED = {
     "base": set(),
     "kernels": set(),
     "runtime": set(),
-    "models": {"kernels", "runtime"},  # runtime: plain layout types only (tests/test_runtime.py checks the names)
-    "grid": {"runtime"},
-    "recipe": {"runtime", "memory"},  # the pure bucket, block and label math, so a formula exists once
-    "memory": {"runtime"},  # a rank's bytes by the runtime's KV layout (neffbuild/memory.py, torch-free)
-    "recommend": {"grid", "runtime"},
+    "runtime.kv": {"runtime"},
+    "runtime.di": {"runtime"},
+    "runtime.step": {"runtime", "runtime.kv"},
+    "runtime.bundle": {"runtime", "runtime.step", "runtime.kv"},
+    # runtime: plain layout types only (tests/test_runtime.py checks the names)
+    "models": {"kernels", "runtime", "runtime.kv"},
+    "grid": RUNTIME,
+    "recipe": RUNTIME | {"memory"},  # the pure bucket, block and label math, so a formula exists once
+    "memory": RUNTIME,  # a rank's bytes by the runtime's KV layout (neffbuild/memory.py, torch-free)
+    "recommend": {"grid"} | RUNTIME,
     "s3": set(),  # the S3 client over boto3 (neffbuild/s3.py): base modules only; boto3 imported on use
-    "bundle": {"runtime", "recipe", "s3"},  # recipe: recipe_check reads recipe.yaml with the validator's rules
-    "compiler": {"models", "bundle", "kernels", "runtime", "grid", "memory", "s3"},
-    # recipe: a bundle's model_config is checked with the recipe's config rules (serve/run.py), one rule set
-    "serve": {"models", "runtime", "recipe"},
-    "bench": {"compiler", "models", "runtime", "serve", "grid"},
-    "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory", "s3"},
+    "bundle": RUNTIME | {"recipe", "s3"},  # recipe: recipe_check reads recipe.yaml with the validator's rules
+    "compiler": {"models", "bundle", "kernels", "grid", "memory", "s3"} | RUNTIME,
+    # recipe: a bundle's model_config is checked with the recipe's config rules (serve/rank.py), one rule set
+    "serve": {"models", "recipe"} | RUNTIME,
+    "bench": {"compiler", "models", "serve", "grid"} | RUNTIME,
+    "cli": {"serve", "compiler", "models", "bundle", "grid", "recipe", "recommend", "bench", "memory", "s3"} | RUNTIME,
 }
-# torch_neuronx: the neuron loader (runtime/loaders.py), imported lazily on a Neuron host.
-# cryptography: signature checks (runtime/signature.py), imported only when trusted keys are given.
+# torch_neuronx: the neuron loader (runtime/bundle/loaders.py), imported lazily on a Neuron host.
+# cryptography: signature checks (runtime/bundle/model_sig.py), imported only when trusted keys are given.
 RUNTIME_THIRD_PARTY = {"torch", "safetensors", "nixl", "nixl_cu12", "prometheus_client", "torch_neuronx",
                        "cryptography"}
 
@@ -49,7 +58,17 @@ def modules(root: Path) -> dict[str, Path]:
 
 def part(module: str) -> str:
     bits = module.split(".")
+    if len(bits) > 3 and bits[1] == "runtime" and bits[2] in ROOMS:
+        return f"runtime.{bits[2]}"
     return "base" if len(bits) == 1 or bits[1] in BASE else bits[1]
+
+
+def arrows() -> list[str]:
+    """The allowed arrows, one line per part (docs/architecture.md shows this list: ``python -m tests.test_layers``)."""
+    def short(parts):
+        names = sorted(parts - RUNTIME) + (["runtime.*"] if parts >= RUNTIME else sorted(parts & RUNTIME))
+        return ", ".join(names) or "(base modules only)"
+    return [f"{p} -> {short(t)}" for p, t in ALLOWED.items() if p != "base"]
 
 
 def imports(path: Path, known: dict) -> set[str]:
@@ -78,7 +97,7 @@ def problems(root: Path) -> list[str]:
             if src == "base" and dst == "base" and not (t == "neffbuild.errors" or m == "neffbuild"):
                 out.append(f"{known[m].relative_to(root)} imports {t}: base modules import only errors")
     for m, p in known.items():
-        if part(m) == "runtime":
+        if part(m) in RUNTIME:
             third = {i for i in imports(p, known) if i not in known and i != "neffbuild"}
             bad = sorted(i for i in third if i not in sys.stdlib_module_names and i not in RUNTIME_THIRD_PARTY)
             out += [f"{p.relative_to(root)} imports {b}: the runtime's only third-party imports are "
@@ -131,15 +150,26 @@ def test_every_import_follows_an_allowed_arrow_and_nothing_cycles():
     assert problems(ROOT) == []
 
 
+def test_the_architecture_doc_shows_the_allowed_arrows():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    block = doc.split("<!-- arrows -->")[1].split("```")[1].strip("\n").splitlines()
+    assert block == arrows(), "docs/architecture.md: paste the output of python -m tests.test_layers"
+
+
 def _copy(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "neffbuild", tmp_path / "neffbuild", ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 
 @pytest.mark.parametrize(("file", "line", "needle"), [
-    ("neffbuild/runtime/buckets.py", "\ndef _up():\n    from neffbuild.recipe import load\n", "runtime -> recipe"),
+    ("neffbuild/runtime/step/buckets.py", "\ndef _up():\n    from neffbuild.recipe import load\n",
+     "runtime.step -> recipe"),
+    ("neffbuild/runtime/kv/blocks.py", "\ndef _up():\n    from neffbuild.runtime.step import stepper\n",
+     "runtime.kv -> runtime.step"),
+    ("neffbuild/runtime/step/stepper.py", "\nfrom neffbuild.runtime.bundle import reader\n",
+     "runtime.step -> runtime.bundle"),
     ("neffbuild/models/gpt_oss/config.py", "\nimport neffbuild.compiler.cache\n", "models -> compiler"),
-    ("neffbuild/runtime/dispatch.py", "\ndef _c():\n    import yaml\n", "imports yaml"),
+    ("neffbuild/runtime/step/dispatch.py", "\ndef _c():\n    import yaml\n", "imports yaml"),
     ("neffbuild/compiler/cache.py", "\ndef _c():\n    from neffbuild.compiler import builder\n", "import cycle"),
 ])
 def test_a_planted_upward_import_fails(tmp_path, file, line, needle):
@@ -167,3 +197,7 @@ def test_the_cli_starts_without_torch(args, tmp_path):
                          env={"PATH": "/usr/bin:/bin", "NEFFBUILD_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path),
                               "PYTHONPATH": str(ROOT)})
     assert res.stderr.strip().splitlines()[-1].startswith("NO-TORCH"), res.stderr
+
+
+if __name__ == "__main__":
+    print("\n".join(arrows()))

@@ -21,7 +21,7 @@ from neffbuild.compiler.graphs import (
     target_graph,
 )
 from neffbuild.models.gpt_oss.weights import stacked_shapes
-from neffbuild.runtime.manifest_schema import problems
+from neffbuild.runtime.bundle.schema import problems
 from tests.conftest import TINY
 
 GOLDEN = Path(__file__).parent / "golden" / "manifest-tiny.json"

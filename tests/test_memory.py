@@ -66,7 +66,7 @@ def test_kv_bytes_equal_what_the_runtime_allocates():
     """The formula is the runtime's own: the bytes of the buffers kv_cache.allocate makes."""
     from neffbuild import memory
     from neffbuild import recipe as R
-    from neffbuild.runtime.kv_cache import allocate, allocate_draft
+    from neffbuild.runtime.kv.cache import allocate, allocate_draft
 
     for path in (TINY, EAGLE3_TINY):
         r = R.load(path).replace(num_blocks=37)
@@ -85,11 +85,11 @@ def _manifest_bytes(bundle: Path, pieces: list[str]) -> int:
 def test_weight_bytes_are_the_ranks_pieces_in_the_bundle(built_tp2, eagle3_built):
     from neffbuild import memory
     from neffbuild import recipe as R
-    from neffbuild.runtime.layout import RECIPE_PATH
+    from neffbuild.runtime.bundle.paths import RECIPE_PATH
 
     sharded = R.load(built_tp2 / RECIPE_PATH)
     assert sum(memory.weight_bytes(sharded)) == _manifest_bytes(built_tp2, ["tp0", "ep0"])
-    path, res = eagle3_built
+    path, res = eagle3_built.recipe, eagle3_built.result
     target, draft = memory.weight_bytes(R.load(path))
     assert target + draft == _manifest_bytes(res.bundle, []) and draft > 0
 
@@ -194,7 +194,7 @@ def test_plan_compile_memory_follows_the_free_memory_override(tmp_path, tiny_raw
 def test_plan_reads_artifact_size_and_rss_from_the_cache(built, build_cache):
     from neffbuild.compiler.cache import Cache
 
-    path, res = built
+    path, res = built.recipe, built.result
     env = dict(os.environ, NEFFBUILD_CACHE_DIR=str(build_cache))
     out = _cli("plan", str(path), "--json", env=env)
     assert out.returncode == 0, out.stderr

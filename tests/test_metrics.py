@@ -5,7 +5,7 @@ import sys
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from neffbuild.runtime.metrics import StepMetrics
+from neffbuild.runtime.step.metrics import StepMetrics
 from tests.conftest import ROOT
 
 
@@ -24,7 +24,7 @@ def test_counters_land_in_the_engines_registry():
 
 def test_text_format_without_prometheus_client():
     code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "from neffbuild.runtime.metrics import StepMetrics\n"
+            "from neffbuild.runtime.step.metrics import StepMetrics\n"
             "m = StepMetrics(); m.record('decode_b2', 2, 1); print(m.text())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stderr

@@ -34,8 +34,7 @@ def _unsharded_tokens(checkpoint, bundle, prompts):
     from neffbuild.models.gpt_oss import weights as W
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.sharding import unshard
-    from neffbuild.runtime import bundle as reader
-    from neffbuild.runtime import weights_file
+    from neffbuild.runtime.bundle import reader, weights_file
     from neffbuild.runtime.parallel import ParallelLayout
     from neffbuild.serve.requests import from_prompts
     from neffbuild.serve.result import reference_tokens
@@ -74,7 +73,7 @@ def test_dp2_ep2_each_rank_gets_single_process_tokens(built_dp2_ep2, small_check
 
 def test_sharded_bundle_refuses_a_world_of_one(built_tp2):
     from neffbuild.errors import IncompatibleBundle
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
 
     with pytest.raises(IncompatibleBundle, match=r"compiled for tp 2 x dp 1 = 2 ranks.*world of 1.*start 2 processes"):
         open_bundle(built_tp2.bundle)
@@ -83,7 +82,7 @@ def test_sharded_bundle_refuses_a_world_of_one(built_tp2):
 
 
 def _mapped(rank, world, bundle):
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
 
     b = open_bundle(bundle)
     maps = Path("/proc/self/maps").read_text()

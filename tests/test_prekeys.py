@@ -21,18 +21,20 @@ def tree(tmp_path):
 
 def test_graph_sources_are_the_graphs_and_what_they_import():
     rel = {str(p.relative_to(ROOT)) for p in graph_sources(ROOT)}
-    assert {"neffbuild/compiler/graphs.py", "neffbuild/models/gpt_oss/decode.py", "neffbuild/runtime/kv_layout.py",
+    assert {"neffbuild/compiler/graphs.py", "neffbuild/models/gpt_oss/decode.py", "neffbuild/runtime/kv/layout.py",
             "neffbuild/compiler/backends/inductor.py"} <= rel
-    assert not rel & {"neffbuild/runtime/histogram.py", "neffbuild/runtime/step.py", "neffbuild/runtime/kv_cache.py",
+    assert not rel & {"neffbuild/runtime/step/histogram.py", "neffbuild/runtime/step/stepper.py",
+                      "neffbuild/runtime/kv/cache.py",
                       "neffbuild/compiler/builder.py",
                       "neffbuild/cli/main.py", "neffbuild/serve/greedy.py"}
 
 
 @pytest.mark.parametrize(("edit", "changes"), [
-    (lambda r: (r / "neffbuild/runtime/histogram.py").open("a").write("\n\ndef new_helper():\n    return 1\n"), False),
+    (lambda r: (r / "neffbuild/runtime/step/histogram.py").open("a").write("\n\ndef new_helper():\n    return 1\n"),
+     False),
     (lambda r: (r / "neffbuild/runtime/new_module.py").write_text('"""a new runtime module"""\n'), False),
     (lambda r: (r / "neffbuild/cli/main.py").open("a").write("\n# a comment\n"), False),
-    (lambda r: (r / "neffbuild/runtime/kv_layout.py").open("a").write("\n# a comment\n"), True),
+    (lambda r: (r / "neffbuild/runtime/kv/layout.py").open("a").write("\n# a comment\n"), True),
     (lambda r: (r / "neffbuild/kernels/__init__.py").open("a").write("\n# a comment\n"), True),
 ])
 def test_only_graph_source_edits_change_the_pre_key_source_digest(tree, edit, changes):

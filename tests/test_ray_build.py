@@ -9,9 +9,9 @@ import torch
 
 from neffbuild import recipe as R
 from neffbuild.compiler.builder import compile_recipe
-from neffbuild.runtime.bundle import check, open_bundle
-from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import open_session
+from neffbuild.runtime.bundle.reader import check, open_bundle
+from neffbuild.serve.rank import open_rank
+from tests.engine_runs import greedy
 from tests.helpers import ROOT, assert_failed_target, cli, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -24,9 +24,9 @@ def _cli(*args, env=None):
 
 def _decode(bundle_path, prompt, new_tokens):
     """Greedy tokens and every step's logits through the bundle's artifacts."""
-    session = open_session(open_bundle(bundle_path))
+    session = open_rank(open_bundle(bundle_path))
     logits = []
-    gen = greedy(session.stepper, session.prefill, session.block_manager(), [prompt], new_tokens,
+    gen = greedy(session, [prompt], new_tokens,
                  on_step=lambda plan, lg: logits.append(lg.clone()))
     return gen.tokens, logits, [p.label for p in gen.plans]
 
@@ -46,7 +46,7 @@ def test_ray_bundle_verifies_and_decodes_like_the_local_build(ray_built, built):
     assert (res.built, res.cached) == (2, 0)
     assert check(res.bundle) == []
     ray_m = json.loads((res.bundle / "manifest.json").read_text())
-    local_m = json.loads((built[1].bundle / "manifest.json").read_text())
+    local_m = json.loads((built.bundle / "manifest.json").read_text())
     local_keys = {a["label"]: a["cache_key"] for a in local_m["artifacts"]}
     assert {a["label"]: a["cache_key"] for a in ray_m["artifacts"]} == {
         lb: local_keys[lb] for lb in ("decode_b1_ctx128", "decode_b1_ctx512")}
@@ -57,7 +57,7 @@ def test_ray_bundle_verifies_and_decodes_like_the_local_build(ray_built, built):
     for length, label in ((100, "decode_b1_ctx128"), (300, "decode_b1_ctx512")):
         prompt = [(5 * i + 1) % 256 for i in range(length)]
         toks, logits, labels = _decode(res.bundle, prompt, 6)
-        ref_toks, ref_logits, ref_labels = _decode(built[1].bundle, prompt, 6)
+        ref_toks, ref_logits, ref_labels = _decode(built.bundle, prompt, 6)
         assert labels == ref_labels == [label] * 5
         assert toks == ref_toks
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from neffbuild.cli.main import _register, cli
 from neffbuild.recommend import Constraints, cost, optimise, report
-from neffbuild.runtime.histogram import NeededSeqHistogram, parse_csv, read_csv
+from neffbuild.runtime.step.histogram import NeededSeqHistogram, parse_csv, read_csv
 
 _register()
 
@@ -135,7 +135,7 @@ def test_recommend_with_recipe_json_and_snippet(tmp_path):
 @pytest.mark.slow
 def test_generate_histogram_feeds_recommend(built, tmp_path):
     """The CSV that generate writes counts every decode step at its synced needed_seq."""
-    recipe_path, res = built
+    recipe_path, res = built.recipe, built.result
     hist = tmp_path / "gen.csv"
     prompts = ["--prompt-ids", ",".join(["7"] * 140), "--prompt-ids", "1,2,3"]
     r = CliRunner().invoke(cli, ["generate", str(res.bundle), *prompts, "--max-new-tokens", "4",

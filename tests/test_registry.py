@@ -51,7 +51,7 @@ def test_nothing_else_names_gpt_oss_or_a_backend():
 
 
 def test_runtime_gets_a_loader_without_the_compile_side():
-    code = ("import sys; from neffbuild import registry; import neffbuild.runtime.bundle; "
+    code = ("import sys; from neffbuild import registry; import neffbuild.runtime.bundle.reader; "
             "registry.backend('inductor').get('loader'); registry.backend('neuron').get('host_problem'); "
             "print([m for m in sys.modules if m.startswith(('neffbuild.compiler', 'neffbuild.models'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

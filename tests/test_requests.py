@@ -97,16 +97,16 @@ def test_engine_api_applies_the_request_rules(req, needle):
 
 def test_engine_run_refuses_before_any_step(tiny_recipe):
     from neffbuild.models.gpt_oss.weights import model_weights
-    from neffbuild.runtime.dispatch import Grid
-    from neffbuild.runtime.kv_cache import KVLayout
+    from neffbuild.runtime.kv.layout import KVLayout
+    from neffbuild.runtime.step.dispatch import Grid
     from neffbuild.serve.engine import Engine
     from neffbuild.serve.parts import LocalPrefill
-    from neffbuild.serve.session import eager_artifacts, make_session
+    from neffbuild.serve.rank import eager_artifacts, serving_rank
 
     cfg = tiny_recipe.model.config
     weights = model_weights(cfg, None, 0)
     layout = KVLayout(cfg.num_kv_buffers, 80, cfg.num_key_value_heads, 16, cfg.head_dim)
-    session = make_session(cfg, weights, eager_artifacts(cfg, weights, Grid((1, 2), (128,), 512), layout, 8))
+    session = serving_rank(cfg, weights, eager_artifacts(cfg, weights, Grid((1, 2), (128,), 512), layout, 8))
     steps = []
     engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches),
                     on_step=lambda plan, out: steps.append(plan))

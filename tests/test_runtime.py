@@ -11,8 +11,8 @@ import torch
 from neffbuild import grid
 from neffbuild import recipe as R
 from neffbuild.errors import ShapeNotCovered
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.dispatch import Grid, plan_step
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.dispatch import Grid, plan_step
 from tests.helpers import ROOT, cli
 
 SPEC = Grid((1, 2, 4), (128, 256), 512)
@@ -94,8 +94,8 @@ def test_head_trim_is_fresh_and_padding_rows_write_nothing():
 
 
 def test_import_runtime_is_cheap():
-    code = ("import sys, neffbuild.runtime as rt, neffbuild.runtime.bundle, neffbuild.runtime.step, "
-            "neffbuild.runtime.blocks, neffbuild.runtime.dp_sync, neffbuild.runtime.attn_metadata; "
+    code = ("import sys, neffbuild.runtime as rt, neffbuild.runtime.bundle.reader, neffbuild.runtime.step.stepper, "
+            "neffbuild.runtime.kv.blocks, neffbuild.runtime.step.dp_sync, neffbuild.runtime.step.attn_metadata; "
             "[getattr(rt, n) for n in rt.__all__]; "
             "bad = [m for m in ('click', 'yaml', 'rich', 'jinja2', 'neffbuild.compiler', 'neffbuild.build', "
             "'neffbuild.bundle', 'neffbuild.grid', 'neffbuild.cli', 'neffbuild.recipe', 'neffbuild.models', "
@@ -107,10 +107,14 @@ def test_import_runtime_is_cheap():
 
 def test_public_api():
     import neffbuild.runtime as rt
+    from neffbuild.errors import NeffbuildError
 
-    assert rt.open_bundle.__module__ == "neffbuild.runtime.bundle"
-    assert issubclass(rt.ShapeNotCovered, rt.NeffbuildError) and issubclass(rt.KVPoolExhausted, rt.NeffbuildError)
+    assert rt.open_bundle.__module__ == "neffbuild.runtime.bundle.reader"
+    assert issubclass(rt.ShapeNotCovered, NeffbuildError) and issubclass(rt.KVPoolExhausted, NeffbuildError)
     assert {"Stepper", "StepBatch", "StepOutput", "BlockManager", "blocks_needed"} <= set(dir(rt))
+    assert len(rt.__all__) <= 20, "neffbuild.runtime exports what serving code calls; the rest lives in its room"
+    arch = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"`{n}`" in arch for n in rt.__all__), "docs/architecture.md lists the runtime's exports"
     with pytest.raises(AttributeError, match="no attribute 'Decoder'"):
         rt.Decoder  # noqa: B018
 
@@ -119,7 +123,7 @@ def test_models_import_no_runtime_logic():
     """models/ may import plain layout constants and types from the runtime, nothing else (STYLE.md #11)."""
     import ast
 
-    plain = {"neffbuild.runtime.blocks": {"NULL_BLOCK"}, "neffbuild.runtime.kv_layout": {"KVLayout"},
+    plain = {"neffbuild.runtime.kv.blocks": {"NULL_BLOCK"}, "neffbuild.runtime.kv.layout": {"KVLayout"},
              "neffbuild.runtime.parallel": {"ParallelLayout", "TP_GROUP", "EP_GROUP", "rank_tensor"}}
     for path in (ROOT / "neffbuild" / "models").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -133,7 +137,7 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, small_chec
 
     prompts = [[(i * 37) % 256 for i in range(100)], list(range(10, 40)), [5, 6, 7]]
     n_new = 170
-    res = _cli("generate", str(built[1].bundle), *_prompt_args(prompts),
+    res = _cli("generate", str(built.bundle), *_prompt_args(prompts),
                "--max-new-tokens", str(n_new), "--json", "--check")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -159,7 +163,7 @@ def test_generate_equals_transformers_across_bucket_boundaries(built, small_chec
 
 @pytest.mark.slow
 def test_generate_human_output_reports_speed(built):
-    res = _cli("generate", str(built[1].bundle), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
+    res = _cli("generate", str(built.bundle), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
     assert res.returncode == 0, res.stderr
     line = [x for x in res.stdout.splitlines() if x.startswith("decode:")]
     assert line and " s, " in line[0] and "tokens/s" in line[0], res.stdout
@@ -178,10 +182,10 @@ def test_dp2_ranks_agree_every_step(built, case):
         prompts = [[rng.randrange(256) for _ in range(rng.randrange(*span))] for span in spans]
     n_new = 260 - max(map(len, prompts))  # the last step's needed_seq is 259: in the fallback (512)
     args = _prompt_args(prompts)
-    dp = _cli("generate", str(built[1].bundle), *args, "--max-new-tokens", str(n_new), "--dp", "2", "--json")
+    dp = _cli("generate", str(built.bundle), *args, "--max-new-tokens", str(n_new), "--dp", "2", "--json")
     assert dp.returncode == 0, dp.stderr
     dp = json.loads(dp.stdout)
-    single = json.loads(_cli("generate", str(built[1].bundle), *args, "--max-new-tokens", str(n_new), "--json").stdout)
+    single = json.loads(_cli("generate", str(built.bundle), *args, "--max-new-tokens", str(n_new), "--json").stdout)
     r0, r1 = dp["ranks"]
     assert len(r0["steps"]) == len(r1["steps"]) == n_new - 1
     assert [s["label"] for s in r0["steps"]] == [s["label"] for s in r1["steps"]]
@@ -196,8 +200,8 @@ def test_dp2_ranks_agree_every_step(built, case):
 
 def test_stepper_fails_closed_before_running_anything():
     from neffbuild.errors import StepInputError
-    from neffbuild.runtime.kv_cache import KVLayout
-    from neffbuild.runtime.step import StepBatch, Stepper
+    from neffbuild.runtime.kv.cache import KVLayout
+    from neffbuild.runtime.step.stepper import StepBatch, Stepper
     from neffbuild.serve.eager import EagerArtifacts
 
     ran = []
@@ -254,7 +258,7 @@ def test_verify_refuses_nan_weights_with_recomputed_digests(built, tmp_path):
 def test_nonfinite_finds_nan_and_inf_and_not_an_overflowing_sum(tmp_path):
     from safetensors.torch import save_file
 
-    from neffbuild.runtime import weights_file
+    from neffbuild.runtime.bundle import weights_file
 
     big = torch.full((8,), 3e38)  # finite values whose float32 sum overflows: the exact test clears them
     nan, inf = torch.zeros(10), torch.ones(3, 3, dtype=torch.bfloat16)

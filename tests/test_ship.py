@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import run_cli
 from tests.s3_server import s3_server  # noqa: F401 - the session fixture
-from tests.test_hostile import run_cli
 from tests.test_sign import _keypair
 
 pytest.importorskip("cryptography")
@@ -46,8 +46,8 @@ def shipped(built, tmp_path_factory):
     """(signed copy of the session bundle, private key, public key)."""
     folder = tmp_path_factory.mktemp("ship")
     priv, pub = _keypair(folder, "ci")
-    root = folder / "src" / built[1].bundle.name
-    shutil.copytree(built[1].bundle, root)
+    root = folder / "src" / built.bundle.name
+    shutil.copytree(built.bundle, root)
     code, _, err, _ = run_cli("sign", str(root), "--key", str(priv))
     assert code == 0, err
     return root, priv, pub

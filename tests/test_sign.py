@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import SignatureError
-from tests.test_hostile import run_cli
+from tests.helpers import run_cli
 
 pytest.importorskip("cryptography")
 
@@ -44,7 +44,7 @@ sys.addaudithook(_hook)
 @pytest.fixture
 def watch(monkeypatch):
     """Record .pt2 opens and every call of the package reader and the artifact loader."""
-    from neffbuild.runtime import aoti_package, loaders
+    from neffbuild.runtime.bundle import aoti_package, loaders
 
     calls = []
     for mod, name in ((loaders, "load"), (aoti_package, "describe"), (aoti_package, "load_package")):
@@ -78,8 +78,8 @@ def keys(tmp_path_factory):
 @pytest.fixture(scope="module")
 def signed(built, keys, tmp_path_factory):
     """A copy of the session bundle, signed with key a by `neffbuild sign`."""
-    dest = tmp_path_factory.mktemp("signed") / built[1].bundle.name
-    shutil.copytree(built[1].bundle, dest)
+    dest = tmp_path_factory.mktemp("signed") / built.bundle.name
+    shutil.copytree(built.bundle, dest)
     code, out, err, exc = run_cli("sign", str(dest), "--key", str(keys["a"][0]), "--json")
     assert code == 0 and exc is None, err
     assert json.loads(out)["files"] > 10
@@ -132,7 +132,7 @@ def _rewrite_manifest(root: Path, keys) -> str:
 
 def _other_key(root: Path, keys) -> str:
     from neffbuild.bundle import signing
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     signing.sign(root, keys["b"][0])
     return signature.signer_hint(signature.read_signature(root))[:16]
@@ -210,7 +210,7 @@ def test_unsigned_bundle_without_keys_is_as_today(built, monkeypatch):
     from neffbuild.runtime import open_bundle
 
     monkeypatch.delenv("NEFFBUILD_TRUSTED_KEYS", raising=False)
-    root = built[1].bundle
+    root = built.bundle
     assert open_bundle(root).labels
     code, out, err, _ = run_cli("inspect", str(root), "--json")
     assert code == 0, err
@@ -237,7 +237,7 @@ def test_sign_refuses_a_corrupt_bundle(copy, keys):
 def test_model_signing_package_verifies_our_signature(signed, keys, tmp_path):
     """Format oracle: the OpenSSF reference implementation accepts model.sig, and ours accepts its signature."""
     ms = pytest.importorskip("model_signing")
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     ms.verifying.Config().use_elliptic_key_verifier(public_key=keys["a"][1]).verify(signed, signed / "model.sig")
     theirs = tmp_path / signed.name
@@ -250,7 +250,7 @@ def test_model_signing_package_verifies_our_signature(signed, keys, tmp_path):
 
 def test_compile_sign_key_signs_and_records_provenance(built, build_cache, keys, tmp_path):
     """A cache-hit rebuild (no compile) with --sign-key: signed before publishing; provenance names every hit."""
-    recipe, res = built
+    recipe, res = built.recipe, built.result
     out = tmp_path / "out"
     code, _, err, exc = run_cli("compile", str(recipe), "-o", str(out), "--cache-dir", str(build_cache),
                                 "--sign-key", str(keys["a"][0]), "--json")
@@ -302,7 +302,7 @@ def test_sign_refuses_a_model_sig_that_is_a_folder(tmp_path):
 @pytest.mark.parametrize("doc", ["[]", '"x"', "null", "3", '{"mediaType": []}',
                                  '{"mediaType": "application/vnd.dev.sigstore.x", "dsseEnvelope": []}'])
 def test_a_signature_that_is_json_but_not_an_object_is_a_signature_error(tmp_path, doc):
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     (tmp_path / "model.sig").write_text(doc)
     with pytest.raises(SignatureError, match="not a model-signing signature"):
@@ -314,7 +314,7 @@ def test_a_signature_that_is_json_but_not_an_object_is_a_signature_error(tmp_pat
                                         "predicateType": "https://model_signing/signature/v1.0",
                                         "subject": [{"digest": []}]}])
 def test_a_statement_that_is_not_an_object_is_a_signature_error(statement):
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     with pytest.raises(SignatureError):
         signature.signed_resources(Path("model.sig"), signature.PAYLOAD_TYPE, json.dumps(statement).encode())
@@ -324,7 +324,7 @@ def test_a_statement_that_is_not_an_object_is_a_signature_error(statement):
 def test_trust_and_key_files_are_bounded_regular_files(tmp_path, kind):
     from neffbuild.bundle.signing import load_private_key
     from neffbuild.errors import InvalidInput
-    from neffbuild.runtime.signature import load_trusted_keys
+    from neffbuild.runtime.bundle.model_sig import load_trusted_keys
 
     path = "/dev/zero" if kind == "dev-zero" else tmp_path / "k.pem"
     if kind == "fifo":
@@ -338,7 +338,7 @@ def test_trust_and_key_files_are_bounded_regular_files(tmp_path, kind):
 @pytest.mark.parametrize("doc", ["[]", '"x"', "null"])
 def test_model_sig_not_an_object_is_a_clean_refusal_everywhere(copy, keys, doc):
     """verify --trust, inspect and generate --trust gave an AttributeError traceback; open_bundle raised it too."""
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
 
     (copy / "model.sig").write_text(doc)
     pub = str(keys["a"][1])

@@ -12,12 +12,12 @@ from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.models.gpt_oss.weights import random_state_dict, stack
-from neffbuild.runtime.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_nospec, plan_draft, plan_synced
-from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.step.dispatch import TARGET_NOSPEC, TARGET_SPEC, Grid, needs_nospec, plan_draft, plan_synced
 from neffbuild.serve.eager import EagerArtifacts
-from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import make_session
-from neffbuild.serve.spec import EagerSpecArtifacts, generate_spec
+from neffbuild.serve.rank import serving_rank
+from neffbuild.serve.spec import EagerSpecArtifacts
+from tests import engine_runs
 from tests.helpers import cli
 
 K = 3
@@ -73,10 +73,11 @@ def test_eager_spec_equals_plain_greedy(tiny_cfg, models, case):
     prompts, n_new, ctxs = CASES[case]
     dcfg, weights, target, draft = models
     layout = _layout(tiny_cfg)
-    s = make_session(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
-    plain = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new).tokens
-    s = make_session(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
-    tokens, stats = generate_spec(s, dcfg, weights, prompts, n_new)
+    s = serving_rank(tiny_cfg, weights, EagerArtifacts(GRID, layout, 8, GptOssDecode(tiny_cfg, weights).eval()))
+    plain = engine_runs.greedy(s, prompts, n_new).tokens
+    s = serving_rank(tiny_cfg, weights, EagerSpecArtifacts(GRID, layout, 8, target, draft))
+    run = engine_runs.spec(s, dcfg, weights, prompts, n_new)
+    tokens, stats = run.tokens, run.stats
     assert tokens == plain
     fams = [s["family"] for s in stats.steps]
     assert TARGET_SPEC in fams and {s["ctx"] for s in stats.steps} == ctxs
@@ -96,7 +97,7 @@ def _prompt_args(prompts):
 
 @pytest.mark.slow
 def test_eagle3_bundle_has_three_families_and_verifies(eagle3_built):
-    bundle = eagle3_built[1].bundle
+    bundle = eagle3_built.bundle
     res = _cli("inspect", str(bundle), "--json")
     assert res.returncode == 0, res.stderr
     m = json.loads(res.stdout)
@@ -130,7 +131,7 @@ def test_generate_spec_equals_plain_up_to_max_model_len(eagle3_built):
     the last steps switch to without-spec, first as a mixed batch (one request still has room)."""
     prompts = [[(i * 37) % 256 for i in range(100)], [(i * 11) % 256 for i in range(20)]]
     n_new = 256 - 100
-    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    args = [str(eagle3_built.bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
     plain, spec = _cli("generate", *args), _cli("generate", *args, "--spec")
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)
@@ -147,7 +148,7 @@ def test_generate_spec_equals_plain_up_to_max_model_len(eagle3_built):
 def test_generate_spec_mixed_batch_near_the_end(eagle3_built):
     """One request reaches max_model_len while the other still has room: the batch runs without spec."""
     prompts = [[(i * 3) % 256 for i in range(240)], list(range(20))]
-    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", "16", "--json", "--spec",
+    args = [str(eagle3_built.bundle), *_prompt_args(prompts), "--max-new-tokens", "16", "--json", "--spec",
             "--check"]
     res = _cli("generate", *args)
     assert res.returncode == 0, res.stderr
@@ -173,17 +174,18 @@ def _oracle(reference: dict[int, list[int]], k: int):
 @pytest.mark.parametrize("n_new", [41, 43])
 def test_agreeing_draft_accepts_everything(eagle3_built, n_new):
     """Acceptance 1.0, and ceil((n_new - 1) / (k + 1)) target steps: every step emits k+1 tokens."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.rank import open_rank
 
-    bundle = open_bundle(eagle3_built[1].bundle)
-    s = open_session(bundle)
+    bundle = open_bundle(eagle3_built.bundle)
+    s = open_rank(bundle)
     dcfg = Eagle3Config.from_hf_dict(bundle.manifest["graph_inputs"]["draft_config"], s.config)
     prompts = [list(range(3, 13)), [9, 8, 7, 6, 5]]
-    reference = greedy(s.stepper, s.prefill, s.block_manager(), prompts, n_new + K + 1).tokens
-    s = open_session(bundle)  # fresh KV
+    reference = engine_runs.greedy(s, prompts, n_new + K + 1).tokens
+    s = open_rank(bundle)  # fresh KV
     oracle = _oracle(dict(enumerate(reference)), K)
-    tokens, stats = generate_spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=oracle)
+    run = engine_runs.spec(s, dcfg, bundle.weights, prompts, n_new, draft_fn=oracle)
+    tokens, stats = run.tokens, run.stats
     assert tokens == [r[:n_new] for r in reference]
     assert stats.acceptance_rate == 1.0
     assert len(stats.steps) == -(-(n_new - 1) // (K + 1))
@@ -195,7 +197,7 @@ def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
     """Ranks with different lengths: every step is labelled, all ranks agree, tokens equal plain (--dp 2)."""
     prompts = [[(i * 7) % 256 for i in range(236)], [1, 2, 3], [(i * 5) % 256 for i in range(60)]]
     n_new = 256 - 236
-    args = [str(eagle3_built[1].bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
+    args = [str(eagle3_built.bundle), *_prompt_args(prompts), "--max-new-tokens", str(n_new), "--json"]
     dp, plain = _cli("generate", *args, "--spec", "--dp", "2"), _cli("generate", *args, "--dp", "2")
     assert dp.returncode == 0 and plain.returncode == 0, dp.stderr + plain.stderr
     dp, plain = json.loads(dp.stdout), json.loads(plain.stdout)
@@ -213,11 +215,11 @@ def test_spec_dp2_ranks_run_the_same_family_every_step(eagle3_built):
 def test_compiled_draft_matches_eager(eagle3_built):
     """The draft artifact proposes the eager graph's tokens and writes the same draft KV in place."""
     from neffbuild.models.gpt_oss.config import GptOssConfig
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.runtime.draft_inputs import build_draft
-    from neffbuild.runtime.kv_cache import allocate_draft
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.runtime.kv.cache import allocate_draft
+    from neffbuild.runtime.step.draft_inputs import build_draft
 
-    bundle = open_bundle(eagle3_built[1].bundle)
+    bundle = open_bundle(eagle3_built.bundle)
     gi = bundle.manifest["graph_inputs"]
     cfg = GptOssConfig.from_hf_dict(gi["model_config"])
     dcfg = Eagle3Config.from_hf_dict(gi["draft_config"], cfg)

@@ -13,12 +13,13 @@ from neffbuild import recipe as R
 from neffbuild.errors import NeffbuildError, RecipeError
 from neffbuild.models.gpt_oss.prefill import prefill
 from neffbuild.models.gpt_oss.weights import model_weights
-from neffbuild.runtime import StepBatch, Stepper, dp_sync
-from neffbuild.runtime.dispatch import Grid
-from neffbuild.runtime.kv_cache import KVLayout
-from neffbuild.serve.greedy import greedy
-from neffbuild.serve.session import eager_artifacts, make_session
+from neffbuild.runtime import StepBatch, Stepper
+from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.step import dp_sync
+from neffbuild.runtime.step.dispatch import Grid
+from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests.conftest import TINY
+from tests.engine_runs import greedy
 from tests.helpers import cli
 
 
@@ -67,7 +68,7 @@ def test_engine_owned_tables_join_leave_across_buckets(built, small_checkpoint):
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.runtime import open_bundle
 
-    b = open_bundle(built[1].bundle)
+    b = open_bundle(built.bundle)
     needed = []
     step = Stepper(b, on_plan=lambda plan: needed.append(plan.needed_seq))
     engine = Engine(b, GptOssConfig.from_hf_dict(b.manifest["graph_inputs"]["model_config"]))
@@ -230,9 +231,9 @@ def _serve_to_max_model_len(r, prompt):
     weights = model_weights(cfg, None, 0)
     layout = KVLayout(cfg.num_kv_buffers, r.num_blocks, cfg.num_key_value_heads, r.block_size, cfg.head_dim)
     spec = Grid(r.num_seqs_buckets, r.decode_context_length_buckets, r.max_model_len)
-    session = make_session(cfg, weights, eager_artifacts(cfg, weights, spec, layout, r.num_swa))
+    session = serving_rank(cfg, weights, eager_artifacts(cfg, weights, spec, layout, r.num_swa))
     blocks, free = session.block_manager(), []
-    gen = greedy(session.stepper, session.prefill, blocks, [prompt], r.max_model_len - len(prompt),
+    gen = greedy(session, [prompt], r.max_model_len - len(prompt), blocks=blocks,
                  on_step=lambda plan, _: free.append(blocks.num_free))
     assert gen.plans[-1].needed_seq == r.max_model_len - 1  # the last token is never fed back
     return gen.tokens[0], free
@@ -290,7 +291,7 @@ def test_kv_buffers_must_be_writable_real_strided_storage(tmp_path, make, needle
     import warnings
 
     from neffbuild.errors import StepInputError
-    from neffbuild.runtime.step_checks import check_kv_buffers
+    from neffbuild.runtime.step.checks import check_kv_buffers
 
     layout = _tiny_layout()
     with warnings.catch_warnings():
@@ -319,7 +320,7 @@ def test_stepper_refuses_a_group_that_is_not_a_process_group(group):
     (3.5, {"backend": "inductor", "device": "cpu"}, "not a torch device"),
 ])
 def test_open_bundle_refuses_a_device_the_artifacts_cannot_run_on(device, toolchain, needle):
-    from neffbuild.runtime.loaders import device_problem
+    from neffbuild.runtime.bundle.loaders import device_problem
 
     if device == "cuda:0" and torch.cuda.is_available():
         pytest.skip("this host has CUDA")

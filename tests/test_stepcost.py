@@ -12,7 +12,7 @@ from torch import nn
 from neffbuild.compiler.backends.inductor import InductorBackend
 from neffbuild.compiler.codegen import buffer_shapes, loop_bounds, pool_loops
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime.bundle import load_aoti, open_bundle
+from neffbuild.runtime.bundle.reader import load_aoti, open_bundle
 from tests.conftest import POOL, ROOT
 from tests.helpers import cache_key, cli
 
@@ -39,7 +39,7 @@ def test_codegen_check_flags_a_write_through_a_view(tmp_path):
 def test_no_generated_loop_spans_the_kv_pool(built, fp8_built):
     """Every artifact (unpacked KV, and packed FP8 K) writes and reads only the rows and blocks of its step."""
     checked = 0
-    for _, res in (built, fp8_built):
+    for res in (built.result, fp8_built.result):
         bundle = open_bundle(res.bundle)
         assert bundle.kv_layout.num_blocks == POOL
         for entry in bundle.entries.values():
@@ -85,7 +85,7 @@ def test_attention_reads_blocks_in_place_no_gathered_copy(built, fp8_built, eagl
     bad = backend.compile(backend.export(_GatheredAttention(), (q, cache, table)), tmp_path)
     assert len(_gathered_copies(buffer_shapes(bad), 2, 2, 16, 16, {32})) >= 2, buffer_shapes(bad)  # K and V copies
     checked, copied = 0, 0
-    for _, res in (built, fp8_built, eagle3_built):
+    for res in (built.result, fp8_built.result, eagle3_built.result):
         bundle = open_bundle(res.bundle)
         for entry in bundle.entries.values():
             shapes = buffer_shapes(res.bundle / entry["file"])
@@ -110,7 +110,7 @@ def test_attention_reads_blocks_in_place_no_gathered_copy(built, fp8_built, eagl
 def test_artifact_that_cannot_load_is_a_load_error_and_no_bundle_appears(built, build_cache, tmp_path):
     """A cache entry whose artifact is damaged (its meta rewritten to match) passes every cache check,
     so only the smoke run can catch it: that target fails as load_error, the others build, no bundle."""
-    path, _ = built
+    path, _ = built.recipe, built.result
     cache_copy = tmp_path / "cache"
     shutil.copytree(build_cache, cache_copy)
     meta_file = cache_copy / "v1" / "entries" / cache_key(built.bundle, "decode_b1_ctx128") / "meta.json"
@@ -165,7 +165,7 @@ def test_4x_pool_changes_step_time_by_less_than_1_2x(tiny_recipe, tmp_path):
 def test_bench_cli_reports_every_context_and_plots(built, tmp_path):
     """`neffbuild bench --json --plot`: four contexts, bucketed never reads more than the fallback, a PNG."""
     png = tmp_path / "steps.png"
-    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "bench", str(built[1].bundle), "--json",
+    res = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "bench", str(built.bundle), "--json",
                           "--plot", str(png), "--repeat", "3", "--no-dynamic", "--no-startup", "--no-dp"],
                          capture_output=True, text=True, cwd=ROOT, check=False)
     assert res.returncode == 0, res.stderr

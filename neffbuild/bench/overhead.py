@@ -24,9 +24,9 @@ import torch
 _COLD = """
 import json, sys, time, torch
 t0 = time.perf_counter()
-from neffbuild.runtime.bundle import open_bundle
+from neffbuild.runtime.bundle.reader import open_bundle
 from neffbuild.bench.steps import make_case
-from neffbuild.runtime.kv_cache import allocate
+from neffbuild.runtime.kv.cache import allocate
 t1 = time.perf_counter()
 b = open_bundle(sys.argv[1])
 case = make_case(b, int(sys.argv[2]), min(b.grid.num_seqs_buckets))
@@ -42,9 +42,9 @@ print(json.dumps({"import_s": t1 - t0, "open_s": t2 - t1, "load_s": t3 - t2, "fi
 _COMPILE = """
 import json, sys, tempfile, time, torch
 from pathlib import Path
-from neffbuild.runtime.bundle import open_bundle
+from neffbuild.runtime.bundle.reader import open_bundle
 from neffbuild.bench.steps import compile_graph, make_case
-from neffbuild.runtime.kv_cache import allocate
+from neffbuild.runtime.kv.cache import allocate
 b = open_bundle(sys.argv[1])
 case = make_case(b, int(sys.argv[2]), min(b.grid.num_seqs_buckets))
 t0 = time.perf_counter()
@@ -74,8 +74,8 @@ def plan_and_metadata(bundle, context: int, repeat: int = 2000) -> dict:
     bs, mml = bundle.kv_layout.block_size, bundle.grid.max_model_len
     row = torch.arange(1, 1 + mml // bs)[None]
     computed, tokens = torch.tensor([context - 1]), torch.tensor([[1]])
-    from neffbuild.runtime import attn_metadata
-    from neffbuild.runtime.dispatch import plan_for
+    from neffbuild.runtime.step import attn_metadata
+    from neffbuild.runtime.step.dispatch import plan_for
 
     def once():
         plan = plan_for(bundle.grid, batch_count=1, needed=context, num_reqs=1)
@@ -104,7 +104,7 @@ def median_seconds(fn, repeat: int, warmup: int = 20) -> float:
 def _dp_rank(rank: int, port: int, repeat: int, queue) -> None:
     import torch.distributed as dist
 
-    from neffbuild.runtime import dp_sync
+    from neffbuild.runtime.step import dp_sync
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     t = torch.tensor([4, 500], dtype=torch.int32)

@@ -25,7 +25,7 @@ def machine() -> str:
 def run(bundle_path: str | Path, *, repeat: int = 20, dynamic: bool = True, eager: bool = True,
         startup: bool = True, dp: bool = True, extra_contexts: tuple[int, ...] = (),
         progress=lambda msg: None) -> dict:
-    from neffbuild.runtime.bundle import open_bundle
+    from neffbuild.runtime.bundle.reader import open_bundle
 
     bundle = open_bundle(bundle_path)
     cfg = steps.graph_spec(bundle, batch=1, ctx=bundle.grid.max_model_len).config

@@ -21,12 +21,12 @@ import torch
 
 from neffbuild import registry
 from neffbuild.compiler.graphs import TargetGraph, build_graph, target_graph_from
-from neffbuild.runtime import attn_metadata
-from neffbuild.runtime.buckets import round_up
-from neffbuild.runtime.bundle import load_aoti
-from neffbuild.runtime.dispatch import DECODE, plan_for
-from neffbuild.runtime.kv_cache import allocate
+from neffbuild.runtime.bundle.reader import load_aoti
+from neffbuild.runtime.kv.cache import allocate
 from neffbuild.runtime.parallel import ParallelLayout
+from neffbuild.runtime.step import attn_metadata
+from neffbuild.runtime.step.buckets import round_up
+from neffbuild.runtime.step.dispatch import DECODE, plan_for
 
 VARIANTS = ("bucketed", "fallback", "dynamic", "eager")
 

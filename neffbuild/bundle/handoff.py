@@ -35,7 +35,8 @@ def speculative_config(manifest: dict, recipe: dict) -> dict | None:
         return None
     spec = recipe.get("speculative") or {}
     draft = (spec.get("draft") or {}).get("checkpoint")
-    return {"method": spec.get("method", "eagle3"), "model": draft or None, "num_speculative_tokens": k}
+    method = manifest["graph_inputs"]["speculative_method"]  # the bundle gate checked it names a method
+    return {"method": method, "model": draft or None, "num_speculative_tokens": k}
 
 
 def warnings(manifest: dict, recipe: dict) -> list[str]:

@@ -1,5 +1,5 @@
-"""Bundle path and marker constants. They live in ``neffbuild.runtime.paths`` so the thin reader can
+"""Bundle path and marker constants. They live in ``neffbuild.runtime.bundle.paths`` so the thin reader can
 use them without importing the build side; this module re-exports them for the writer."""
 
-from neffbuild.runtime.paths import *  # noqa: F403
-from neffbuild.runtime.paths import __doc__ as _spec  # noqa: F401
+from neffbuild.runtime.bundle.paths import *  # noqa: F403
+from neffbuild.runtime.bundle.paths import __doc__ as _spec  # noqa: F401

@@ -1,11 +1,11 @@
-"""A bundle's manifest against its own recipe.yaml (issue 25): ``verify`` and ``generate --check`` run it.
+"""A bundle's manifest against its own recipe.yaml: ``verify`` and ``generate --check`` run it.
 
 The manifest's ``graph_inputs`` are what the runtime and ``generate`` read (the model config
 builds the eager prefill and the reference model; the grid picks artifacts). A consistent
 tamper rewrites the manifest and its digest, so the manifest cannot vouch for itself: the
 recipe the bundle was built from must hash to ``recipe_sha256`` and imply the same
 graph_inputs. (The runtime reads no YAML, so this lives outside it; ``open_bundle`` checks
-what it can without the recipe: runtime/bundle_gate.py.)
+what it can without the recipe: runtime/bundle/gate.py.)
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from neffbuild.errors import NeffbuildError
-from neffbuild.runtime.layout import RECIPE_PATH
-from neffbuild.runtime.manifest_schema import Problem, short
+from neffbuild.runtime.bundle.paths import RECIPE_PATH
+from neffbuild.runtime.bundle.schema import Problem, short
 
 # graph_inputs field -> (recipe section, key)
 FIELDS = {"max_model_len": ("serving", "max_model_len"), "block_size": ("serving", "block_size"),
@@ -65,7 +65,7 @@ def problems(root: Path, m: dict) -> list[Problem]:
 def verify_fully(root) -> None:
     """What ``neffbuild verify`` checks (every sha256, each artifact's inputs, recipe.yaml); BundleError if any."""
     from neffbuild.errors import BundleError
-    from neffbuild.runtime import bundle as reader
+    from neffbuild.runtime.bundle import reader
 
     root = Path(root)
     found = reader.check(root, full=True)

@@ -27,8 +27,8 @@ from pathlib import Path, PurePosixPath
 from neffbuild import s3
 from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import layout, signature
+from neffbuild.runtime.bundle import model_sig as signature
+from neffbuild.runtime.bundle import paths, reader
 
 INDEX_FORMAT = "neffbuild-remote-bundle"
 INDEX_VERSION = 1
@@ -63,7 +63,7 @@ def local_index(root: Path) -> tuple[dict, bytes]:
     if problems:
         raise BundleError(f"{root}: not pushed, the bundle has problems: " + "; ".join(map(str, problems[:10])))
     m = reader.read_manifest(root)
-    rels = signature.bundle_files(root) + ([layout.SIGNATURE_PATH] if (root / layout.SIGNATURE_PATH).is_file() else [])
+    rels = signature.bundle_files(root) + ([paths.SIGNATURE_PATH] if (root / paths.SIGNATURE_PATH).is_file() else [])
     files = {}
     for rel in sorted(rels):
         digest = sha256_file(root / rel)
@@ -71,7 +71,7 @@ def local_index(root: Path) -> tuple[dict, bytes]:
             raise BundleError(f"{root}: not pushed: {rel}: sha256 mismatch with the manifest (corrupt or modified)")
         files[rel] = {"sha256": digest, "bytes": (root / rel).stat().st_size}
     index = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "name": m["name"], "version": m["version"],
-             "manifest_sha256": files[layout.MANIFEST_PATH]["sha256"], "files": files}
+             "manifest_sha256": files[paths.MANIFEST_PATH]["sha256"], "files": files}
     return index, (json.dumps(index, sort_keys=True, indent=1) + "\n").encode()
 
 
@@ -81,7 +81,7 @@ def push(bundle_path: str | Path, url: str, progress: Progress | None = None) ->
     root = Path(bundle_path)
     base = s3.parse_url(url, "push URL")
     index, raw = local_index(root)
-    dirname = layout.bundle_dirname(index["name"], index["version"])
+    dirname = paths.bundle_dirname(index["name"], index["version"])
     remote = s3.open_remote(base)
     ref = name_key(base, dirname)
     out = {"bundle": dirname, "url": f"{base}/{dirname}", "digest_url": f"{base}/sha256:{index['manifest_sha256']}",
@@ -154,15 +154,15 @@ def parse_index(raw: bytes, where: str, ref: str) -> dict:
     if not isinstance(idx, dict) or idx.get("format") != INDEX_FORMAT or idx.get("format_version") != INDEX_VERSION:
         raise bad(f"format must be {INDEX_FORMAT!r} version {INDEX_VERSION}")
     if not all(isinstance(idx.get(k), str) and idx[k] for k in ("name", "version")) or not isinstance(
-            idx.get("files"), dict) or layout.MANIFEST_PATH not in idx["files"]:
+            idx.get("files"), dict) or paths.MANIFEST_PATH not in idx["files"]:
         raise bad("needs name, version and files with manifest.json")
-    dirname = layout.bundle_dirname(idx["name"], idx["version"])
+    dirname = paths.bundle_dirname(idx["name"], idx["version"])
     if "/" in dirname or "\\" in dirname or dirname.startswith(".") or "\x00" in dirname:
         raise bad(f"name-version {dirname!r} is not a folder name")
     if not ref.startswith("sha256:") and ref != dirname:
         raise bad(f"it describes {dirname}, not {ref}")
     asked = ref.removeprefix("sha256:") if ref.startswith("sha256:") else None
-    if asked is not None and (idx["files"][layout.MANIFEST_PATH].get("sha256") != asked
+    if asked is not None and (idx["files"][paths.MANIFEST_PATH].get("sha256") != asked
                               or idx.get("manifest_sha256", asked) != asked):
         raise bad(f"its manifest's sha256 is not {asked[:16]}…, the digest that was asked for")
     names = set(idx["files"])
@@ -199,7 +199,7 @@ def pull(value: str, dest: str | Path, *, trusted_keys=None, progress: Progress 
         raise BundleError(f"{base}/{ref}: index over {MAX_INDEX_BYTES} bytes")
     idx = parse_index(raw, f"{s3.SCHEME}{base.bucket}/{key}", ref)
     dest = Path(dest)
-    dirname = layout.bundle_dirname(idx["name"], idx["version"])
+    dirname = paths.bundle_dirname(idx["name"], idx["version"])
     final = dest / dirname
     total = sum(f["bytes"] for f in idx["files"].values())
     out = {"bundle": str(final), "url": f"{base}/{dirname}", "files": len(idx["files"]), "bytes": total,
@@ -255,7 +255,7 @@ def _verify(root: Path, keys) -> dict | None:
 
 def _matches(root: Path, files: dict) -> bool:
     try:
-        present = set(signature.bundle_files(root)) | ({layout.SIGNATURE_PATH} & set(files))
+        present = set(signature.bundle_files(root)) | ({paths.SIGNATURE_PATH} & set(files))
     except BundleError:
         return False
     return present == set(files) and all((root / rel).is_file() and (root / rel).stat().st_size == f["bytes"]

@@ -1,6 +1,6 @@
 """Sign a finished bundle: write ``model.sig`` (OpenSSF model-signing format, key mode) over every file.
 
-The statement and its encoding are defined once, in ``runtime/signature.py``, which every
+The statement and its encoding are defined once, in ``runtime/bundle/model_sig.py``, which every
 verifier uses; this module adds the private-key side. Written with ``cryptography`` rather than
 the ``model-signing`` package: the same bytes on disk (its ``verify key`` accepts them), one
 dependency instead of sigstore's dozen, and the runtime can verify with the same library
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import read_regular, sha256_file
-from neffbuild.runtime import bundle as reader
-from neffbuild.runtime import layout, signature
+from neffbuild.runtime.bundle import model_sig as signature
+from neffbuild.runtime.bundle import paths, reader
 
 
 def load_private_key(path: str | Path, password: bytes | None = None, what: str = "--key"):
@@ -63,7 +63,7 @@ def sign(root: str | Path, key, *, check: bool = True, name: str | None = None) 
         resources.append((rel, digest))
     doc = signed_document(name or root.name, resources, key)
     hint = doc["verificationMaterial"]["publicKey"]["hint"]
-    dest = root / layout.SIGNATURE_PATH
+    dest = root / paths.SIGNATURE_PATH
     if dest.is_symlink() or (dest.exists() and not dest.is_file()):
         raise InvalidInput(f"{dest}: is not a regular file (a folder or a link); remove it, then sign again")
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
@@ -92,7 +92,7 @@ def signed_document(name: str, resources: list[tuple[str, str]], key) -> dict:
 def describe(root: str | Path) -> dict:
     """What ``inspect`` says about the signature, without verifying it (no key needed)."""
     root = Path(root)
-    if not (root / layout.SIGNATURE_PATH).exists():
+    if not (root / paths.SIGNATURE_PATH).exists():
         return {"signed": False}
     try:
         doc = signature.read_signature(root)

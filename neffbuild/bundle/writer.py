@@ -79,7 +79,7 @@ class BundleWriter:
         return files
 
     def finish(self, recipe, *, toolchain: dict, kv_layout, artifacts: list[dict], weights: dict,
-               report_context: dict, parallel: dict | None = None, sign_key=None) -> Path:
+               report_context: dict, parallel=None, sign_key=None) -> Path:
         """Write the manifest and its digest, then the per-build records (provenance included); with
         ``sign_key`` sign every file (bundle/signing.py); publish with a rename."""
         self.write_text(paths.RECIPE_PATH, recipe.to_yaml())

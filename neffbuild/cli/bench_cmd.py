@@ -71,7 +71,7 @@ def _refuse_before_running(bundle_path, plot_path, extra_contexts) -> None:
     max_model_len, an EAGLE3 bundle (bench times the decode family; its artifacts take drafts)."""
     from neffbuild.errors import InvalidInput
     from neffbuild.fsutil import output_problem
-    from neffbuild.runtime.bundle import read_manifest
+    from neffbuild.runtime.bundle.reader import read_manifest
 
     if plot_path and output_problem(plot_path, "--plot"):
         raise InvalidInput(output_problem(plot_path, "--plot"))

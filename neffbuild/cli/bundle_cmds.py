@@ -12,14 +12,14 @@ from neffbuild.bundle import recipe_check
 from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
-from neffbuild.runtime import paths
-from neffbuild.runtime.manifest_schema import Problem
-from neffbuild.runtime.manifest_schema import problems as schema_problems
+from neffbuild.runtime.bundle import paths
+from neffbuild.runtime.bundle.schema import Problem
+from neffbuild.runtime.bundle.schema import problems as schema_problems
 
 
 def _manifest(path: str) -> dict:
     """The manifest of a bundle whose schema holds (what every read command may rely on)."""
-    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+    from neffbuild.runtime.bundle import reader
 
     m = reader.read_manifest(Path(path))
     found = schema_problems(m)
@@ -30,7 +30,7 @@ def _manifest(path: str) -> dict:
 
 def _diffable(path: str) -> dict:
     """A manifest with the fields diff reads well typed (diff may compare a bundle that fails verify)."""
-    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+    from neffbuild.runtime.bundle import reader
 
     m = reader.read_manifest(Path(path))
     ok = (all(isinstance(m.get(k), dict) for k in ("graph_inputs", "toolchain", "files", "weights"))
@@ -133,7 +133,7 @@ def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
     import yaml
 
     from neffbuild.bundle import handoff, paths
-    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+    from neffbuild.runtime.bundle import reader
 
     recipe_file = reader.safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
@@ -158,7 +158,7 @@ def verify(ctx, bundle_path, trust, as_json):
     With --trust (or NEFFBUILD_TRUSTED_KEYS) the signature is checked first. Exit 1 naming each
     bad file or field, or the key.
     """
-    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+    from neffbuild.runtime.bundle import reader
 
     signed = ship_cmds.check_signature(bundle_path, trust)
     problems = [Problem(path, message) for path, message in signed] or reader.check(Path(bundle_path), full=True)
@@ -176,7 +176,7 @@ def verify(ctx, bundle_path, trust, as_json):
 def _nonfinite_weights(root: Path, reader) -> list:
     """A NaN or an infinity in any stored weight (digests recomputed to match would pass every other check, and
     generate would print zeros): one pass over every weights file, after the digests held."""
-    from neffbuild.runtime import weights_file
+    from neffbuild.runtime.bundle import weights_file
 
     m = reader.read_manifest(root)
     files = [m["weights"]["file"], *(e["file"] for e in m.get("parallel", {}).get("pieces", {}).values())]
@@ -206,7 +206,7 @@ def _bundle_recipe(path: str) -> dict:
     """The bundle's normalised recipe.yaml, flattened to dotted fields ({} when absent or unreadable)."""
     from neffbuild.errors import NeffbuildError
     from neffbuild.recipe import parse_yaml, read_regular_file
-    from neffbuild.runtime import bundle as reader  # torch: imported when a command reads a bundle
+    from neffbuild.runtime.bundle import reader
 
     try:
         f = reader.safe_path(Path(path), paths.RECIPE_PATH)

@@ -18,7 +18,7 @@ from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import dumps, json_option, shorten
 from neffbuild.errors import InvalidInput, NeffbuildError
 from neffbuild.fsutil import output_problem, write_output
-from neffbuild.runtime.histogram import NeededSeqHistogram
+from neffbuild.runtime.step.histogram import NeededSeqHistogram
 
 PROMPT_RE = re.compile(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*")  # ASCII digits only: "1 2 3" is not "123"
 
@@ -92,7 +92,7 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, pre
     what = f"--requests {requests_path}" if requests_path else "--prompt-ids"
     if prefill_tp is not None and not di:
         raise InvalidInput("--prefill-tp sizes the DI prefill worker; add --di or drop it")
-    opts = Options(spec=spec, di=di, dp=dp, metrics=metrics, prefill_tp=prefill_tp, source=what)
+    opts = Options(spec=spec, di=di, dp=dp, metrics=metrics, prefill_tp=prefill_tp, requests_flag=what)
     res = run(bundle_path, requests, opts)
     if histogram_path:
         _write_histogram(histogram_path, res.histogram)

@@ -54,7 +54,7 @@ def recommend(histogram_paths, max_model_len, max_buckets, recipe_path, as_json)
     you can see where another bucket (and its NEFFs) stops paying.
     """
     from neffbuild.recommend import report
-    from neffbuild.runtime.histogram import NeededSeqHistogram, read_csv
+    from neffbuild.runtime.step.histogram import NeededSeqHistogram, read_csv
 
     con, current = _constraints(recipe_path, max_model_len)
     hist = NeededSeqHistogram()

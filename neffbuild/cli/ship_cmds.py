@@ -9,7 +9,7 @@ import click
 
 from neffbuild import settings
 from neffbuild.cli.output import echo_json, json_option
-from neffbuild.runtime import layout
+from neffbuild.runtime.bundle import paths
 
 
 class BarProgress:
@@ -139,7 +139,7 @@ def pull(url, dest, trust, as_json):
 def check_signature(bundle_path: str, trust: tuple[str, ...]) -> list[tuple[str, str]]:
     """``verify``'s signature part: [(path, message)] problems; none when no key is trusted."""
     from neffbuild.errors import SignatureError
-    from neffbuild.runtime import signature
+    from neffbuild.runtime.bundle import model_sig as signature
 
     keys = trusted(trust)
     if not keys:
@@ -155,7 +155,7 @@ def require_signature(bundle_path: str, trust: tuple[str, ...]) -> None:
     """``generate --trust``: SignatureError (exit 1) unless the signature verifies; --trust absent: open_bundle
     still honours NEFFBUILD_TRUSTED_KEYS."""
     if trust:
-        from neffbuild.runtime import signature
+        from neffbuild.runtime.bundle import model_sig as signature
 
         signature.verify_bundle(Path(bundle_path), list(trust))
 
@@ -165,12 +165,12 @@ def inspect_fields(bundle_path: str) -> dict:
     from neffbuild.bundle import provenance, signing
 
     out = {"signature": signing.describe(bundle_path), "provenance": None}
-    p = Path(bundle_path) / layout.PROVENANCE_PATH
+    p = Path(bundle_path) / paths.PROVENANCE_PATH
     if p.is_file() and not p.is_symlink() and p.stat().st_size < 16 * 1024 * 1024:
         try:
             out["provenance"] = provenance.summary(json.loads(p.read_text(encoding="utf-8")))
         except (ValueError, UnicodeDecodeError, RecursionError):
-            out["provenance"] = {"error": f"{layout.PROVENANCE_PATH} is not JSON"}
+            out["provenance"] = {"error": f"{paths.PROVENANCE_PATH} is not JSON"}
     return out
 
 

@@ -28,6 +28,7 @@ from neffbuild.compiler.jobs import Job, JobResult
 from neffbuild.compiler.progress import Progress
 from neffbuild.compiler.worker import cached_result
 from neffbuild.errors import InvalidInput
+from neffbuild.runtime.parallel import ParallelSection
 
 
 @dataclass
@@ -176,7 +177,7 @@ def _run(jobs_list: list[Job], executor, progress: Progress, tier=None, cache=No
         yield from executor.run(rest, on_start=lambda j: progress.running(j.label))
 
 
-def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, dict | None]:
+def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, ParallelSection | None]:
     """Unsharded: one file. Sharded: the replicated piece plus one file per TP and per EP rank,
     each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps."""
     par = layout_for(recipe)
@@ -189,9 +190,10 @@ def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, d
             shared = writer.write_weights(tensors)
         else:
             entries[name] = writer.write_weights(tensors, paths.weights_piece_path(name))
-    info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=arch.get("shard_layout")(par),
-                rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
-                kv_heads={f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
+    info = ParallelSection(par, entries, tuple(tuple(n for n in arch.get("piece_names")(par, r) if n != "shared")
+                                               for r in range(par.world_size)),
+                           arch.get("shard_layout")(par),
+                           {f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
     return shared, info
 
 

@@ -3,7 +3,7 @@
 A shared bucket is a supply chain: whoever can write it could otherwise put another graph's
 artifact under a key and rewrite ``meta.json``'s digest to match (the digest is written by the
 same hand as the artifact). A writer with a CI key therefore stores ``entry.sig`` beside the
-entry: the bundle signature's own format (runtime/signature.py: Sigstore bundle, DSSE envelope,
+entry: the bundle signature's own format (runtime/bundle/model_sig.py: Sigstore bundle, DSSE envelope,
 model-signing statement, EC key), whose subject names the cache key and whose two resources are
 the artifact file's sha256 and the sha256 of the entry's toolchain (the backend fingerprint in
 canonical JSON). A reader with trusted keys accepts an entry only when one of them signed exactly
@@ -18,7 +18,7 @@ import json
 from neffbuild.compiler.cache import canonical
 from neffbuild.errors import InvalidInput, SignatureError
 from neffbuild.fsutil import read_regular
-from neffbuild.runtime import signature
+from neffbuild.runtime.bundle import model_sig as signature
 
 ENTRY_SIG = "entry.sig"
 SUBJECT = "neffbuild-cache-entry/"  # + the cache key

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from neffbuild import memory, registry
 from neffbuild.runtime import parallel
-from neffbuild.runtime.kv_layout import KVLayout
+from neffbuild.runtime.kv.layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,9 @@ class TargetGraph:
     def parallel(self) -> parallel.ParallelLayout:
         return parallel.ParallelLayout(self.tp, self.dp, self.ep)
 
-    layout = parallel  # the old name, kept while branches written against it merge
-
     def kv_layout(self) -> KVLayout:
         return _kv_layout(self.config, self.draft_config, self.num_blocks, self.block_size, self.fp8_packed_kv,
                           self.parallel)
-
-
-# Old names, kept while branches written against them merge ("spec" now means speculative decoding only).
-GraphSpec = TargetGraph
-
-
-def spec_for(recipe, target) -> TargetGraph:
-    return target_graph(recipe, target)
 
 
 def target_graph_from(gi, family: str, batch: int, ctx: int, query_len: int) -> TargetGraph:
@@ -72,7 +62,7 @@ def target_graph_from(gi, family: str, batch: int, ctx: int, query_len: int) -> 
     return TargetGraph(gi.arch, gi.model_config, family, batch, ctx, query_len, gi.block_size, gi.num_blocks,
                      gi.num_swa, gi.fp8_packed_kv, p.tp, p.dp, p.ep, draft_hf_config=gi.draft_config,
                      num_speculative_tokens=gi.grid.num_speculative_tokens,
-                     speculative_method=next(iter(registry.SPECULATIVE)) if gi.draft_config is not None else None)
+                     speculative_method=gi.speculative_method)
 
 
 def target_graph(recipe, target) -> TargetGraph:

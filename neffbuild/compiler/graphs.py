@@ -16,21 +16,20 @@ import torch
 
 from neffbuild import registry
 from neffbuild.compiler.graph_spec import (  # noqa: F401  (torch-free; re-exported)
-    GraphSpec,
     TargetGraph,
     draft_config_for,
     kv_layout_for,
     layout_for,
-    spec_for,
     target_graph,
     target_graph_from,
 )
-from neffbuild.runtime import parallel, step_inputs, world
-from neffbuild.runtime.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
+from neffbuild.runtime import parallel, world
+from neffbuild.runtime.step import inputs as step_inputs
+from neffbuild.runtime.step.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
 
 
 def dims(graph: TargetGraph) -> step_inputs.Dims:
-    """The shape inputs of the step-input table (runtime/step_inputs.py) for one target."""
+    """The shape inputs of the step-input table (runtime/step/inputs.py) for one target."""
     return step_inputs.Dims(graph.batch, graph.ctx, graph.query_len, graph.block_size, graph.num_swa,
                             graph.kv_layout().to_json(), hidden_size=graph.config.hidden_size,
                             sharded=graph.parallel.sharded)

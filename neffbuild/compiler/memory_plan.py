@@ -1,12 +1,12 @@
 """Host memory of compiles (peak RSS per target, the local pool's admission) and ``plan``'s memory section.
 
-Torch-free: a target's estimate comes from its ``GraphSpec`` and the cache's records, never
+Torch-free: a target's estimate comes from its ``TargetGraph`` and the cache's records, never
 from tracing. The peak RSS of one compile, in the order of what is known:
 
 1. ``key``: a past compile of the same cache key recorded ``peak_rss_bytes``: that x 1.25;
 2. ``graph``: a past compile of the same label and graph shape (``graph_summary``): that x 1.25;
 3. ``size``: ``BASE_MEMORY + GRAPH_FACTOR x graph_bytes`` (one rank's weights at 2 bytes, its KV pool by
-   ``runtime/kv_layout.py``, fp32 attention scores of every layer).
+   ``runtime/kv/layout.py``, fp32 attention scores of every layer).
 
 The Ray executor reserves this per task; the local pool starts a compile only while the
 estimates of the compiles running plus this one fit the host's free memory
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from neffbuild import registry
-from neffbuild.compiler.graph_spec import GraphSpec, graph_summary, spec_for
+from neffbuild.compiler.graph_spec import TargetGraph, graph_summary, target_graph
 from neffbuild.memory import fmt_bytes
 
 GIB = 1 << 30
@@ -27,10 +27,10 @@ GRAPH_FACTOR = 3  # trace + export + compile each hold a copy of the graph's ten
 HISTORY_MARGIN = 1.25
 
 
-def graph_bytes(graph: GraphSpec) -> int:
+def graph_bytes(graph: TargetGraph) -> int:
     """Bytes the traced graph holds: one rank's weights (bf16), its KV pool, fp32 attention scores of every layer."""
     cfg = graph.config
-    shapes = registry.arch(graph.arch).get("rank_shapes")(cfg, graph.layout)
+    shapes = registry.arch(graph.arch).get("rank_shapes")(cfg, graph.parallel)
     weights = sum(2 * math.prod(s) for s in shapes.values())
     scores = 4 * graph.batch * graph.query_len * graph.ctx * cfg.num_attention_heads * cfg.num_hidden_layers
     return weights + graph.kv_layout().total_bytes + scores
@@ -41,7 +41,7 @@ def _rss(meta: dict) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def estimate_rss(graph: GraphSpec, label: str, history: list[dict], key: str | None = None) -> tuple[int, str]:
+def estimate_rss(graph: TargetGraph, label: str, history: list[dict], key: str | None = None) -> tuple[int, str]:
     """(peak RSS to expect from compiling ``graph``, where the number came from: key, graph or size)."""
     if key:
         past = [m["peak_rss_bytes"] for m in history if m.get("key") == key and _rss(m)]
@@ -146,7 +146,7 @@ def plan_doc(recipe, targets, states: dict, *, device_bytes: int | None, cache_r
     doc = memory.per_rank(recipe, device_bytes, _largest_artifact(targets, states, entries))
     compile_rows = {}
     for t in targets:
-        rss, source = estimate_rss(spec_for(recipe, t), t.label, entries, states.get(t.label, {}).get("cache_key"))
+        rss, source = estimate_rss(target_graph(recipe, t), t.label, entries, states.get(t.label, {}).get("cache_key"))
         compile_rows[t.label] = {"peak_rss_bytes": rss, "source": source}
     free, where = settings.free_memory_bytes()
     admission = Admission({k: v["peak_rss_bytes"] for k, v in compile_rows.items()}, free, where,

@@ -144,7 +144,7 @@ class RemoteCache:
     @property
     def trusted_keys(self) -> list:
         if self._keys is None:
-            from neffbuild.runtime.signature import load_trusted_keys
+            from neffbuild.runtime.bundle.model_sig import load_trusted_keys
 
             self._keys = load_trusted_keys(list(self.trusted))
         return self._keys

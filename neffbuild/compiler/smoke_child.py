@@ -95,7 +95,7 @@ def _serve() -> int:
         os.dup2(null, fd)
     from neffbuild.compiler.backends import get_backend
     from neffbuild.compiler.smoke import smoke_run
-    from neffbuild.runtime import weights_file
+    from neffbuild.runtime.bundle import weights_file
 
     while True:
         head = proto_in.read(_LEN.size)

@@ -44,7 +44,7 @@ from neffbuild.compiler.jobs import (
 from neffbuild.compiler.smoke import LoadFailed, smoke_run
 from neffbuild.compiler.sources import source_digest
 from neffbuild.errors import BackendUnavailable
-from neffbuild.runtime import weights_file
+from neffbuild.runtime.bundle import weights_file
 
 # Re-exported: executors, tests and the CLI name the job types from here too.
 __all__ = ["COMPILER_ERROR", "ENVIRONMENT", "KILLED", "LOAD_ERROR", "TIMEOUT", "Job", "JobResult", "cached_result",

@@ -1,7 +1,7 @@
 """Rules for the ``compiler`` and ``build`` sections: backend (choices from the registry), target,
 optimisation level, flags, per-target flags (labels must be targets of this recipe) and jobs.
 
-Target labels come from the runtime's one label format (``runtime/dispatch.py``), not from
+Target labels come from the runtime's one label format (``runtime/step/dispatch.py``), not from
 ``grid.py``, so the recipe stays below the grid.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, did_you_mean
-from neffbuild.runtime.buckets import ctx_buckets_with_fallback
-from neffbuild.runtime.cpu_features import targets as cpu_targets
-from neffbuild.runtime.dispatch import families, label
+from neffbuild.runtime.bundle.cpu_features import targets as cpu_targets
+from neffbuild.runtime.step.buckets import ctx_buckets_with_fallback
+from neffbuild.runtime.step.dispatch import families, label
 
 BACKENDS = registry.backend_choices()
 TARGETS = ("trn1", "trn2", *cpu_targets())  # neuron targets, then inductor -march values

@@ -1,4 +1,4 @@
-"""Validate is the gate (issue 25): a recipe that validates plans and compiles without a traceback.
+"""Validate is the gate: a recipe that validates plans and compiles without a traceback.
 
 Rules that were only found later, in ``plan`` or ``compile``, and now fail validation, naming
 the field: packed FP8 K needs an even ``block_size`` (tokens are packed in pairs); RoPE needs
@@ -60,7 +60,7 @@ def checkpoint_headers(v, folder: Path, path: str) -> None:
     from safetensors import SafetensorError, safe_open
 
     from neffbuild.errors import BundleError
-    from neffbuild.runtime.weights_file import read_header
+    from neffbuild.runtime.bundle.weights_file import read_header
 
     for f in sorted(folder.glob("*.safetensors"))[:256]:
         try:

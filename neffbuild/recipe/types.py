@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild import registry
-from neffbuild.runtime.buckets import num_swa_blocks
+from neffbuild.runtime.step.buckets import num_swa_blocks
 
 
 @dataclass(frozen=True)

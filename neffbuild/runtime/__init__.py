@@ -4,9 +4,15 @@
     step = Stepper(open_bundle("artifacts/gpt-oss-tiny-0.1.0"))
     out = step.step(StepBatch(tokens=[[tok]], num_computed=[n], block_tables={"full": rows, "sliding": swa_rows}))
 
+Four rooms, each a package with its own docstring: ``bundle/`` (open and verify a bundle, load
+its artifacts), ``step/`` (the per-step API), ``kv/`` (KV buffers, blocks and their tables),
+``di/`` (disaggregated inference: KV moved over NIXL); ``parallel.py`` and ``world.py`` (the
+tp/dp/ep layout and a rank's process groups) serve them all. This module exports what serving
+code calls (docs/architecture.md lists it); everything else is imported from its room.
+
 Imports only the standard library, torch and safetensors (nixl lazily) and the base modules
-(errors, fsutil). Names resolve lazily, so ``neffbuild.runtime.buckets`` (imported by the recipe
-validator and the grid) stays torch-free.
+(errors, fsutil, registry). Names resolve lazily, so ``neffbuild.runtime.step.buckets``
+(imported by the recipe validator and the grid) stays torch-free.
 """
 
 from __future__ import annotations
@@ -14,28 +20,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "open_bundle": "bundle", "Bundle": "bundle",
-    "Stepper": "step", "StepBatch": "step", "KeptBatch": "kept_batch", "StepOutput": "step", "Artifacts": "step",
-    "StepPlan": "dispatch", "Grid": "dispatch", "plan_step": "dispatch", "label": "dispatch",
-    "BlockManager": "blocks", "KVGroup": "blocks", "kv_groups": "blocks", "blocks_needed": "blocks",
-    "min_pool_blocks": "blocks", "FULL_GROUP": "blocks", "SLIDING_GROUP": "blocks", "NULL_BLOCK": "blocks",
-    "KVLayout": "kv_layout", "allocate": "kv_cache",
-    "KVIngest": "kv_ingest", "KVProducer": "kv_ingest", "KVRegions": "kv_regions", "register_regions": "kv_regions",
-    "head_segments": "kv_regions",
-    "DIPrompt": "di_prompt", "di_prompt": "di_prompt",
+    "open_bundle": "bundle.reader", "Bundle": "bundle.reader",
+    "Stepper": "step.stepper", "StepBatch": "step.stepper", "StepOutput": "step.stepper", "Artifacts": "step.stepper",
+    "StepPlan": "step.dispatch", "Grid": "step.dispatch",
+    "BlockManager": "kv.blocks", "kv_groups": "kv.blocks", "blocks_needed": "kv.blocks", "FULL_GROUP": "kv.blocks",
+    "SLIDING_GROUP": "kv.blocks", "KVLayout": "kv.layout",
+    "KVIngest": "di.ingest", "KVProducer": "di.ingest",
 }
-_ERRORS = ("NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted",
-           "StepInputError", "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost")
+_ERRORS = ("BundleError", "ShapeNotCovered", "StepInputError", "KVPoolExhausted")
 
 __all__ = [  # noqa: RUF022 - grouped as above: runtime names, then errors
-    "open_bundle", "Bundle", "Stepper", "StepBatch", "KeptBatch", "StepOutput", "Artifacts", "StepPlan", "Grid",
-    "plan_step", "label", "BlockManager", "KVGroup", "kv_groups", "blocks_needed", "min_pool_blocks", "FULL_GROUP",
-    "SLIDING_GROUP", "NULL_BLOCK", "KVLayout", "allocate",
-    "KVIngest", "KVProducer", "KVRegions", "register_regions", "head_segments", "DIPrompt", "di_prompt",
-    "NeffbuildError", "ShapeNotCovered", "BundleError", "IncompatibleBundle", "KVPoolExhausted", "StepInputError",
-    "KVTransferError", "NixlUnavailable", "KVLayoutMismatch", "PrefillWorkerLost",
+    "open_bundle", "Bundle", "Stepper", "StepBatch", "StepOutput", "Artifacts", "StepPlan", "Grid",
+    "BlockManager", "kv_groups", "blocks_needed", "FULL_GROUP", "SLIDING_GROUP", "KVLayout", "KVIngest", "KVProducer",
+    "BundleError", "ShapeNotCovered", "StepInputError", "KVPoolExhausted",
 ]
-assert set(__all__) == set(_EXPORTS) | set(_ERRORS)
+assert set(__all__) == set(_EXPORTS) | set(_ERRORS) and len(__all__) <= 20
 
 
 def __getattr__(name: str):

@@ -79,6 +79,39 @@ class ParallelLayout:
         return f"tp {self.tp} x dp {self.dp} = {self.world_size} ranks; {ep}"
 
 
+@dataclass(frozen=True)
+class ParallelSection:
+    """The manifest's ``parallel`` section (sharded bundles only; docs/bundle-format.md), one type for the
+    builder that writes it and every reader. Which pieces a rank maps is the architecture's rule
+    (``models/<arch>/sharding.py``); the builder records its answer per rank in ``rank_pieces``, so a
+    reader maps data and restates no rule."""
+
+    parallel: ParallelLayout
+    pieces: dict  # piece name -> {file, tensors}, like the manifest's ``weights``
+    rank_pieces: tuple[tuple[str, ...], ...]  # per world rank: the pieces it maps besides ``weights.file``
+    shard_layout: dict  # split tensor -> {over: "tp"|"ep", axis}
+    kv_heads: dict  # "tp{r}" -> the model KV heads TP rank r holds
+
+    def pieces_of(self, rank: int) -> tuple[str, ...]:
+        return self.rank_pieces[rank]
+
+    def to_json(self) -> dict:
+        return dict(self.parallel.to_json(), ep_combine=self.parallel.ep_combine, pieces=self.pieces,
+                    rank_pieces=[list(p) for p in self.rank_pieces], shard_layout=self.shard_layout,
+                    kv_heads=self.kv_heads)
+
+    @classmethod
+    def of_manifest(cls, manifest: dict) -> ParallelSection | None:
+        """A manifest's section, or None for an unsharded bundle."""
+        return cls.from_json(manifest["parallel"]) if "parallel" in manifest else None
+
+    @classmethod
+    def from_json(cls, d: dict) -> ParallelSection:
+        """From a schema-checked manifest field (runtime/bundle/reader.py checks it before anything reads it)."""
+        return cls(ParallelLayout.from_json(d), dict(d["pieces"]), tuple(tuple(p) for p in d["rank_pieces"]),
+                   dict(d.get("shard_layout", {})), dict(d.get("kv_heads", {})))
+
+
 def rank_tensor(rank: int) -> torch.Tensor:
     """The rank id a sharded artifact takes as its last input (it picks the rank's experts)."""
     import torch  # lazy: ParallelLayout is torch-free (the recipe validator imports it)

@@ -21,7 +21,7 @@ from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout, rank_
 class RankContext:
     """One rank's place in the world: its rank, its groups (registered by name), the DP-sync group."""
 
-    layout: ParallelLayout
+    parallel: ParallelLayout
     rank: int
     world_group: object | None
     groups: dict

@@ -1,5 +1,8 @@
-"""The serving engine above the models and the runtime (``cli -> serve -> {models, runtime}``).
+"""The serving engine above the models and the runtime (``cli -> serve -> {models, recipe, runtime}``).
 
-One engine (engine.py) composed of parts (parts.py: KV source, proposer; world.py: the ranks);
-``result.generate`` is what ``neffbuild generate`` calls. Models and runtime never import it.
+``rank.open_rank`` opens a bundle for one serving rank (the engine, the DI prefill ranks, the
+``--check`` reference and the vLLM plugin to come all use it); one engine (engine.py: decide with
+scheduler.py, run, update with sampling.py) composed of parts (parts.py: KV source, proposer;
+world.py: the ranks); ``result.generate`` is the one entry point, what ``neffbuild generate``
+calls. Models and runtime never import it.
 """

@@ -5,10 +5,10 @@ runs the model's per-layer eager prefill into its own KV cache and answers ``pre
 on the side channel with the request's block lists. The decode side is the engine
 (``serve/engine.py``) with ``NixlSource`` as its KV source: per admitted request it asks for a
 prefill, reserves its own blocks, pulls the producer's blocks into them
-(``runtime/kv_ingest.py``), then runs the last prompt token in its first decode step, as a DI
+(``runtime/di/ingest.py``), then runs the last prompt token in its first decode step, as a DI
 decode worker does (it never sees prefill logits).
 
-Both sides apply the sliding-window N-1 rule (``runtime/di_prompt.py``) on their own and the
+Both sides apply the sliding-window N-1 rule (``runtime/di/prompt.py``) on their own and the
 decode side checks that they agree. Before the first decode step every block a request's
 query reads must have been transferred (``check_reads``): a read of a never-written block
 is a ``KVTransferError``, not garbage tokens.
@@ -16,23 +16,13 @@ is a ``KVTransferError``, not garbage tokens.
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from neffbuild.errors import KVTransferError, PrefillWorkerLost
-from neffbuild.runtime.blocks import NULL_BLOCK, SLIDING_GROUP
-from neffbuild.runtime.di_prompt import unwritten_reads
-from neffbuild.serve.engine import Engine
-from neffbuild.serve.greedy import Generation
+from neffbuild.runtime.di.prompt import unwritten_reads
+from neffbuild.runtime.kv.blocks import NULL_BLOCK, SLIDING_GROUP
 from neffbuild.serve.parts import Request
-from neffbuild.serve.prefill_worker import PrefillGroup, connect_decode, decode_tp, pull_prompt
-
-PrefillWorker = PrefillGroup  # the name callers used before the group had P ranks
-
-_REQUEST_IDS = itertools.count()
+from neffbuild.serve.prefill_worker import connect_decode, pull_prompt
 
 
 def _window(config) -> int | None:
@@ -40,11 +30,6 @@ def _window(config) -> int | None:
 
 
 # -- decode side
-
-
-@dataclass
-class DIGeneration(Generation):
-    transfers: list[dict] = field(default_factory=list)  # per prompt: kv_len, blocks, bytes, seconds
 
 
 class NixlSource:
@@ -64,7 +49,7 @@ class NixlSource:
     def __init__(self, session, addresses, *, alive=None, prefix: str = "", check_reads: bool = True,
                  _n_minus_1: bool = True):
         self.config, self.prefix, self.check_reads, self.n_minus_1 = session.config, prefix, check_reads, _n_minus_1
-        self.pullers = decode_tp(session)
+        self.pullers = session.parallel.tp
         self.kv = connect_decode(session, [addresses] if isinstance(addresses, int) else addresses, alive=alive)
         self.transfers: list[dict] = []
         self._next_check = 0.0
@@ -81,7 +66,7 @@ class NixlSource:
             raise PrefillWorkerLost(waiting.id, "the prefill group is gone (a rank's side channel closed) before "
                                                 "this request was prefilled")
 
-    def admit(self, reqs, blocks) -> None:
+    def admit(self, reqs, blocks, hold=()) -> None:  # ``hold`` unused: the pull reserves what it moves
         for r in reqs:
             r.key = r.key if r.key is not None else f"req-{r.index}"
             wire = f"{self.prefix}{r.key}"
@@ -107,39 +92,3 @@ def _check_first_reads(blocks, key, pos: int, window) -> None:
         if missing:
             raise KVTransferError(f"request {key}: the first decode step at position {pos} reads {g.name}-group "
                                   f"logical blocks {missing} that were never transferred (null block {NULL_BLOCK})")
-
-
-def generate_di(session, addresses, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                check_reads: bool = True, alive=None, request_ids: Sequence[str] | None = None,
-                _n_minus_1: bool = True) -> DIGeneration:
-    """Greedy tokens per prompt, prefill in the prefill group at ``addresses`` (a port, or every rank's
-    (host, port)), decode through the engine with a ``NixlSource``. A sharded bundle's TP ranks pass the
-    same ``request_ids``; the default names are this process's own."""
-    prefix = "" if request_ids else f"{os.getpid()}-{next(_REQUEST_IDS)}-"
-    source = NixlSource(session, addresses, alive=alive, prefix=prefix, check_reads=check_reads,
-                        _n_minus_1=_n_minus_1)
-    engine = Engine(session.stepper, session.block_manager(), source)
-    reqs = [Request(str(n), list(p), max_new_tokens, index=n, key=request_ids[n] if request_ids else None)
-            for n, p in enumerate(prompts)]
-    try:
-        engine.run(reqs)
-    finally:
-        source.close()
-    st = engine.stats
-    return DIGeneration([r.tokens for r in reqs], list(st.plans), sum(st.step_seconds), sum(st.step_tokens),
-                        transfers=[r.transfer for r in reqs])
-
-
-def run_di(bundle_path: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-           prefill_tp: int | None = None) -> DIGeneration:
-    """``generate --di``: a prefill group of ``prefill_tp`` ranks (default: the bundle's tp), this process decodes
-    through the bundle's artifacts."""
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.session import open_session
-
-    bundle = open_bundle(bundle_path)
-    session = open_session(bundle)
-    for label in bundle.labels:  # load now: decode_seconds must not include loading
-        bundle.artifact(label)
-    with PrefillGroup(bundle_path, prefill_tp) as group:
-        return generate_di(session, group.addresses, prompts, max_new_tokens, alive=group.alive)

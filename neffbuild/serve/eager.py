@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from neffbuild.runtime.dispatch import Grid
-from neffbuild.runtime.kv_cache import KVLayout
+from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.step.dispatch import Grid
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The engine (serve/engine.py) is one loop per rank; a mode is a choice of parts, never a loop:
 
 * ``KVSource`` -- how an admitted request gets its prompt's KV into this rank's blocks.
-  ``admit(reqs, blocks)`` reserves each request's blocks (under ``req.key``), fills them,
+  ``admit(reqs, blocks, hold)`` reserves each request's blocks (under ``req.key``), fills them,
   and sets ``req.computed`` (tokens in the KV cache) and ``req.next`` (the token the first
   decode step runs); a source that produces the first generated token itself (local
   prefill) appends it to ``req.tokens``. ``collective`` sources must be called on every
@@ -28,8 +28,8 @@ The engine (serve/engine.py) is one loop per rank; a mode is a choice of parts, 
 * World (serve/world.py): one process, or the bundle's tp x dp ranks (``--dp N`` for an
   unsharded bundle) as gloo processes; each DP group owns ``requests[g::dp]``.
 
-Not here: the step itself (runtime/step.py, stateless about requests), block accounting
-(runtime/blocks.py), the CLI.
+Not here: the step itself (runtime/step/stepper.py, stateless about requests), block accounting
+(runtime/kv/blocks.py), the CLI.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Protocol
 
 import torch
 
-from neffbuild.runtime.block_tables import TableBuffer
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager
+from neffbuild.runtime.kv.tables import TableBuffer
 
 
 @dataclass
@@ -62,10 +62,6 @@ class Request:
     first_step: int | None = None  # the first decode step it ran in
     last_step: int | None = None
     transfer: dict | None = None  # NIXL source: what the pull moved
-    hold: tuple | None = None  # the engine's: BlockManager.hold_limits after its last reserve for it
-    reach: int = 0  # the engine's: positions its blocks ever cover (prompt + max_new_tokens + drafts, <= max_model_len)
-    need: int = 0  # the engine's: the most KV blocks it ever holds (``Engine.peak_blocks``, admission's budget)
-    ahead: int = 0  # the engine's: positions past a step's that its reserves also hold (``Engine.ahead``)
 
     @property
     def done(self) -> bool:
@@ -92,7 +88,7 @@ class BlockRows:
 
     Between two steps the artifact has run and the interpreter's caches are cold: every torch
     call then costs ~10 us, more than the engine's whole step should. So the tables live in a
-    ``TableBuffer`` (runtime/block_tables.py: one buffer of ``[groups, max_rows, max_width]``
+    ``TableBuffer`` (runtime/kv/tables.py: one buffer of ``[groups, max_rows, max_width]``
     block ids under a tensor, each row checked when written) and a step writes, in pure Python,
     only the rows whose request or blocks changed (``BlockManager.version``). A row is written
     as the request's blocks (up to ``max_width``), nulls after them, so it reads right at any
@@ -150,7 +146,7 @@ class BlockRows:
 class KVSource(Protocol):
     collective: bool
 
-    def admit(self, reqs: list[Request], blocks: BlockManager) -> None: ...
+    def admit(self, reqs: list[Request], blocks: BlockManager, hold: Sequence[int] = ()) -> None: ...
 
     def close(self) -> None: ...
 
@@ -178,7 +174,9 @@ class LocalPrefill:
         self.group = lockstep_group
         self.collective = self.group is not None
 
-    def admit(self, reqs: list[Request], blocks: BlockManager) -> None:
+    def admit(self, reqs: list[Request], blocks: BlockManager, hold: Sequence[int] = ()) -> None:
+        """``hold``: per request, the positions the engine's first decode reserve will hold (the scheduler's
+        ``first_hold``): reserved here already, so that reserve changes nothing and the tables change once."""
         pads = _lockstep([r.prompt for r in reqs], self.group) if self.collective else [0] * len(reqs)
         for n, pad_to in enumerate(pads):
             kw = {"pad_to": pad_to} if self.collective else {}
@@ -191,9 +189,7 @@ class LocalPrefill:
             r = reqs[n]
             r.key = r.key if r.key is not None else f"req-{r.index}"
             N = len(r.prompt)
-            # Prefill reads no cache: keep only what decode reads, and hold what the engine's first decode reserve
-            # would (position N and ``ahead`` more, within its reach): that reserve then changes nothing.
-            blocks.reserve(r.key, max(N, min(N + 1 + r.ahead, r.reach)), N)
+            blocks.reserve(r.key, max(N, hold[n] if n < len(hold) else N), N)  # prefill reads no cache
             rows = {g: t[0] for g, t in block_rows(blocks, [r.key], [N]).items()}
             out = self.prefill(r.prompt, self.kv_caches, rows, **kw)
             logits, aux = out if self.aux_layers else (out, None)

@@ -34,11 +34,12 @@ from typing import Self
 
 from neffbuild import registry
 from neffbuild.errors import InvalidInput, KVTransferError
-from neffbuild.runtime.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager, kv_groups
-from neffbuild.runtime.di_prompt import di_prompt, strip_leading_null
-from neffbuild.runtime.kv_ingest import KVIngest, KVProducer
-from neffbuild.runtime.nixl_agent import load_nixl
-from neffbuild.runtime.parallel import ParallelLayout
+from neffbuild.runtime.bundle.reader import read_manifest
+from neffbuild.runtime.di.ingest import KVIngest, KVProducer
+from neffbuild.runtime.di.nixl_agent import load_nixl
+from neffbuild.runtime.di.prompt import di_prompt, strip_leading_null
+from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
+from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, model_config, open_rank, read_valid
 
 _IDS = itertools.count()
 GLOO_TIMEOUT = timedelta(seconds=20)
@@ -49,39 +50,25 @@ def _window(cfg) -> int | None:
 
 
 def bundle_tp(bundle_path) -> int:
-    from neffbuild.runtime.bundle import read_manifest
-
-    return int(read_manifest(Path(bundle_path)).get("parallel", {}).get("tp", 1))
+    section = ParallelSection.of_manifest(read_manifest(Path(bundle_path)))
+    return section.parallel.tp if section is not None else 1
 
 
 def check_prefill_tp(cfg, arch: str, tp: int) -> None:
     """``--prefill-tp`` must split the model's heads as a TP degree does (exit 2 otherwise)."""
     try:
-        list(registry.arch(arch).get("iter_pieces")(cfg, {}, ParallelLayout(tp=tp), []))  # runs the layout rules
+        registry.arch(arch).get("check_layout")(cfg, ParallelLayout(tp=tp))
     except InvalidInput as exc:
         raise InvalidInput(f"--prefill-tp {tp}: {exc}") from None
 
 
-def rank_weights(bundle_path, tp: int, rank: int):
-    """(config, arch entry, prefill rank ``rank``'s weights, the bundle's kv_layout) for a prefill TP of ``tp``."""
-    from neffbuild.runtime import bundle as reader
-    from neffbuild.runtime import weights_file
-
-    root = Path(bundle_path)
-    m = reader.read_manifest(root)
-    gi = m["graph_inputs"]
-    arch = registry.arch(gi["arch"])
-    cfg = arch.get("config").from_hf_dict(gi["model_config"])
-    weights = weights_file.load(reader.safe_path(root, m["weights"]["file"]), m["weights"]["tensors"])
-    if "parallel" in m:  # a sharded bundle: join its pieces into the full weights first
-        parts = {name: weights_file.load(reader.safe_path(root, e["file"]), e["tensors"])
-                 for name, e in m["parallel"]["pieces"].items()}
-        weights = arch.get("unshard")(cfg, dict(parts, shared=weights), ParallelLayout.from_json(m["parallel"]))
-    if tp > 1:
-        par = ParallelLayout(tp=tp)
-        weights = {k: v for _, part in arch.get("iter_pieces")(cfg, weights, par, ["shared", f"tp{rank}"])
-                   for k, v in part.items()}
-    return cfg, arch, weights, gi["kv_layout"]
+def check_group_tp(bundle_path, tp: int) -> None:
+    """A prefill group of ``tp`` ranks can split the bundle's model (exit 2 naming ``--prefill-tp`` otherwise).
+    A broken manifest is left to ``open_rank``, which names what is wrong (exit 1)."""
+    valid = read_valid(bundle_path, strict=False)
+    if valid is not None:
+        gi = valid[1]
+        check_prefill_tp(model_config(gi, Path(bundle_path)), gi.arch, tp)
 
 
 class _Rank:
@@ -90,28 +77,17 @@ class _Rank:
     def __init__(self, bundle_path: str, tp: int, rank: int, n_minus_1: bool):
         import torch.distributed as dist
 
-        from neffbuild.runtime.kv_cache import KVLayout, allocate
-
         self.tp, self.rank, self.n_minus_1, self.dist = tp, rank, n_minus_1, dist
-        self.cfg, arch, self.weights, kv = rank_weights(bundle_path, tp, rank)
-        par = ParallelLayout(tp=tp)
-        heads = arch.get("kv_heads_of")(self.cfg, par, rank)
-        _, nb, _, bs, d = kv["buffer_shape"]
-        self.layout = KVLayout(kv["num_buffers"], nb, len(heads), bs, d, fp8=kv["dtype"].startswith("float8"),
-                               packed_k=kv["packed_k"])
-        self.caches = allocate(self.layout)
-        of = arch.get("kv_buffer_of_layer")
-        L = self.cfg.num_hidden_layers
-        self.producer = KVProducer(f"prefill-{os.getpid()}-r{rank}", [self.caches[of(i)] for i in range(L)],
-                                   packed_fp8=self.layout.packed_k, heads=heads,
+        me = open_rank(bundle_path, decode=PREFILL_ONLY, tp=tp, rank=rank)
+        self.cfg, self.kv_layout, self.caches = me.config, me.kv_layout, me.kv_caches
+        of = registry.arch_of(self.cfg).get("kv_buffer_of_layer")
+        self.producer = KVProducer(f"prefill-{os.getpid()}-r{rank}",
+                                   [self.caches[of(i)] for i in range(self.cfg.num_hidden_layers)],
+                                   packed_fp8=self.kv_layout.packed_k, heads=me.kv_heads,
                                    total_heads=self.cfg.num_key_value_heads)
-        prefill = arch.get("prefill")
-        shard = {"parallel": par, "rank": rank} if tp > 1 else {}
-        self._prefill = lambda tokens, rows: prefill(self.cfg, self.weights, tokens, self.caches, rows[FULL_GROUP],
-                                                     rows.get(SLIDING_GROUP, rows[FULL_GROUP]),
-                                                     packed_k=self.layout.packed_k, **shard)
+        self._prefill = lambda tokens, rows: me.prefill(tokens, self.caches, rows)
         self.lock = threading.Lock()
-        self.blocks = BlockManager(nb, bs, kv_groups(_window(self.cfg))) if rank == 0 else None
+        self.blocks = me.block_manager() if rank == 0 else None
         self.answers: dict[str, dict] = {}  # request -> its prefill answer, until every puller released it
         self.released: dict[str, int] = {}
 
@@ -219,6 +195,8 @@ class PrefillGroup:
     """The prefill ranks: ``with PrefillGroup(bundle, tp=2) as g: ... g.addresses``."""
 
     def __init__(self, bundle_path, tp: int | None = None, *, timeout: float = 180.0, _n_minus_1: bool = True):
+        if tp is not None:
+            check_group_tp(bundle_path, tp)  # the user's flag first (exit 2), before spawning anything
         load_nixl()  # fail here, with the extra to install, before spawning anything
         self.bundle_path, self.tp = str(bundle_path), tp or bundle_tp(bundle_path)
         self.timeout, self._n_minus_1 = timeout, _n_minus_1
@@ -279,27 +257,13 @@ class PrefillGroup:
 # -- decode side
 
 
-def decode_heads(session) -> range:
-    """The model KV heads this decode rank holds (its bundle rank's TP slice; all of them unsharded)."""
+def connect_decode(session: ServingRank, addresses, *, alive=None, name: str | None = None) -> KVIngest:
+    """This decode rank's ``KVIngest`` over its KV buffers, connected to the prefill ranks at ``addresses``."""
     cfg = session.config
-    ctx = getattr(session.stepper.artifacts, "context", None)
-    if ctx is None:
-        return range(cfg.num_key_value_heads)
-    return registry.arch_of(cfg).get("kv_heads_of")(cfg, ctx.layout, ctx.layout.tp_rank(ctx.rank))
-
-
-def decode_tp(session) -> int:
-    ctx = getattr(session.stepper.artifacts, "context", None)
-    return ctx.layout.tp if ctx is not None else 1
-
-
-def connect_decode(session, addresses, *, alive=None, name: str | None = None) -> KVIngest:
-    """This decode rank's ``KVIngest`` over its session's KV, connected to the prefill ranks at ``addresses``."""
-    cfg, stepper = session.config, session.stepper
     of = registry.arch_of(cfg).get("kv_buffer_of_layer")
     kv = KVIngest(name or f"decode-{os.getpid()}-{next(_IDS)}",
-                  [stepper.kv_caches[of(i)] for i in range(cfg.num_hidden_layers)],
-                  packed_fp8=stepper.layout.packed_k, heads=decode_heads(session),
+                  [session.kv_caches[of(i)] for i in range(cfg.num_hidden_layers)],
+                  packed_fp8=session.kv_layout.packed_k, heads=session.kv_heads,
                   total_heads=cfg.num_key_value_heads)
     try:
         kv.connect(addresses, alive=alive)

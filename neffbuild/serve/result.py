@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neffbuild.errors import NeffbuildError
-from neffbuild.serve.parts import Request
+from neffbuild.runtime.di.ingest import load_nixl
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.parts import LocalPrefill, Request
+from neffbuild.serve.prefill_worker import PrefillGroup, check_group_tp
+from neffbuild.serve.rank import EAGER, model_config, open_rank, read_valid
+from neffbuild.serve.requests import check_requests
 from neffbuild.serve.run import Options
+from neffbuild.serve.world import run_ranks, world_for
 
 
 @dataclass
@@ -40,7 +46,6 @@ class GenerateResult:
     @property
     def tokens(self) -> list[list[int]]:
         return [r["tokens"] for r in self.requests]
-
     def to_json(self) -> dict:
         out = {"tokens": self.tokens, "requests": self.requests, "steps": self.steps,
                "decode_seconds": round(self.decode_seconds, 6), "decode_tokens": self.decode_tokens,
@@ -89,67 +94,30 @@ def merge(ranks: list[dict], n_requests: int, world: int, dp: int) -> GenerateRe
 
 def _check_early(bundle_path: str, requests: list[Request], what: str) -> None:
     """The requests are the user's: refuse them before any rank or worker starts (a valid manifest only)."""
-    from neffbuild.runtime.bundle import read_manifest
-    from neffbuild.runtime.manifest_schema import problems
-    from neffbuild.serve.requests import check_requests
-    from neffbuild.serve.run import model_config
-
-    m = read_manifest(Path(bundle_path))
-    if not problems(m):
-        gi = m["graph_inputs"]
-        check_requests(requests, model_config(gi).vocab_size, gi["max_model_len"], what)
+    valid = read_valid(bundle_path, strict=False)
+    if valid is not None:
+        gi = valid[1]
+        check_requests(requests, model_config(gi, Path(bundle_path)).vocab_size, gi.grid.max_model_len, what)
 
 
 def generate(bundle_path: str, requests: list[Request], opts: Options) -> GenerateResult:
     """Serve ``requests`` on the bundle with the parts ``opts`` names; one merged result."""
-    from neffbuild.serve.world import run_ranks, world_for
-
     if opts.di:
-        from neffbuild.runtime.kv_ingest import load_nixl
-
+        if opts.prefill_tp is not None:
+            check_group_tp(bundle_path, opts.prefill_tp)  # the user's flag: exit 2 naming it, before anything starts
         load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
     world, dp = world_for(bundle_path, opts.dp)
-    if world > 1 or opts.di:  # one process checks them after check_bundle (a broken bundle is exit 1 first)
-        _check_early(bundle_path, requests, opts.source)
+    if world > 1 or opts.di:  # one process checks them after open_rank (a broken bundle is exit 1 first)
+        _check_early(bundle_path, requests, opts.requests_flag)
     if not opts.di:
         return merge(run_ranks(bundle_path, requests, opts), len(requests), world, dp)
-    from neffbuild.serve.prefill_worker import PrefillGroup
-
     with PrefillGroup(bundle_path, opts.prefill_tp) as group:
         return merge(run_ranks(bundle_path, requests, opts, group), len(requests), world, dp)
 
 
 def reference_tokens(bundle_path: str, requests: list[Request]) -> list[list[int]]:
     """Greedy tokens of the UNSHARDED eager model on the bundle's weights, per request (file order)."""
-    from neffbuild import registry
-    from neffbuild.runtime import bundle as reader
-    from neffbuild.runtime import weights_file
-    from neffbuild.runtime.dispatch import GridSpec
-    from neffbuild.runtime.kv_cache import KVLayout
-    from neffbuild.runtime.parallel import ParallelLayout
-    from neffbuild.serve.engine import Engine
-    from neffbuild.serve.parts import LocalPrefill
-    from neffbuild.serve.run import model_config
-    from neffbuild.serve.session import eager_artifacts, make_session
-
-    root = Path(bundle_path)
-    m = reader.read_manifest(root)
-    gi = m["graph_inputs"]
-    cfg = model_config(gi)
-    weights = weights_file.load(reader.safe_path(root, m["weights"]["file"]), m["weights"]["tensors"])
-    if "parallel" in m:
-        parts = {name: weights_file.load(reader.safe_path(root, e["file"]), e["tensors"])
-                 for name, e in m["parallel"]["pieces"].items()}
-        weights = registry.arch(gi["arch"]).get("unshard")(cfg, dict(parts, shared=weights),
-                                                            ParallelLayout.from_json(m["parallel"]))
-    kv = gi["kv_layout"]
-    _, nb, _, bs, d = kv["buffer_shape"]
-    layout = KVLayout(kv["num_buffers"], nb, cfg.num_key_value_heads, bs, d, fp8=kv["dtype"].startswith("float8"),
-                      packed_k=kv["packed_k"])  # every KV head: the unsharded model
-    spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]), gi["max_model_len"],
-                    gi["num_speculative_tokens"])
-    session = make_session(cfg, weights, eager_artifacts(cfg, weights, spec, layout, gi["num_swa"]))
+    ref = open_rank(bundle_path, decode=EAGER)
     fresh = [Request(r.id, list(r.prompt), r.max_new_tokens, index=r.index) for r in requests]
-    Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.stepper.kv_caches)
-           ).run(fresh)
+    Engine(ref.stepper, ref.block_manager(), LocalPrefill(ref.prefill, ref.kv_caches)).run(fresh)
     return [r.tokens for r in fresh]

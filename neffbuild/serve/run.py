@@ -10,11 +10,24 @@ serve/result.py merges the ranks' answers into one ``GenerateResult``.
 
 from __future__ import annotations
 
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from neffbuild.errors import BundleError, InvalidInput
-from neffbuild.runtime.histogram import NeededSeqHistogram
-from neffbuild.serve.parts import Request
+import torch.distributed as dist
+
+from neffbuild.errors import InvalidInput
+from neffbuild.runtime.step import dp_sync
+from neffbuild.runtime.step.dispatch import StepPlan
+from neffbuild.runtime.step.histogram import NeededSeqHistogram
+from neffbuild.serve.di import NixlSource
+from neffbuild.serve.engine import Engine
+from neffbuild.serve.parts import LocalPrefill, Request
+from neffbuild.serve.rank import ServingRank, open_rank
+from neffbuild.serve.requests import check_requests
+from neffbuild.serve.spec import Eagle3Proposer
 
 
 @dataclass(frozen=True)
@@ -24,51 +37,18 @@ class Options:
     dp: int | None = None  # DP ranks for an unsharded bundle (default: the bundle's dp)
     metrics: bool = False  # Prometheus text in the result
     prefill_tp: int | None = None  # DI: ranks of the prefill group (default: the bundle's tp)
-    source: str = "--prompt-ids"  # what the requests came from (error messages)
+    requests_flag: str = "--prompt-ids"  # the flag the requests came from (error messages name it)
 
 
-def model_config(gi: dict):
-    """The bundle's model config, checked with the recipe's rules (a broken bundle: exit 1, not the user's input)."""
-    from pathlib import Path
-
-    from neffbuild.errors import RecipeError
-    from neffbuild.recipe.validator import Validator
-
-    v = Validator(Path.cwd(), "graph_inputs.model_config")
-    hf = gi["model_config"]
-    cfg = v.arch_config(hf, "graph_inputs.model_config", gi["arch"]) if isinstance(hf, dict) else None
-    if cfg is None or v.problems:
-        raise BundleError(str(RecipeError("manifest graph_inputs.model_config", v.problems or [])))
-    return cfg
-
-
-def check_bundle(bundle) -> None:
-    """The manifest's model_config is valid and describes the weights the artifacts bind (else exit 1)."""
-    from neffbuild import registry
-
-    gi = bundle.manifest["graph_inputs"]
-    cfg = model_config(gi)
-    for name, shape in registry.arch(gi["arch"]).get("rank_shapes")(cfg, bundle.parallel).items():
-        have = tuple(bundle.weights[name].shape) if name in bundle.weights else None
-        if have != tuple(shape):
-            raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
-                              f"weights hold {list(have) if have else 'none'}: the manifest and weights disagree")
-
-
-def _parts(bundle, session, opts: Options, prefill):
-    from neffbuild.serve.parts import LocalPrefill
-    from neffbuild.serve.spec import Eagle3Proposer, draft_config
-
+def _parts(session: ServingRank, opts: Options, prefill):
     proposer = None
     if opts.spec:
-        dcfg = draft_config(bundle, session.config)
+        dcfg = session.draft_config()
         if dcfg is None:
-            raise InvalidInput(f"--spec: bundle {bundle.root.name} was built without speculative decoding; drop "
-                               "--spec or build a recipe with a speculative: section")
-        proposer = Eagle3Proposer(session.stepper, dcfg, bundle.weights)
+            raise InvalidInput(f"--spec: bundle {session.bundle.root.name} was built without speculative decoding; "
+                               "drop --spec or build a recipe with a speculative: section")
+        proposer = Eagle3Proposer(session.stepper, dcfg, session.weights)
     if opts.di:
-        from neffbuild.serve.di import NixlSource
-
         addresses, alive = prefill
         return NixlSource(session, addresses, alive=alive), proposer  # keys req-{file index}: unique over DP
     aux = proposer.aux_layers if proposer is not None else ()
@@ -82,21 +62,14 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     ``prefill``: with ``opts.di``, ``(addresses, alive)`` of the prefill group (``alive``: a
     liveness callable in the process that started it, else None).
     """
-    from neffbuild.runtime import dp_sync
-    from neffbuild.runtime.bundle import open_bundle
-    from neffbuild.serve.engine import Engine
-    from neffbuild.serve.greedy import prometheus
-    from neffbuild.serve.requests import check_requests
-    from neffbuild.serve.session import open_session
-
-    bundle = open_bundle(bundle_path, group=group)  # a sharded bundle joins the world here (every rank opens it)
-    check_bundle(bundle)
+    session = open_rank(bundle_path, group=group)  # a sharded bundle joins the world here (every rank opens it)
+    bundle = session.bundle
     hist = NeededSeqHistogram(bundle.grid.max_model_len)
-    session = open_session(bundle, group=group, on_plan=lambda plan: hist.record(plan.needed_seq))
-    check_requests(requests, session.config.vocab_size, bundle.grid.max_model_len, opts.source)
+    session.stepper.on_plan = lambda plan: hist.record(plan.needed_seq)
+    check_requests(requests, session.config.vocab_size, bundle.grid.max_model_len, opts.requests_flag)
     for label in bundle.labels:  # load every artifact now: no decode step pays for loading
         bundle.artifact(label)
-    source, proposer = _parts(bundle, session, opts, prefill)
+    source, proposer = _parts(session, opts, prefill)
     before = dp_sync.COLLECTIVES["count"]
     try:
         engine = Engine(session.stepper, session.block_manager(), source, proposer, on_step=progress(requests, group))
@@ -117,17 +90,23 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     return out
 
 
+def prometheus(plans: Sequence[StepPlan]) -> str:
+    """Executions per batch bucket and the batch padding ratio, Prometheus text format."""
+    executions = Counter(f"decode_b{p.batch}" for p in plans)
+    rows, padding = sum(p.batch for p in plans), sum(p.padding for p in plans)
+    lines = ["# TYPE neffbuild_neff_execution_count counter"]
+    lines += [f'neffbuild_neff_execution_count{{bucket="{k}"}} {v}' for k, v in sorted(executions.items())]
+    ratio = padding / rows if rows else 0.0
+    lines += ["# TYPE neffbuild_batch_padding_ratio gauge", f"neffbuild_batch_padding_ratio {ratio:.6f}"]
+    return "\n".join(lines) + "\n"
+
+
 PROGRESS_EVERY_S = 10.0
 
 
 def progress(requests: list[Request], group=None, every_s: float = PROGRESS_EVERY_S):
     """An ``on_step`` hook that prints ``N/M requests done`` on stderr every ``every_s`` seconds of a long run
     (a short run prints nothing; one clock read per step otherwise)."""
-    import sys
-    import time
-
-    from neffbuild.runtime import dp_sync
-
     who = f"rank {dist_rank(group)}: " if dp_sync.world_size(group) > 1 else ""
     start = time.monotonic()
     state = {"next": start + every_s, "steps": 0}
@@ -145,6 +124,4 @@ def progress(requests: list[Request], group=None, every_s: float = PROGRESS_EVER
 
 
 def dist_rank(group) -> int:
-    import torch.distributed as dist
-
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0

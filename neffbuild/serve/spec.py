@@ -5,7 +5,7 @@ Each engine step with drafts: **verify** (the target runs ``[next token, d1..dk]
 argmax, plus the bonus token: exactly what plain greedy emits) -> **propose** (here: one
 draft call catches up on the rows the target just verified and proposes k new drafts).
 
-The family is the step API's choice (runtime/step.py): with-spec only when every request
+The family is the step API's choice (runtime/step/stepper.py): with-spec only when every request
 hands k drafts and ``max_position + k + 1 <= max_model_len``; the veto rides in the step's
 one MAX all-reduce, so all DP ranks run the same target artifact. A request with no
 verified rows (right after a DI transfer: no aux hidden states yet) or no room gets no
@@ -31,9 +31,9 @@ import torch
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.eagle3.draft import prefill as draft_prefill
-from neffbuild.runtime.blocks import FULL_GROUP, BlockManager
-from neffbuild.runtime.dispatch import DRAFT, StepPlan, plan_draft
-from neffbuild.runtime.step import Stepper
+from neffbuild.runtime.kv.blocks import FULL_GROUP, BlockManager
+from neffbuild.runtime.step.dispatch import DRAFT, StepPlan, plan_draft
+from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve.parts import Request, block_rows
 
 # (draft plan, requests) -> proposed target ids [len(requests), k]: replaces the draft artifact (tests)
@@ -89,14 +89,6 @@ class Eagle3Proposer:
         return plan.label
 
 
-def draft_config(bundle, target_cfg) -> Eagle3Config | None:
-    """The bundle's draft config, or None when it was built without EAGLE3."""
-    gi = bundle.manifest["graph_inputs"]
-    if not bundle.grid.num_speculative_tokens or "draft_config" not in gi:
-        return None
-    return Eagle3Config.from_hf_dict(gi["draft_config"], target_cfg)
-
-
 class EagerSpecArtifacts:
     """Eager target (with aux outputs) for target labels and the eager draft for draft labels."""
 
@@ -106,18 +98,3 @@ class EagerSpecArtifacts:
     def artifact(self, label: str):
         module = self.draft if label.startswith(DRAFT) else self.target
         return torch.no_grad()(module.forward)
-
-
-def generate_spec(session, dcfg: Eagle3Config, weights: dict, prompts: list[list[int]], max_new_tokens: int, *,
-                  draft_fn: DraftFn | None = None):
-    """Speculative greedy tokens per prompt through the engine (all arrive at step 0); (tokens, EngineStats)."""
-    from neffbuild.serve.engine import Engine
-    from neffbuild.serve.parts import LocalPrefill
-
-    proposer = Eagle3Proposer(session.stepper, dcfg, weights, draft_fn=draft_fn)
-    source = LocalPrefill(session.prefill, session.stepper.kv_caches, lockstep_group=session.lockstep_group,
-                          aux_layers=proposer.aux_layers, proposer=proposer)
-    engine = Engine(session.stepper, session.block_manager(), source, proposer)
-    reqs = [Request(str(n), list(p), max_new_tokens, index=n) for n, p in enumerate(prompts)]
-    engine.run(reqs)
-    return [r.tokens for r in reqs], engine.stats

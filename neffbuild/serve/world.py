@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 
 from neffbuild.errors import InvalidInput, NeffbuildError
+from neffbuild.runtime.parallel import ParallelSection
 from neffbuild.serve.parts import Request
+from neffbuild.serve.rank import read_valid
 from neffbuild.serve.run import Options, serve_rank
 
 MAX_LOCAL_WORLD = 16
@@ -22,16 +24,18 @@ MAX_LOCAL_WORLD = 16
 
 def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
     """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default: the recipe's dp)."""
-    from neffbuild.runtime.bundle import read_manifest
-
-    m = read_manifest(Path(bundle_path))
-    par = m.get("parallel")
-    if par is None:  # unsharded: the same graph serves any number of DP ranks
-        dp = dp_flag or int(m["graph_inputs"].get("dp", 1))
+    valid = read_valid(bundle_path, strict=False)
+    if valid is None:  # broken: the ranks' open_bundle names what is wrong (exit 1)
+        return dp_flag or 1, dp_flag or 1
+    m, gi = valid
+    section = ParallelSection.of_manifest(m)
+    if section is None:  # unsharded: the same graph serves any number of DP ranks
+        dp = dp_flag or gi.parallel.dp
         return dp, dp
-    world, dp = int(par["world_size"]), int(par["dp"])
+    par = section.parallel
+    world, dp = par.world_size, par.dp
     if dp_flag not in (None, dp):
-        raise InvalidInput(f"--dp {dp_flag}: this bundle was compiled for dp {dp} (tp {par['tp']}, ep {par['ep']}); "
+        raise InvalidInput(f"--dp {dp_flag}: this bundle was compiled for dp {dp} (tp {par.tp}, ep {par.ep}); "
                            "drop --dp or rebuild with parallel.dp set")
     if world > MAX_LOCAL_WORLD:
         raise InvalidInput(f"the bundle needs {world} ranks; generate runs every rank on this host (at most "

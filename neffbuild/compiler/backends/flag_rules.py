@@ -1,4 +1,4 @@
-"""compiler.flags / compiler.target_flags: recipes are data, so flags come from an allow-list (issue 25).
+"""compiler.flags / compiler.target_flags: recipes are data, so flags come from an allow-list.
 
 An inductor config option can name a program (``cpp.cxx``), a path or a command; setting one
 from a recipe made ``compile`` execute whatever the recipe named. So the inductor backend takes

@@ -30,7 +30,7 @@ import torch
 from neffbuild.compiler.backends.base import Backend
 from neffbuild.compiler.reproducible import normalize_pt2
 from neffbuild.errors import InvalidInput
-from neffbuild.runtime.loaders import load_inductor
+from neffbuild.runtime.bundle.loaders import load_inductor
 
 # AOTInductor options whose torch defaults come from the environment at import (AOT_INDUCTOR_*): each shapes the
 # C++ build of every artifact, but no cache key names an environment variable. So the backend passes them itself,
@@ -128,7 +128,7 @@ class InductorBackend(Backend):
 def cpu_target(target: str | None) -> dict:
     """The resolved CPU target: a named -march level or native; anything else (a Neuron target, None) is the
     portable default (native where the machine has no levels)."""
-    from neffbuild.runtime import cpu_features
+    from neffbuild.runtime.bundle import cpu_features
 
     choices = cpu_features.targets()
     if target not in choices:

@@ -4,7 +4,7 @@ Traced per the SDK's documented contract (torch-neuronx "Tracing API for Inferen
 
 - **weights apart from the NEFF**: ``inline_weights_to_neff=False``; the workers trace with
   placeholder weights, so an inlined NEFF would carry them. The runtime binds the bundle's
-  weights with ``torch_neuronx.replace_weights`` (``runtime/loaders.py``, the one loading
+  weights with ``torch_neuronx.replace_weights`` (``runtime/bundle/loaders.py``, the one loading
   path, which ``load`` here uses too). Placeholders are zero-stride views, so the saved
   module carries no weight-sized bytes.
 - **KV caches are declared state**: the traced wrapper returns the updated KV buffers and
@@ -31,7 +31,7 @@ from torch import nn
 
 from neffbuild.compiler.backends.base import Backend
 from neffbuild.errors import BuildFailed
-from neffbuild.runtime.loaders import NEURON_WEIGHT_PREFIX, load_neuron
+from neffbuild.runtime.bundle.loaders import NEURON_WEIGHT_PREFIX, load_neuron
 
 TOO_MANY_INSTRUCTIONS = re.compile(r"XTP002|[Tt]oo many instructions")
 INSTRUCTION_LIMIT = 5_000_000

@@ -22,7 +22,7 @@ from neffbuild.models.gpt_oss.decode import (
     attention_output_and_mlp,
 )
 from neffbuild.models.gpt_oss.sharding import local_config
-from neffbuild.runtime.blocks import (
+from neffbuild.runtime.kv.blocks import (
     NULL_BLOCK,  # a plain layout constant (models import no runtime logic)
 )
 from neffbuild.runtime.parallel import ParallelLayout, rank_tensor

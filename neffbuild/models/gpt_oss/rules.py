@@ -12,7 +12,7 @@ import dataclasses
 
 from neffbuild.errors import NO_VALUE, did_you_mean
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig
-from neffbuild.runtime.kv_layout import KVLayout
+from neffbuild.runtime.kv.layout import KVLayout
 
 # Upper bounds: generous for real models (GPT-OSS-120B is far below each), small enough for memory.
 INT_LIMITS = {
@@ -80,7 +80,7 @@ def check_gk_layout(err, cfg: GptOssConfig) -> None:
 
 def kv_pool_bytes(cfg: GptOssConfig, num_blocks: int, block_size: int) -> int:
     """Bytes of the whole KV pool, every buffer's K and V halves, unsharded and float32 (a conservative bound;
-    FP8 quarters it): the runtime's one KV formula (runtime/kv_layout.py)."""
+    FP8 quarters it): the runtime's one KV formula (runtime/kv/layout.py)."""
     return KVLayout(cfg.num_kv_buffers, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim).total_bytes
 
 

@@ -1,0 +1,95 @@
+"""Verify is the gate: manifest fields ``generate`` reads that the schema left unchecked.
+
+Run by ``check`` (so by ``neffbuild verify`` and by ``open_bundle`` unless ``verify="none"``),
+after the schema passed: the EAGLE3 draft's KV layout (present exactly when the bundle has
+drafts, its heads and head_dim those of ``graph_inputs.draft_config`` over the target's, the
+same buffer every draft artifact records); a ``parallel`` section exactly on a sharded bundle
+(tp or ep above 1), with graph_inputs' tp/dp/ep; the model_config fields the step API reads
+(vocab_size, hidden_size); the speculative method of a bundle with drafts.
+``read_digest_line`` reads a bounded prefix of ``manifest.sha256`` (a 12 GB sparse file is an
+error, never a MemoryError). Standard library and the registry only.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from neffbuild import registry
+from neffbuild.runtime.bundle.schema import Problem, is_int, short
+
+MAX_DIGEST_BYTES = 4096  # "<64 hex digits>  manifest.json\n" is 81 bytes
+
+
+def read_digest_line(path: Path) -> str | None:
+    """The first line of the digest file, or None when it is missing, not a regular file, too big or not ASCII."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_DIGEST_BYTES:
+            return None
+        with open(path, "rb") as f:
+            return f.read(MAX_DIGEST_BYTES).decode("ascii")[:200]
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def problems(m: dict) -> list[Problem]:
+    gi = m["graph_inputs"]
+    out = _model_config(gi)
+    return out + _parallel_presence(m, gi) + _speculative_method(gi) + (_draft_layout(m, gi) if not out else [])
+
+
+def _speculative_method(gi: dict) -> list[Problem]:
+    method = gi.get("speculative_method")
+    if gi["num_speculative_tokens"] and method not in registry.SPECULATIVE:
+        return [Problem("graph_inputs.speculative_method", f"got {short(method)}, must name the method the draft "
+                        f"was built for ({', '.join(registry.SPECULATIVE)})")]
+    return []
+
+
+def _model_config(gi: dict) -> list[Problem]:
+    mc = gi["model_config"]
+    return [Problem(f"graph_inputs.model_config.{k}", f"got {short(mc.get(k))}, must be a positive integer")
+            for k in ("vocab_size", "hidden_size", "num_key_value_heads", "head_dim") if not is_int(mc.get(k), 1)]
+
+
+def _parallel_presence(m: dict, gi: dict) -> list[Problem]:
+    sharded = gi["tp"] > 1 or gi["ep"] > 1
+    if ("parallel" in m) != sharded:
+        return [Problem("parallel", f"{'missing' if sharded else 'present'} on a bundle with graph_inputs tp "
+                        f"{gi['tp']}, ep {gi['ep']} (a parallel section belongs exactly to sharded bundles)")]
+    par = m.get("parallel")
+    if sharded and isinstance(par, dict) and any(par.get(k) != gi[k] for k in ("tp", "dp", "ep")):
+        return [Problem("parallel", f"tp/dp/ep {[par.get(k) for k in ('tp', 'dp', 'ep')]} differ from graph_inputs "
+                        f"{[gi[k] for k in ('tp', 'dp', 'ep')]}")]
+    return []
+
+
+def _draft_layout(m: dict, gi: dict) -> list[Problem]:
+    p = "graph_inputs.kv_layout.draft"
+    kv, k = gi["kv_layout"], gi["num_speculative_tokens"]
+    draft = kv.get("draft")
+    if (draft is not None) != (k > 0):
+        return [Problem(p, f"{'missing' if k else 'present'} with num_speculative_tokens {k} (the draft's KV "
+                        "group exists exactly when the bundle has EAGLE3 drafts)")]
+    if draft is None:
+        return []
+    mc, dc = gi["model_config"], gi.get("draft_config") or {}
+    if not isinstance(dc, dict):
+        return [Problem("graph_inputs.draft_config", "must be an object")]
+    heads = dc.get("num_key_value_heads") if dc.get("num_key_value_heads") is not None else mc["num_key_value_heads"]
+    head_dim = dc.get("head_dim") if dc.get("head_dim") is not None else mc["head_dim"]
+    want = [2, kv["buffer_shape"][1], heads, kv["buffer_shape"][3], head_dim]
+    if not isinstance(draft, dict) or draft.get("num_buffers") != 1 or draft.get("block_table") != "full" \
+            or draft.get("buffer_shape") != want:
+        return [Problem(p, f"got {short(draft, 160)}, must be {{num_buffers: 1, buffer_shape: {want}, block_table: "
+                        "'full'}} (num_blocks and block_size of the target, heads and head_dim of draft_config)")]
+    for a in m["artifacts"]:
+        sig = a.get("input_signature") if a.get("family") == "draft" else None
+        rec = [s for s in sig if isinstance(s, dict) and s.get("name") == "kv_cache"] if isinstance(sig, list) else []
+        if a.get("family") == "draft" and [s.get("shape") for s in rec] != [want]:
+            return [Problem(f"artifacts[{a.get('label')}].input_signature", f"the draft KV buffer it records "
+                            f"({short([s.get('shape') for s in rec])}) is not {p}.buffer_shape {want}")]
+    return []
+

@@ -1,0 +1,343 @@
+"""Open and verify a bundle, memory-map its weights once, load artifacts lazily.
+
+Artifacts load through ``runtime/bundle/loaders.py``, the one loading path per backend.
+
+Thin: standard library, torch, the bundle layout constants and the base file helpers only. Reads JSON and
+safetensors; never unpickles anything from a bundle. The format is docs/bundle-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
+from neffbuild.fsutil import no_duplicate_keys, sha256_file
+from neffbuild.runtime import parallel, world
+from neffbuild.runtime.bundle import aoti_package, loaders, paths, weights_file
+from neffbuild.runtime.bundle import gate as bundle_gate
+from neffbuild.runtime.bundle import model_sig as signature
+from neffbuild.runtime.bundle import schema as manifest_schema
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
+
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_DEPTH = 32
+
+__all__ = ["Bundle", "Problem", "check", "open_bundle", "read_manifest", "safe_path"]
+
+
+def safe_path(root: Path, rel: object) -> Path:
+    """Resolve a manifest path inside the bundle, refusing escapes and symlinks."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
+        raise BundleError(f"{root}: manifest path {short_repr(rel)} is not a relative POSIX path")
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise BundleError(f"{root}: manifest path {rel!r} points outside the bundle")
+    p = root
+    for part in pure.parts:
+        p = p / part
+        if p.is_symlink():
+            raise BundleError(f"{root}: manifest path {rel!r} goes through a symbolic link ({p.name})")
+    return p
+
+
+def _manifest_bytes(root: Path) -> bytes:
+    mpath = root / paths.MANIFEST_PATH
+    if not mpath.is_file() or mpath.is_symlink():
+        raise BundleError(f"{root}: no {paths.MANIFEST_PATH} (a regular file); not a neffbuild bundle")
+    try:
+        size = mpath.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise BundleError(f"{mpath}: {size} bytes is over the {MAX_MANIFEST_BYTES}-byte manifest limit")
+        return mpath.read_bytes()
+    except OSError as exc:
+        raise BundleError(f"{mpath}: unreadable manifest ({exc.strerror or exc})") from None
+
+
+def read_manifest(root: Path) -> dict:
+    """The parsed manifest: bounded size and depth, no duplicate keys, this format and a supported version."""
+    mpath = root / paths.MANIFEST_PATH
+    raw = _manifest_bytes(root)
+    try:
+        text = raw.decode("utf-8")
+        if not weights_file.json_depth_ok(text, MAX_MANIFEST_DEPTH):
+            raise ValueError(f"nested deeper than {MAX_MANIFEST_DEPTH} levels")
+        m = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BundleError(f"{mpath}: unreadable manifest ({short_repr(str(exc), 160)})") from None
+    if not isinstance(m, dict) or m.get("format") != paths.BUNDLE_FORMAT:
+        got = short_repr(m.get("format") if isinstance(m, dict) else None)
+        raise IncompatibleBundle(f"{mpath}: format is {got}, expected {paths.BUNDLE_FORMAT!r}")
+    v = m.get("format_version")
+    if not isinstance(v, int) or isinstance(v, bool) or v not in paths.SUPPORTED_FORMAT_VERSIONS:
+        raise IncompatibleBundle(f"{mpath}: format_version {short_repr(v)} is not supported by this "
+                                 f"reader (supported: {list(paths.SUPPORTED_FORMAT_VERSIONS)}); rebuild the bundle "
+                                 "or use the neffbuild that built it")
+    return m
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not standard JSON")
+
+
+def digest_problem(root: Path) -> Problem | None:
+    """Whether manifest.sha256 holds the sha256 of manifest.json's bytes."""
+    dpath = root / paths.MANIFEST_DIGEST_PATH
+    line = bundle_gate.read_digest_line(dpath)  # bounded: never the whole file
+    if line is None:
+        return Problem(paths.MANIFEST_DIGEST_PATH, "missing or unreadable; the manifest is not covered by a digest")
+    digest = hashlib.sha256(_manifest_bytes(root)).hexdigest()
+    if line.split(" ")[0].strip() != digest:
+        return Problem(paths.MANIFEST_PATH, f"sha256 {digest} differs from {paths.MANIFEST_DIGEST_PATH} "
+                       "(the manifest was modified or corrupted)")
+    return None
+
+
+def check(root: str | Path, *, full: bool = True) -> list[Problem]:
+    """Every problem with a bundle: digest, schema, paths, missing or unlisted files, sizes, (full) sha256
+    and (full) each artifact against its own declared inputs and constants."""
+    root = Path(root)
+    try:
+        m = read_manifest(root)
+        digest = digest_problem(root)
+    except BundleError as exc:
+        return [Problem(paths.MANIFEST_PATH, str(exc))]
+    problems = [digest] if digest else []
+    problems += manifest_schema.problems(m)
+    if problems:
+        return problems
+    problems += _parallel_problems(m) + bundle_gate.problems(m)
+    if problems:
+        return problems
+    problems += _file_problems(root, m["files"], full)
+    for w in ([m["weights"]] + list(m.get("parallel", {}).get("pieces", {}).values())) if not problems else []:
+        try:  # the header only: limits, dtypes, spans, overlaps, and the manifest's weights table
+            path = safe_path(root, w["file"])
+            _, header = weights_file.read_header(path)
+            weights_file.check_table(str(path), header, w["tensors"])
+        except BundleError as exc:
+            problems.append(Problem(w["file"], str(exc)))
+    if full and not problems and loaders.reads_package_signature(m["toolchain"]):
+        for i, entry in enumerate(m["artifacts"]):
+            try:
+                check_artifact(safe_path(root, entry["file"]), entry, rank_table(m), f"artifacts[{i}]")
+            except BundleError as exc:
+                problems.append(Problem(entry["file"], str(exc)))
+    return problems
+
+
+def _file_problems(root: Path, files: dict, full: bool) -> list[Problem]:
+    problems = []
+    for rel, info in files.items():
+        try:
+            p = safe_path(root, rel)
+        except BundleError as exc:
+            problems.append(Problem(str(rel), str(exc)))
+            continue
+        if not p.is_file():
+            problems.append(Problem(rel, "missing (or not a regular file)"))
+        elif p.stat().st_size != info["bytes"]:
+            problems.append(Problem(rel, f"size {p.stat().st_size} != manifest {info['bytes']}"))
+        elif full and sha256_file(p) != info["sha256"]:
+            problems.append(Problem(rel, "sha256 mismatch (corrupt or modified)"))
+    for d in (paths.ARTIFACTS_DIR, paths.WEIGHTS_DIR):
+        folder = root / d
+        if folder.is_dir() and not folder.is_symlink():
+            for p in sorted(folder.rglob("*")):
+                rel = p.relative_to(root).as_posix()
+                if rel not in files and not p.is_dir():
+                    problems.append(Problem(rel, "not listed in the manifest's files (an unexpected file)"))
+    return problems
+
+
+def _parallel_problems(m: dict) -> list[Problem]:
+    par = m.get("parallel")
+    if par is None:
+        return []
+    if not isinstance(par, dict) or not isinstance(par.get("pieces"), dict):
+        return [Problem(paths.MANIFEST_PATH, "field 'parallel' must be an object with 'pieces'")]
+    try:
+        lay = parallel.ParallelLayout.from_json(par)
+    except (TypeError, ValueError):
+        return [Problem(paths.MANIFEST_PATH, f"parallel: tp/dp/ep must be integers, got {par}")]
+    if lay.world_size != par.get("world_size") or min(lay.tp, lay.dp, lay.ep) < 1 or lay.world_size % lay.ep:
+        return [Problem(paths.MANIFEST_PATH, f"parallel: inconsistent {lay} / world_size {par.get('world_size')}")]
+    ranks = par.get("rank_pieces")
+    if not (isinstance(ranks, list) and len(ranks) == lay.world_size
+            and all(isinstance(r, list) and all(isinstance(n, str) for n in r) for r in ranks)):
+        return [Problem(paths.MANIFEST_PATH, f"parallel.rank_pieces: must list, for each of the {lay.world_size} "
+                        "ranks, the names of the pieces it maps")]
+    wanted = {n for r in ranks for n in r}
+    problems = [Problem(paths.MANIFEST_PATH, f"parallel.pieces lacks {n!r}")
+                for n in sorted(wanted - set(par["pieces"]))]
+    for name, e in par["pieces"].items():
+        if not isinstance(e, dict) or not isinstance(e.get("tensors"), dict) or e.get("file") not in m["files"]:
+            problems.append(Problem(paths.MANIFEST_PATH,
+                                    f"parallel.pieces.{name}: needs tensors and a file listed in files"))
+    return problems
+
+
+def rank_table(m: dict, rank: int = 0) -> dict:
+    """The constants one rank's artifacts bind: ``weights.tensors`` plus its pieces' (same shapes on all ranks)."""
+    if "parallel" not in m:
+        return m["weights"]["tensors"]
+    section = parallel.ParallelSection.from_json(m["parallel"])
+    table = dict(m["weights"]["tensors"])
+    for name in section.pieces_of(rank):
+        table.update(section.pieces[name]["tensors"])
+    return table
+
+
+def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> None:
+    """Before any native code: sha256, then the package's own input checks and constants vs the manifest."""
+    if sha256_file(path) != entry["sha256"]:
+        raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
+    reported, consts = aoti_package.describe(path)
+    why = manifest_schema.compare_with_artifact(where, entry["input_signature"], reported) or \
+        manifest_schema.compare_constants(where, weights_table, consts)
+    if why:
+        raise BundleError(f"{path}: {why}")
+
+
+class Bundle:
+    """An opened bundle: manifest, grid, shared weights, and lazily loaded artifacts."""
+
+    def __init__(self, root: Path, manifest: dict, device: str, rank: world.RankContext | None = None):
+        self.root, self.manifest, self.device = root, manifest, device
+        self.context = rank  # None: an unsharded bundle, any world
+        self.graph_inputs = GraphInputs.from_json(manifest["graph_inputs"])
+        self.grid, self.kv_layout = self.graph_inputs.grid, self.graph_inputs.kv_layout
+        self.num_swa = self.graph_inputs.num_swa
+        self.entries = {a["label"]: a for a in manifest["artifacts"]}
+        self.weights = weights_file.load(safe_path(root, manifest["weights"]["file"]), manifest["weights"]["tensors"])
+        self.parallel_section = parallel.ParallelSection.from_json(manifest["parallel"]) \
+            if "parallel" in manifest else None
+        if rank is not None:  # a sharded rank maps the replicated piece plus the pieces the manifest lists for it
+            self.weights.update(load_pieces(root, self.parallel_section, self.parallel_section.pieces_of(rank.rank)))
+        self._loaded: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the artifacts take: [0, vocab_size) (the step API checks every id against it)."""
+        return self.manifest["graph_inputs"]["model_config"]["vocab_size"]
+
+    @property
+    def aux_hidden_size(self) -> int:
+        """Width of the EAGLE3 draft's hidden input (3 x the target's hidden size)."""
+        return 3 * self.manifest["graph_inputs"]["model_config"]["hidden_size"]
+
+    @property
+    def labels(self) -> list[str]:
+        return sorted(self.entries)
+
+    @property
+    def parallel(self) -> parallel.ParallelLayout:
+        """The parallel layout the artifacts were compiled for (tp = dp = ep = 1 when unsharded)."""
+        return self.context.parallel if self.context else self.graph_inputs.parallel
+
+    @property
+    def group(self):
+        """The group DP sync runs over (the bundle's world), or None for an unsharded bundle."""
+        return self.context.world_group if self.context else None
+
+    def artifact(self, label: str):
+        """The callable for one label, checked, loaded and bound to the shared weights on first use.
+
+        Sharded: bound to this rank's id too (the graph's last input, where its input signature
+        has one), so callers pass the same arguments as for an unsharded artifact.
+        """
+        with self._lock:
+            if label not in self._loaded:
+                entry = self.entries.get(label)
+                if entry is None:
+                    raise ShapeNotCovered(f"{self.root.name}: no artifact {label!r}; the bundle has {self.labels}")
+                # The EAGLE3 draft is replicated and has no collectives: its graph takes no rank input.
+                sig = entry.get("input_signature")
+                takes_rank = any(i.get("name") == "rank" for i in sig) if sig else entry.get("family") != "draft"
+                self._loaded[label] = _with_rank(self._load(entry), self.context if takes_rank else None)
+            return self._loaded[label]
+
+    def _load(self, entry: dict):
+        path = safe_path(self.root, entry["file"])
+        if loaders.reads_package_signature(self.manifest["toolchain"]):
+            check_artifact(path, entry, rank_table(self.manifest), f"artifacts[{entry['label']}]")
+        elif sha256_file(path) != entry["sha256"]:  # other backends: at least the bytes the manifest names
+            raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
+        return loaders.load(self.manifest["toolchain"], path, self.weights, self.device)
+
+
+
+def load_pieces(root: Path, section: parallel.ParallelSection, names) -> dict[str, torch.Tensor]:
+    """The tensors of the named weight pieces of a sharded bundle, each file mapped once."""
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        entry = section.pieces[name]
+        out.update(weights_file.load(safe_path(root, entry["file"]), entry["tensors"]))
+    return out
+
+
+def _with_rank(fn, context: world.RankContext | None):
+    if context is None:
+        return fn
+    rank = context.rank_input
+    return lambda *args: fn(*args, rank)
+
+
+def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
+    """An AOTInductor package bound to shared constants (kept for callers; see loaders.load_inductor)."""
+    return loaders.load_inductor(path, constants, {})
+
+
+def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False,
+                group=None, trusted_keys=None) -> Bundle:
+    """Open a bundle for serving.
+
+    verify: "sizes" (default: the manifest digest, every file present with its size), "full"
+    (also every sha256 and every artifact's declared inputs), or "none" (files unchecked).
+    The manifest's schema is always checked. Refuses a foreign format, a newer format version,
+    a path outside the bundle, and a toolchain that cannot run the artifacts, each with a
+    named error. Each artifact is checked against the manifest before its first call.
+
+    A sharded bundle (manifest ``parallel``) must be opened by every rank of a
+    torch.distributed world of exactly its tp x dp ranks (else IncompatibleBundle, naming
+    both); ``group`` is that world when the job holds more processes (default: the whole
+    world). Opening it creates and registers the rank's TP and EP groups and maps only the
+    rank's weight pieces; ``bundle.group`` is then the group DP sync runs over.
+
+    trusted_keys: PEM public keys (paths or bytes); default ``NEFFBUILD_TRUSTED_KEYS``. When any
+    are given, the bundle's signature (``model.sig``) is verified over every file before anything
+    else of the bundle is read (runtime/bundle/model_sig.py); an unsigned, mis-signed or modified bundle
+    raises SignatureError naming the file or key. None given: no signature is required.
+    """
+    if verify not in ("sizes", "full", "none"):
+        raise ValueError(f"verify must be 'sizes', 'full' or 'none', got {verify!r}")
+    root = Path(path)
+    if not root.is_dir():
+        raise BundleError(f"{root}: not a bundle directory")
+    signature.require(root, trusted_keys)  # before any file of the bundle is parsed or loaded
+    manifest = read_manifest(root)
+    problems = check(root, full=verify == "full") if verify != "none" else manifest_schema.problems(manifest)
+    if problems:
+        raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
+    reason = loaders.toolchain_problem(manifest["toolchain"]) or loaders.device_problem(manifest["toolchain"], device)
+    if reason:
+        raise IncompatibleBundle(f"{root}: {reason}")
+    if loaders.reads_package_signature(manifest["toolchain"]) and verify != "full":
+        # The fallback artifact pins what the runtime allocates from before any artifact loads (KV buffers,
+        # block-table widths): check it against its own package now, so a lie there fails here, not in memory.
+        top = max(manifest["artifacts"], key=lambda a: (a["ctx"], a["batch"], a["label"]))
+        check_artifact(safe_path(root, top["file"]), top, rank_table(manifest), f"artifacts[{top['label']}]")
+    aoti_package.sweep_temp()
+    rank = None
+    if "parallel" in manifest:  # collective: every rank of the world opens the bundle
+        rank = world.join(parallel.ParallelSection.from_json(manifest["parallel"]).parallel, f"bundle {root}", group)
+    bundle = Bundle(root, manifest, device, rank)
+    if preload:
+        for label in bundle.labels:
+            bundle.artifact(label)
+    return bundle

@@ -1,0 +1,83 @@
+"""Per-buffer paged KV cache: allocation and views. Thin: no model import.
+
+G = num_layers / 2 buffers, each ``[2, num_blocks, kv_heads, block_size, head_dim]`` (K half
+then V half). Layer pair (2j, 2j+1) shares buffer j through two block tables. With packed
+FP8 K the K half is also viewed as ``[num_blocks, kv_heads, block_size // 2, head_dim, 2]``
+(logical token t of a block at ``[t // 2, :, t % 2]``); V is never packed.
+Block 0 is the null block: never handed to a request, it absorbs padding rows' reads
+(block allocation: runtime/kv/blocks.py).
+FP8 buffers are passed to compiled graphs as their uint8 bytes (``graph_view``).
+The layout and its byte counts live in ``kv_layout.py`` (torch-free, so ``plan`` sizes pools by it).
+With EAGLE3 the draft has a KV group of its own: one more buffer of the same kind
+(``draft_buffer_shape``, its own heads), addressed through the full-attention group's
+block table, so it needs no block accounting of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neffbuild.runtime.kv.blocks import NULL_BLOCK  # noqa: F401  (re-exported: block 0 is the null block)
+from neffbuild.runtime.kv.layout import KVLayout  # the layout and its bytes (torch-free)
+
+
+def allocate(layout: KVLayout, device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.zeros(layout.buffer_shape, dtype=layout.dtype, device=device) for _ in range(layout.num_buffers)]
+
+
+def allocate_draft(layout: KVLayout, device: str = "cpu") -> torch.Tensor | None:
+    """The draft's KV buffer (EAGLE3 bundles), or None."""
+    return torch.zeros(layout.draft_buffer_shape, dtype=layout.dtype, device=device) if layout.has_draft else None
+
+
+def graph_view(buffer: torch.Tensor) -> torch.Tensor:
+    """The tensor a compiled graph takes for a KV buffer: FP8 as its uint8 bytes, else itself."""
+    return buffer.view(torch.uint8) if buffer.dtype == torch.float8_e4m3fn else buffer
+
+
+def packed_k_view(buffer: torch.Tensor) -> torch.Tensor:
+    _, nb, h, bs, d = buffer.shape
+    return buffer[0].view(nb, h, bs // 2, d, 2)
+
+
+def storage_problem(b: torch.Tensor) -> str | None:
+    """Why ``b``'s memory is not what an artifact may write in place (None: torch's own, writable storage).
+
+    The artifact writes KV through the raw pointer: a FakeTensor or another subclass has no real storage, an
+    MKLDNN or sparse layout is not the strided memory the artifact indexes, and memory torch did not allocate
+    (a numpy array, Python ``bytes``, a file mapping) may be read-only pages (SIGSEGV) or immutable objects
+    (written silently). Shared memory torch made (``share_memory_``, ``from_file``) must be writable pages."""
+    if type(b) not in (torch.Tensor, torch.nn.Parameter):
+        return f"is a {type(b).__name__} (a tensor subclass without real storage of its own)"
+    if b.layout != torch.strided:
+        return f"has layout {b.layout}, not the strided memory the artifacts write"
+    try:
+        st = b.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return "has no storage the artifacts can write"
+    if st.resizable():  # allocated by torch's own allocator (CPU or device)
+        return None
+    if not st.is_shared():
+        return "is backed by memory torch does not own (a numpy array, Python bytes, a buffer or a file mapping)"
+    if b.device.type == "cpu" and not _writable_pages(st.data_ptr(), st.nbytes()):
+        return "is backed by read-only memory (a read-only file mapping)"
+    return None
+
+
+def _writable_pages(addr: int, size: int) -> bool:
+    """Whether every page of [addr, addr + size) is mapped writable (Linux /proc/self/maps; True elsewhere)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            spans = [line.split()[:2] for line in fh]
+    except OSError:
+        return True
+    end, pos = addr + max(size, 1), addr
+    for rng, perms in sorted(((tuple(int(x, 16) for x in r.split("-")), p) for r, p in spans)):
+        if rng[1] <= pos or rng[0] > pos:
+            continue
+        if "w" not in perms:
+            return False
+        pos = rng[1]
+        if pos >= end:
+            return True
+    return pos >= end

@@ -1,0 +1,150 @@
+"""The per-step API serving engines call: plan -> DP sync -> trimmed metadata -> artifact.
+
+An engine hands over its view of one step (per request: tokens already computed, the
+tokens to run now, its block-table row per KV group) and gets back the plan, the logits
+of the rows it ran and, for EAGLE3 target families, the auxiliary hidden states. The
+``Stepper`` keeps no per-request state between steps (engines own block tables); it holds
+only what does not change per step: the artifacts, the KV buffers, the DP group, a hook.
+
+DP: every rank calls ``step`` once per engine step, idle ranks with an empty batch. One
+MAX all-reduce carries ``(num_reqs, needed_base, nospec, bad_input, more)``; local problems (a
+batch above every bucket, a context above ``max_model_len``, malformed input) therefore
+reach every rank in the same collective and all ranks raise together: a DP job never hangs.
+
+Not here: block allocation (runtime/kv/blocks.py, optional), sampling and prefill (serve/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from neffbuild.errors import StepInputError
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP
+from neffbuild.runtime.kv.cache import KVLayout, allocate, allocate_draft
+from neffbuild.runtime.step import attn_metadata, buckets, dp_sync, draft_inputs
+from neffbuild.runtime.step import checks as step_checks
+from neffbuild.runtime.step.dispatch import Grid, StepPlan, needs_nospec, plan_draft, plan_synced
+from neffbuild.runtime.step.metrics import StepMetrics
+
+
+class Artifacts(Protocol):
+    """What a Stepper runs: a Bundle satisfies it; serve.eager wraps an eager graph the same way."""
+
+    grid: Grid
+    kv_layout: KVLayout
+    num_swa: int
+
+    def artifact(self, label: str) -> Callable[..., object]: ...
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The engine's view of one step; row r of every field is request r (output rows follow it)."""
+
+    tokens: Sequence[Sequence[int]]  # per request: its next token, then its k drafts if it has them (1 or 1+k)
+    num_computed: Sequence[int]  # per request: tokens already in the KV cache (= position of tokens[r][0])
+    block_tables: Mapping[str, torch.Tensor]  # KV group ("full", "sliding") -> [R, W] block ids, any W
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    plan: StepPlan  # label, family, batch bucket, ctx bucket, needed_seq (DP-synced)
+    logits: torch.Tensor  # [R, plan.query_len, vocab]; query_len 1 when the step ran without drafts
+    aux_hidden: torch.Tensor | None  # [R, plan.query_len, A] for EAGLE3 target families, else None
+
+
+class Stepper:
+    """Runs one decode step per call for the rows an engine hands it; stateless about requests.
+
+    ``kv_caches`` are the engine's KV buffers (allocated here from the bundle's layout when
+    not given). ``group``: a torch.distributed process group of the DP ranks (gloo), or None.
+    ``on_plan``: called with each step's synced plan (``plan.needed_seq``: the histogram hook).
+    ``registry``: the engine's prometheus_client registry for the step counters (default: the
+    library's global one; nothing is registered without prometheus_client, see runtime/step/metrics.py).
+    """
+
+    def __init__(self, artifacts: Artifacts, *, kv_caches: Sequence[torch.Tensor] | None = None, group=None,
+                 on_plan: Callable[[StepPlan], None] | None = None, device: str = "cpu", registry=None):
+        step_checks.check_group(group)  # a string or another object would be taken for "no DP" silently
+        self.artifacts, self.group, self.on_plan = artifacts, group, on_plan
+        self.metrics = StepMetrics(registry)
+        self.grid, self.kv_layout, self.num_swa = artifacts.grid, artifacts.kv_layout, artifacts.num_swa
+        device = getattr(artifacts, "device", device)  # a Bundle's artifacts run on its device
+        self.vocab_size, self.aux_hidden_size = step_checks.model_dims(artifacts)
+        self.kv_caches = (step_checks.check_kv_buffers(kv_caches, artifacts.kv_layout, device)
+                          if kv_caches is not None else allocate(self.kv_layout, device))
+        self.draft_cache = allocate_draft(self.kv_layout, device)  # EAGLE3 bundles: the draft's own KV group
+
+    def plan(self, batch: StepBatch, *, more: bool = False) -> StepPlan:
+        """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike.
+
+        ``more``: this rank has work after this step (waiting or unfinished requests); synced in
+        the same collective, ``plan.more`` tells every rank whether to go on (all stop together).
+        """
+        k, R, lay, mml = self.grid.num_speculative_tokens, len(batch.tokens), self.kv_layout, self.grid.max_model_len
+        if step_checks.step_ok(batch.tokens, batch.num_computed, batch.block_tables, k, self.vocab_size,
+                               lay.block_size, lay.num_blocks, mml):
+            problem = None
+        else:
+            problem = step_checks.step_problem(batch, k=k, vocab=self.vocab_size, layout=lay, max_model_len=mml)
+        base = buckets.needed_seq([int(n) for n in batch.num_computed]) if R and not problem else 0
+        nospec = R > 0 and not problem and needs_nospec(
+            self.grid, base, all_have_drafts=all(len(t) == 1 + k for t in batch.tokens))
+        count, base, nospec, bad, more = dp_sync.sync_step(R, base, self.group,
+                                                           spec_flags=(nospec, problem is not None, more))
+        if bad:
+            raise StepInputError(problem or "another DP rank was handed a malformed step (see its error)")
+        plan = plan_synced(self.grid, batch_count=count, needed_base=base, nospec=bool(nospec), num_reqs=R)
+        plan = replace(plan, any_work=count > 0, more=bool(more))
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        return plan
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        """Plan, sync, build the trimmed inputs, run the artifact (KV written in place)."""
+        return self.run(self.plan(batch), batch)
+
+    def run(self, plan: StepPlan, batch: StepBatch) -> StepOutput:
+        """Run a plan from ``self.plan(batch)`` (a loop may look at it first, e.g. ``plan.any_work``)."""
+        R, q = len(batch.tokens), plan.query_len
+        tokens = torch.tensor([list(t)[:q] for t in batch.tokens], dtype=torch.long).reshape(R, q)
+        empty = torch.zeros((R, 1), dtype=torch.long)
+        full = batch.block_tables.get(FULL_GROUP, empty)
+        inputs = attn_metadata.build(
+            tokens, torch.tensor([int(n) for n in batch.num_computed], dtype=torch.long), full,
+            batch.block_tables.get(SLIDING_GROUP, full), batch=plan.batch, ctx=plan.ctx,
+            block_size=self.kv_layout.block_size, num_swa=self.num_swa)
+        out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.kv_caches))
+        self.metrics.record(f"decode_b{plan.batch}", plan.batch, plan.padding)
+        logits, aux = (out[0], out[1]) if isinstance(out, (tuple, list)) and len(out) > 1 else (_first(out), None)
+        return StepOutput(plan, logits[:R], aux[:R] if aux is not None else None)
+
+    def draft(self, rows: Sequence[tuple], full_table: torch.Tensor, *, max_computed: int
+              ) -> tuple[StepPlan, torch.Tensor]:
+        """EAGLE3: one draft call -> (plan, proposed target ids [R, k]); draft KV written in place.
+
+        rows: per request ``(tokens [n], aux [n, A], first position)``, the n (1..1+k) rows the
+        target just verified; ``full_table`` [R, W]: their full-attention block ids (the draft's
+        group uses them). Not DP-synced: the draft has no collectives.
+        """
+        if self.draft_cache is None:
+            raise StepInputError("draft: this bundle has no EAGLE3 draft artifacts")
+        problem, max_computed = step_checks.draft_problem(
+            rows, full_table, k=self.grid.num_speculative_tokens, vocab=self.vocab_size,
+            aux_width=self.aux_hidden_size, layout=self.kv_layout,
+            max_model_len=self.grid.max_model_len, max_computed=max_computed)
+        if problem:
+            raise StepInputError(problem)
+        plan = plan_draft(self.grid, num_reqs=len(rows), max_computed=max_computed)
+        inputs = draft_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
+                                         block_size=self.kv_layout.block_size, hidden_size=self.aux_hidden_size)
+        out = self.artifacts.artifact(plan.label)(*inputs.as_args(self.draft_cache))
+        return plan, _first(out)[: len(rows)]
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -1,0 +1,198 @@
+"""``open_rank``: the one way to open a bundle for one serving rank.
+
+A serving rank holds, of a bundle: the model config (checked with the recipe's config rules, so a
+broken manifest is the bundle's fault, exit 1), its weights (the pieces its rank maps, or every
+piece joined, and re-split for another TP degree), its KV layout and buffers, the model's
+prefill on those weights, a block manager over its pool, and what runs a decode step: the
+compiled artifacts, the eager graph (the ``--check`` reference) or nothing (a DI prefill rank).
+The engine (serve/run.py), the DI prefill worker, ``generate --check`` and the vLLM plugin to
+come all open a bundle through ``open_rank``; ``serving_rank`` composes the same parts over
+artifacts a test builds by hand. The architecture's parts come from ``neffbuild/registry.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from neffbuild import registry
+from neffbuild.errors import BundleError, RecipeError
+from neffbuild.runtime.bundle import reader, weights_file
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
+from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager, kv_groups
+from neffbuild.runtime.kv.cache import KVLayout, allocate
+from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
+from neffbuild.runtime.step.dispatch import Grid, StepPlan
+from neffbuild.runtime.step.stepper import Stepper
+from neffbuild.serve.eager import EagerArtifacts
+
+# prompt, KV buffers, {group: block row [W]} -> logits [N, vocab] for every prompt position
+Prefill = Callable[[Sequence[int], list, dict], torch.Tensor]
+
+COMPILED, EAGER, PREFILL_ONLY = "compiled", "eager", "prefill"  # what runs a decode step (open_rank's ``decode``)
+
+
+@dataclass
+class ServingRank:
+    """What one serving rank holds of a bundle (``open_rank``), or of hand-built artifacts (``serving_rank``)."""
+
+    config: object  # the architecture's config dataclass
+    weights: dict  # this rank's tensors (its shard when ``parallel`` is sharded)
+    kv_layout: KVLayout  # this rank's KV buffers (its heads)
+    kv_caches: list  # the KV buffers (the stepper's when there is one)
+    prefill: Prefill
+    stepper: Stepper | None = None  # None: a prefill rank (no decode)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)  # the layout ``weights`` are a shard of
+    rank: int = 0  # this rank in ``parallel``'s world
+    lockstep_group: object | None = None  # sharded, MoE gathering across DP groups: prefill in lockstep over it
+    graph_inputs: GraphInputs | None = None  # the manifest's (None: hand-built artifacts)
+    bundle: reader.Bundle | None = None  # the opened bundle (compiled decode only)
+
+    def block_manager(self) -> BlockManager:
+        """A fresh block manager over this rank's pool, with the model's KV groups."""
+        cfg = self.config
+        return BlockManager(self.kv_layout.num_blocks, self.kv_layout.block_size,
+                            kv_groups(cfg.sliding_window if cfg.has_sliding_layers else None))
+
+    @property
+    def kv_heads(self) -> range:
+        """The model KV heads this rank holds (its TP slice; all of them unsharded)."""
+        if self.parallel.tp == 1:
+            return range(self.config.num_key_value_heads)
+        return registry.arch_of(self.config).get("kv_heads_of")(self.config, self.parallel,
+                                                                self.parallel.tp_rank(self.rank))
+
+    def draft_config(self):
+        """The bundle's draft config (its speculative method's, through the registry), or None without drafts."""
+        return self.graph_inputs.draft(self.config) if self.graph_inputs is not None else None
+
+
+def eager_artifacts(cfg, weights: dict, grid: Grid, layout: KVLayout, num_swa: int) -> EagerArtifacts:
+    """The eager graph on ``weights`` for every label (with aux outputs when the grid has EAGLE3 families)."""
+    arch = registry.arch_of(cfg)
+    aux = arch.get("aux_layers")(cfg.num_hidden_layers) if grid.num_speculative_tokens else None
+    decode = arch.get("decode")(cfg, weights, packed_k=layout.packed_k, aux_layers=aux).eval()
+    return EagerArtifacts(grid, layout, num_swa, decode)
+
+
+def _prefill_on(cfg, weights: dict, packed_k: bool, parallel: ParallelLayout, rank: int) -> Prefill:
+    prefill = registry.arch_of(cfg).get("prefill")
+    shard = {"parallel": parallel, "rank": rank} if parallel.sharded else {}
+
+    def run_prefill(prompt, kv_caches, rows, pad_to: int = 0, aux_layers: tuple[int, ...] = ()):
+        return prefill(cfg, weights, prompt, kv_caches, rows[FULL_GROUP], rows.get(SLIDING_GROUP, rows[FULL_GROUP]),
+                       packed_k=packed_k, pad_to=pad_to, aux_layers=aux_layers, **shard)
+
+    return run_prefill
+
+
+def serving_rank(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable[[StepPlan], None] | None = None,
+                 parallel: ParallelLayout | None = None, rank: int = 0) -> ServingRank:
+    """A ServingRank over any artifacts (a Bundle, or eager_artifacts) with the model's prefill on ``weights``.
+
+    Sharded (``parallel``): ``weights`` are rank ``rank``'s shard and prefill runs the same
+    collectives as the artifacts; ``group`` is the bundle's world (DP sync and lockstep prefill).
+    """
+    par = parallel or ParallelLayout()
+    stepper = Stepper(artifacts, group=group, on_plan=on_plan)
+    return ServingRank(cfg, weights, artifacts.kv_layout, stepper.kv_caches,
+                       _prefill_on(cfg, weights, artifacts.kv_layout.packed_k, par, rank), stepper, par, rank,
+                       group if par.ep_gathers else None)
+
+
+def model_config(gi: GraphInputs, root: Path):
+    """The bundle's model config, checked with the recipe's rules (a broken bundle: exit 1, not the user's input)."""
+    from neffbuild.recipe.validator import Validator  # the recipe's config rules, one rule set for both
+
+    v = Validator(root, "graph_inputs.model_config")
+    cfg = v.arch_config(gi.model_config, "graph_inputs.model_config", gi.arch)
+    if cfg is None or v.problems:
+        raise BundleError(str(RecipeError("manifest graph_inputs.model_config", v.problems or [])))
+    return cfg
+
+
+def _check_weights(cfg, gi: GraphInputs, weights: dict, parallel: ParallelLayout) -> None:
+    """The model config describes the weights the artifacts bind (else exit 1: the manifest and weights disagree)."""
+    for name, shape in registry.arch(gi.arch).get("rank_shapes")(cfg, parallel).items():
+        have = tuple(weights[name].shape) if name in weights else None
+        if have != tuple(shape):
+            raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
+                              f"weights hold {list(have) if have else 'none'}: the manifest and weights disagree")
+
+
+def _joined_weights(root: Path, m: dict, cfg, gi: GraphInputs) -> dict:
+    """Every tensor of the model, unsharded: a sharded bundle's pieces joined by the architecture's rule."""
+    weights = weights_file.load(reader.safe_path(root, m["weights"]["file"]), m["weights"]["tensors"])
+    section = ParallelSection.of_manifest(m)
+    if section is None:
+        return weights
+    parts = {name: reader.load_pieces(root, section, [name]) for name in section.pieces}
+    return registry.arch(gi.arch).get("unshard")(cfg, dict(parts, shared=weights), section.parallel)
+
+
+def _open_compiled(bundle: reader.Bundle, group, on_plan) -> ServingRank:
+    gi, ctx = bundle.graph_inputs, bundle.context
+    cfg = model_config(gi, bundle.root)
+    par, rank = (ctx.parallel, ctx.rank) if ctx is not None else (ParallelLayout(), 0)
+    _check_weights(cfg, gi, bundle.weights, par)
+    out = serving_rank(cfg, bundle.weights, bundle, group=bundle.group if ctx is not None else group,
+                       on_plan=on_plan, parallel=par, rank=rank)
+    out.graph_inputs, out.bundle = gi, bundle
+    return out
+
+
+def read_valid(root: str | Path, *, strict: bool = True) -> tuple[dict, GraphInputs] | None:
+    """(manifest, graph_inputs) of a bundle ``reader.check`` (the one judge of validity) passes. Not valid: a
+    BundleError naming the problems, or None with ``strict=False`` (a caller that leaves the report to the open)."""
+    root = Path(root)
+    problems = reader.check(root, full=False)
+    if problems:
+        if not strict:
+            return None
+        raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
+    m = reader.read_manifest(root)
+    return m, GraphInputs.of_manifest(m)
+
+
+def _open_joined(root: Path, decode: str, tp: int, rank: int) -> ServingRank:
+    m, gi = read_valid(root)
+    cfg = model_config(gi, root)
+    weights, par = _joined_weights(root, m, cfg, gi), ParallelLayout(tp=tp)
+    if tp > 1:  # re-split for this group's TP degree by the architecture's rule
+        weights = registry.arch(gi.arch).get("shard")(cfg, weights, par, rank)
+    # Every KV head, then this rank's share; no draft group: no proposer runs on joined weights.
+    layout = replace(gi.kv_layout, kv_heads=cfg.num_key_value_heads, draft_kv_heads=0, draft_head_dim=0)
+    out = ServingRank(cfg, weights, layout, [], _prefill_on(cfg, weights, layout.packed_k, par, rank),
+                      parallel=par, rank=rank, graph_inputs=gi)
+    out.kv_layout = replace(layout, kv_heads=len(out.kv_heads))
+    if decode == EAGER:
+        stepper = Stepper(eager_artifacts(cfg, weights, gi.grid, out.kv_layout, gi.num_swa))
+        out.stepper, out.kv_caches = stepper, stepper.kv_caches
+    else:
+        out.kv_caches = allocate(out.kv_layout)
+    return out
+
+
+def open_rank(bundle: str | Path | reader.Bundle, *, decode: str = COMPILED, tp: int = 1, rank: int = 0,
+              group=None, on_plan: Callable[[StepPlan], None] | None = None) -> ServingRank:
+    """Open ``bundle`` (a path, or an opened ``Bundle`` for compiled decode) for one serving rank.
+
+    ``decode``: ``"compiled"`` (default) runs the bundle's artifacts on the pieces this rank
+    maps; a sharded bundle is opened collectively by every rank of its world (``group``, as
+    ``open_bundle``), and DP sync of an unsharded one runs over ``group``. ``"eager"`` runs the
+    eager graph on every piece joined (the unsharded ``--check`` reference). ``"prefill"`` runs
+    no decode: the weights joined and re-split for ``tp`` ranks, rank ``rank``'s shard and KV
+    heads (a DI prefill rank). ``on_plan``: the stepper's hook (e.g. the needed_seq histogram).
+    """
+    if decode == COMPILED:
+        if not isinstance(bundle, reader.Bundle):
+            bundle = reader.open_bundle(bundle, group=group)
+        return _open_compiled(bundle, group, on_plan)
+    if decode not in (EAGER, PREFILL_ONLY):
+        raise ValueError(f"decode must be {COMPILED!r}, {EAGER!r} or {PREFILL_ONLY!r}, got {decode!r}")
+    if decode == EAGER and tp != 1:
+        raise ValueError("decode='eager' is the unsharded reference: tp must be 1")
+    return _open_joined(Path(bundle.root if isinstance(bundle, reader.Bundle) else bundle), decode, tp, rank)
