@@ -60,7 +60,7 @@ def cached_remote(tier: RemoteCache | None, cache, job: Job) -> JobResult | None
         pre = pre_key_for(job.graph, get_backend(**job.backend))
     except Exception:
         return None
-    from neffbuild.compiler.smoke import fetched_check
+    from neffbuild.compiler.smoke_child import fetched_check
 
     before = tier.stats.hits
     if tier.fetch_pre(cache, pre, fetched_check(job)) is None:

@@ -52,15 +52,3 @@ def smoke_run(backend, artifact: Path, spec: TargetGraph, weights: dict[str, tor
         raise LoadFailed(f"one step returned logits of shape {tuple(logits.shape)}, expected {want}")
     if not torch.isfinite(logits).all():
         raise LoadFailed("one step on zeroed inputs returned non-finite logits")
-
-
-
-def fetched_check(job):
-    """The check a remote cache entry fetched for ``job`` passes before it is published locally: the smoke run
-    in a child process (compiler/smoke_child.py; None where the job's smoke run is skipped: no weights here, or
-    a sharded graph)."""
-    if job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.parallel.sharded:
-        return None
-    from neffbuild.compiler.smoke_child import smoke_in_child
-
-    return lambda artifact: smoke_in_child(job.backend, artifact, job.graph, job.weights_path)

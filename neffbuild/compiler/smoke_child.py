@@ -66,6 +66,14 @@ class _Child:
         return self.proc.poll() is None
 
 
+def fetched_check(job):
+    """The check a remote cache entry fetched for ``job`` passes before it is published locally: the smoke run
+    here (None where the job's smoke run is skipped: no weights on this node, or a sharded graph)."""
+    if job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.parallel.sharded:
+        return None
+    return lambda artifact: smoke_in_child(job.backend, artifact, job.graph, job.weights_path)
+
+
 _CHILD: list[_Child] = []
 _LOCK = threading.Lock()
 
