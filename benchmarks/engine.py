@@ -14,7 +14,7 @@ Per run: tokens/s (steps after the first, see serve/result.py), the step time, a
 engine's own work (admission, scheduling, block tables, acceptance: ``EngineStats.engine_seconds``)
 as a fraction of the decode time, split into ``scheduling`` (admission, scheduling, tables, finish)
 and ``accept`` (the greedy argmax and acceptance: ``EngineStats.accept_seconds``); ``check_*``: the
-Stepper's input check (runtime/step_checks.py) timed where the loop calls it, per step. Runs
+Stepper's input check (runtime/step/checks.py) timed where the loop calls it, per step. Runs
 alternate; medians over ``--repeat``. Each run is a fresh engine (a server's first 120 steps).
 ``--cold-cache-demo`` also prints what one block-manager call costs after the CPU touched N MB;
 ``--ahead 0`` runs the engine without look-ahead (what a pool at the recipe's formula minimum gets).

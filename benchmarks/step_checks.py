@@ -1,4 +1,4 @@
-"""The step API's input checks (runtime/step_checks.py) vs the tiny bundle's decode steps.
+"""The step API's input checks (runtime/step/checks.py) vs the tiny bundle's decode steps.
 
     .venv/bin/python benchmarks/step_checks.py BUNDLE [--rounds 30]
 

@@ -5,7 +5,7 @@ Pure arithmetic on a recipe (no torch, no tracing), by the project's one formula
 - weights: the pieces the rank maps, as the bundle stores them (architecture part
   ``rank_weight_bytes``: the shared piece + the rank's tp and ep pieces), plus the EAGLE3
   draft's tensors (every rank holds the whole draft; ``models/eagle3/shapes.py``);
-- KV: ``runtime/kv_layout.py`` (``num_blocks x bytes_per_block``: target buffers, and the
+- KV: ``runtime/kv/layout.py`` (``num_blocks x bytes_per_block``: target buffers, and the
   draft's buffer separately);
 - the pool a device fits, the way vLLM sizes its pool from free memory:
 

@@ -1,1 +1,1 @@
-"""The versioned bundle: layout constants, manifest, writer. The reader is runtime/bundle.py."""
+"""The versioned bundle: layout constants, manifest, writer. The reader is runtime/bundle/reader.py."""

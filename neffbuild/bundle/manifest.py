@@ -16,7 +16,7 @@ def dumps(manifest: dict) -> str:
 
 
 def graph_inputs(recipe, kv_layout) -> dict:
-    """The manifest's ``graph_inputs``: the one type readers decode it with (runtime/graph_inputs.py)."""
+    """The manifest's ``graph_inputs``: the one type readers decode it with (runtime/bundle/graph_inputs.py)."""
     return GraphInputs.from_recipe(recipe, kv_layout).to_json()
 
 

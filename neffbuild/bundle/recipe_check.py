@@ -5,7 +5,7 @@ builds the eager prefill and the reference model; the grid picks artifacts). A c
 tamper rewrites the manifest and its digest, so the manifest cannot vouch for itself: the
 recipe the bundle was built from must hash to ``recipe_sha256`` and imply the same
 graph_inputs. (The runtime reads no YAML, so this lives outside it; ``open_bundle`` checks
-what it can without the recipe: runtime/bundle_gate.py.)
+what it can without the recipe: runtime/bundle/gate.py.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sign a finished bundle: write ``model.sig`` (OpenSSF model-signing format, key mode) over every file.
 
-The statement and its encoding are defined once, in ``runtime/signature.py``, which every
+The statement and its encoding are defined once, in ``runtime/bundle/model_sig.py``, which every
 verifier uses; this module adds the private-key side. Written with ``cryptography`` rather than
 the ``model-signing`` package: the same bytes on disk (its ``verify key`` accepts them), one
 dependency instead of sigstore's dozen, and the runtime can verify with the same library

@@ -29,7 +29,7 @@ from neffbuild.runtime.step.dispatch import DRAFT, TARGET_NOSPEC, TARGET_SPEC
 
 
 def dims(graph: TargetGraph) -> step_inputs.Dims:
-    """The shape inputs of the step-input table (runtime/step_inputs.py) for one target."""
+    """The shape inputs of the step-input table (runtime/step/inputs.py) for one target."""
     return step_inputs.Dims(graph.batch, graph.ctx, graph.query_len, graph.block_size, graph.num_swa,
                             graph.kv_layout().to_json(), hidden_size=graph.config.hidden_size,
                             sharded=graph.parallel.sharded)

@@ -6,7 +6,7 @@ from tracing. The peak RSS of one compile, in the order of what is known:
 1. ``key``: a past compile of the same cache key recorded ``peak_rss_bytes``: that x 1.25;
 2. ``graph``: a past compile of the same label and graph shape (``graph_summary``): that x 1.25;
 3. ``size``: ``BASE_MEMORY + GRAPH_FACTOR x graph_bytes`` (one rank's weights at 2 bytes, its KV pool by
-   ``runtime/kv_layout.py``, fp32 attention scores of every layer).
+   ``runtime/kv/layout.py``, fp32 attention scores of every layer).
 
 The Ray executor reserves this per task; the local pool starts a compile only while the
 estimates of the compiles running plus this one fit the host's free memory

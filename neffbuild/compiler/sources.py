@@ -2,7 +2,7 @@
 
 Found, not listed: the modules reachable by imports (at module top or inside functions) from
 the graph definitions (``compiler/graphs.py``, ``models/``, ``compiler/backends/``) and the
-kernels. A runtime module the graphs never import (``runtime/histogram.py``, ``runtime/step.py``)
+kernels. A runtime module the graphs never import (``runtime/step/histogram.py``, ``runtime/step/stepper.py``)
 is not among them, so editing it leaves every pre-key valid.
 """
 

@@ -1,7 +1,7 @@
 """Rules for the ``compiler`` and ``build`` sections: backend (choices from the registry), target,
 optimisation level, flags, per-target flags (labels must be targets of this recipe) and jobs.
 
-Target labels come from the runtime's one label format (``runtime/dispatch.py``), not from
+Target labels come from the runtime's one label format (``runtime/step/dispatch.py``), not from
 ``grid.py``, so the recipe stays below the grid.
 """
 

@@ -3,7 +3,7 @@ that need the model's config (pool size, sliding-window widths, GK layer pairing
 two are the architecture's registry parts, ``kv_pool_bytes``, ``kv_window``, ``check_gk_layout``).
 
 Bucket math and the blocks-needed formula come from the runtime's pure modules
-(``runtime/buckets.py``, ``runtime/blocks.py``), so what validates is what the runtime serves.
+(``runtime/step/buckets.py``, ``runtime/kv/blocks.py``), so what validates is what the runtime serves.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def cross_checks(v, cfg, serving: dict, ctx, gk: bool, spec) -> None:
 
 
 def pool_size(v, window: int | None, mml: int, bs: int, nb: int, mns: int | None, query_len: int) -> None:
-    """The block manager's formula (runtime/blocks.py): whatever validates can serve."""
+    """The block manager's formula (runtime/kv/blocks.py): whatever validates can serve."""
     groups = kv_groups(window)
     one = min_pool_blocks(mml, bs, groups, query_len)
     what = " + ".join(f"{group_blocks(mml, bs, g.window, query_len)} {g.name}" for g in groups) + " + 1 null block"

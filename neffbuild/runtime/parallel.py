@@ -107,7 +107,7 @@ class ParallelSection:
 
     @classmethod
     def from_json(cls, d: dict) -> ParallelSection:
-        """From a schema-checked manifest field (runtime/bundle.py checks it before anything reads it)."""
+        """From a schema-checked manifest field (runtime/bundle/reader.py checks it before anything reads it)."""
         return cls(ParallelLayout.from_json(d), dict(d["pieces"]), tuple(tuple(p) for p in d["rank_pieces"]),
                    dict(d.get("shard_layout", {})), dict(d.get("kv_heads", {})))
 

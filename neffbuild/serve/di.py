@@ -5,10 +5,10 @@ runs the model's per-layer eager prefill into its own KV cache and answers ``pre
 on the side channel with the request's block lists. The decode side is the engine
 (``serve/engine.py``) with ``NixlSource`` as its KV source: per admitted request it asks for a
 prefill, reserves its own blocks, pulls the producer's blocks into them
-(``runtime/kv_ingest.py``), then runs the last prompt token in its first decode step, as a DI
+(``runtime/di/ingest.py``), then runs the last prompt token in its first decode step, as a DI
 decode worker does (it never sees prefill logits).
 
-Both sides apply the sliding-window N-1 rule (``runtime/di_prompt.py``) on their own and the
+Both sides apply the sliding-window N-1 rule (``runtime/di/prompt.py``) on their own and the
 decode side checks that they agree. Before the first decode step every block a request's
 query reads must have been transferred (``check_reads``): a read of a never-written block
 is a ``KVTransferError``, not garbage tokens.

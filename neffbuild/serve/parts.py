@@ -28,8 +28,8 @@ The engine (serve/engine.py) is one loop per rank; a mode is a choice of parts, 
 * World (serve/world.py): one process, or the bundle's tp x dp ranks (``--dp N`` for an
   unsharded bundle) as gloo processes; each DP group owns ``requests[g::dp]``.
 
-Not here: the step itself (runtime/step.py, stateless about requests), block accounting
-(runtime/blocks.py), the CLI.
+Not here: the step itself (runtime/step/stepper.py, stateless about requests), block accounting
+(runtime/kv/blocks.py), the CLI.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class BlockRows:
 
     Between two steps the artifact has run and the interpreter's caches are cold: every torch
     call then costs ~10 us, more than the engine's whole step should. So the tables live in a
-    ``TableBuffer`` (runtime/block_tables.py: one buffer of ``[groups, max_rows, max_width]``
+    ``TableBuffer`` (runtime/kv/tables.py: one buffer of ``[groups, max_rows, max_width]``
     block ids under a tensor, each row checked when written) and a step writes, in pure Python,
     only the rows whose request or blocks changed (``BlockManager.version``). A row is written
     as the request's blocks (up to ``max_width``), nulls after them, so it reads right at any
@@ -162,7 +162,7 @@ class Proposer(Protocol):
 
 
 class LocalPrefill:
-    """KV source: the model's eager prefill in this process (``Session.prefill``), one prompt at a time.
+    """KV source: the model's eager prefill in this process (``ServingRank.prefill``), one prompt at a time.
 
     ``lockstep_group``: a sharded MoE that gathers across DP groups prefills on every rank at
     once, padded to the same length; then every rank calls ``admit`` every step.

@@ -5,7 +5,7 @@ Each engine step with drafts: **verify** (the target runs ``[next token, d1..dk]
 argmax, plus the bonus token: exactly what plain greedy emits) -> **propose** (here: one
 draft call catches up on the rows the target just verified and proposes k new drafts).
 
-The family is the step API's choice (runtime/step.py): with-spec only when every request
+The family is the step API's choice (runtime/step/stepper.py): with-spec only when every request
 hands k drafts and ``max_position + k + 1 <= max_model_len``; the veto rides in the step's
 one MAX all-reduce, so all DP ranks run the same target artifact. A request with no
 verified rows (right after a DI transfer: no aux hidden states yet) or no room gets no

@@ -4,7 +4,7 @@ Traced per the SDK's documented contract (torch-neuronx "Tracing API for Inferen
 
 - **weights apart from the NEFF**: ``inline_weights_to_neff=False``; the workers trace with
   placeholder weights, so an inlined NEFF would carry them. The runtime binds the bundle's
-  weights with ``torch_neuronx.replace_weights`` (``runtime/loaders.py``, the one loading
+  weights with ``torch_neuronx.replace_weights`` (``runtime/bundle/loaders.py``, the one loading
   path, which ``load`` here uses too). Placeholders are zero-stride views, so the saved
   module carries no weight-sized bytes.
 - **KV caches are declared state**: the traced wrapper returns the updated KV buffers and

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 # group's in-graph collectives stay inside one instance, so tp x lnc must fit in it.
 NEURON_CORES_PER_INSTANCE = {"trn1": 32, "trn2": 128}
 # The kernels' block-KV DMA addresses one buffer's K or V half with 32-bit offsets (NCC_IBTN127): each
-# half (runtime/kv_layout.py ``half_bytes``: num_blocks x kv_heads x block_size x head_dim x itemsize)
+# half (runtime/kv/layout.py ``half_bytes``: num_blocks x kv_heads x block_size x head_dim x itemsize)
 # must span fewer bytes than this. That is why every KV buffer is its own base-0 allocation.
 OFFSET_SPAN = 1 << 32
 

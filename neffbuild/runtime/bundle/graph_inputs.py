@@ -47,7 +47,7 @@ class GraphInputs:
 
     @classmethod
     def from_json(cls, gi: dict) -> GraphInputs:
-        """From a schema-checked manifest field (runtime/manifest_schema.py)."""
+        """From a schema-checked manifest field (runtime/bundle/schema.py)."""
         grid = Grid(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]), gi["max_model_len"],
                     gi["num_speculative_tokens"])
         return cls(grid, gi["block_size"], gi["num_blocks"], gi["num_swa"], ParallelLayout.from_json(gi),

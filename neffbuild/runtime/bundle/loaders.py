@@ -68,7 +68,7 @@ def load_neuron(path: Path, weights: dict[str, torch.Tensor], toolchain: dict, d
 
 def reads_package_signature(toolchain: dict) -> bool:
     """Whether this backend's artifacts declare their inputs and constants in a form the runtime reads
-    before loading them (AOTInductor: the generated wrapper; see runtime/aoti_package.py)."""
+    before loading them (AOTInductor: the generated wrapper; see runtime/bundle/aoti_package.py)."""
     return toolchain.get("backend") == "inductor"
 
 

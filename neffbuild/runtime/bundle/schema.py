@@ -213,12 +213,12 @@ def dims(gi: dict, batch: int, ctx: int, query_len: int) -> step_inputs.Dims:
 
 
 def expected_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[dict]:
-    """The inputs the runtime calls a target artifact with (the table in runtime/step_inputs.py)."""
+    """The inputs the runtime calls a target artifact with (the table in runtime/step/inputs.py)."""
     return step_inputs.signature(dims(gi, batch, ctx, query_len))
 
 
 def expected_draft_signature(gi: dict, batch: int, ctx: int, query_len: int) -> list[dict]:
-    """The inputs of an EAGLE3 draft artifact (runtime/step_inputs.py; docs/bundle-format.md)."""
+    """The inputs of an EAGLE3 draft artifact (runtime/step/inputs.py; docs/bundle-format.md)."""
     return step_inputs.signature(dims(gi, batch, ctx, query_len), draft=True)
 
 

@@ -16,8 +16,8 @@ Roles (one process each side may hold one of them):
 
 A prefill rank that dies closes its sockets: a call or a pull waiting on it raises
 ``PrefillWorkerLost`` naming the request, within the call's timeout (30 s) at the latest.
-Region geometry: ``runtime/kv_regions.py``; messages: ``runtime/side_channel.py``; the NIXL
-agent: ``runtime/nixl_agent.py``; the sliding-window N-1 rule: ``runtime/di_prompt.py``.
+Region geometry: ``runtime/di/regions.py``; messages: ``runtime/di/side_channel.py``; the NIXL
+agent: ``runtime/di/nixl_agent.py``; the sliding-window N-1 rule: ``runtime/di/prompt.py``.
 """
 
 from __future__ import annotations

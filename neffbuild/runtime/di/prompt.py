@@ -12,7 +12,7 @@ the consumer counts the pull as ``N - 1`` tokens (so it keeps the window of posi
 and runs ``tokens[N-1]`` at position ``N - 1`` in its first decode step. It applies only to
 models with sliding-window layers and prompts longer than one token, and only once
 (``truncated`` marks it, so a second application changes nothing). Not covered: block
-allocation itself (``runtime/blocks.py``) and the transfer (``runtime/kv_ingest.py``).
+allocation itself (``runtime/kv/blocks.py``) and the transfer (``runtime/di/ingest.py``).
 """
 
 from __future__ import annotations

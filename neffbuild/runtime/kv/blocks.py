@@ -21,7 +21,7 @@ positions can touch (``T = window + q - 1``: the oldest key the first query read
 last position written).
 
 What this module leaves out: engines with their own allocator (vLLM) keep using it; the
-step API (runtime/step.py) takes whatever block tables it is given.
+step API (runtime/step/stepper.py) takes whatever block tables it is given.
 """
 
 from __future__ import annotations

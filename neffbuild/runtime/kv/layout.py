@@ -1,7 +1,7 @@
 """One rank's KV layout and what it costs in bytes: the project's one KV-bytes formula.
 
 Pure Python (torch only lazily, for the ``dtype`` properties), so ``plan`` and the recipe
-validator size a pool by the same arithmetic the runtime allocates by (runtime/kv_cache.py).
+validator size a pool by the same arithmetic the runtime allocates by (runtime/kv/cache.py).
 
 G = ``num_buffers`` target buffers (layer pairs share one), each
 ``[2, num_blocks, kv_heads, block_size, head_dim]`` (K half then V half); with EAGLE3 one

@@ -1,7 +1,7 @@
 """Block tables an engine keeps from step to step, checked when a row is written.
 
 The step API checks every block id an artifact can read before native code touches it
-(runtime/step_checks.py). For tables handed over as tensors that costs torch reads on every
+(runtime/step/checks.py). For tables handed over as tensors that costs torch reads on every
 step, and on CPU each one runs with the interpreter's caches cold after the artifact: about
 15 us of an 800 us step. Most of a decode's rows do not change between two steps (a row
 changes when its request crosses a block boundary), so ``TableBuffer`` checks a row once,

@@ -66,7 +66,7 @@ def num_swa_blocks(window: int, block_size: int, max_model_len: int, query_len: 
     The most blocks a step can read in a sliding layer: keys from the first query's
     ``position - window + 1`` to the last position written (``query_len - 1`` later), a run
     of ``window + query_len - 1`` positions, which touches at most
-    ``(window + query_len - 1 + block_size - 2) // block_size + 1`` blocks (runtime/blocks.py
+    ``(window + query_len - 1 + block_size - 2) // block_size + 1`` blocks (runtime/kv/blocks.py
     holds the same blocks). Rounded up to a whole attention tile (128 // block_size blocks),
     but never more than a full-length sequence has.
     """

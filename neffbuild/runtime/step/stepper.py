@@ -11,7 +11,7 @@ MAX all-reduce carries ``(num_reqs, needed_base, nospec, bad_input, more)``; loc
 batch above every bucket, a context above ``max_model_len``, malformed input) therefore
 reach every rank in the same collective and all ranks raise together: a DP job never hangs.
 
-Not here: block allocation (runtime/blocks.py, optional), sampling and prefill (serve/).
+Not here: block allocation (runtime/kv/blocks.py, optional), sampling and prefill (serve/).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Stepper:
     not given). ``group``: a torch.distributed process group of the DP ranks (gloo), or None.
     ``on_plan``: called with each step's synced plan (``plan.needed_seq``: the histogram hook).
     ``registry``: the engine's prometheus_client registry for the step counters (default: the
-    library's global one; nothing is registered without prometheus_client, see runtime/metrics.py).
+    library's global one; nothing is registered without prometheus_client, see runtime/step/metrics.py).
     """
 
     def __init__(self, artifacts: Artifacts, *, kv_caches: Sequence[torch.Tensor] | None = None, group=None,
