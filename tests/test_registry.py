@@ -39,7 +39,7 @@ def test_validator_choices_come_from_the_registry(tiny_raw, monkeypatch):
     assert all(name in str(err.value) for name in registry.backend_choices())
 
 
-ALLOWED = re.compile(r"^neffbuild/(registry\.py|models/|compiler/backends/|runtime/loaders\.py)")
+ALLOWED = re.compile(r"^neffbuild/(registry\.py|models/|compiler/backends/|runtime/bundle/loaders\.py)")
 
 
 def test_nothing_else_names_gpt_oss_or_a_backend():

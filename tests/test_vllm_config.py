@@ -30,7 +30,7 @@ def test_vllm_config_of_a_built_bundle_names_exactly_the_compiled_grid(neuron_bu
 def _manifest(ctx, k=0):
     return {"graph_inputs": {"num_seqs_buckets": [1, 4], "decode_context_length_buckets": ctx, "fp8_packed_kv": True,
                              "lnc": 1, "num_speculative_tokens": k, "max_model_len": 4096, "block_size": 16,
-                             "num_blocks": 900, "tp": 1, "dp": 2}}
+                             "num_blocks": 900, "tp": 1, "dp": 2} | ({"speculative_method": "eagle3"} if k else {})}
 
 
 def test_fallback_only_bundle_leaves_context_buckets_out_and_eagle3_goes_to_speculative_config():

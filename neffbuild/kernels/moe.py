@@ -1,7 +1,7 @@
 """GPT-OSS mixture of experts: top-k router with bias, softmax over the chosen, clamped SwiGLU.
 
 An expert-parallel rank holds a slice of the experts; the combine across ranks is the
-caller's (the model's decode graph).
+caller's (the architecture's decode graph).
 """
 
 import torch
@@ -61,7 +61,7 @@ def _dense(x, experts, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, a
     The indexed product-and-sum (``moe``) compiles to loops that read the chosen experts in place, but run
     eagerly (prefill) it materialises ``[N, k, H, 2I]``: 0.87 s per layer at N = 400, H = I = 256, top 2
     of 8, against 0.03 s here. With N * k well above E every expert is chosen anyway. This is also the
-    form transformers' own experts module runs at inference."""
+    form transformers' experts module runs at inference."""
     N, E = x.shape[0], gate_up_w.shape[0]  # E: the experts held (all ``experts``, or one EP rank's slice)
     routed = torch.zeros(N, experts, dtype=x.dtype).scatter(1, top_idx, weights.to(x.dtype))  # weight or 0
     if first_expert is not None:

@@ -162,7 +162,7 @@ class Proposer(Protocol):
 
 
 class LocalPrefill:
-    """KV source: the model's eager prefill in this process (``Session.prefill``), one prompt at a time.
+    """KV source: the model's eager prefill in this process (``ServingRank.prefill``), one prompt at a time.
 
     ``lockstep_group``: a sharded MoE that gathers across DP groups prefills on every rank at
     once, padded to the same length; then every rank calls ``admit`` every step.

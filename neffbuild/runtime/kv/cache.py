@@ -7,7 +7,7 @@ FP8 K the K half is also viewed as ``[num_blocks, kv_heads, block_size // 2, hea
 Block 0 is the null block: never handed to a request, it absorbs padding rows' reads
 (block allocation: runtime/kv/blocks.py).
 FP8 buffers are passed to compiled graphs as their uint8 bytes (``graph_view``).
-The layout and its byte counts live in ``kv_layout.py`` (torch-free, so ``plan`` sizes pools by it).
+The layout and its byte counts live in ``runtime/kv/layout.py`` (torch-free, so ``plan`` sizes pools by it).
 With EAGLE3 the draft has a KV group of its own: one more buffer of the same kind
 (``draft_buffer_shape``, its own heads), addressed through the full-attention group's
 block table, so it needs no block accounting of its own.
