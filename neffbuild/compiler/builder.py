@@ -183,7 +183,8 @@ def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, d
             shared = writer.write_weights(tensors)
         else:
             entries[name] = writer.write_weights(tensors, paths.weights_piece_path(name))
-    info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries, shard_layout=arch.get("shard_layout")(par),
+    info = dict(par.to_json(), ep_combine=par.ep_combine, pieces=entries,
+                shard_layout=arch.get("shard_layout")(par, tuple(weights)),
                 rank_pieces="weights.file + pieces['tp{rank % tp}'] (tp > 1) + pieces['ep{rank % ep}'] (ep > 1)",
                 kv_heads={f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
     return shared, info
@@ -193,9 +194,10 @@ def _load_weights(recipe) -> dict:
     """The checkpoint's stacked weights; an unreadable checkpoint is the user's input (exit 2), not a crash."""
     from safetensors import SafetensorError
 
-    model_weights = registry.arch(recipe.model.arch).get("weights")
+    arch = registry.arch(recipe.model.arch)
+    form = arch.get("weight_form")(recipe.model.weights_dtype, recipe.model.experts)  # stored as served
     try:
-        return model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+        return arch.get("weights")(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed, form)
     except (SafetensorError, OSError) as exc:
         raise InvalidInput(f"model.checkpoint {recipe.model.checkpoint}: unreadable safetensors checkpoint "
                            f"({str(exc)[:200]})") from None

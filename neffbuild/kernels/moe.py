@@ -1,12 +1,72 @@
 """GPT-OSS mixture of experts: top-k router with bias, softmax over the chosen, clamped SwiGLU.
 
 An expert-parallel rank holds a slice of the experts; the combine across ranks is the
-caller's (models/gpt_oss/decode.py).
+caller's (the model's decode graph).
+
+Expert weights come dense ([E, out, in] tensors) or MXFP4 (``Mxfp4``: the checkpoint's blocks
+and scales, kept packed). Packed experts are decoded where they are read: in decode, only
+the rows of the experts the router picked (``rows``), inside the same product-and-sum, so a
+compiled step reads 4.25 bits a weight; in prefill's dense form, every held expert once.
 """
+
+from typing import NamedTuple
 
 import torch
 
 DENSE_TOKENS = 64  # from this many tokens on (prefill), every expert runs on every token (see moe)
+SCALE_BIAS = 127  # E8M0: a scale byte s means 2^(s - 127)
+
+
+class Mxfp4(NamedTuple):
+    """One expert weight [E, out, in] as MXFP4: blocks [E, out, in/32, 16] uint8 (two E2M1 nibbles a byte, low
+    first), scales [E, out, in/32] uint8."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def pick(self, idx) -> "Mxfp4":
+        """The experts ``idx`` (as ``w[idx]`` picks them from a dense tensor), still packed."""
+        return Mxfp4(self.blocks[idx], self.scales[idx])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, groups, half = self.blocks.shape
+        return (*lead, groups * half * 2)
+
+
+def e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles (int32, 0..15) -> float32 values: the 16-entry table (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the
+    negatives) as bit arithmetic, so a compiled graph needs no table constant and vectorises the decode.
+
+    A nibble is sign | 2-bit exponent e | 1-bit mantissa m: e > 0 is 2^(e-1) * (1 + m/2), i.e. float32
+    exponent e + 126 and mantissa top bit m; e == 0 is the subnormal m / 2 (0.5 = exponent 126, or zero)."""
+    e, m = (codes >> 1) & 3, codes & 1
+    bits = torch.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+    return (bits | ((codes & 8) << 28)).view(torch.float32)  # the sign: bit 3 -> bit 31
+
+
+def e8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Scale bytes -> float32 2^(s - 127), exact: s is the float32 exponent field (s == 0: 2^-127, subnormal)."""
+    s = scales.to(torch.int32)
+    return torch.where(s > 0, (s << 23).view(torch.float32), 2.0 ** -SCALE_BIAS)
+
+
+def dequantize(w: Mxfp4, dtype: torch.dtype) -> torch.Tensor:
+    """[..., G, 16] blocks and [..., G] scales -> [..., G * 32] in ``dtype`` (exact: E2M1 x 2^k fits bfloat16)."""
+    b = w.blocks.to(torch.int32)
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1)  # [..., G, 16, 2]: the low nibble is the earlier value
+    values = e2m1(codes) * e8m0(w.scales)[..., None, None]
+    return values.flatten(-3).to(dtype)
+
+
+def rows(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The chosen experts' weights ``w[idx]`` as values: a dense tensor indexed, or packed rows decoded."""
+    return dequantize(w.pick(idx), dtype) if isinstance(w, Mxfp4) else w[idx]
+
+
+def whole(w, dtype: torch.dtype) -> torch.Tensor:
+    """Every held expert's weights as values [E, out, in]."""
+    return dequantize(w, dtype) if isinstance(w, Mxfp4) else w
 
 
 def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -21,9 +81,9 @@ def moe(
     x: torch.Tensor,  # [N, H]
     router_w: torch.Tensor,  # [E, H]
     router_b: torch.Tensor,  # [E]
-    gate_up_w: torch.Tensor,  # [E, 2I, H]: [out, in], the reduction axis contiguous
+    gate_up_w,  # [E, 2I, H]: [out, in], the reduction axis contiguous (a tensor, or Mxfp4)
     gate_up_b: torch.Tensor,  # [E, 2I]
-    down_w: torch.Tensor,  # [E, H, I]
+    down_w,  # [E, H, I] (a tensor, or Mxfp4)
     down_b: torch.Tensor,  # [E, H]
     top_k: int,
     alpha: float,
@@ -48,9 +108,10 @@ def moe(
     # the chosen experts copied out first): compiled, the lookup sits inside the loop over H (then I), and
     # with the weights [out, in] each output is one dot product over a contiguous weight row (vectorised
     # along it), not an accumulator over rows 2I apart (docs/benchmarks.md: x0.6-0.8 of that loop's time).
-    h = (x[:, None, None, :] * gate_up_w[top_idx]).sum(-1) + gate_up_b[top_idx]  # [N, k, 2I]
+    # MXFP4: the chosen rows decoded inside the same loops (rows()), so only their bytes are read.
+    h = (x[:, None, None, :] * rows(gate_up_w, top_idx, x.dtype)).sum(-1) + gate_up_b[top_idx]  # [N, k, 2I]
     h = swiglu(h, alpha, limit)  # [N, k, I]
-    out = (h[:, :, None, :] * down_w[top_idx]).sum(-1) + down_b[top_idx]  # [N, k, H]
+    out = (h[:, :, None, :] * rows(down_w, top_idx, x.dtype)).sum(-1) + down_b[top_idx]  # [N, k, H]
     return (out * weights.unsqueeze(-1)).sum(1)
 
 
@@ -61,11 +122,12 @@ def _dense(x, experts, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, a
     The indexed product-and-sum (``moe``) compiles to loops that read the chosen experts in place, but run
     eagerly (prefill) it materialises ``[N, k, H, 2I]``: 0.87 s per layer at N = 400, H = I = 256, top 2
     of 8, against 0.03 s here. With N * k well above E every expert is chosen anyway. This is also the
-    form transformers' GptOssExperts runs at inference."""
+    form transformers' GPT-OSS experts module runs at inference."""
     N, E = x.shape[0], gate_up_w.shape[0]  # E: the experts held (all ``experts``, or one EP rank's slice)
     routed = torch.zeros(N, experts, dtype=x.dtype).scatter(1, top_idx, weights.to(x.dtype))  # weight or 0
     if first_expert is not None:
         routed = routed.index_select(1, torch.arange(E, device=x.device) + first_expert)  # [N, E]: the held slice
+    gate_up_w, down_w = whole(gate_up_w, x.dtype), whole(down_w, x.dtype)
     h = torch.bmm(x[None].expand(E, N, x.shape[1]), gate_up_w.transpose(1, 2)) + gate_up_b[:, None, :]  # [E, N, 2I]
     out = torch.bmm(swiglu(h, alpha, limit), down_w.transpose(1, 2)) + down_b[:, None, :]  # [E, N, H]
     return (out * routed.t()[..., None]).sum(0)

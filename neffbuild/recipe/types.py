@@ -20,6 +20,8 @@ class ModelSpec:
     hf_config: dict  # resolved Hugging Face config keys
     checkpoint: Path | None
     random_seed: int | None
+    weights_dtype: str = "float32"  # float tensors as stored and computed: float32 | bfloat16
+    experts: str = "dense"  # dense | mxfp4 (kept packed, decoded in the graph)
 
     @property
     def config(self):
@@ -63,6 +65,7 @@ class Recipe:
     cache_dir: Path | None
     source: str = "<recipe>"
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    kv_dtype: str = "float32"  # the KV buffers' dtype without fp8_packed_kv: float32 | bfloat16
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -89,6 +92,11 @@ class Recipe:
             model["checkpoint"] = str(self.model.checkpoint)
         else:
             model["random_seed"] = self.model.random_seed
+        # Only when not the default: a recipe that names no serving dtype normalises (and hashes) as before.
+        if self.model.weights_dtype != "float32":
+            model["weights_dtype"] = self.model.weights_dtype
+        if self.model.experts != "dense":
+            model["experts"] = self.model.experts
         out = {
             "name": self.name,
             "version": self.version,
@@ -112,6 +120,8 @@ class Recipe:
                          "target_flags": {label: list(f) for label, f in self.target_flags}},
             "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
         }
+        if self.kv_dtype != "float32":
+            out["neuron_config"]["kv_dtype"] = self.kv_dtype
         if spec:
             out["speculative"] = spec
         return out

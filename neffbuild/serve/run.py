@@ -48,7 +48,9 @@ def check_bundle(bundle) -> None:
 
     gi = bundle.manifest["graph_inputs"]
     cfg = model_config(gi)
-    for name, shape in registry.arch(gi["arch"]).get("rank_shapes")(cfg, bundle.parallel).items():
+    arch = registry.arch(gi["arch"])
+    experts = arch.get("experts_of")(bundle.weights)  # dense or MXFP4: the stored names say which
+    for name, shape in arch.get("rank_shapes")(cfg, bundle.parallel, experts).items():
         have = tuple(bundle.weights[name].shape) if name in bundle.weights else None
         if have != tuple(shape):
             raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
