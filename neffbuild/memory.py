@@ -21,6 +21,8 @@ Pure arithmetic on a recipe (no torch, no tracing), by the project's one formula
 
 from __future__ import annotations
 
+import dataclasses
+
 from neffbuild import registry
 from neffbuild.errors import InvalidInput
 from neffbuild.runtime.blocks import kv_groups, min_pool_blocks
@@ -122,6 +124,28 @@ def device_fit(device_bytes: int, weights: int, layout: KVLayout, *, cap: int | 
             "max_num_blocks_by_memory": by_memory}
 
 
+def sharding_outlook(recipe, parts: dict, layout: KVLayout, device_bytes: int | None) -> dict:
+    """What one rank would hold if the bundle split the vocabulary (embedding, unembedding) and the EAGLE3
+    draft (its tensors and KV heads) over the TP ranks, and without the draft: arithmetic only, a forecast
+    for what the bundle does not build yet (both stay replicated on every rank today)."""
+    tp = recipe.tp
+    split_heads = max(1, layout.draft_kv_heads // tp) if layout.has_draft else 0
+    rows = {
+        "vocab_and_draft_split": (sum(parts.values()) - parts["embedding"] - parts["draft"]
+                                  + parts["embedding"] // tp + parts["draft"] // tp,
+                                  dataclasses.replace(layout, draft_kv_heads=split_heads,
+                                                      draft_head_dim=layout.draft_head_dim if split_heads else 0)),
+        "vocab_split_no_draft": (sum(parts.values()) - parts["embedding"] - parts["draft"] + parts["embedding"] // tp,
+                                 dataclasses.replace(layout, draft_kv_heads=0, draft_head_dim=0)),
+    }
+    out = {}
+    for name, (weights, lay) in rows.items():
+        out[name] = {"weight_bytes": weights, "kv_bytes_per_block": lay.bytes_per_block}
+        if device_bytes is not None:
+            out[name]["max_num_blocks"] = device_fit(device_bytes, weights, lay)["max_num_blocks_by_memory"]
+    return out
+
+
 def per_rank(recipe, device_bytes: int | None = None, artifact: dict | None = None) -> dict:
     """The ``memory`` document of ``plan --json``: per rank, and with ``device_bytes`` the fit."""
     layout = recipe_kv_layout(recipe)
@@ -138,6 +162,7 @@ def per_rank(recipe, device_bytes: int | None = None, artifact: dict | None = No
                        + (f" + draft 2 x {layout.num_blocks} x {layout.draft_kv_heads} x {layout.block_size} x "
                           f"{layout.draft_head_dim} x {layout.itemsize} B" if layout.has_draft else "")),
         "largest_artifact": artifact or {"label": None, "bytes": None, "source": "unknown"},
+        "sharding_outlook": sharding_outlook(recipe, parts, layout, device_bytes),
     }
     out = {"per_rank": rank, "reserve_percent": RESERVE_PERCENT}
     cap = backend_kv_limit(recipe.backend, layout)
@@ -170,6 +195,10 @@ def describe(doc: dict) -> list[str]:
                                                                  " (no past compile of these targets in the cache)")]
     if "kv_offset_limit" in doc:
         lines.append(f"  32-bit KV offsets: num_blocks <= {doc['kv_offset_limit']}")
+    out = r["sharding_outlook"]["vocab_and_draft_split"]
+    if "max_num_blocks" in out:
+        lines.append(f"  not built yet: vocabulary and draft split over TP would leave weights "
+                     f"{fmt_bytes(out['weight_bytes'])} and {out['max_num_blocks']} blocks")
     d = doc.get("device")
     if d:
         verdict = "fits" if d["fits"] else "does NOT fit"

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild import registry
+from neffbuild.recipe.dtype_rules import checkpoint_defaults
 from neffbuild.runtime.buckets import num_swa_blocks
 
 
@@ -92,11 +93,13 @@ class Recipe:
             model["checkpoint"] = str(self.model.checkpoint)
         else:
             model["random_seed"] = self.model.random_seed
-        # Only when not the default: a recipe that names no serving dtype normalises (and hashes) as before.
-        if self.model.weights_dtype != "float32":
-            model["weights_dtype"] = self.model.weights_dtype
-        if self.model.experts != "dense":
-            model["experts"] = self.model.experts
+        # Only where not float32 / dense or not what the checkpoint implies: a recipe that names no serving dtype
+        # normalises (and hashes) as before, and the normalised recipe reloads to the same one.
+        implied = checkpoint_defaults(self.model.hf_config, self.model.checkpoint is not None)
+        for key, value, default, own in (("weights_dtype", self.model.weights_dtype, "float32", implied[0]),
+                                         ("experts", self.model.experts, "dense", implied[1])):
+            if value != default or value != own:
+                model[key] = value
         out = {
             "name": self.name,
             "version": self.version,
