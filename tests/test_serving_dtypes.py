@@ -238,3 +238,48 @@ def test_compiled_bf16_mxfp4_equals_eager_and_transformers(mxfp4_bundle):
     for n, prompt in enumerate(prompts):
         ref, ref_logits = hf_mxfp4_greedy(ck, prompt, STEPS)
         print(assert_tokens_or_near_tie(compiled[0][n], compiled[1][:, n], ref, ref_logits, f"compiled, prompt {n}"))
+
+
+# ----------------------------------------------------------------------------- the neuron backend, by contract
+
+BIND_AS_FLOAT32 = """
+import sys
+import torch
+from neffbuild.runtime.bundle import open_bundle
+from neffbuild.runtime.loaders import load_neuron
+b = open_bundle(sys.argv[1])
+art = next(a for a in b.manifest["artifacts"])
+as_f32 = {k: v.float() if v.is_floating_point() else v for k, v in b.weights.items()}
+try:
+    load_neuron(b.root / art["file"], as_f32, b.manifest["toolchain"])
+except ValueError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.slow
+def test_neuron_standin_bundle_carries_bf16_and_mxfp4(tmp_path, tiny_cfg):
+    """Through the SDK stand-in: the traced NEFF declares its separated weights bf16 / uint8 (MXFP4), the bundle's
+    weights arrive so (generate --check: the stand-in's NEFF equals the eager reference) and the same weights in
+    float32 are refused at binding, naming the tensor and both dtypes."""
+    import subprocess
+    import sys
+
+    from tests.helpers import cli, neuron_recipe, standin_env
+
+    hf = dict(tiny_cfg.to_hf_dict(), num_hidden_layers=2)
+    hf.pop("layer_types")
+    ck = write_mxfp4_checkpoint(tmp_path / "ck", GptOssConfig.from_hf_dict(hf))
+    env = standin_env(tmp_path / "cache")
+    path = neuron_recipe(tmp_path, ck, "neuron-mxfp4", num_seqs_buckets=(2,), ctx_buckets=(512,))
+    out = cli("compile", path, "-o", tmp_path / "out", "--jobs", "1", env=env, process=True)
+    assert out.returncode == 0, out.stderr
+    bundle = tmp_path / "out" / "neuron-mxfp4-0.1.0"
+    m = json.loads(cli("inspect", str(bundle), "--json", env=env, process=True).stdout)
+    tensors = m["weights"]["tensors"]
+    assert tensors["gate_up_w_blocks"]["dtype"] == "uint8" and tensors["embed"]["dtype"] == "bfloat16"
+    gen = cli("generate", str(bundle), "--prompt-ids", "7,8,9,10", "--max-new-tokens", "6", "--check", env=env,
+              process=True)
+    assert gen.returncode == 0 and "check: tokens equal the eager reference" in gen.stderr, gen.stderr
+    res = subprocess.run([sys.executable, "-c", BIND_AS_FLOAT32, str(bundle)], env=env, capture_output=True, text=True)
+    assert "refused:" in res.stdout and "torch.float32" in res.stdout and "torch.bfloat16" in res.stdout, res
