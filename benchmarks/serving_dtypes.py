@@ -114,6 +114,11 @@ def main() -> None:
         print(f"| {name} | {b['experts'] / 2**20:.2f} MiB | {b['other_weights'] / 2**20:.2f} MiB | "
               f"{b['kv'] / 2**20:.2f} MiB | {b['total'] / 2**20:.2f} MiB | {med * 1e3:.3f} ms | "
               f"{p10 * 1e3:.3f}-{p90 * 1e3:.3f} ms | x{med / base:.2f} |")
+    # What the CPU's FP4 decode costs: the step time MXFP4 adds over bf16, per routed expert weight it decodes.
+    weights = runs["bf16 + MXFP4"]["bytes"]["experts"] * 32 // 17  # 17 bytes per 32 weights (blocks + scale)
+    extra = statistics.median(runs["bf16 + MXFP4"]["samples"]) - statistics.median(runs["bf16"]["samples"])
+    print(f"\nFP4 decode on this CPU: {extra * 1e3:+.3f} ms a step over bf16 for {weights / 1e6:.2f} M routed "
+          f"weights: {extra / weights * 1e9:.2f} ns a weight")
 
 
 if __name__ == "__main__":
