@@ -283,3 +283,24 @@ def test_neuron_standin_bundle_carries_bf16_and_mxfp4(tmp_path, tiny_cfg):
     assert gen.returncode == 0 and "check: tokens equal the eager reference" in gen.stderr, gen.stderr
     res = subprocess.run([sys.executable, "-c", BIND_AS_FLOAT32, str(bundle)], env=env, capture_output=True, text=True)
     assert "refused:" in res.stdout and "torch.float32" in res.stdout and "torch.bfloat16" in res.stdout, res
+
+
+def test_traced_graph_carries_the_stored_dtypes(tiny_raw):
+    """The exported bf16 + MXFP4 graph's constants are exactly the stored tensors, in their stored dtypes (the
+    FP4 decode adds no table constant), and its KV inputs are bfloat16."""
+    from neffbuild import grid
+    from neffbuild.compiler.graphs import build_graph, target_graph
+
+    tiny_raw["model"].update(weights_dtype="bfloat16", experts="mxfp4")
+    tiny_raw["neuron_config"]["kv_dtype"] = "bfloat16"
+    r = R.from_dict(tiny_raw)
+    target = min(grid.targets(r), key=lambda t: (t.batch, t.ctx))
+    module, inputs = build_graph(target_graph(r, target))
+    ep = torch.export.export(module, inputs, strict=False)
+    kinds = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+    lifted = {s.target for s in ep.graph_signature.input_specs if s.kind.name in kinds}
+    assert lifted == set(W.stacked_names("mxfp4"))
+    dtypes = {n: t.dtype for n, t in module.named_buffers()}
+    assert {n for n, d in dtypes.items() if d == torch.uint8} == set(W.PACKED)
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if n not in W.PACKED)
+    assert all(t.dtype == torch.bfloat16 for t in inputs[7])  # the KV caches

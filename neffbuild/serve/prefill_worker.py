@@ -98,7 +98,7 @@ class _Rank:
         heads = arch.get("kv_heads_of")(self.cfg, par, rank)
         _, nb, _, bs, d = kv["buffer_shape"]
         self.layout = KVLayout(kv["num_buffers"], nb, len(heads), bs, d, fp8=kv["dtype"].startswith("float8"),
-                               packed_k=kv["packed_k"])
+                               packed_k=kv["packed_k"], kv_dtype=KVLayout.from_json(kv).kv_dtype)
         self.caches = allocate(self.layout)
         of = arch.get("kv_buffer_of_layer")
         L = self.cfg.num_hidden_layers

@@ -145,7 +145,7 @@ def reference_tokens(bundle_path: str, requests: list[Request]) -> list[list[int
     kv = gi["kv_layout"]
     _, nb, _, bs, d = kv["buffer_shape"]
     layout = KVLayout(kv["num_buffers"], nb, cfg.num_key_value_heads, bs, d, fp8=kv["dtype"].startswith("float8"),
-                      packed_k=kv["packed_k"])  # every KV head: the unsharded model
+                      packed_k=kv["packed_k"], kv_dtype=KVLayout.from_json(kv).kv_dtype)  # every KV head: unsharded
     spec = GridSpec(tuple(gi["num_seqs_buckets"]), tuple(gi["decode_context_length_buckets"]), gi["max_model_len"],
                     gi["num_speculative_tokens"])
     session = make_session(cfg, weights, eager_artifacts(cfg, weights, spec, layout, gi["num_swa"]))
