@@ -304,3 +304,25 @@ def test_traced_graph_carries_the_stored_dtypes(tiny_raw):
     assert {n for n, d in dtypes.items() if d == torch.uint8} == set(W.PACKED)
     assert all(d == torch.bfloat16 for n, d in dtypes.items() if n not in W.PACKED)
     assert all(t.dtype == torch.bfloat16 for t in inputs[7])  # the KV caches
+
+
+def test_packed_experts_shard_over_ep_and_join_back(tiny_cfg):
+    """EP pieces of MXFP4 experts are slices of the checkpoint's bytes on the expert axis; unshard joins them."""
+    from neffbuild.models.gpt_oss import sharding
+    from neffbuild.models.gpt_oss.shapes import rank_specs
+    from neffbuild.runtime.parallel import ParallelLayout
+
+    form = WeightForm("bfloat16", "mxfp4")
+    stacked = W.model_weights(tiny_cfg, None, 0, form)
+    par = ParallelLayout(tp=2, ep=2)
+    parts = dict(sharding.iter_pieces(tiny_cfg, stacked, par))
+    assert set(parts["ep1"]) == {"gate_up_w_blocks", "gate_up_w_scales", "down_w_blocks", "down_w_scales",
+                                 "gate_up_b", "down_b"}
+    assert torch.equal(parts["ep1"]["down_w_blocks"], stacked["down_w_blocks"][:, 2:])
+    back = sharding.unshard(tiny_cfg, parts, par)
+    assert set(back) == set(stacked) and all(torch.equal(back[k], stacked[k]) for k in stacked)
+    mine = sharding.shard(tiny_cfg, stacked, par, 3)
+    assert {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in mine.items()} == rank_specs(
+        tiny_cfg, par, form)
+    assert set(sharding.shard_layout(par, tuple(stacked))) == set(sharding.TP_SPLIT) | {
+        "gate_up_w_blocks", "gate_up_w_scales", "down_w_blocks", "down_w_scales", "gate_up_b", "down_b"}

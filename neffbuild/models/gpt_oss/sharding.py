@@ -113,9 +113,8 @@ def shard_layout(par: ParallelLayout, names=None) -> dict[str, dict]:
     if par.tp > 1:
         out.update({k: {"over": "tp", "axis": a} for k, a in TP_SPLIT.items()})
     if par.ep > 1:
-        packed = names is not None and any(n in PACKED for n in names)
-        out.update({k: {"over": "ep", "axis": a} for k, a in EP_SPLIT.items() if (k in PACKED) == packed
-                    and (names is None or k in names)})
+        held = set(names) if names is not None else set(EP_SPLIT) - set(PACKED)
+        out.update({k: {"over": "ep", "axis": a} for k, a in EP_SPLIT.items() if k in held})
     return out
 
 
