@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/step_cost.py --plot docs/img/step-cost.png
 	$(BIN)/python benchmarks/build_pipeline.py
 	$(BIN)/python benchmarks/dispatch_overhead.py
+	$(BIN)/python benchmarks/serving_dtypes.py
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache

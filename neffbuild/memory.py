@@ -21,6 +21,8 @@ Pure arithmetic on a recipe (no torch, no tracing), by the project's one formula
 
 from __future__ import annotations
 
+import dataclasses
+
 from neffbuild import registry
 from neffbuild.errors import InvalidInput
 from neffbuild.runtime.kv.blocks import kv_groups, min_pool_blocks
@@ -41,14 +43,15 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def kv_layout(cfg, draft_cfg, num_blocks: int, block_size: int, fp8_packed_kv: bool,
-              par) -> KVLayout:
+              par, kv_dtype: str = "float32") -> KVLayout:
     """One rank's KV layout: its KV heads (architecture part ``local_config``); the draft's group is not sharded."""
-    # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too).
+    # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too);
+    # without it the buffers are kv_dtype (neuron_config.kv_dtype).
     local = registry.arch_of(cfg).get("local_config")(cfg, par)
     return KVLayout(cfg.num_kv_buffers, num_blocks, local.num_key_value_heads, block_size, cfg.head_dim,
                     fp8=fp8_packed_kv, packed_k=fp8_packed_kv,
                     draft_kv_heads=draft_cfg.num_key_value_heads if draft_cfg else 0,
-                    draft_head_dim=draft_cfg.head_dim if draft_cfg else 0)
+                    draft_head_dim=draft_cfg.head_dim if draft_cfg else 0, kv_dtype=kv_dtype)
 
 
 def _draft_config(recipe):
@@ -59,19 +62,28 @@ def _draft_config(recipe):
 
 def recipe_kv_layout(recipe, num_blocks: int | None = None) -> KVLayout:
     return kv_layout(recipe.model.config, _draft_config(recipe), num_blocks or recipe.num_blocks, recipe.block_size,
-                     recipe.fp8_packed_kv, ParallelLayout(recipe.tp, recipe.dp, recipe.ep))
+                     recipe.fp8_packed_kv, ParallelLayout(recipe.tp, recipe.dp, recipe.ep), recipe.kv_dtype)
+
+
+def weight_parts(recipe) -> dict[str, int]:
+    """Bytes one rank maps per part (the architecture's ``rank_weight_parts``: embedding, attention, router,
+    experts) plus ``draft``, from the dtypes the bundle stores (model.weights_dtype, model.experts)."""
+    cfg, par = recipe.model.config, ParallelLayout(recipe.tp, recipe.dp, recipe.ep)
+    arch = registry.arch(recipe.model.arch)
+    form = arch.get("weight_form")(recipe.model.weights_dtype, recipe.model.experts)
+    parts = dict(arch.get("rank_weight_parts")(cfg, par, form), draft=0)
+    dcfg, s = _draft_config(recipe), recipe.speculative
+    if dcfg is not None:
+        method = registry.speculative(s.method)
+        own = bool(s.draft_checkpoint and method.get("has_own_embed")(s.draft_checkpoint))
+        parts["draft"] = method.get("weight_bytes")(dcfg, own)
+    return parts
 
 
 def weight_bytes(recipe) -> tuple[int, int]:
     """(target, draft) bytes one rank maps, as the bundle stores them."""
-    cfg, par = recipe.model.config, ParallelLayout(recipe.tp, recipe.dp, recipe.ep)
-    target = registry.arch(recipe.model.arch).get("rank_weight_bytes")(cfg, par)
-    dcfg, s = _draft_config(recipe), recipe.speculative
-    if dcfg is None:
-        return target, 0
-    method = registry.speculative(s.method)
-    own = bool(s.draft_checkpoint and method.get("has_own_embed")(s.draft_checkpoint))
-    return target, method.get("weight_bytes")(dcfg, own)
+    parts = weight_parts(recipe)
+    return sum(parts.values()) - parts["draft"], parts["draft"]
 
 
 def backend_kv_limit(backend: str, layout: KVLayout) -> int | None:
@@ -80,7 +92,8 @@ def backend_kv_limit(backend: str, layout: KVLayout) -> int | None:
     return entry.get("kv_limit")(layout) if entry is not None and "kv_limit" in entry.parts else None
 
 
-def check_recipe(err, cfg, serving: dict, par: dict, fp8: bool, spec, compiler: dict) -> None:
+def check_recipe(err, cfg, serving: dict, par: dict, fp8: bool, spec, compiler: dict,
+                 kv_dtype: str = "float32") -> None:
     """The validator's hook: the chosen backend's KV rule, when every value it needs is valid."""
     entry = registry.BACKENDS.get(compiler.get("backend"))
     nb, bs, tp = serving.get("num_blocks"), serving.get("block_size"), par.get("tp")
@@ -94,7 +107,7 @@ def check_recipe(err, cfg, serving: dict, par: dict, fp8: bool, spec, compiler: 
             if spec else None
     except InvalidInput:
         return  # reported by the speculative section
-    entry.get("kv_rule")(err, kv_layout(cfg, dcfg, nb, bs, fp8, ParallelLayout(tp, par["dp"], par["ep"])))
+    entry.get("kv_rule")(err, kv_layout(cfg, dcfg, nb, bs, fp8, ParallelLayout(tp, par["dp"], par["ep"]), kv_dtype))
 
 
 # -- per rank, and what a device fits
@@ -111,13 +124,37 @@ def device_fit(device_bytes: int, weights: int, layout: KVLayout, *, cap: int | 
             "max_num_blocks_by_memory": by_memory}
 
 
+def sharding_outlook(recipe, parts: dict, layout: KVLayout, device_bytes: int | None) -> dict:
+    """What one rank would hold if the bundle split the vocabulary (embedding, unembedding) and the EAGLE3
+    draft (its tensors and KV heads) over the TP ranks, and without the draft: arithmetic only, a forecast
+    for what the bundle does not build yet (both stay replicated on every rank today)."""
+    tp = recipe.tp
+    split_heads = max(1, layout.draft_kv_heads // tp) if layout.has_draft else 0
+    rows = {
+        "vocab_and_draft_split": (sum(parts.values()) - parts["embedding"] - parts["draft"]
+                                  + parts["embedding"] // tp + parts["draft"] // tp,
+                                  dataclasses.replace(layout, draft_kv_heads=split_heads,
+                                                      draft_head_dim=layout.draft_head_dim if split_heads else 0)),
+        "vocab_split_no_draft": (sum(parts.values()) - parts["embedding"] - parts["draft"] + parts["embedding"] // tp,
+                                 dataclasses.replace(layout, draft_kv_heads=0, draft_head_dim=0)),
+    }
+    out = {}
+    for name, (weights, lay) in rows.items():
+        out[name] = {"weight_bytes": weights, "kv_bytes_per_block": lay.bytes_per_block}
+        if device_bytes is not None:
+            out[name]["max_num_blocks"] = device_fit(device_bytes, weights, lay)["max_num_blocks_by_memory"]
+    return out
+
+
 def per_rank(recipe, device_bytes: int | None = None, artifact: dict | None = None) -> dict:
     """The ``memory`` document of ``plan --json``: per rank, and with ``device_bytes`` the fit."""
     layout = recipe_kv_layout(recipe)
-    target_w, draft_w = weight_bytes(recipe)
+    parts = weight_parts(recipe)
+    draft_w = parts["draft"]
     cfg = recipe.model.config
     rank = {
-        "weight_bytes": target_w + draft_w, "draft_weight_bytes": draft_w,
+        "weight_bytes": sum(parts.values()), "draft_weight_bytes": draft_w,
+        "weight_parts_bytes": parts, "weights_dtype": recipe.model.weights_dtype, "experts": recipe.model.experts,
         "kv_bytes": layout.total_bytes, "kv_target_bytes": layout.target_bytes, "kv_draft_bytes": layout.draft_bytes,
         "kv_bytes_per_block": layout.bytes_per_block, "num_blocks": layout.num_blocks,
         "kv_formula": (f"{layout.num_buffers} buffers x 2 x {layout.num_blocks} blocks x {layout.kv_heads} KV "
@@ -125,6 +162,7 @@ def per_rank(recipe, device_bytes: int | None = None, artifact: dict | None = No
                        + (f" + draft 2 x {layout.num_blocks} x {layout.draft_kv_heads} x {layout.block_size} x "
                           f"{layout.draft_head_dim} x {layout.itemsize} B" if layout.has_draft else "")),
         "largest_artifact": artifact or {"label": None, "bytes": None, "source": "unknown"},
+        "sharding_outlook": sharding_outlook(recipe, parts, layout, device_bytes),
     }
     out = {"per_rank": rank, "reserve_percent": RESERVE_PERCENT}
     cap = backend_kv_limit(recipe.backend, layout)
@@ -145,16 +183,22 @@ def describe(doc: dict) -> list[str]:
     """Text lines for ``plan``."""
     r = doc["per_rank"]
     art = r["largest_artifact"]
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["weight_parts_bytes"].items() if v)
     lines = [f"memory per rank: weights {fmt_bytes(r['weight_bytes'])}"
              + (f" (draft {fmt_bytes(r['draft_weight_bytes'])})" if r["draft_weight_bytes"] else "")
              + f", KV {fmt_bytes(r['kv_bytes'])} = target {fmt_bytes(r['kv_target_bytes'])}"
              + (f" + draft {fmt_bytes(r['kv_draft_bytes'])}" if r["kv_draft_bytes"] else ""),
+             f"  weights ({r['weights_dtype']}, experts {r['experts']}): {parts}",
              f"  KV: {r['kv_formula']} ({fmt_bytes(r['kv_bytes_per_block'])} per block)",
              f"  largest artifact: {fmt_bytes(art['bytes'])}" + (f" ({art['label']}, {art['source']})"
                                                                  if art.get("label") else
                                                                  " (no past compile of these targets in the cache)")]
     if "kv_offset_limit" in doc:
         lines.append(f"  32-bit KV offsets: num_blocks <= {doc['kv_offset_limit']}")
+    out = r["sharding_outlook"]["vocab_and_draft_split"]
+    if "max_num_blocks" in out:
+        lines.append(f"  not built yet: vocabulary and draft split over TP would leave weights "
+                     f"{fmt_bytes(out['weight_bytes'])} and {out['max_num_blocks']} blocks")
     d = doc.get("device")
     if d:
         verdict = "fits" if d["fits"] else "does NOT fit"

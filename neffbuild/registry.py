@@ -91,6 +91,10 @@ ARCHITECTURES = {
         "local_config": "neffbuild.models.gpt_oss.shapes:local_config",
         "rank_weight_bytes": "neffbuild.models.gpt_oss.shapes:rank_weight_bytes",
         "check_layout": "neffbuild.models.gpt_oss.sharding:check_layout",  # config, layout -> InvalidInput or None
+        "rank_weight_parts": "neffbuild.models.gpt_oss.shapes:rank_weight_parts",  # -> {part: bytes}
+        "rank_specs": "neffbuild.models.gpt_oss.shapes:rank_specs",  # -> {name: (shape, dtype)}
+        "weight_form": "neffbuild.models.gpt_oss.shapes:WeightForm",  # (weights_dtype, experts) -> stored form
+        "experts_of": "neffbuild.models.gpt_oss.shapes:experts_of",  # stored names -> dense | mxfp4
         "iter_pieces": "neffbuild.models.gpt_oss.sharding:iter_pieces",
         "shard_layout": "neffbuild.models.gpt_oss.sharding:shard_layout",
         "piece_names": "neffbuild.models.gpt_oss.sharding:piece_names",  # layout, rank -> the pieces it maps

@@ -236,8 +236,37 @@ def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
-def test_120b_recipe_num_blocks_is_the_formulas_24gib_value():
-    """recipes/gpt-oss-120b-di-decode.yaml sets num_blocks from `plan --device-memory 24GiB` (its comment)."""
+def test_120b_recipe_num_blocks_is_the_formulas_12gib_value():
+    """recipes/gpt-oss-120b-di-decode.yaml is the seeds' deployment (LNC 1: 12 GiB a rank, bf16 + MXFP4, packed
+    FP8 KV) and sets num_blocks from `plan --device-memory 12GiB` (its comment)."""
     raw = yaml.safe_load(BIG.read_text())
-    dev = _plan_memory(BIG, "--device-memory", "24GiB")["device"]
-    assert dev["fits"] and dev["max_num_blocks"] == raw["serving"]["num_blocks"] == 27608
+    assert raw["neuron_config"]["lnc"] == 1 and raw["neuron_config"]["fp8_packed_kv"]
+    assert (raw["model"]["weights_dtype"], raw["model"]["experts"]) == ("bfloat16", "mxfp4")
+    mem = _plan_memory(BIG, "--device-memory", "12GiB")
+    dev = mem["device"]
+    assert dev["device_memory_bytes"] == 12 * GIB
+    assert dev["fits"] and dev["max_num_blocks"] == raw["serving"]["num_blocks"] == 13744
+
+
+def test_120b_weights_per_rank_from_the_stored_dtypes(tmp_path):
+    """The production layout (tp 8, ep 128) by hand: one expert per layer as MXFP4 (17 bytes per 32 weights), an
+    eighth of attention in bf16, the router, the embedding and unembedding replicated in bf16; the draft float32."""
+    rank = _plan_memory(BIG)["per_rank"]
+    parts = rank["weight_parts_bytes"]
+    L, H, I, V, E = 36, 2880, 2880, 201088, 128
+    experts = L * (2 * I * H + H * I) * 17 // 32 + L * (2 * I + H) * 2  # MXFP4 weights + bf16 biases, 1 expert
+    attention = L * ((8 + 2) * 64 * H + (8 + 2) * 64 + H * 8 * 64 + H + 8 + 2 * H) * 2 + H * 2  # + norms, final norm
+    assert parts == {"embedding": 2 * V * H * 2, "attention": attention, "router": L * (E * H + E) * 2,
+                     "experts": experts, "draft": rank["draft_weight_bytes"]}
+    assert rank["weight_bytes"] == sum(parts.values())
+    assert round(parts["experts"] / GIB, 2) == 0.44 and round(parts["attention"] / GIB, 2) == 0.22
+    # float32 and dense experts (the old form) is 7.5x the expert bytes: 32 bits a weight against 4.25
+    raw = yaml.safe_load(BIG.read_text())
+    raw["model"].update(weights_dtype="float32", experts="dense")
+    f32 = _plan_memory(_write(tmp_path, raw))["per_rank"]
+    ratio = (f32["weight_parts_bytes"]["experts"] - L * (2 * I + H) * 4) / (experts - L * (2 * I + H) * 2)
+    assert round(ratio, 2) == 7.53  # 32 / 4.25
+    out = rank["sharding_outlook"]
+    assert out["vocab_split_no_draft"]["weight_bytes"] == sum(parts.values()) - parts["draft"] - parts[
+        "embedding"] * 7 // 8  # about 1 GiB a rank: the arithmetic the recipe's comment quotes
+    assert round(out["vocab_split_no_draft"]["weight_bytes"] / GIB, 2) == 0.96

@@ -145,6 +145,16 @@ CASES = [
      "speculative.draft.config.hidden_size", "must be an integer"),
     ("model.config", "~nosuchuser-neffbuild/config.json", "model.config", "unknown user"),
     ("build.cache_dir", "~nosuchuser-neffbuild/c", "build.cache_dir", "unknown user"),
+    # the serving dtypes (docs/recipe.md "Serving dtypes")
+    ("model.weights_dtype", "float16", "model.weights_dtype", "must be one of float32, bfloat16"),
+    ("model.weights_dtype", "bf16", "model.weights_dtype", "did you mean 'bfloat16'"),
+    ("model.experts", "nvfp4", "model.experts", "must be one of dense, mxfp4"),
+    ("model.expert", "mxfp4", "model.expert", "did you mean 'experts'"),
+    ("neuron_config.kv_dtype", "float8_e4m3fn", "neuron_config.kv_dtype", "must be one of float32, bfloat16"),
+    ("neuron_config", dict(BASE["neuron_config"], fp8_packed_kv=True, kv_dtype="bfloat16"), "neuron_config.kv_dtype",
+     "must be left out with neuron_config.fp8_packed_kv: true"),
+    ("model", dict(BASE["model"], experts="mxfp4", config=dict(BASE["model"]["config"], intermediate_size=48)),
+     "model.experts", "mxfp4 needs model.config.intermediate_size (48) divisible by 32"),
 ]
 
 

@@ -29,7 +29,7 @@ def weight_bytes(weights: dict[str, torch.Tensor], cfg, tokens: int) -> int:
 
 def kv_bytes(cfg, layout, *, batch: int, ctx: int, num_swa: int) -> int:
     """K + V bytes a step gathers: ``ctx`` tokens per full layer, the SWA table per sliding layer."""
-    per_token = layout.kv_heads * layout.head_dim * (1 if layout.fp8 else 4) * 2
+    per_token = layout.kv_heads * layout.head_dim * layout.itemsize * 2
     full = sum(1 for k in cfg.layer_types if k == "full_attention")
     sliding = len(cfg.layer_types) - full
     return batch * per_token * (full * ctx + sliding * max(num_swa, 1) * layout.block_size)

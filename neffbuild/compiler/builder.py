@@ -192,7 +192,7 @@ def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, P
             entries[name] = writer.write_weights(tensors, paths.weights_piece_path(name))
     info = ParallelSection(par, entries, tuple(tuple(n for n in arch.get("piece_names")(par, r) if n != "shared")
                                                for r in range(par.world_size)),
-                           arch.get("shard_layout")(par),
+                           arch.get("shard_layout")(par, tuple(weights)),
                            {f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
     return shared, info
 
@@ -201,9 +201,10 @@ def _load_weights(recipe) -> dict:
     """The checkpoint's stacked weights; an unreadable checkpoint is the user's input (exit 2), not a crash."""
     from safetensors import SafetensorError
 
-    model_weights = registry.arch(recipe.model.arch).get("weights")
+    arch = registry.arch(recipe.model.arch)
+    form = arch.get("weight_form")(recipe.model.weights_dtype, recipe.model.experts)  # stored as served
     try:
-        return model_weights(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed)
+        return arch.get("weights")(recipe.model.config, recipe.model.checkpoint, recipe.model.random_seed, form)
     except (SafetensorError, OSError) as exc:
         raise InvalidInput(f"model.checkpoint {recipe.model.checkpoint}: unreadable safetensors checkpoint "
                            f"({str(exc)[:200]})") from None

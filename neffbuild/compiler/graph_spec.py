@@ -35,6 +35,9 @@ class TargetGraph:
     num_speculative_tokens: int = 0
     draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
     speculative_method: str | None = None  # a registry.SPECULATIVE name, with draft_hf_config
+    weights_dtype: str = "float32"  # model.weights_dtype: the placeholders' (and so the artifact's) dtype
+    experts: str = "dense"  # model.experts: dense | mxfp4 (packed blocks and scales as graph constants)
+    kv_dtype: str = "float32"  # neuron_config.kv_dtype (without fp8_packed_kv)
 
     @property
     def config(self):
@@ -53,16 +56,17 @@ class TargetGraph:
 
     def kv_layout(self) -> KVLayout:
         return _kv_layout(self.config, self.draft_config, self.num_blocks, self.block_size, self.fp8_packed_kv,
-                          self.parallel)
+                          self.parallel, self.kv_dtype)
 
 
 def target_graph_from(gi, family: str, batch: int, ctx: int, query_len: int) -> TargetGraph:
-    """The TargetGraph of one grid cell of an existing bundle (``runtime.graph_inputs.GraphInputs``)."""
+    """The TargetGraph of one grid cell of an existing bundle (``runtime.graph_inputs.GraphInputs``): its KV
+    dtype from the bundle's KV layout; the weights' form is that of the weights the caller builds it with."""
     p = gi.parallel
     return TargetGraph(gi.arch, gi.model_config, family, batch, ctx, query_len, gi.block_size, gi.num_blocks,
                      gi.num_swa, gi.fp8_packed_kv, p.tp, p.dp, p.ep, draft_hf_config=gi.draft_config,
                      num_speculative_tokens=gi.grid.num_speculative_tokens,
-                     speculative_method=gi.speculative_method)
+                     speculative_method=gi.speculative_method, kv_dtype=gi.kv_layout.kv_dtype)
 
 
 def target_graph(recipe, target) -> TargetGraph:
@@ -73,7 +77,8 @@ def target_graph(recipe, target) -> TargetGraph:
                      target.query_len, recipe.block_size, recipe.num_blocks, recipe.num_swa, recipe.fp8_packed_kv,
                      recipe.tp, recipe.dp, recipe.ep, draft_hf_config=s.draft_hf_config if s else None,
                      num_speculative_tokens=recipe.num_speculative_tokens, draft_own_embed=own_embed,
-                     speculative_method=s.method if s else None)
+                     speculative_method=s.method if s else None, weights_dtype=recipe.model.weights_dtype,
+                     experts=recipe.model.experts, kv_dtype=recipe.kv_dtype)
 
 
 def draft_config_for(recipe):
@@ -90,15 +95,20 @@ def layout_for(recipe) -> parallel.ParallelLayout:
 def kv_layout_for(recipe) -> KVLayout:
     """One rank's KV layout (its KV heads; the EAGLE3 draft's group is not sharded)."""
     return _kv_layout(recipe.model.config, draft_config_for(recipe), recipe.num_blocks, recipe.block_size,
-                      recipe.fp8_packed_kv, layout_for(recipe))
+                      recipe.fp8_packed_kv, layout_for(recipe), recipe.kv_dtype)
 
 
-def _kv_layout(cfg, dcfg, num_blocks: int, block_size: int, fp8_packed_kv: bool, par) -> KVLayout:
-    return memory.kv_layout(cfg, dcfg, num_blocks, block_size, fp8_packed_kv, par)
+def _kv_layout(cfg, dcfg, num_blocks: int, block_size: int, fp8_packed_kv: bool, par,
+               kv_dtype: str = "float32") -> KVLayout:
+    return memory.kv_layout(cfg, dcfg, num_blocks, block_size, fp8_packed_kv, par, kv_dtype)
 
 
 def graph_summary(graph: TargetGraph) -> dict:
     """The shape fields a cache entry records (``graph``): plan's diff and the memory estimates match on them."""
-    return {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
-            "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
-            "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}
+    out = {"family": graph.family, "batch": graph.batch, "ctx": graph.ctx, "query_len": graph.query_len,
+           "block_size": graph.block_size, "num_blocks": graph.num_blocks, "num_swa": graph.num_swa,
+           "fp8_packed_kv": graph.fp8_packed_kv, "tp": graph.tp, "dp": graph.dp, "ep": graph.ep}
+    for name, default in (("weights_dtype", "float32"), ("experts", "dense"), ("kv_dtype", "float32")):
+        if getattr(graph, name) != default:  # a default-dtype graph summarises as before
+            out[name] = getattr(graph, name)
+    return out

@@ -112,9 +112,9 @@ def build_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None = No
     if graph.family == DRAFT:
         return _draft_graph(graph, weights)
     cfg, arch, par = graph.config, registry.arch(graph.arch), graph.parallel
-    if weights is None:  # one rank's shapes: every rank runs the same graph on its own shard
-        shapes = arch.get("rank_shapes")(cfg, par)
-        weights = {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
+    if weights is None:  # one rank's shapes and stored dtypes: every rank runs the same graph on its own shard
+        specs = arch.get("rank_specs")(cfg, par, arch.get("weight_form")(graph.weights_dtype, graph.experts))
+        weights = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in specs.items()}
     # EAGLE3 target families output the layers the draft fuses (the draft config's, default from the arch).
     aux = None
     if graph.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
@@ -127,7 +127,8 @@ def _draft_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None):
     dcfg, method = graph.draft_config, registry.speculative(graph.speculative_method)
     if weights is None:
         weights = method.get("placeholders")(dcfg)
-        embed = torch.empty(registry.arch(graph.arch).get("placeholder_shapes")(graph.config)["embed"])
+        embed = torch.empty(registry.arch(graph.arch).get("placeholder_shapes")(graph.config)["embed"],
+                            dtype=getattr(torch, graph.weights_dtype))  # the target's, shared
         weights[method.get("embed_name")(graph.draft_own_embed)] = embed
     module = method.get("draft")(dcfg, weights, num_speculative_tokens=graph.num_speculative_tokens,
                          packed_k=graph.fp8_packed_kv).eval()

@@ -6,11 +6,12 @@ No data-dependent Python control flow and no ``.item()``: every function exports
 
 from neffbuild.kernels.attention import paged_attention, sdpa_with_sinks
 from neffbuild.kernels.kv import gather_blocks, pack_k_fp8_view, write_kv
-from neffbuild.kernels.moe import moe, swiglu
+from neffbuild.kernels.moe import Mxfp4, moe, swiglu
 from neffbuild.kernels.norm import rms_norm
 from neffbuild.kernels.rope import apply_rope, rope_cos_sin, yarn_inv_freq
 
 __all__ = [
+    "Mxfp4",
     "apply_rope",
     "gather_blocks",
     "moe",

@@ -42,7 +42,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, d]; cos/sin [..., d/2] broadcast over heads."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    """x [..., heads, d]; cos/sin [..., d/2] broadcast over heads, in x's dtype (computed in float32)."""
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

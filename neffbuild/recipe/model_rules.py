@@ -12,7 +12,7 @@ from pathlib import Path
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, NeffbuildError, did_you_mean
-from neffbuild.recipe import config_rules
+from neffbuild.recipe import config_rules, dtype_rules
 from neffbuild.recipe.loading import read_regular_file
 from neffbuild.recipe.types import ModelSpec, Speculative
 
@@ -45,7 +45,9 @@ def model(v, m: dict):
             v.err, hf, "model.config"):
         return None, None
     cfg = arch_config(v, hf, "model.config", arch)
-    return ModelSpec(arch=arch, hf_config=hf, checkpoint=checkpoint, random_seed=seed), cfg
+    dtype, experts = dtype_rules.model_form(v, m, hf, has_ck)
+    return ModelSpec(arch=arch, hf_config=hf, checkpoint=checkpoint, random_seed=seed, weights_dtype=dtype,
+                     experts=experts), cfg
 
 
 def hf_config(v, value, path: str, checkpoint: Path | None) -> dict | None:

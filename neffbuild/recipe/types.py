@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild import registry
+from neffbuild.recipe.dtype_rules import checkpoint_defaults
 from neffbuild.runtime.step.buckets import num_swa_blocks
 
 
@@ -20,6 +21,8 @@ class ModelSpec:
     hf_config: dict  # resolved Hugging Face config keys
     checkpoint: Path | None
     random_seed: int | None
+    weights_dtype: str = "float32"  # float tensors as stored and computed: float32 | bfloat16
+    experts: str = "dense"  # dense | mxfp4 (kept packed, decoded in the graph)
 
     @property
     def config(self):
@@ -63,6 +66,7 @@ class Recipe:
     cache_dir: Path | None
     source: str = "<recipe>"
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    kv_dtype: str = "float32"  # the KV buffers' dtype without fp8_packed_kv: float32 | bfloat16
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -89,6 +93,13 @@ class Recipe:
             model["checkpoint"] = str(self.model.checkpoint)
         else:
             model["random_seed"] = self.model.random_seed
+        # Only where not float32 / dense or not what the checkpoint implies: a recipe that names no serving dtype
+        # normalises (and hashes) as before, and the normalised recipe reloads to the same one.
+        implied = checkpoint_defaults(self.model.hf_config, self.model.checkpoint is not None)
+        for key, value, default, own in (("weights_dtype", self.model.weights_dtype, "float32", implied[0]),
+                                         ("experts", self.model.experts, "dense", implied[1])):
+            if value != default or value != own:
+                model[key] = value
         out = {
             "name": self.name,
             "version": self.version,
@@ -112,6 +123,8 @@ class Recipe:
                          "target_flags": {label: list(f) for label, f in self.target_flags}},
             "build": {"jobs": self.jobs, "cache_dir": str(self.cache_dir) if self.cache_dir else None},
         }
+        if self.kv_dtype != "float32":
+            out["neuron_config"]["kv_dtype"] = self.kv_dtype
         if spec:
             out["speculative"] = spec
         return out

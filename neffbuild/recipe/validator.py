@@ -12,7 +12,7 @@ import re
 
 from neffbuild import memory
 from neffbuild.errors import NO_VALUE
-from neffbuild.recipe import compiler_rules, gate_rules, model_rules, parallel_rules, serving_rules
+from neffbuild.recipe import compiler_rules, dtype_rules, gate_rules, model_rules, parallel_rules, serving_rules
 from neffbuild.recipe.checks import LIMITS, SCHEMA, Checks
 from neffbuild.recipe.types import Recipe
 
@@ -38,6 +38,7 @@ class Validator(Checks):
         num_seqs, ctx = serving_rules.buckets(self, nc, serving)
         gk = self.boolean(nc, "gk_decode", "neuron_config.gk_decode", True)
         fp8 = self.boolean(nc, "fp8_packed_kv", "neuron_config.fp8_packed_kv", False)
+        kv_dtype = dtype_rules.kv_dtype(self, nc, fp8)
         lnc = nc.get("lnc", 1)
         if type(lnc) is not int or lnc not in (1, 2):
             self.err("neuron_config.lnc", lnc, "must be 1 or 2 (logical NeuronCore config)")
@@ -49,7 +50,9 @@ class Validator(Checks):
         if cfg is not None:
             serving_rules.cross_checks(self, cfg, serving, ctx, gk, spec)
             parallel_rules.check(self.err, cfg, parallel, compiler, lnc)
-            memory.check_recipe(self.err, cfg, serving, parallel, fp8, spec, compiler)  # the backend's KV rule
+            memory.check_recipe(self.err, cfg, serving, parallel, fp8, spec, compiler, kv_dtype)  # backend KV rule
+            if model is not None:
+                dtype_rules.check(self.err, cfg, model.experts)
         gate_rules.check(self, cfg, serving, fp8, spec, model, num_seqs, ctx)
         if self.problems:
             return None
@@ -57,7 +60,7 @@ class Validator(Checks):
             name=name, version=version, model=model, **serving,
             num_seqs_buckets=tuple(num_seqs), decode_context_length_buckets=tuple(ctx),
             gk_decode=gk, fp8_packed_kv=fp8, lnc=lnc, speculative=spec, **compiler, **build, **parallel,
-            source=self.source, warnings=tuple(self.warnings),
+            source=self.source, warnings=tuple(self.warnings), kv_dtype=kv_dtype,
         )
 
     def header(self, raw: dict) -> tuple:

@@ -116,7 +116,9 @@ def model_config(gi: GraphInputs, root: Path):
 
 def _check_weights(cfg, gi: GraphInputs, weights: dict, parallel: ParallelLayout) -> None:
     """The model config describes the weights the artifacts bind (else exit 1: the manifest and weights disagree)."""
-    for name, shape in registry.arch(gi.arch).get("rank_shapes")(cfg, parallel).items():
+    arch = registry.arch(gi.arch)
+    experts = arch.get("experts_of")(weights)  # dense or MXFP4: the stored names say which
+    for name, shape in arch.get("rank_shapes")(cfg, parallel, experts).items():
         have = tuple(weights[name].shape) if name in weights else None
         if have != tuple(shape):
             raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from neffbuild.kernels import (
+    Mxfp4,
     apply_rope,
     moe,
     paged_attention,
@@ -33,7 +34,7 @@ from neffbuild.kernels import (
 from neffbuild.kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.sharding import local_config
-from neffbuild.models.gpt_oss.weights import STACKED_NAMES
+from neffbuild.models.gpt_oss.weights import BLOCKS, SCALES, experts_of, stacked_names
 from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout
 
 SINGLE = ParallelLayout()
@@ -68,15 +69,28 @@ def attention_output_and_mlp(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor
 def expert_block(cfg: GptOssConfig, w: dict, i: int, h: torch.Tensor, par: ParallelLayout, rank) -> torch.Tensor:
     """The MoE over h [N, H]. With ep > 1 this rank holds a slice of the experts and the EP group
     combines: one all-reduce when its ranks hold the same tokens, else gather, apply, reduce-scatter."""
-    args = (w["router_w"][i], w["router_b"][i], w["gate_up_w"][i], w["gate_up_b"][i], w["down_w"][i], w["down_b"][i],
+    gate_up, down = expert_weights(w, "gate_up_w", i), expert_weights(w, "down_w", i)
+    args = (w["router_w"][i], w["router_b"][i], gate_up, w["gate_up_b"][i], down, w["down_b"][i],
             cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
     if par.ep == 1:
         return moe(h, *args)
-    first = (rank % par.ep) * w["gate_up_w"].shape[1]  # [1] global id of this rank's first expert
+    first = (rank % par.ep) * w["gate_up_b"].shape[1]  # [1] global id of this rank's first expert
     if not par.ep_gathers:
         return all_reduce_sum(moe(h, *args, first_expert=first), EP_GROUP)
     every = all_gather_rows(h, par.ep, EP_GROUP)  # [ep*N, H]: the EP group's tokens, in group-rank order
     return reduce_scatter_rows(moe(every, *args, first_expert=first), par.ep, EP_GROUP)  # [N, H]
+
+
+def expert_weights(w: dict, name: str, i: int):
+    """Layer i's expert weight ``name``: the dense tensor, or its MXFP4 blocks and scales (kept packed)."""
+    if name in w:
+        return w[name][i]
+    return Mxfp4(w[name + BLOCKS][i], w[name + SCALES][i])
+
+
+def unembed(cfg: GptOssConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head; logits in float32 whatever the weights' dtype (the step's output contract)."""
+    return (rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()).float()
 
 
 class GptOssDecode(nn.Module):
@@ -90,13 +104,14 @@ class GptOssDecode(nn.Module):
         self.packed_k = packed_k
         self.aux_layers = tuple(aux_layers) if aux_layers else ()
         self.window = cfg.sliding_window
-        for name in STACKED_NAMES:
+        self.names = stacked_names(experts_of(stacked))  # dense or MXFP4 experts: the weights say which
+        for name in self.names:
             self.register_buffer(name, stacked[name], persistent=True)
         # (layer, KV buffer, attention kind): decided once here, never inside forward.
         self.layer_plan = [(i, i // 2, kind) for i, kind in enumerate(cfg.layer_types)]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in STACKED_NAMES}
+        return {name: getattr(self, name) for name in self.names}
 
     def forward(
         self,
@@ -132,7 +147,7 @@ class GptOssDecode(nn.Module):
                                    cfg.attention_scale, window, self.packed_k)
             x = attention_output_and_mlp(cfg, w, i, x, attn, self.par, rank)
             hidden.append(x)
-        logits = rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()  # [B, q, V]
-        if self.aux_layers:
-            return logits, torch.cat([hidden[i] for i in self.aux_layers], dim=-1)  # aux [B, q, 3H]
+        logits = unembed(cfg, w, x)  # [B, q, V] float32
+        if self.aux_layers:  # aux [B, q, 3H], float32 as the draft takes it
+            return logits, torch.cat([hidden[i] for i in self.aux_layers], dim=-1).float()
         return logits

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from neffbuild.kernels import rms_norm, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
+from neffbuild.kernels import rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
 from neffbuild.models.gpt_oss.config import SLIDING, GptOssConfig
 from neffbuild.models.gpt_oss.decode import (
     SINGLE,
     attention_inputs,
     attention_output_and_mlp,
+    unembed,
 )
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.runtime.kv.blocks import (
@@ -39,7 +40,7 @@ def slots_for(block_row: torch.Tensor, positions: torch.Tensor, block_size: int)
 
 
 def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to the cache's element type (FP8: e4m3), back in ``x``'s dtype.
+    """``x`` rounded to the cache's element type (FP8: e4m3; bfloat16), back in ``x``'s dtype.
 
     Prefill attends over K and V at the precision decode reads them from the cache, so the
     logits of the last prompt position equal what a decode step at that position computes
@@ -47,7 +48,7 @@ def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """
     if cache.dtype in (torch.float8_e4m3fn, torch.uint8):  # uint8: FP8 bytes (kv_cache.graph_view)
         return x.to(torch.float8_e4m3fn).to(x.dtype)
-    return x
+    return x.to(cache.dtype).to(x.dtype)
 
 
 @torch.no_grad()
@@ -91,7 +92,7 @@ def prefill(
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
         hidden.append(x[0, :N])
-    logits = (rms_norm(x, stacked["norm"], cfg.rms_norm_eps) @ stacked["lm_head"].t())[0, :N]
+    logits = unembed(cfg, stacked, x)[0, :N]
     if aux_layers:
-        return logits, torch.cat([hidden[i] for i in aux_layers], dim=-1)
+        return logits, torch.cat([hidden[i] for i in aux_layers], dim=-1).float()
     return logits

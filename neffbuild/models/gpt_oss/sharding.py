@@ -17,7 +17,13 @@ import torch
 
 from neffbuild.errors import InvalidInput
 from neffbuild.models.gpt_oss.config import GptOssConfig
-from neffbuild.models.gpt_oss.shapes import EP_SPLIT, TP_SPLIT, local_config, rank_shapes  # noqa: F401 (torch-free)
+from neffbuild.models.gpt_oss.shapes import (  # noqa: F401 (torch-free)
+    EP_SPLIT,
+    PACKED,
+    TP_SPLIT,
+    local_config,
+    rank_shapes,
+)
 from neffbuild.runtime.parallel import ParallelLayout
 
 SHARED = "shared"
@@ -66,8 +72,10 @@ def tp_piece(cfg: GptOssConfig, stacked: dict, par: ParallelLayout, tp_rank: int
 
 
 def ep_piece(stacked: dict, par: ParallelLayout, ep_rank: int) -> dict[str, torch.Tensor]:
-    per = stacked["gate_up_w"].shape[1] // par.ep
-    return {k: stacked[k].narrow(axis, ep_rank * per, per).contiguous() for k, axis in EP_SPLIT.items()}
+    # Dense or packed experts: split on the expert axis either way (a packed piece keeps the checkpoint's bytes).
+    per = stacked["gate_up_b"].shape[1] // par.ep
+    return {k: stacked[k].narrow(axis, ep_rank * per, per).contiguous() for k, axis in EP_SPLIT.items()
+            if k in stacked}
 
 
 def iter_pieces(cfg: GptOssConfig, stacked: dict, par: ParallelLayout, names=None):
@@ -98,13 +106,15 @@ def shard(cfg: GptOssConfig, stacked: dict, par: ParallelLayout, rank: int) -> d
     return {k: v for _, part in iter_pieces(cfg, stacked, par, piece_names(par, rank)) for k, v in part.items()}
 
 
-def shard_layout(par: ParallelLayout) -> dict[str, dict]:
-    """For the manifest: how each split tensor is split (axis and over which degree)."""
+def shard_layout(par: ParallelLayout, names=None) -> dict[str, dict]:
+    """For the manifest: how each split tensor of ``names`` (default: the dense form's) is split (axis and over
+    which degree)."""
     out = {}
     if par.tp > 1:
         out.update({k: {"over": "tp", "axis": a} for k, a in TP_SPLIT.items()})
     if par.ep > 1:
-        out.update({k: {"over": "ep", "axis": a} for k, a in EP_SPLIT.items()})
+        held = set(names) if names is not None else set(EP_SPLIT) - set(PACKED)
+        out.update({k: {"over": "ep", "axis": a} for k, a in EP_SPLIT.items() if k in held})
     return out
 
 
@@ -112,7 +122,8 @@ def unshard(cfg: GptOssConfig, parts: dict[str, dict[str, torch.Tensor]], par: P
     """The full stacked weights from every piece (the inverse of ``iter_pieces``): the unsharded reference."""
     out = dict(parts[SHARED])
     if par.ep > 1:
-        out.update({k: torch.cat([parts[f"ep{r}"][k] for r in range(par.ep)], dim=a) for k, a in EP_SPLIT.items()})
+        out.update({k: torch.cat([parts[f"ep{r}"][k] for r in range(par.ep)], dim=a) for k, a in EP_SPLIT.items()
+                    if k in parts["ep0"]})
     if par.tp > 1:
         tp = [parts[f"tp{r}"] for r in range(par.tp)]
         out["o_w"] = torch.cat([p["o_w"] for p in tp], dim=2)

@@ -1,7 +1,10 @@
-"""GPT-OSS weights: checkpoint names, MXFP4 dequantisation, random init, GK stacking.
+"""GPT-OSS weights: checkpoint names, MXFP4 (kept packed or dequantised), random init, GK stacking.
 
 Every checkpoint name lives here. The GK decode graph sees only the stacked layout: one
-tensor per kind with a leading ``[num_layers, ...]`` axis, built once on the host.
+tensor per kind with a leading ``[num_layers, ...]`` axis, built once on the host, in the
+recipe's stored form (``shapes.WeightForm``): float tensors in its dtype; experts dense, or
+MXFP4 blocks and scales whose bytes are the checkpoint's own (a dense source, such as random
+weights, is quantised here, once).
 """
 
 from __future__ import annotations
@@ -14,11 +17,20 @@ from safetensors import safe_open
 
 from neffbuild.errors import InvalidInput
 from neffbuild.models.gpt_oss.config import GptOssConfig
-from neffbuild.models.gpt_oss.shapes import EXPERTS_OUT_IN, stacked_shapes  # torch-free; re-exported here
+from neffbuild.models.gpt_oss.shapes import (  # noqa: F401 - torch-free; re-exported here
+    BLOCKS,
+    DEFAULT_FORM,
+    EXPERTS_OUT_IN,
+    PACKED,
+    SCALES,
+    WeightForm,
+    experts_of,
+    stacked_shapes,
+)
 
 # FP4 (e2m1) code points, indexed by the 4-bit nibble.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+MXFP4_BLOCKS, MXFP4_SCALES = BLOCKS, SCALES
 MXFP4_SCALE_BIAS = 127
 
 # Stacked GK names -> per-layer checkpoint name pattern (None: not per layer).
@@ -38,6 +50,13 @@ LAYER_KEYS = {
 QKV = ("q_proj", "k_proj", "v_proj")
 GLOBAL_KEYS = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 STACKED_NAMES = tuple(GLOBAL_KEYS) + ("qkv_w", "qkv_b") + tuple(LAYER_KEYS)
+
+
+def stacked_names(experts: str = "dense") -> tuple[str, ...]:
+    """The stacked tensors of a form, in a fixed order: MXFP4 replaces each dense expert weight by its pair."""
+    if experts != "mxfp4":
+        return STACKED_NAMES
+    return tuple(p for n in STACKED_NAMES for p in ((n + BLOCKS, n + SCALES) if n in EXPERTS_OUT_IN else (n,)))
 
 
 # ----------------------------------------------------------------------------- MXFP4
@@ -96,8 +115,9 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_checkpoint(folder: str | Path, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """HF-layout state dict (single file or sharded), MXFP4 experts dequantised to ``dtype``."""
+def load_checkpoint(folder: str | Path, dtype=torch.float32, keep_mxfp4: bool = False) -> dict[str, torch.Tensor]:
+    """HF-layout state dict (single file or sharded), MXFP4 experts dequantised to ``dtype`` (or, with
+    ``keep_mxfp4``, their ``*_blocks`` / ``*_scales`` as stored)."""
     raw: dict[str, torch.Tensor] = {}
     for f in _checkpoint_files(Path(folder)):
         with safe_open(str(f), framework="pt") as fh:
@@ -105,7 +125,9 @@ def load_checkpoint(folder: str | Path, dtype=torch.float32) -> dict[str, torch.
                 raw[k] = fh.get_tensor(k)
     out = {}
     for k, t in raw.items():
-        if k.endswith(MXFP4_SCALES):
+        if keep_mxfp4 and (k.endswith(MXFP4_BLOCKS) or k.endswith(MXFP4_SCALES)):
+            out[k] = t
+        elif k.endswith(MXFP4_SCALES):
             continue
         if k.endswith(MXFP4_BLOCKS):
             base = k[: -len(MXFP4_BLOCKS)]
@@ -151,10 +173,12 @@ def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[st
 # ----------------------------------------------------------------------------- stacking
 
 
-def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor], form: WeightForm = DEFAULT_FORM) -> dict[str, torch.Tensor]:
     """HF state dict -> GK layout: per-layer tensors stacked once on a leading [L, ...] axis, the expert
-    weights [out, in] (shapes.EXPERTS_OUT_IN)."""
+    weights [out, in] (shapes.EXPERTS_OUT_IN), float tensors in ``form.dtype``. MXFP4 experts: the
+    checkpoint's blocks and scales stacked byte for byte (already [out, in]); dense experts are quantised."""
     L = cfg.num_hidden_layers
+    dtype = getattr(torch, form.dtype)
 
     def get(name: str) -> torch.Tensor:
         if name not in sd:
@@ -166,12 +190,33 @@ def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         out[kind] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.{suffix}") for n in QKV])
                                  for i in range(L)])
     for key, pattern in LAYER_KEYS.items():
+        if form.mxfp4 and key in EXPERTS_OUT_IN:
+            out.update(_packed_experts(key, [pattern.format(i=i) for i in range(L)], sd))
+            continue
         t = torch.stack([get(pattern.format(i=i)) for i in range(L)])
         out[key] = (t.transpose(-1, -2) if key in EXPERTS_OUT_IN else t).contiguous()  # experts [in, out] -> [out, in]
-    return out
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
 
 
-def model_weights(cfg: GptOssConfig, checkpoint: Path | None, random_seed: int | None) -> dict[str, torch.Tensor]:
-    """Stacked GK weights from a checkpoint folder or a random seed."""
-    sd = load_checkpoint(checkpoint) if checkpoint is not None else random_state_dict(cfg, random_seed or 0)
-    return stack(cfg, sd)
+def _packed_experts(key: str, names: list[str], sd: dict) -> dict[str, torch.Tensor]:
+    """One expert weight's stacked blocks [L, E, out, G, 16] and scales [L, E, out, G]: the checkpoint's
+    bytes where it has them, else its dense [E, in, out] weight quantised (round to nearest code)."""
+    if all(n + BLOCKS in sd and n + SCALES in sd for n in names):
+        blocks = [sd[n + BLOCKS] for n in names]
+        scales = [sd[n + SCALES] for n in names]
+    else:
+        missing = [n for n in names if n not in sd]
+        if missing:
+            raise InvalidInput(f"checkpoint is missing tensor {missing[0]!r} (or its {BLOCKS} / {SCALES} pair)")
+        blocks, scales = zip(*(quant_mxfp4(sd[n].float().transpose(1, 2)) for n in names), strict=True)
+    return {key + BLOCKS: torch.stack(blocks).contiguous(), key + SCALES: torch.stack(scales).contiguous()}
+
+
+def model_weights(cfg: GptOssConfig, checkpoint: Path | None, random_seed: int | None,
+                  form: WeightForm = DEFAULT_FORM) -> dict[str, torch.Tensor]:
+    """Stacked GK weights in ``form`` from a checkpoint folder or a random seed."""
+    if checkpoint is not None:
+        sd = load_checkpoint(checkpoint, getattr(torch, form.dtype), keep_mxfp4=form.mxfp4)
+    else:
+        sd = random_state_dict(cfg, random_seed or 0)
+    return stack(cfg, sd, form)

@@ -148,8 +148,9 @@ def _kv_layout(c: _Checker, kv, nb: int, bs: int, fp8: bool) -> None:
             and shape[0] == 2 and shape[1] == nb and shape[3] == bs):
         c.bad(f"{p}.buffer_shape", f"got {short(shape)}, must be [2, num_blocks ({nb}), kv_heads, block_size ({bs}), "
               "head_dim]")
-    if kv.get("dtype") != KV_DTYPES[fp8]:
-        c.bad(f"{p}.dtype", f"got {short(kv.get('dtype'))}, must be {KV_DTYPES[fp8]!r} with fp8_packed_kv {fp8}")
+    allowed = (KV_DTYPES[True],) if fp8 else (KV_DTYPES[False], "bfloat16")  # neuron_config.kv_dtype
+    if kv.get("dtype") not in allowed:
+        c.bad(f"{p}.dtype", f"got {short(kv.get('dtype'))}, must be one of {list(allowed)} with fp8_packed_kv {fp8}")
     if kv.get("packed_k") is not fp8 or (fp8 and bs % 2):
         c.bad(f"{p}.packed_k", f"got {short(kv.get('packed_k'))}, must equal fp8_packed_kv ({fp8}) with an even "
               "block_size")

@@ -14,7 +14,7 @@ more buffer for the draft, ``[2, num_blocks, draft_kv_heads, block_size, draft_h
     draft_bytes   = 2 x num_blocks x draft_kv_heads x block_size x draft_head_dim x itemsize
     kv_bytes      = target_bytes + draft_bytes = num_blocks x bytes_per_block
 
-itemsize is 1 for FP8 (``fp8_packed_kv``), else 4 (float32).
+itemsize is 1 for FP8 (``fp8_packed_kv``), else that of ``kv_dtype`` (float32: 4, bfloat16: 2).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class KVLayout:
     packed_k: bool = False
     draft_kv_heads: int = 0  # EAGLE3: the draft's own KV group (one buffer); 0 = none
     draft_head_dim: int = 0
+    kv_dtype: str = "float32"  # the buffers' dtype when not FP8 (float32 | bfloat16)
 
     @property
     def has_draft(self) -> bool:
@@ -52,19 +53,23 @@ class KVLayout:
     def dtype(self):
         import torch
 
-        return torch.float8_e4m3fn if self.fp8 else torch.float32
+        return torch.float8_e4m3fn if self.fp8 else getattr(torch, self.kv_dtype)
 
     @property
     def graph_dtype(self):
         """What compiled graphs take: FP8 buffers as uint8 bytes (same storage, a free view)."""
         import torch
 
-        return torch.uint8 if self.fp8 else torch.float32
+        return torch.uint8 if self.fp8 else getattr(torch, self.kv_dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        return "float8_e4m3fn" if self.fp8 else self.kv_dtype
 
     # -- bytes (the formula in the module docstring)
     @property
     def itemsize(self) -> int:
-        return 1 if self.fp8 else 4
+        return 1 if self.fp8 else {"bfloat16": 2}.get(self.kv_dtype, 4)
 
     @property
     def block_len(self) -> int:
@@ -106,7 +111,7 @@ class KVLayout:
 
     def to_json(self) -> dict:
         out = {"num_buffers": self.num_buffers, "buffer_shape": list(self.buffer_shape),
-               "dtype": "float8_e4m3fn" if self.fp8 else "float32", "packed_k": self.packed_k}
+               "dtype": self.dtype_name, "packed_k": self.packed_k}
         if self.has_draft:
             out["draft"] = {"num_buffers": 1, "buffer_shape": list(self.draft_buffer_shape), "block_table": "full"}
         return out
@@ -116,5 +121,6 @@ class KVLayout:
         """The inverse of ``to_json`` (the manifest's ``graph_inputs.kv_layout``, schema-checked)."""
         _, nb, h, bs, d = kv["buffer_shape"]
         draft = kv.get("draft", {}).get("buffer_shape", (0, 0, 0, 0, 0))
-        return cls(kv["num_buffers"], nb, h, bs, d, fp8=kv["dtype"].startswith("float8"), packed_k=kv["packed_k"],
-                   draft_kv_heads=draft[2], draft_head_dim=draft[4])
+        fp8 = kv["dtype"].startswith("float8")
+        return cls(kv["num_buffers"], nb, h, bs, d, fp8=fp8, packed_k=kv["packed_k"],
+                   draft_kv_heads=draft[2], draft_head_dim=draft[4], kv_dtype="float32" if fp8 else kv["dtype"])
