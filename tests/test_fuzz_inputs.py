@@ -246,7 +246,7 @@ def _buffer(kind: str, shape, dtype):
 def test_fuzz_kv_buffers(kinds, dtype, shape_kind, device):
     import warnings
 
-    from neffbuild.runtime.step.checks import check_kv_buffers
+    from neffbuild.runtime.kv.cache import check_kv_buffers
 
     if budget("buffers").spent:
         return

@@ -291,7 +291,7 @@ def test_kv_buffers_must_be_writable_real_strided_storage(tmp_path, make, needle
     import warnings
 
     from neffbuild.errors import StepInputError
-    from neffbuild.runtime.step.checks import check_kv_buffers
+    from neffbuild.runtime.kv.cache import check_kv_buffers
 
     layout = _tiny_layout()
     with warnings.catch_warnings():

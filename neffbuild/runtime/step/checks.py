@@ -32,7 +32,6 @@ import torch
 
 from neffbuild.errors import StepInputError, short_repr
 from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP
-from neffbuild.runtime.kv.cache import storage_problem
 from neffbuild.runtime.kv.tables import BlockTables
 
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
@@ -334,36 +333,6 @@ def check_group(group) -> None:
     if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise StepInputError(f"group must be a torch.distributed ProcessGroup of the DP ranks or None, got "
                              f"{type(group).__name__} {short_repr(group)}")
-
-
-def check_kv_buffers(buffers, layout, device, *, draft: bool = False) -> list[torch.Tensor]:
-    """Engine-supplied KV buffers against the bundle's layout, before native code sees them."""
-    what = "the draft KV buffer" if draft else "kv_caches"
-    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, (list, tuple)):
-        raise StepInputError(f"{what} must be a list of {layout.num_buffers} tensors, got {type(buffers).__name__}")
-    want_n = 1 if draft else layout.num_buffers
-    if len(buffers) != want_n:
-        raise StepInputError(f"{what}: {len(buffers)} buffers given, the bundle's layout has {want_n}")
-    shape = tuple(layout.draft_buffer_shape if draft else layout.buffer_shape)
-    want_dev = torch.device(device)
-    for j, b in enumerate(buffers):
-        w = f"{what}[{j}]"
-        if not isinstance(b, torch.Tensor):
-            raise StepInputError(f"{w} must be a torch.Tensor, got {type(b).__name__}")
-        if b.device.type == "meta" or b.is_meta:
-            raise StepInputError(f"{w} is a meta tensor (no memory); allocate it on {want_dev}")
-        why = storage_problem(b)
-        if why:
-            raise StepInputError(f"{w} {why}; allocate it with torch.empty on {want_dev} (runtime.kv_cache.allocate)")
-        if tuple(b.shape) != shape:
-            raise StepInputError(f"{w} is {list(b.shape)}, the bundle's KV layout is {list(shape)}")
-        if b.dtype != layout.dtype:
-            raise StepInputError(f"{w} has dtype {b.dtype}, the bundle's KV layout is {layout.dtype}")
-        if b.device.type != want_dev.type or (want_dev.index is not None and b.device.index != want_dev.index):
-            raise StepInputError(f"{w} is on {b.device}, the artifacts run on {want_dev}")
-        if not b.is_contiguous():
-            raise StepInputError(f"{w} is not contiguous (a transposed or strided view); pass a contiguous buffer")
-    return list(buffers)
 
 
 def draft_problem(rows, full_table, *, k: int, vocab: int | None, aux_width: int | None, layout,

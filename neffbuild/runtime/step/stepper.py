@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from neffbuild.errors import StepInputError
+from neffbuild.runtime.kv import cache as kv_cache
 from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP
 from neffbuild.runtime.kv.cache import KVLayout, allocate, allocate_draft
 from neffbuild.runtime.step import attn_metadata, buckets, dp_sync, draft_inputs
@@ -75,7 +76,7 @@ class Stepper:
         self.grid, self.kv_layout, self.num_swa = artifacts.grid, artifacts.kv_layout, artifacts.num_swa
         device = getattr(artifacts, "device", device)  # a Bundle's artifacts run on its device
         self.vocab_size, self.aux_hidden_size = step_checks.model_dims(artifacts)
-        self.kv_caches = (step_checks.check_kv_buffers(kv_caches, artifacts.kv_layout, device)
+        self.kv_caches = (kv_cache.check_kv_buffers(kv_caches, artifacts.kv_layout, device)
                           if kv_caches is not None else allocate(self.kv_layout, device))
         self.draft_cache = allocate_draft(self.kv_layout, device)  # EAGLE3 bundles: the draft's own KV group
 
