@@ -31,6 +31,8 @@ ALLOWED = {
     # recipe: a bundle's model_config is checked with the recipe's config rules (serve/run.py), one rule set
     "serve": {"models", "runtime", "recipe"},
     "bench": {"compiler", "models", "runtime", "serve", "grid"},
+    # the vLLM plugin (neffbuild/vllm): the runtime's public API and the base modules; no part imports it
+    "vllm": {"runtime"},
     "cli": {"serve", "compiler", "models", "bundle", "runtime", "grid", "recipe", "recommend", "bench", "memory", "s3"},
 }
 # torch_neuronx: the neuron loader (runtime/loaders.py), imported lazily on a Neuron host.
