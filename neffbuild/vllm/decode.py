@@ -17,6 +17,7 @@ and writes the same tensors in the bundle's layout (neffbuild/vllm/attention.py)
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 from vllm.forward_context import get_forward_context
@@ -74,18 +75,25 @@ class BundleDecoder:
             return None
         if self.stepper is None and not _bound(self.layers[0].kv_cache):
             return None  # a dummy run before vLLM bound its KV tensors (profiling): vLLM's model runs it
+        start = time.perf_counter()
         self.metrics.forward("decode")
         computed = positions[:R].tolist()
         tables = {FULL_GROUP: self._table(full.block_table, computed)}
         if self.sliding_name is not None:
             tables[SLIDING_GROUP] = self._table(metadata[self.sliding_name].block_table, computed)
-        out = self._stepper().step(StepBatch(tokens=[[t] for t in input_ids[:R].tolist()], num_computed=computed,
-                                             block_tables=tables))
+        batch = StepBatch(tokens=[[t] for t in input_ids[:R].tolist()], num_computed=computed, block_tables=tables)
+        stepper = self._stepper()
+        plan = stepper.plan(batch)
+        ran = time.perf_counter()
+        out = stepper.run(plan, batch)
+        ran = time.perf_counter() - ran
         self.metrics.artifact(out.plan.label, out.plan.needed_seq)
         self.metrics.decode_rows("artifact", R)
         self._pending = out.logits[:, 0]  # [R, vocab]
         hidden = torch.zeros(input_ids.shape[0], self.hidden_size, dtype=out.logits.dtype)
         hidden[:R, 0] = torch.arange(R, dtype=hidden.dtype)  # row ids: compute_logits maps vLLM's picks back
+        self.metrics.seconds("run", ran)  # Stepper.run: inputs + the artifact
+        self.metrics.seconds("forward", time.perf_counter() - start)  # the whole decode forward of the plugin
         return hidden
 
     def take_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ class PluginMetrics:
         self.forwards: Counter[str] = Counter()
         self.rows: Counter[str] = Counter()
         self.needed: Counter[int] = Counter()
+        self.time: Counter[str] = Counter()  # seconds spent, for the benchmark's split (not exported)
         try:
             import prometheus_client as prom
         except ImportError:
@@ -56,6 +57,10 @@ class PluginMetrics:
             self._prom[0].labels(label=label).inc()
             self._prom[3].observe(needed_seq)
 
+    def seconds(self, what: str, s: float) -> None:
+        self.time[what] += s
+
     def snapshot(self) -> dict:
         return {"steps": dict(self.steps), "forwards": dict(self.forwards), "rows": dict(self.rows),
-                "needed_seq": {str(k): v for k, v in sorted(self.needed.items())}}
+                "needed_seq": {str(k): v for k, v in sorted(self.needed.items())},
+                "seconds": dict(self.time)}
