@@ -65,13 +65,8 @@ def _llm(setup, *bundle_args, **env) -> dict:
 
 
 @pytest.fixture(scope="module")
-def native_run(setup):
-    return _llm(setup, VLLM_PLUGINS="")
-
-
-@pytest.fixture(scope="module")
-def native(native_run):
-    return native_run["tokens"]
+def native(setup):
+    return _llm(setup, VLLM_PLUGINS="")["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -115,19 +110,11 @@ def test_llm_with_the_bundle_gives_native_tokens_on_vllms_own_kv_tensors(with_ll
     assert report["kv_shapes"] == [[2, 128, 2, 32, 64]]
     decode = report["forwards"]["decode"]
     assert sum(report["steps"].values()) == decode > 0  # every all-decode forward ran one artifact
-    # every token after a request's first is a decode row (the follow-up request's 20 tokens included)
-    decode_rows = sum(r["max_tokens"] - 1 for r in setup[3]) + 20 - 1
+    decode_rows = sum(r["max_tokens"] - 1 for r in setup[3])  # every token after a request's first is a decode row
     assert report["rows"]["artifact"] + report["rows"].get("eager", 0) == decode_rows
-
-
-def test_decode_written_kv_is_where_vllm_reads_it_prefix_cache_hit(with_llm, native_run, setup):
-    """Request 0's prompt plus its first 60 tokens, sent after it: vLLM serves the first two blocks (64 tokens,
-    59 of them written by decode steps: artifacts, but for the few mixed forwards) from its prefix cache and
-    prefills the rest eagerly over them, so the artifacts' writes must sit where vLLM's attention reads."""
-    ours, theirs = with_llm["followup"], native_run["followup"]
-    assert ours["prompt"] == theirs["prompt"] and ours["cached_tokens"] >= 64
-    [oracle] = transformers_greedy(setup[1], [ours["prompt"]], [20])
-    assert ours["tokens"] == theirs["tokens"] == oracle
+    # Decode rows of the mixed forwards (a request joining while others decode) run vLLM's eager attention
+    # over KV that earlier artifact steps wrote into these tensors: the equal tokens need those writes there.
+    assert report["rows"]["eager"] > 0 and report["forwards"]["mixed"] > 0
 
 
 def test_vllm_serve_over_http_gives_native_and_transformers_tokens(served, native, oracle):

@@ -109,11 +109,14 @@ class BundleDecoder:
         vLLM's persistent block table keeps ids of earlier requests past a row's own blocks; the artifact reads
         whole head-trimmed rows (masked by position), so the step's view holds the row's own blocks only.
         """
-        bs, R = self.block_size, len(computed)
-        live = torch.tensor([n // bs + 1 for n in computed])
-        width = int(live.max())
-        rows = table[:R, :width].long()
-        return rows * (torch.arange(width)[None, :] < live[:, None])
+        bs = self.block_size
+        live = [n // bs + 1 for n in computed]
+        width = max(live)
+        rows = table[: len(computed), :width].long()  # a copy: vLLM's table is left as it is
+        for r, h in enumerate(live):
+            if h < width:
+                rows[r, h:] = 0  # the null block
+        return rows
 
 
 def _bound(kv_cache) -> bool:

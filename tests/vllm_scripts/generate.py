@@ -43,18 +43,9 @@ def main() -> None:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    # A follow-up request whose prompt is request 0's prompt plus its first 60 generated tokens: vLLM's prefix
-    # cache serves its first blocks from request 0's KV, most of which decode steps wrote (with the plugin:
-    # the artifacts). Its tokens depend on those blocks holding the right K/V where vLLM reads them.
-    follow = reqs[0]["prompt"] + tokens[0][:60]
-    [again] = llm.generate([TokensPrompt(prompt_token_ids=follow)],
-                           [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)],
-                           use_tqdm=False)
     report = _report(llm)
-    print(json.dumps({"tokens": tokens, "report": report, "load_s": loaded, "generate_s": times,
-                      "followup": {"prompt": follow, "tokens": list(again.outputs[0].token_ids),
-                                   "cached_tokens": again.num_cached_tokens}}), flush=True)
+    print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report,
+                      "load_s": loaded, "generate_s": times}), flush=True)
 
 
 def _report(llm):
