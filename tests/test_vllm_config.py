@@ -50,3 +50,26 @@ def test_random_draft_keeps_the_model_key_and_says_what_vllm_lacks():
     assert "speculative_config.model" in warning and "random_seed: 1" in warning
     assert "speculative.draft.checkpoint" in warning
     assert handoff.vllm_config(_manifest([128]), {})["warnings"] == []  # no speculation: nothing missing
+
+
+def test_vllm_config_of_a_cpu_bundle_is_the_whole_vllm_serve_line_for_the_plugin(built):
+    out = cli("inspect", str(built.bundle), "--vllm-config")
+    assert out.returncode == 0, out.stderr
+    [line] = out.stdout.strip().splitlines()
+    root = str(built.bundle.resolve())
+    assert line.startswith("PROMETHEUS_MULTIPROC_DIR=$(mktemp -d) vllm serve ")
+    assert (f"--dtype float32 --enforce-eager --max-model-len 512 --max-num-seqs 4 --block-size 16 "
+            f"--num-gpu-blocks-override {POOL} --tensor-parallel-size 1 --data-parallel-size 1 "
+            f"--additional-config '{{\"neffbuild\": {{\"bundle\": \"{root}\"}}}}'") in line
+    doc = json.loads(cli("inspect", str(built.bundle), "--vllm-config", "--json").stdout)
+    assert doc["additional_config"] == {"neffbuild": {"bundle": root}} and doc["command"] == line
+    assert doc["engine_args"]["num_gpu_blocks_override"] == POOL and doc["warnings"] == []
+
+
+def test_a_random_weight_cpu_bundle_says_vllm_has_no_checkpoint_to_load():
+    manifest = {"graph_inputs": {"num_seqs_buckets": [1, 4], "max_model_len": 512, "block_size": 32, "num_blocks": 99,
+                                 "tp": 1, "dp": 1, "fp8_packed_kv": False}}
+    config = handoff.plugin_config("/b", manifest, {"model": {"random_seed": 0}})
+    assert " vllm serve CHECKPOINT --dtype float32" in config["command"]
+    [warning] = config["warnings"]
+    assert "model.random_seed" in warning and "model.checkpoint" in warning

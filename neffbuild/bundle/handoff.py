@@ -71,3 +71,35 @@ def vllm_flags(config: dict) -> str:
         flags.append(f"--speculative-config {shlex.quote(json.dumps(config['speculative_config']))}")
     flags.append(f"--additional-config {shlex.quote(json.dumps(config['additional_config']))}")
     return " ".join(flags)
+
+
+# -- the neffbuild vLLM plugin (neffbuild/vllm, docs/vllm.md): vLLM on CPU serving an inductor bundle
+
+PLUGIN_KEY = "neffbuild"  # the plugin's section of vLLM's --additional-config (neffbuild/vllm/config.py)
+CHECKPOINT_PLACEHOLDER = "CHECKPOINT"
+
+
+def plugin_config(root, manifest: dict, recipe: dict) -> dict:
+    """{command, env, engine_args, additional_config, warnings}: ``vllm serve`` with the plugin, for this bundle.
+
+    vLLM loads the model's weights from the checkpoint itself (the artifacts use the bundle's copy), so the
+    command names the recipe's checkpoint; a bundle of random weights has none, which a warning says.
+    """
+    from pathlib import Path
+
+    gi = manifest["graph_inputs"]
+    checkpoint = (recipe.get("model") or {}).get("checkpoint")
+    args = {"dtype": "float32", "enforce_eager": True, **engine_args(manifest)}
+    args["max_num_seqs"] = gi["num_seqs_buckets"][-1]
+    if gi["fp8_packed_kv"]:
+        args["kv_cache_dtype"] = "fp8"
+    extra = {PLUGIN_KEY: {"bundle": str(Path(root).resolve())}}
+    warn = [] if checkpoint else [
+        f"the bundle's weights are random (model.random_seed), so no checkpoint holds them for vLLM to load; "
+        f"compile from a checkpoint (model.checkpoint) and serve that folder in place of {CHECKPOINT_PLACEHOLDER}"]
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}" for k, v in args.items()]
+    flags.append(f"--additional-config {shlex.quote(json.dumps(extra))}")
+    env = {"PROMETHEUS_MULTIPROC_DIR": "$(mktemp -d)"}  # the engine core's counters on vLLM's /metrics
+    line = " ".join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve",
+                     shlex.quote(str(checkpoint or CHECKPOINT_PLACEHOLDER)), *flags])
+    return {"command": line, "env": env, "engine_args": args, "additional_config": extra, "warnings": warn}

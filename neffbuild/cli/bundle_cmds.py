@@ -66,9 +66,10 @@ def _console():
 @click.argument("bundle_path", metavar="BUNDLE", type=click.Path(file_okay=False, exists=True))
 @json_option("Print the manifest plus totals (and build-info compile times) as one JSON document.")
 @click.option("--vllm-config", "vllm", is_flag=True,
-              help="Print the JSON for vLLM's --additional-config (the compiled neuron_config grid); the other "
-                   "vLLM flags that must match go to stderr. With --json: one document with the additional config, "
-                   "the speculative config and the engine arguments.")
+              help="Neuron bundles: print the JSON for vLLM Neuron's --additional-config (the compiled "
+                   "neuron_config grid); the other vLLM flags that must match go to stderr. CPU (inductor) "
+                   "bundles: print the whole `vllm serve` command line that serves BUNDLE through neffbuild's "
+                   "vLLM plugin (docs/vllm.md). With --json: one document (the configs and engine arguments).")
 def inspect_(bundle_path, as_json, vllm):
     """Show what BUNDLE holds: header, toolchain, the grid with sizes and compile times, totals."""
     m = _manifest(bundle_path)
@@ -137,7 +138,17 @@ def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
 
     recipe_file = reader.safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
-    config = handoff.vllm_config(manifest, recipe if isinstance(recipe, dict) else {})
+    recipe = recipe if isinstance(recipe, dict) else {}
+    if manifest.get("toolchain", {}).get("backend") != "neuron":  # a CPU bundle: vLLM with neffbuild's plugin
+        plugin = handoff.plugin_config(root, manifest, recipe)
+        if as_json:
+            click.echo(json.dumps(plugin, sort_keys=True))
+            return
+        click.echo(plugin["command"])
+        for w in plugin["warnings"]:
+            click.echo(f"warning: {w}", err=True)
+        return
+    config = handoff.vllm_config(manifest, recipe)
     if as_json:
         click.echo(json.dumps(config, sort_keys=True))
         return

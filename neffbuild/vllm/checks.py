@@ -1,0 +1,103 @@
+"""Does a bundle fit vLLM's configuration? Every mismatch, named by the vLLM flag that sets it, both values.
+
+Pure Python over two plain views (no vLLM, no torch import), so the rules are testable anywhere and the plugin
+(neffbuild/vllm/model.py) only has to read vLLM's config into ``Engine``. A bundle's compiled shape fixes the
+model, the dtype, ``max_model_len``, ``block_size``, the KV pool (``num_blocks`` is a graph input's shape) and the
+largest batch; vLLM must be started with exactly those, or nothing serves (fail closed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Config keys both sides must agree on (the graph's shapes and constants); compared when both sides have them.
+MODEL_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window",
+              "rms_norm_eps", "swiglu_limit", "rope_parameters")
+MODEL_FLAG = "the checkpoint (vllm serve MODEL / --hf-overrides)"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What the plugin reads of vLLM's configuration."""
+
+    model_config: dict  # the checkpoint's Hugging Face config as vLLM loaded it
+    dtype: str  # "float32", ...
+    max_model_len: int
+    block_size: int | None
+    num_gpu_blocks_override: int | None
+    max_num_seqs: int
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What the bundle was compiled for (from its manifest's graph_inputs)."""
+
+    model_config: dict
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    num_seqs_buckets: tuple[int, ...]
+    fp8: bool = False
+    tp: int = 1
+    dp: int = 1
+    num_speculative_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _line(flag: str, what: str, engine, bundle, fix: str) -> str:
+    return f"{flag}: vLLM has {what} {engine!r}, the bundle was compiled for {bundle!r} ({fix})"
+
+
+def problems(bundle: Compiled, engine: Engine) -> list[str]:
+    """One line per mismatch (empty: the bundle fits), each naming the flag, vLLM's value and the bundle's."""
+    out = []
+    for key in MODEL_KEYS:
+        if key in bundle.model_config and key in engine.model_config:
+            b, e = bundle.model_config[key], engine.model_config[key]
+            if not _same(b, e):
+                out.append(_line(MODEL_FLAG, key, e, b, "serve the checkpoint the bundle was compiled from"))
+    if engine.dtype != "float32":
+        out.append(_line("--dtype", "dtype", engine.dtype, "float32", "pass --dtype float32"))
+    want_kv = "fp8" if bundle.fp8 else "auto"
+    if engine.kv_cache_dtype != want_kv:
+        out.append(_line("--kv-cache-dtype", "kv_cache_dtype", engine.kv_cache_dtype, want_kv,
+                         f"pass --kv-cache-dtype {want_kv}"))
+    if engine.max_model_len != bundle.max_model_len:
+        out.append(_line("--max-model-len", "max_model_len", engine.max_model_len, bundle.max_model_len,
+                         f"pass --max-model-len {bundle.max_model_len}"))
+    if engine.block_size != bundle.block_size:
+        out.append(_line("--block-size", "block_size", engine.block_size, bundle.block_size,
+                         f"pass --block-size {bundle.block_size}"))
+    if engine.num_gpu_blocks_override != bundle.num_blocks:
+        out.append(_line("--num-gpu-blocks-override", "a KV pool of", engine.num_gpu_blocks_override,
+                         bundle.num_blocks, f"the pool is part of the compiled shape: pass "
+                         f"--num-gpu-blocks-override {bundle.num_blocks}"))
+    largest = bundle.num_seqs_buckets[-1]
+    if engine.max_num_seqs > largest:
+        out.append(_line("--max-num-seqs", "max_num_seqs", engine.max_num_seqs, largest,
+                         f"the largest batch bucket; pass --max-num-seqs {largest} or fewer"))
+    if engine.num_speculative_tokens != bundle.num_speculative_tokens:
+        out.append(_line("--speculative-config", "num_speculative_tokens", engine.num_speculative_tokens,
+                         bundle.num_speculative_tokens, "the plugin serves bundles without speculation only"))
+    for flag, name, e, b in (("--tensor-parallel-size", "tensor_parallel_size", engine.tensor_parallel_size, bundle.tp),
+                             ("--data-parallel-size", "data_parallel_size", engine.data_parallel_size, bundle.dp)):
+        if e != b or b != 1:
+            out.append(_line(flag, name, e, b, "the plugin serves unsharded bundles (tp 1, dp 1) only"))
+    if engine.pipeline_parallel_size != 1:
+        out.append(_line("--pipeline-parallel-size", "pipeline_parallel_size", engine.pipeline_parallel_size, 1,
+                         "the bundle's decode graph runs every layer"))
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return all(_same(a[k], b[k]) for k in a.keys() & b.keys())
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(a)))
+    return a == b

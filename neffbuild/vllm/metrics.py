@@ -1,0 +1,66 @@
+"""The plugin's counters, in the process that runs the model (vLLM's engine core), through prometheus_client.
+
+vLLM's ``/metrics`` shows them when every vLLM process records into one multiprocess directory: start
+``vllm serve`` with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty folder (vLLM's own multiprocess mode; its
+API server then collects every process's files, the engine core's included). The runtime's Stepper adds its
+own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, batch rows, padding).
+
+  neffbuild_vllm_artifact_steps_total{label}    decode forwards run by each artifact (batch x context bucket)
+  neffbuild_vllm_forwards_total{kind}           model forwards: decode (all requests in decode) | prefill | mixed
+  neffbuild_vllm_decode_rows_total{path}        decode rows: artifact (live rows) | eager (inside mixed forwards)
+  neffbuild_decode_needed_seq                   histogram of each decode step's needed_seq (128-token buckets)
+
+``snapshot()`` returns the same counts as a dict (``vllm.LLM(...).apply_model`` reads it in tests).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from neffbuild.runtime.step.histogram import METRIC, TILE
+
+
+class PluginMetrics:
+    def __init__(self, max_model_len: int):
+        self.steps: Counter[str] = Counter()
+        self.forwards: Counter[str] = Counter()
+        self.rows: Counter[str] = Counter()
+        self.needed: Counter[int] = Counter()
+        self.time: Counter[str] = Counter()  # seconds spent, for the benchmark's split (not exported)
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            self._prom = None
+            return
+        edges = [float(v) for v in range(TILE, max_model_len + 1, TILE)]
+        self._prom = (
+            prom.Counter("neffbuild_vllm_artifact_steps", "Decode forwards run by a bundle artifact.", ["label"]),
+            prom.Counter("neffbuild_vllm_forwards", "Model forwards by kind (decode | prefill | mixed).", ["kind"]),
+            prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact | eager).", ["path"]),
+            prom.Histogram(METRIC, "needed_seq of each decode step (max computed + 1 + drafts).", buckets=edges),
+        )
+
+    def forward(self, kind: str) -> None:
+        self.forwards[kind] += 1
+        if self._prom is not None:
+            self._prom[1].labels(kind=kind).inc()
+
+    def decode_rows(self, path: str, n: int) -> None:
+        self.rows[path] += n
+        if self._prom is not None:
+            self._prom[2].labels(path=path).inc(n)
+
+    def artifact(self, label: str, needed_seq: int) -> None:
+        self.steps[label] += 1
+        self.needed[needed_seq] += 1
+        if self._prom is not None:
+            self._prom[0].labels(label=label).inc()
+            self._prom[3].observe(needed_seq)
+
+    def seconds(self, what: str, s: float) -> None:
+        self.time[what] += s
+
+    def snapshot(self) -> dict:
+        return {"steps": dict(self.steps), "forwards": dict(self.forwards), "rows": dict(self.rows),
+                "needed_seq": {str(k): v for k, v in sorted(self.needed.items())},
+                "seconds": dict(self.time)}

@@ -1,0 +1,142 @@
+"""vLLM serves a bundle: `vllm serve` with the plugin over HTTP, and `vllm.LLM` with the plugin, token for token
+with vLLM's native GPT-OSS and with transformers; every plain decode step ran through an artifact, on vLLM's
+own KV tensors.
+
+vLLM runs from its own venv (tests/vllm_helpers.py); the module starts one `vllm serve` (the command line
+`neffbuild inspect --vllm-config` prints), one `vllm.LLM` with the plugin and one native `vllm.LLM`
+(VLLM_PLUGINS="" : no plugin loaded at all). The bundle is 4 graphs: batch buckets 2 and 4 x (context bucket
+128 + the fallback 512).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.helpers import build_bundle, cli
+from tests.vllm_helpers import (
+    BATCH_BUCKETS,
+    SKIP_REASON,
+    Server,
+    free_port,
+    have_vllm,
+    prom_samples,
+    python_json,
+    run_vllm_script,
+    save_checkpoint,
+    serve_argv,
+    transformers_greedy,
+    vllm_env,
+    write_recipe,
+)
+
+pytestmark = pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON)
+
+# (prompt length, max_tokens): more requests than the largest batch bucket (4); prompts below and above the
+# context bucket (128), so decode steps need both context buckets; the batch shrinks from 4 to 1 as they end.
+SHAPES = [(5, 40), (100, 60), (37, 20), (130, 30), (9, 90), (60, 50)]
+SCRIPT = "tests/vllm_scripts/generate.py"
+
+
+def _requests() -> list[dict]:
+    rng = random.Random(1)
+    return [{"prompt": [rng.randrange(512) for _ in range(n)], "max_tokens": m} for n, m in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, build_cache, compile_pool):
+    folder = tmp_path_factory.mktemp("vllm")
+    checkpoint = save_checkpoint(folder / "ckpt")
+    bundle = build_bundle(folder, build_cache, write_recipe(folder, checkpoint), executor=compile_pool).bundle
+    requests = _requests()
+    (folder / "requests.json").write_text(json.dumps(requests))
+    return folder, checkpoint, bundle, requests
+
+
+def _llm(setup, *bundle_args, **env) -> dict:
+    folder, checkpoint, _, _ = setup
+    res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json"),
+                                        *bundle_args], VLLM_ALLOW_INSECURE_SERIALIZATION="1", **env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return python_json(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def native(setup):
+    return _llm(setup, VLLM_PLUGINS="")["tokens"]
+
+
+@pytest.fixture(scope="module")
+def oracle(setup):
+    _, checkpoint, _, requests = setup
+    return transformers_greedy(checkpoint, [r["prompt"] for r in requests], [r["max_tokens"] for r in requests])
+
+
+@pytest.fixture(scope="module")
+def with_llm(setup):
+    return _llm(setup, "--bundle", str(setup[2]))
+
+
+@pytest.fixture(scope="module")
+def served(setup):
+    folder, checkpoint, bundle, requests = setup
+    doc = json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
+    multiproc = folder / "prom"
+    multiproc.mkdir()
+    server = Server(serve_argv(checkpoint, doc["engine_args"], doc["additional_config"], free_port()),
+                    folder / "serve.log", vllm_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc)))
+    try:
+        server.wait_ready()
+        with ThreadPoolExecutor(len(requests)) as pool:  # all at once: vLLM's scheduler batches them
+            tokens = list(pool.map(lambda r: server.complete(r["prompt"], r["max_tokens"]), requests))
+        yield tokens, server.metrics(), doc
+    finally:
+        server.stop()
+
+
+def test_vllm_native_matches_transformers(native, oracle):
+    assert native == oracle  # the two references agree on this checkpoint (fp32, greedy)
+
+
+def test_llm_with_the_bundle_gives_native_tokens_on_vllms_own_kv_tensors(with_llm, native, setup):
+    assert with_llm["tokens"] == native
+    report = with_llm["report"]
+    assert report["enabled"]
+    # the artifacts' KV buffers are vLLM's tensors: same storage (layer pair 0/1 shares one tensor), bundle layout
+    assert report["stepper_kv_ptrs"] == [report["vllm_kv_ptrs"][0]] == [report["vllm_kv_ptrs"][1]]
+    assert report["kv_shapes"] == [[2, 128, 2, 32, 64]]
+    decode = report["forwards"]["decode"]
+    assert sum(report["steps"].values()) == decode > 0  # every all-decode forward ran one artifact
+    decode_rows = sum(r["max_tokens"] - 1 for r in setup[3])  # every token after a request's first is a decode row
+    assert report["rows"]["artifact"] + report["rows"].get("eager", 0) == decode_rows
+    # Decode rows of the mixed forwards (a request joining while others decode) run vLLM's eager attention
+    # over KV that earlier artifact steps wrote into these tensors: the equal tokens need those writes there.
+    assert report["rows"]["eager"] > 0 and report["forwards"]["mixed"] > 0
+
+
+def test_vllm_serve_over_http_gives_native_and_transformers_tokens(served, native, oracle):
+    tokens, _, _ = served
+    assert len(tokens) > BATCH_BUCKETS[-1]
+    assert tokens == native == oracle
+
+
+def test_every_decode_forward_of_the_server_ran_an_artifact_across_buckets(served, setup):
+    _, metrics, _ = served
+    steps = {dict(k)["label"]: v for k, v in prom_samples(metrics, "neffbuild_vllm_artifact_steps_total").items()}
+    batches = {label.split("_")[1] for label in steps}
+    contexts = {label.split("_")[2] for label in steps}
+    assert batches == {"b2", "b4"} and contexts == {"ctx128", "ctx512"}, steps
+    forwards = {dict(k)["kind"]: v for k, v in prom_samples(metrics, "neffbuild_vllm_forwards_total").items()}
+    assert sum(steps.values()) == forwards["decode"]  # no all-decode forward ran outside an artifact
+    rows = {dict(k)["path"]: v for k, v in prom_samples(metrics, "neffbuild_vllm_decode_rows_total").items()}
+    assert rows["artifact"] + rows.get("eager", 0) == sum(r["max_tokens"] - 1 for r in setup[3])
+    # the runtime's own counter (per batch bucket) and the needed_seq histogram are on vLLM's /metrics too
+    buckets = {dict(k)["bucket"]: v for k, v in prom_samples(metrics, "neffbuild_neff_execution_count_total").items()}
+    assert buckets == {"decode_b2": sum(v for k, v in steps.items() if "_b2_" in k),
+                       "decode_b4": sum(v for k, v in steps.items() if "_b4_" in k)}
+    count = prom_samples(metrics, "neffbuild_decode_needed_seq_count")
+    assert sum(count.values()) == forwards["decode"]
+    assert "vllm:" in metrics  # vLLM's own metrics are still there, beside the plugin's

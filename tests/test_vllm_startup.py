@@ -1,0 +1,74 @@
+"""A bundle that does not fit vLLM's configuration stops `vllm serve` at start-up: exit non-zero within 60 s,
+one error naming the vLLM flag and both values, and the port never answers (nothing serves).
+
+The flags come from `neffbuild inspect --vllm-config` (which fit), then one is changed per case; the bundle is
+the vLLM test bundle (tests/test_vllm_serve.py builds the same recipe, so the compile cache serves it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from tests.helpers import build_bundle, cli
+from tests.vllm_helpers import (
+    SKIP_REASON,
+    free_port,
+    have_vllm,
+    save_checkpoint,
+    serve_argv,
+    vllm_env,
+    write_recipe,
+)
+
+pytestmark = pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON)
+
+CASES = [  # (engine argument changed, value, what the error must say)
+    ("block_size", 64, "--block-size: vLLM has block_size 64, the bundle was compiled for 32"),
+    ("max_model_len", 256, "--max-model-len: vLLM has max_model_len 256, the bundle was compiled for 512"),
+    ("num_gpu_blocks_override", 512, "--num-gpu-blocks-override: vLLM has a KV pool of 512, the bundle was "
+                                     "compiled for 128"),
+    ("hf_overrides", json.dumps({"hidden_size": 128}), "the checkpoint (vllm serve MODEL / --hf-overrides): vLLM has "
+                                                       "hidden_size 128, the bundle was compiled for 256"),
+    ("max_num_seqs", 8, "--max-num-seqs: vLLM has max_num_seqs 8, the bundle was compiled for 4"),
+]
+
+
+@pytest.fixture(scope="module")
+def fitting(tmp_path_factory, build_cache, compile_pool):
+    folder = tmp_path_factory.mktemp("vllm_start")
+    checkpoint = save_checkpoint(folder / "ckpt")
+    bundle = build_bundle(folder, build_cache, write_recipe(folder, checkpoint), executor=compile_pool).bundle
+    doc = json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
+    return folder, checkpoint, doc
+
+
+@pytest.mark.parametrize(("arg", "value", "message"), CASES, ids=[c[0] for c in CASES])
+def test_a_mismatch_fails_vllm_start_up_naming_the_flag(fitting, arg, value, message):
+    folder, checkpoint, doc = fitting
+    port = free_port()
+    argv = serve_argv(checkpoint, {**doc["engine_args"], arg: value}, doc["additional_config"], port)
+    log = folder / f"{arg}.log"
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
+        served = False
+        while proc.poll() is None and time.monotonic() - start < 90:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    served = True
+            except OSError:
+                time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    elapsed = time.monotonic() - start
+    text = log.read_text(errors="replace")
+    assert proc.returncode != 0 and not served
+    assert elapsed < 60, f"start-up failed after {elapsed:.0f} s"
+    assert message in text, text[-3000:]
+    assert "does not fit this vLLM configuration (nothing will serve)" in text

@@ -1,0 +1,210 @@
+"""What the vLLM plugin's tests share: the checkpoint vLLM and the bundle both read, the bundle's recipe, and
+running scripts in the plugin's own virtual environment (``.venv-vllm``, built by tools/vllm_venv.sh).
+
+vLLM lives in its own venv (requirements/vllm.lock): it pins an older transformers than the test venv and needs
+no torchvision. The tests therefore run vLLM as subprocesses of that venv's python; they skip, saying how to
+build it, when the venv is absent. The transformers oracle runs here, in the test venv.
+
+The model: GPT-OSS, 2 layers (one sliding, one full: one KV buffer pair, both attention kinds), shaped for
+vLLM's CPU attention (head_dim 64, one of its kernel sizes; block_size 32, a multiple its kernels need).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from tests.helpers import ROOT
+
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+SKIP_REASON = f"the vLLM venv {VLLM_VENV} is absent (build it: tools/vllm_venv.sh)"
+
+HF_CONFIG = {
+    "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "sliding_window": 64, "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 128, "rope_theta": 150000.0},
+}
+MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS = 512, 32, 128
+BATCH_BUCKETS, CTX_BUCKETS = [2, 4], [128]
+
+
+def have_vllm() -> bool:
+    return VLLM_PYTHON.is_file()
+
+
+def save_checkpoint(folder: Path) -> Path:
+    """A random GPT-OSS checkpoint saved by transformers (fp32 safetensors + config.json), with the project's
+    non-degenerate random weights (greedy tokens vary, so a wrong step shows)."""
+    import transformers
+
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+    from neffbuild.models.gpt_oss.weights import random_state_dict
+
+    cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg.to_hf_dict()))
+    missing, unexpected = model.load_state_dict(random_state_dict(cfg, seed=0), strict=True)
+    assert not missing and not unexpected
+    model.save_pretrained(folder)
+    return folder
+
+
+def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", num_blocks: int = NUM_BLOCKS,
+                 num_seqs_buckets=tuple(BATCH_BUCKETS), ctx_buckets=tuple(CTX_BUCKETS), **serving) -> Path:
+    raw = {
+        "name": name, "version": "0.1.0",
+        "model": {"arch": "gpt_oss", "checkpoint": str(checkpoint)},
+        "serving": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": num_seqs_buckets[-1], "block_size": BLOCK_SIZE,
+                    "num_blocks": num_blocks, **serving},
+        "neuron_config": {"num_seqs_buckets": list(num_seqs_buckets),
+                          "decode_context_length_buckets": list(ctx_buckets), "gk_decode": True,
+                          "fp8_packed_kv": False, "lnc": 1},
+        "parallel": {"tp": 1, "dp": 1, "ep": 1},
+        "compiler": {"backend": "inductor", "target": "trn2", "optlevel": 2, "flags": []},
+        "build": {"jobs": 2},
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def vllm_env(threads: int = 1, **extra: str) -> dict:
+    """The environment of a vLLM subprocess: this worktree's code first, offline, one compute thread."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads),
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.update(extra)
+    return env
+
+
+def run_vllm_script(script: Path, args: list[str], *, timeout: float = 600, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VLLM_PYTHON), str(script), *args], env=vllm_env(**env), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def transformers_greedy(checkpoint: Path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """The oracle: transformers' greedy generation, one prompt at a time (fp32)."""
+    import torch
+    import transformers
+
+    model = transformers.GptOssForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, n in zip(prompts, max_tokens, strict=True):
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
+def python_json(out: str) -> dict:
+    """The last line of a script's stdout that is a JSON document."""
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON document on stdout:\n{out[-2000:]}")
+
+
+
+
+# ------------------------------------------------------------------------------------------- vllm serve
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(checkpoint: Path, engine_args: dict, additional: dict | None, port: int) -> list[str]:
+    """``vllm serve`` with ``inspect --vllm-config``'s engine arguments (and its --additional-config)."""
+    argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(checkpoint)]
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    if additional is not None:
+        argv += ["--additional-config", json.dumps(additional)]
+    return [*argv, "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--served-model-name", "m",
+            "--seed", "0"]
+
+
+class Server:
+    """A ``vllm serve`` process on 127.0.0.1 (started and stopped by the test), its log in a file."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict):
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                     start_new_session=True)
+        self.url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        import time
+        import urllib.request
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"vllm serve not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
+        import urllib.request
+
+        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            doc = json.loads(r.read())
+        return list(doc["choices"][0]["token_ids"])
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # the group: vLLM's engine core is a child of the server
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def prom_samples(text: str, name: str) -> dict[tuple, float]:
+    """{label tuple: value} of one metric in Prometheus text (pid labels of multiprocess mode dropped)."""
+    import re
+
+    out: dict[tuple, float] = {}
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
+        if m:
+            labels = tuple(sorted(kv for kv in re.findall(r'(\w+)="([^"]*)"', m.group(1) or "") if kv[0] != "pid"))
+            out[labels] = out.get(labels, 0.0) + float(m.group(2))
+    return out

@@ -1,0 +1,64 @@
+"""Run in the vLLM venv (tests/vllm_helpers.py): greedy generation through ``vllm.LLM``, with or without a bundle.
+
+    python generate.py --model CKPT --requests R.json [--bundle B] [--num-blocks N] ...
+    R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
+
+Prints one JSON line: every request's tokens, in order, and the plugin's report (None when no bundle).
+"""
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--requests", required=True)
+    p.add_argument("--bundle")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--num-blocks", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=1)
+    a = p.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {"model": a.model, "dtype": "float32", "skip_tokenizer_init": True, "enforce_eager": True,
+          "max_model_len": a.max_model_len, "block_size": a.block_size, "num_gpu_blocks_override": a.num_blocks,
+          "max_num_seqs": a.max_num_seqs, "seed": 0}
+    if a.bundle:
+        kw["additional_config"] = {"neffbuild": {"bundle": a.bundle}}
+    start = time.perf_counter()
+    llm = LLM(**kw)
+    loaded = time.perf_counter() - start
+    with open(a.requests) as f:
+        reqs = json.load(f)
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+              for r in reqs]
+    times = []
+    for _ in range(a.rounds):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    report = _report(llm)
+    print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report,
+                      "load_s": loaded, "generate_s": times}), flush=True)
+
+
+def _report(llm):
+    """The plugin's report from the worker, or None when vLLM runs without the plugin (VLLM_PLUGINS="")."""
+    try:
+        from neffbuild.vllm.model import report
+    except ImportError:
+        return None
+    try:
+        return llm.apply_model(report)[0]
+    except Exception as e:  # the native engine's model is vLLM's own class: report() is not importable there
+        return {"error": str(e)}
+
+
+if __name__ == "__main__":
+    main()
