@@ -34,12 +34,14 @@ from typing import Self
 
 from neffbuild import registry
 from neffbuild.errors import InvalidInput, KVTransferError
+from neffbuild.runtime.bundle import schema
+from neffbuild.runtime.bundle.graph_inputs import GraphInputs
 from neffbuild.runtime.bundle.reader import read_manifest
 from neffbuild.runtime.di.ingest import KVIngest, KVProducer
 from neffbuild.runtime.di.nixl_agent import load_nixl
 from neffbuild.runtime.di.prompt import di_prompt, strip_leading_null
 from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
-from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, model_config, open_rank, read_valid
+from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, model_config, open_rank
 
 _IDS = itertools.count()
 GLOO_TIMEOUT = timedelta(seconds=20)
@@ -64,10 +66,13 @@ def check_prefill_tp(cfg, arch: str, tp: int) -> None:
 
 def check_group_tp(bundle_path, tp: int) -> None:
     """A prefill group of ``tp`` ranks can split the bundle's model (exit 2 naming ``--prefill-tp`` otherwise).
-    A broken manifest is left to ``open_rank``, which names what is wrong (exit 1)."""
-    valid = read_valid(bundle_path, strict=False)
-    if valid is not None:
-        gi = valid[1]
+
+    The flag is the user's, so it is judged first, from the manifest's model config alone (a manifest that passes
+    the schema); whether the bundle's files are valid is ``reader.check``'s to say when ``open_rank`` opens it
+    (exit 1)."""
+    m = read_manifest(Path(bundle_path))
+    if not schema.problems(m):
+        gi = GraphInputs.of_manifest(m)
         check_prefill_tp(model_config(gi, Path(bundle_path)), gi.arch, tp)
 
 
