@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv clean bench
+.PHONY: demo test test-fast lint venv clean bench bench-real-width
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -57,6 +57,12 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/build_pipeline.py
 	$(BIN)/python benchmarks/dispatch_overhead.py
 	$(BIN)/python benchmarks/serving_dtypes.py
+	$(MAKE) bench-real-width
+
+# GPT-OSS-20B's width against llama.cpp and vLLM CPU: benchmarks/peers.sh installs them in their own venvs.
+bench-real-width: $(BENCH_STAMP)
+	benchmarks/peers.sh
+	$(BIN)/python benchmarks/real_width.py --plot docs/img/real-width.png
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache
