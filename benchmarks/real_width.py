@@ -254,8 +254,7 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict) -> dict | str
 
 
 def report(a, docs: dict, cfg, bw: float) -> list[str]:
-    ctx = len_prompt = a.prompt
-    ctx = len_prompt + a.new // 2
+    ctx = a.prompt + a.new // 2  # the mean context of the decode steps
     lines = ["| engine | batch | decode tokens/s | step | bytes per step | GB/s read | of copy bandwidth | "
              "peak RSS | load average (start-end) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, runs in docs.items():
