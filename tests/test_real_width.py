@@ -56,9 +56,9 @@ def test_agreement_counts_tokens_before_the_first_difference():
     class A:
         batches, new, prompt = [2], 4, 10
 
-    runs = {"x": [{"batches": {"2": {"decode_s": [1.0], "tokens": [[1, 2, 3, 4], [5, 6, 7, 8]]}},
+    runs = {"bundle-mxfp4": [{"batches": {"2": {"decode_s": [1.0], "tokens": [[1, 2, 3, 4], [5, 6, 7, 8]]}},
                    "peak_rss_mb": 1, "load": "0-0"}],
-            "y": [{"batches": {"2": {"decode_s": [1.0], "tokens": [[1, 2, 9, 4], [5, 6, 7, 8]]}},
+            "llama-mxfp4": [{"batches": {"2": {"decode_s": [1.0], "tokens": [[1, 2, 9, 4], [5, 6, 7, 8]]}},
                    "peak_rss_mb": 1, "load": "0-0"}]}
     lines = RW.report(A, runs, config(1, tiny=True), bw=1e9)
-    assert "| x / y | 2 | 0.75 |" in lines  # 2 of 4, then 4 of 4: the 4 after the difference do not count
+    assert "| bundle-mxfp4 / llama-mxfp4 | 2 | 0.75 |" in lines  # 2 of 4, then 4 of 4: (2 + 4) / 8
