@@ -250,6 +250,8 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict) -> dict | str
     before = os.getloadavg()[0]
     doc = last_json(argv, work / f"{name}.log")
     doc["load"] = f"{before:.1f}-{os.getloadavg()[0]:.1f}"
+    with open(work / f"{name}.jsonl", "a") as f:  # each round as it lands: a run cut short keeps what it measured
+        f.write(json.dumps(doc) + "\n")
     return doc
 
 
