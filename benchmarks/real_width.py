@@ -317,6 +317,7 @@ def main() -> None:
     ap.add_argument("--engines", default=DEFAULT, help=f"comma-separated, of: {', '.join(ENGINES)}")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions: checks the pipeline, measures nothing")
+    ap.add_argument("--report", action="store_true", help="run nothing: the tables from WORKDIR/*.jsonl")
     ap.add_argument("--worker", choices=["bundle", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -347,7 +348,10 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.2f} GB/s ({load()})", flush=True)
     docs, setup = {n: [] for n in names}, {}
-    for rnd in range(a.rounds):
+    if a.report:
+        docs = {n: [json.loads(ln) for ln in (work / f"{n}.jsonl").read_text().splitlines()]
+                for n in names if (work / f"{n}.jsonl").is_file()}
+    for rnd in range(0 if a.report else a.rounds):
         for n in names:
             if isinstance(docs[n], str):
                 continue
