@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--compiled-only", action="store_true", help="the compiled step and the pieces, no eager step")
     a = ap.parse_args()
     torch.set_num_threads(1)
     bundle = open_bundle(a.bundle, preload=True)
@@ -105,14 +106,17 @@ def main() -> None:
         with torch.no_grad():
             fn, ref = bundle.artifact(plan.label), eager.artifact(plan.label)
             compiled = _median(lambda fn=fn, args=args: fn(*args), a.repeat)
-            reference = _median(lambda ref=ref, args=args: ref(*args), a.repeat)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                        record_shapes=True) as prof:
-                ref(*args)
-        tables.append(f"batch {b}, eager reference step, by op and input shapes:\n" + prof.key_averages(
-            group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
         print(f"| {b} | whole step, compiled ({plan.label}) | {compiled * 1e3:.1f} ms | | |")
-        print(f"| {b} | whole step, eager reference | {reference * 1e3:.1f} ms | | |")
+        if not a.compiled_only:
+            with torch.no_grad():
+                reference = _median(lambda ref=ref, args=args: ref(*args), a.repeat)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            record_shapes=True) as prof:
+                    ref(*args)
+            tables.append(f"batch {b}, eager reference step, by op and input shapes:\n" + prof.key_averages(
+                group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15,
+                                                 max_name_column_width=40))
+            print(f"| {b} | whole step, eager reference | {reference * 1e3:.1f} ms | | |")
         for name, secs, nbytes in pieces(bundle, cfg, b, a.repeat):
             print(f"| {b} | {name} | {secs * 1e3:.1f} ms | {nbytes / 1e9:.3f} GB | {nbytes / secs / 1e9:.1f} |")
     print()
