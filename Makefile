@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv lock clean bench
+.PHONY: demo test test-fast lint venv lock clean bench bench-real-width
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/build_pipeline.py
 	$(BIN)/python benchmarks/dispatch_overhead.py
 	$(BIN)/python benchmarks/serving_dtypes.py
+	$(MAKE) bench-real-width
+
+# GPT-OSS-20B's width against llama.cpp and vLLM CPU: benchmarks/peers.sh installs them in their own venvs.
+bench-real-width: $(STAMP)
+	benchmarks/peers.sh
+	$(BIN)/python benchmarks/real_width.py --plot docs/img/real-width.png
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache

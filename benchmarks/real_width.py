@@ -1,0 +1,378 @@
+"""Decode at GPT-OSS-20B's width: the bundle beside llama.cpp, vLLM CPU and transformers, same checkpoint.
+
+    /work/heavy .venv/bin/python benchmarks/real_width.py [--workdir DIR] [--layers 2] [--new 200]
+        [--rounds 1] [--engines bundle-mxfp4,llama-mxfp4,...] [--plot docs/img/real-width.png]
+
+A random checkpoint with GPT-OSS-20B's dimensions (hidden 2,880, 64 heads, 8 KV heads of 64, 32
+experts top 4, intermediate 2,880, vocab 201,088, sliding window 128) and ``--layers`` layers
+(benchmarks/real_width_ckpt.py: openai's MXFP4 layout, and the same weights with dense bf16
+experts). Engines, each in its own process, one after the other (memory is freed between them;
+peak RSS is reported per engine), with ``--rounds`` interleaved rounds:
+
+  bundle-mxfp4  neffbuild bundle, ``weights_dtype: bfloat16``, ``experts: mxfp4``, bf16 KV (CLI compile)
+  bundle-bf16   the same with dense bf16 experts
+  bundle-fp32   float32 everywhere (reference; ~4.5x the weight bytes)
+  llama-mxfp4   llama.cpp on the GGUF its converter makes of the MXFP4 checkpoint, f16 KV, flash attention
+  llama-bf16    llama.cpp on the dense checkpoint's GGUF (bf16), f16 KV, flash attention off
+  vllm-bf16     vLLM CPU, bf16, eager (needs the vLLM venv: tools/vllm_venv.sh)
+  hf-bf16       transformers eager ``generate``, bf16
+
+Batch 1 and 4, one thread each, the same ``--prompt``-token prompts, ``--new`` greedy tokens;
+decode seconds = t(new) - t(1) of the same prompts. Bytes per step: the weights the step must
+read (one embedding row a token, the router's experts ``min(B * top_k, E)`` of each layer in the
+engine's expert format, every other weight in its dtype) plus the KV at the mean decode context;
+bandwidth fraction = (bytes per step / step time) / the copy bandwidth measured at the start
+(``neffbuild.bench.bytes.copy_bandwidth``). Token agreement per pair: the fraction of the
+generated tokens before the first difference. A peer that is not installed is skipped with a
+line saying how to install it (benchmarks/peers.sh). The load average is printed with every
+number: a number taken on a busy host says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+LLAMA_PY = Path(os.environ.get("LLAMA_PYTHON", ROOT / ".venv-llama" / "bin" / "python"))
+VLLM_PY = Path(os.environ.get("VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+CONVERTER = os.environ.get("LLAMA_CONVERTER", str(ROOT / ".venv-llama" / "llama.cpp" / "convert_hf_to_gguf.py"))
+INSTALL = "benchmarks/peers.sh (make bench runs it): {what}"
+# engine -> (checkpoint kind, runner, form); form: (expert bytes a weight, other weights' itemsize, KV itemsize)
+ENGINES = {
+    "bundle-mxfp4": ("mxfp4", "bundle", (17 / 32, 2, 2)),
+    "bundle-bf16": ("bf16", "bundle", (2, 2, 2)),
+    "bundle-fp32": ("bf16", "bundle", (4, 4, 4)),
+    "llama-mxfp4": ("mxfp4", "llama", (17 / 32, 2, 2)),
+    "llama-bf16": ("bf16", "llama", (2, 2, 2)),
+    "vllm-bf16": ("bf16", "vllm", (2, 2, 2)),
+    "hf-bf16": ("bf16", "hf", (2, 2, 2)),
+}
+DEFAULT = "bundle-mxfp4,bundle-bf16,llama-mxfp4,llama-bf16,vllm-bf16,hf-bf16"
+
+
+def load() -> str:
+    return f"load average {os.getloadavg()[0]:.2f}"
+
+
+def env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
+                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="")
+
+
+def last_json(argv: list[str], log: Path) -> dict:
+    t0 = time.perf_counter()
+    with open(log, "a") as err:
+        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env(), check=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"{argv[:3]} exited {p.returncode}: see {log}")
+    return dict(json.loads(lines[-1]), wall_s=time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def recipe_for(name: str, ckpt: Path, work: Path, batches: list[int], ctx: int) -> Path:
+    form = {"bundle-mxfp4": ("bfloat16", "mxfp4", "bfloat16"), "bundle-bf16": ("bfloat16", "dense", "bfloat16"),
+            "bundle-fp32": ("float32", "dense", "float32")}[name]
+    raw = {"name": f"real-width-{name}", "version": "0.1.0",
+           "model": {"arch": "gpt_oss", "checkpoint": str(ckpt), "weights_dtype": form[0], "experts": form[1]},
+           "serving": {"max_model_len": ctx, "max_num_seqs": max(batches), "block_size": 16,
+                       "num_blocks": max(batches) * ctx // 16 + 1},
+           "neuron_config": {"num_seqs_buckets": batches, "decode_context_length_buckets": [ctx],
+                             "gk_decode": True, "fp8_packed_kv": False, "kv_dtype": form[2]},
+           "parallel": {"tp": 1, "dp": 1, "ep": 1}, "compiler": {"backend": "inductor"}, "build": {"jobs": 1}}
+    path = work / f"{raw['name']}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def build_bundle(name: str, ckpt: Path, work: Path, a) -> tuple[Path, float]:
+    """Compile through the CLI (the serving-dtypes keys in the recipe), every time: the compile cache
+    under WORKDIR makes a rerun of unchanged code compile nothing, and changed code is rebuilt."""
+    out = work / "out" / f"real-width-{name}-0.1.0"
+    recipe = recipe_for(name, ckpt, work, a.batches, a.ctx)
+    t0 = time.perf_counter()
+    argv = [sys.executable, "-m", "neffbuild.cli.main", "compile", str(recipe), "-o", str(work / "out"),
+            "--cache-dir", str(work / "cache"), "-j", "1"]
+    with open(work / "build.log", "a") as log:
+        rc = subprocess.run(argv, stdout=log, stderr=log, env=env(), check=False).returncode
+    if rc:
+        raise RuntimeError(f"compile of {recipe} exited {rc}: see {work / 'build.log'}")
+    return out, time.perf_counter() - t0
+
+
+def gguf_for(kind: str, ckpt: Path, work: Path) -> tuple[Path, float]:
+    out = work / f"real-width-{kind}.gguf"
+    if out.is_file():
+        return out, 0.0
+    # The converter needs torch (+ numpy, safetensors): the project's python, the converter's own gguf-py.
+    argv = [sys.executable, str(HERE / "real_width_peers.py"), "convert", "--converter", CONVERTER, str(ckpt),
+            str(out.with_suffix(".tmp")), "--outtype", "auto" if kind == "mxfp4" else "bf16"]
+    doc = last_json(argv, work / "convert.log")
+    out.with_suffix(".tmp").rename(out)
+    return out, doc["seconds"]
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(7 * i + 31 * r + 3) % (vocab - 1) + 1 for i in range(length)] for r in range(n)]
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def step_bytes(cfg, form: tuple, batch: int, ctx: int) -> int:
+    """Bytes one decode step of ``batch`` tokens must read at context ``ctx`` (module docstring's rule)."""
+    from neffbuild.models.gpt_oss.shapes import stacked_shapes
+
+    expert_bpw, itemsize, kv_isz = form
+    experts = min(batch * cfg.num_experts_per_tok, cfg.num_local_experts) / cfg.num_local_experts
+    total = 0.0
+    for name, shape in stacked_shapes(cfg).items():
+        n = 1
+        for s in shape:
+            n *= s
+        if name == "embed":
+            total += batch * shape[-1] * itemsize
+        elif name in ("gate_up_w", "down_w"):
+            total += n * expert_bpw * experts
+        elif name in ("gate_up_b", "down_b"):
+            total += n * itemsize * experts
+        else:
+            total += n * itemsize
+    per_token = cfg.num_key_value_heads * cfg.head_dim * 2 * kv_isz
+    for kind in cfg.layer_types:
+        total += batch * per_token * (ctx if kind == "full_attention" else min(ctx, cfg.sliding_window))
+    return int(total)
+
+
+# ----------------------------------------------------------------------------- workers (project python)
+
+
+def worker_bundle(a, ps) -> dict:
+    import torch
+
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.engine import Engine
+    from neffbuild.serve.parts import LocalPrefill, Request
+    from neffbuild.serve.session import open_session
+
+    torch.set_num_threads(1)
+    session = open_session(open_bundle(Path(a.model), preload=True))
+
+    def run(b, new):
+        reqs = [Request(str(r), p, new, 0, index=r) for r, p in enumerate(ps[:b])]
+        engine = Engine(session.stepper, session.block_manager(),
+                        LocalPrefill(session.prefill, session.stepper.kv_caches))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            engine.run(reqs)
+        return time.perf_counter() - t0, [r.tokens for r in sorted(reqs, key=lambda r: r.index)]
+
+    return run
+
+
+def worker_hf(a, ps) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    model = transformers.GptOssForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+
+    def run(b, new):
+        ids = torch.tensor(ps[:b])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+            secs = time.perf_counter() - t0
+        return secs, out[:, ids.shape[1]:].tolist()
+
+    return run
+
+
+def worker(a) -> None:
+    import resource
+
+    sys.path.insert(0, str(HERE))
+    from real_width_peers import _timed
+
+    ps = json.loads(Path(a.prompts).read_text())
+    run = (worker_bundle if a.worker == "bundle" else worker_hf)(a, ps)
+    result = _timed(run, a.batches, a.new, 1)
+    print(json.dumps({"batches": result, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+# ----------------------------------------------------------------------------- one engine, the report
+
+
+def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict) -> dict | str:
+    """One round of one engine in its own process: the worker's JSON, or a line saying why it was skipped."""
+    kind, runner, _ = ENGINES[name]
+    ckpt = ckpts[kind]
+    common = ["--prompts", str(work / "prompts.json"), "--batches", ",".join(map(str, a.batches)),
+              "--new", str(a.new)]
+    if runner == "bundle":
+        path, secs = build_bundle(name, ckpt, work, a)
+        setup.setdefault(name, {"compile_s": round(secs, 1)})
+        argv = [sys.executable, __file__, "--worker", "bundle", "--model", str(path), *common]
+    elif runner == "hf":
+        argv = [sys.executable, __file__, "--worker", "hf", "--model", str(ckpt), *common]
+    elif runner == "llama":
+        if not LLAMA_PY.is_file():
+            return f"skipped: {LLAMA_PY} is absent; install it with " + INSTALL.format(what="creates .venv-llama")
+        if not Path(CONVERTER).is_file():
+            return f"skipped: llama.cpp's converter {CONVERTER} is absent (LLAMA_CONVERTER=...; benchmarks/peers.sh)"
+        gguf, secs = gguf_for(kind, ckpt, work)
+        setup.setdefault(name, {"convert_s": round(secs, 1)})
+        flags = ["--flash", "--kv", "f16"] if kind == "mxfp4" else ["--kv", "f16"]
+        argv = [str(LLAMA_PY), str(HERE / "real_width_peers.py"), "llama", "--model", str(gguf), *common, *flags]
+    else:
+        if not VLLM_PY.is_file():
+            return f"skipped: {VLLM_PY} is absent; install it with tools/vllm_venv.sh (" + \
+                INSTALL.format(what="uses it") + ")"
+        argv = [str(VLLM_PY), str(HERE / "real_width_peers.py"), "vllm", "--model", str(ckpt), *common]
+    before = os.getloadavg()[0]
+    doc = last_json(argv, work / f"{name}.log")
+    doc["load"] = f"{before:.1f}-{os.getloadavg()[0]:.1f}"
+    with open(work / f"{name}.jsonl", "a") as f:  # each round as it lands: a run cut short keeps what it measured
+        f.write(json.dumps(doc) + "\n")
+    return doc
+
+
+def report(a, docs: dict, cfg, bw: float) -> list[str]:
+    ctx = a.prompt + a.new // 2  # the mean context of the decode steps
+    lines = ["| engine | batch | decode tokens/s | step | bytes per step | GB/s read | of copy bandwidth | "
+             "peak RSS | load average (start-end) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in docs.items():
+        if isinstance(runs, str):
+            lines.append(f"| {name} | - | {runs} | | | | | | |")
+            continue
+        for b in a.batches:
+            secs = sorted(s for r in runs for s in r["batches"][str(b)]["decode_s"])
+            med = secs[len(secs) // 2]
+            step = med / (a.new - 1)
+            nbytes = step_bytes(cfg, ENGINES[name][2], b, ctx)
+            rss = max(r["peak_rss_mb"] for r in runs)
+            lines.append(f"| {name} | {b} | {b * (a.new - 1) / med:.2f} | {step * 1e3:.1f} ms | "
+                         f"{nbytes / 1e9:.3f} GB | {nbytes / step / 1e9:.2f} | {nbytes / step / bw:.0%} | "
+                         f"{rss / 1024:.1f} GiB | {runs[-1]['load']} |")
+    lines += ["", "| pair | batch | token agreement (before the first difference) |", "|---|---|---|"]
+    done = {k: v for k, v in docs.items() if not isinstance(v, str)}
+    for (x, rx), (y, ry) in itertools.combinations(done.items(), 2):
+        for b in a.batches:
+            tx, ty = rx[-1]["batches"][str(b)]["tokens"], ry[-1]["batches"][str(b)]["tokens"]
+            same = sum(next((i for i, (p, q) in enumerate(zip(u, v, strict=True)) if p != q), len(u))
+                       for u, v in zip(tx, ty, strict=True))
+            lines.append(f"| {x} / {y} | {b} | {same / sum(map(len, tx)):.2f} |")
+    return lines
+
+
+def plot(path: Path, a, docs: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = {k: v for k, v in docs.items() if not isinstance(v, str)}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(a.batches)
+    for j, b in enumerate(a.batches):
+        tps = [b * (a.new - 1) / sorted(s for r in v for s in r["batches"][str(b)]["decode_s"])[len(v) // 2]
+               for v in done.values()]
+        ax.bar([i + j * width for i in range(len(done))], tps, width, label=f"batch {b}")
+    ax.set_xticks([i + width * (len(a.batches) - 1) / 2 for i in range(len(done))], list(done), rotation=20)
+    ax.set_ylabel("decode tokens/s (one thread)")
+    ax.set_title(f"GPT-OSS-20B width, {a.layers} layers, {a.prompt}-token prompts, {a.new} new ({load()})")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--prompt", type=int, default=400)
+    ap.add_argument("--new", type=int, default=200)
+    ap.add_argument("--ctx", type=int, default=1024, help="max_model_len and the bundle's one context bucket")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (one process per engine and round)")
+    ap.add_argument("--engines", default=DEFAULT, help=f"comma-separated, of: {', '.join(ENGINES)}")
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="toy dimensions: checks the pipeline, measures nothing")
+    ap.add_argument("--report", action="store_true", help="run nothing: the tables from WORKDIR/*.jsonl")
+    ap.add_argument("--worker", choices=["bundle", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    names = [n.strip() for n in a.engines.split(",") if n.strip()]
+    bad = [n for n in names if n not in ENGINES]
+    if bad:
+        print(f"--engines: unknown {bad}; known: {', '.join(ENGINES)}", file=sys.stderr)
+        raise SystemExit(2)
+    if a.prompt + a.new > a.ctx:
+        print(f"--prompt + --new ({a.prompt + a.new}) exceeds --ctx {a.ctx}", file=sys.stderr)
+        raise SystemExit(2)
+    from benchmarks._common import machine
+    from benchmarks.real_width_ckpt import config
+    from neffbuild.bench.bytes import copy_bandwidth
+
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="real-width-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    doc = last_json([sys.executable, str(HERE / "real_width_ckpt.py"), str(work / "ckpt"), "--layers",
+                     str(a.layers)] + (["--tiny"] if a.tiny else []), work / "ckpt.log")
+    ckpts = {k: Path(doc[k]) for k in ("mxfp4", "bf16")}
+    print(f"checkpoints ({a.layers} layers) ready in {time.perf_counter() - t0:.0f} s: {work / 'ckpt'}", flush=True)
+    cfg = config(a.layers, a.tiny)
+    (work / "prompts.json").write_text(json.dumps(prompts(max(a.batches), a.prompt, cfg.vocab_size)))
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.2f} GB/s ({load()})", flush=True)
+    docs, setup = {n: [] for n in names}, {}
+    if a.report:
+        docs = {n: [json.loads(ln) for ln in (work / f"{n}.jsonl").read_text().splitlines()]
+                for n in names if (work / f"{n}.jsonl").is_file()}
+    for rnd in range(0 if a.report else a.rounds):
+        for n in names:
+            if isinstance(docs[n], str):
+                continue
+            try:
+                got = run_engine(n, a, work, ckpts, setup)
+            except RuntimeError as exc:
+                got = f"failed: {exc}"
+            docs[n] = got if isinstance(got, str) else docs[n] + [got]
+            print(f"round {rnd}: {n}: " + (got if isinstance(got, str) else
+                                           f"done in {got['wall_s']:.0f} s (load average {got['load']})"),
+                  flush=True)
+    width = "TOY dimensions (--tiny: a pipeline check)" if a.tiny else "GPT-OSS-20B width"
+    lines = [f"machine: {machine()}; copy bandwidth {bw / 1e9:.2f} GB/s; one thread per engine; "
+             f"{a.layers} layers at {width}; {a.prompt}-token prompts, {a.new} new tokens, greedy; "
+             f"{a.rounds} round(s); medians", ""] + report(a, docs, cfg, bw)
+    print("\n".join(lines))
+    (work / "real_width.json").write_text(json.dumps({"runs": docs, "setup": setup, "copy_bandwidth": bw,
+                                                      "table": lines}, indent=1))
+    print(f"\nset-up (s): {json.dumps(setup)}; JSON: {work / 'real_width.json'}")
+    if a.plot:
+        plot(a.plot, a, docs)
+
+
+if __name__ == "__main__":
+    main()
