@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from neffbuild import registry
 from neffbuild.bundle import recipe_check
 from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import echo_json, json_option
@@ -139,7 +140,8 @@ def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
     recipe_file = reader.safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
     recipe = recipe if isinstance(recipe, dict) else {}
-    if manifest.get("toolchain", {}).get("backend") != "neuron":  # a CPU bundle: vLLM with neffbuild's plugin
+    backend = registry.BACKENDS.get(manifest.get("toolchain", {}).get("backend"))
+    if backend is None or "vllm_plugin" in backend.parts:  # vLLM with neffbuild's plugin (a CPU bundle)
         plugin = handoff.plugin_config(root, manifest, recipe)
         if as_json:
             click.echo(json.dumps(plugin, sort_keys=True))
