@@ -28,7 +28,15 @@ $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 	$(BIN)/pip check
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The vLLM plugin's tests run vLLM from its own venv (vLLM pins an older transformers and needs torchvision et al.,
+# which do not load beside the CPU torch): exactly requirements/vllm.lock, built by tools/vllm_venv.sh.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): requirements/vllm.lock tools/vllm_venv.sh pyproject.toml
+	tools/vllm_venv.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+venv: $(STAMP) $(VLLM_STAMP)
 
 # Refresh the lock from pyproject.toml's ranges (the test and bench extras), then `make venv` installs it.
 lock: $(BIN)/python
@@ -48,7 +56,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) -m "not bench" tests
 
 test-fast: $(STAMP)
@@ -72,4 +80,4 @@ bench-real-width: $(STAMP)
 	$(BIN)/python benchmarks/real_width.py --plot docs/img/real-width.png
 
 clean:
-	rm -rf $(VENV) artifacts/*/ .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) artifacts/*/ .pytest_cache
