@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from neffbuild.bundle.signing import load_private_key
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.entry_sig import ENTRY_SIG, load_trusted
 from neffbuild.compiler.remote_cache import RemoteCache
 from neffbuild.compiler.remote_tier import open_tier
 from neffbuild.compiler.smoke import LoadFailed
 from neffbuild.errors import InvalidInput
+from tests.test_sign import _keypair as key_files
 
 pytest.importorskip("cryptography")
 KEY = "ef" * 32
@@ -32,14 +34,9 @@ def _env(monkeypatch, server, who="rw"):
 
 
 def _keypair(folder: Path, name: str):
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    pub = folder / f"{name}.pub.pem"
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
-    return key, pub
+    """(private key object, public key PEM path): the signing tests' key files, the private one loaded."""
+    priv, pub = key_files(folder, name)
+    return load_private_key(priv), pub
 
 
 @pytest.fixture(scope="module")
