@@ -54,29 +54,24 @@ def kv_layout(cfg, draft_cfg, num_blocks: int, block_size: int, fp8_packed_kv: b
                     draft_head_dim=draft_cfg.head_dim if draft_cfg else 0, kv_dtype=kv_dtype)
 
 
-def _draft_config(recipe):
-    s = recipe.speculative
-    return registry.speculative(s.method).get("config").from_hf_dict(s.draft_hf_config, recipe.model.config) \
-        if s else None
-
-
 def recipe_kv_layout(recipe, num_blocks: int | None = None) -> KVLayout:
-    return kv_layout(recipe.model.config, _draft_config(recipe), num_blocks or recipe.num_blocks, recipe.block_size,
-                     recipe.fp8_packed_kv, ParallelLayout(recipe.tp, recipe.dp, recipe.ep), recipe.kv_dtype)
+    """One rank's KV layout for a recipe (its ``num_blocks`` unless another is given): the one place a recipe's
+    layout is made (the builder, plan, the bundle's ``graph_inputs``)."""
+    return kv_layout(recipe.model.config, recipe.draft_config, num_blocks or recipe.num_blocks, recipe.block_size,
+                     recipe.fp8_packed_kv, recipe.parallel, recipe.kv_dtype)
 
 
 def weight_parts(recipe) -> dict[str, int]:
     """Bytes one rank maps per part (the architecture's ``rank_weight_parts``: embedding, attention, router,
     experts) plus ``draft``, from the dtypes the bundle stores (model.weights_dtype, model.experts)."""
-    cfg, par = recipe.model.config, ParallelLayout(recipe.tp, recipe.dp, recipe.ep)
+    cfg, par = recipe.model.config, recipe.parallel
     arch = registry.arch(recipe.model.arch)
     form = arch.get("weight_form")(recipe.model.weights_dtype, recipe.model.experts)
     parts = dict(arch.get("rank_weight_parts")(cfg, par, form), draft=0)
-    dcfg, s = _draft_config(recipe), recipe.speculative
+    dcfg = recipe.draft_config
     if dcfg is not None:
-        method = registry.speculative(s.method)
-        own = bool(s.draft_checkpoint and method.get("has_own_embed")(s.draft_checkpoint))
-        parts["draft"] = method.get("weight_bytes")(dcfg, own)
+        parts["draft"] = registry.speculative(recipe.speculative.method).get("weight_bytes")(dcfg,
+                                                                                             recipe.draft_own_embed)
     return parts
 
 

@@ -17,9 +17,9 @@ from neffbuild.bundle import manifest, paths
 from neffbuild.compiler.graphs import (
     example_inputs,
     input_signature,
-    kv_layout_for,
     target_graph,
 )
+from neffbuild.memory import recipe_kv_layout
 from neffbuild.models.gpt_oss.weights import stacked_shapes
 from neffbuild.runtime.bundle.schema import problems
 from tests.conftest import TINY
@@ -48,7 +48,7 @@ def golden_text() -> str:
     files[paths.RECIPE_PATH] = _fake(r.to_yaml())
     weights = {"file": paths.WEIGHTS_PATH, "tensors": {k: {"dtype": "float32", "shape": list(v)}
                                                         for k, v in sorted(stacked_shapes(r.model.config).items())}}
-    m = manifest.build(r, toolchain=TOOLCHAIN, kv_layout=kv_layout_for(r), artifacts=list(reversed(artifacts)),
+    m = manifest.build(r, toolchain=TOOLCHAIN, kv_layout=recipe_kv_layout(r), artifacts=list(reversed(artifacts)),
                        weights=weights, files=files)
     return manifest.dumps(m)
 

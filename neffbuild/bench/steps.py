@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from neffbuild import registry
+from neffbuild import memory, registry
 from neffbuild.compiler.graphs import TargetGraph, build_graph, target_graph_from
 from neffbuild.runtime.bundle.reader import load_aoti
 from neffbuild.runtime.kv.cache import allocate
@@ -33,8 +33,10 @@ VARIANTS = ("bucketed", "fallback", "dynamic", "eager")
 
 def graph_spec(bundle, *, batch: int, ctx: int) -> TargetGraph:
     """The bundle's decode graph at (batch, ctx), from its GraphInputs (an unsharded graph: one process)."""
-    gi = bundle.graph_inputs
-    return target_graph_from(dataclasses.replace(gi, parallel=ParallelLayout()), DECODE, batch, ctx, 1)
+    gi, one = bundle.graph_inputs, ParallelLayout()
+    kv = memory.kv_layout(gi.config(), gi.draft(gi.config()), gi.num_blocks, gi.block_size, gi.fp8_packed_kv, one,
+                          gi.kv_layout.kv_dtype)
+    return target_graph_from(dataclasses.replace(gi, parallel=one, kv_layout=kv), DECODE, batch, ctx, 1)
 
 
 def contexts(max_model_len: int) -> list[int]:

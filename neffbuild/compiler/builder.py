@@ -16,14 +16,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neffbuild import grid, registry, settings
+from neffbuild import grid, memory, registry, settings
 from neffbuild.bundle import paths
 from neffbuild.bundle.writer import BundleWriter
 from neffbuild.compiler import remote_tier
 from neffbuild.compiler.backends import get_backend
 from neffbuild.compiler.cache import Cache
 from neffbuild.compiler.executor import make_executor
-from neffbuild.compiler.graphs import draft_config_for, kv_layout_for, layout_for, target_graph
+from neffbuild.compiler.graphs import target_graph
 from neffbuild.compiler.jobs import Job, JobResult
 from neffbuild.compiler.progress import Progress
 from neffbuild.compiler.worker import cached_result
@@ -113,7 +113,7 @@ def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, ti
         if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
             s = recipe.speculative
             draft_weights = registry.speculative(s.method).get("weights")
-            weights.update(draft_weights(draft_config_for(recipe), s.draft_checkpoint, s.draft_random_seed))
+            weights.update(draft_weights(recipe.draft_config, s.draft_checkpoint, s.draft_random_seed))
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
@@ -151,7 +151,7 @@ def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, ti
         hits = {r.label: r.hit for r in result.results}
         seconds = {r.label: r.compile_seconds for r in result.results}  # per build: build-info.json
         result.bundle = writer.finish(
-            recipe, toolchain=backend.fingerprint(), kv_layout=kv_layout_for(recipe), artifacts=artifacts,
+            recipe, toolchain=backend.fingerprint(), kv_layout=memory.recipe_kv_layout(recipe), artifacts=artifacts,
             weights=weights_entry, parallel=parallel, sign_key=sign_key,
             report_context={"hits": hits, "seconds": seconds, "built": result.built, "cached": result.cached,
                              "wall_s": round(time.monotonic() - started, 3), **_placement(runner, result.results)},
@@ -180,7 +180,7 @@ def _run(jobs_list: list[Job], executor, progress: Progress, tier=None, cache=No
 def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, ParallelSection | None]:
     """Unsharded: one file. Sharded: the replicated piece plus one file per TP and per EP rank,
     each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps."""
-    par = layout_for(recipe)
+    par = recipe.parallel
     if not par.sharded:
         return writer.write_weights(weights), None
     cfg, entries, shared = recipe.model.config, {}, None

@@ -17,9 +17,6 @@ import torch
 from neffbuild import registry
 from neffbuild.compiler.graph_spec import (  # noqa: F401  (torch-free; re-exported)
     TargetGraph,
-    draft_config_for,
-    kv_layout_for,
-    layout_for,
     target_graph,
     target_graph_from,
 )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import os
 import resource
 import sys
@@ -56,12 +55,7 @@ def pre_key_for(graph: TargetGraph, backend) -> str:
 
     Like the cache key, it covers a sharded graph's parallel layout and ignores dp for an unsharded one.
     """
-    spec = dataclasses.asdict(graph)
-    if graph.parallel.sharded:
-        spec["parallel"] = graph.parallel.to_json()
-    else:
-        spec = {k: v for k, v in spec.items() if k not in ("tp", "dp", "ep")}
-    return pre_key(spec, backend.fingerprint(), source_digest())
+    return pre_key(graph.spec(), backend.fingerprint(), source_digest())
 
 
 _OWN_PROCESS = False  # set by warm_up: a pool worker runs one job at a time, so its fds 1 and 2 may be the job's

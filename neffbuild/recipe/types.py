@@ -12,6 +12,7 @@ import yaml
 
 from neffbuild import registry
 from neffbuild.recipe.dtype_rules import checkpoint_defaults
+from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.runtime.step.buckets import num_swa_blocks
 
 
@@ -71,6 +72,24 @@ class Recipe:
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def parallel(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.dp, self.ep)
+
+    @property
+    def draft_config(self):
+        """The speculative method's draft config dataclass over the target's (None without a speculative section)."""
+        s = self.speculative
+        return registry.speculative(s.method).get("config").from_hf_dict(s.draft_hf_config, self.model.config) \
+            if s else None
+
+    @property
+    def draft_own_embed(self) -> bool:
+        """Whether the draft checkpoint brings its own token embedding (else the draft reads the target's)."""
+        s = self.speculative
+        return bool(s and s.draft_checkpoint
+                    and registry.speculative(s.method).get("has_own_embed")(s.draft_checkpoint))
 
     @property
     def num_swa(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neffbuild import registry
-from neffbuild.runtime.kv.cache import KVLayout
+from neffbuild.runtime.kv.layout import KVLayout
 from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.runtime.step.dispatch import Grid
 
@@ -37,7 +37,7 @@ class GraphInputs:
         s, r = recipe.speculative, recipe
         return cls(Grid(tuple(r.num_seqs_buckets), tuple(r.decode_context_length_buckets), r.max_model_len,
                         r.num_speculative_tokens),
-                   r.block_size, r.num_blocks, r.num_swa, ParallelLayout(r.tp, r.dp, r.ep), r.lnc, r.fp8_packed_kv,
+                   r.block_size, r.num_blocks, r.num_swa, r.parallel, r.lnc, r.fp8_packed_kv,
                    kv_layout, r.model.arch, r.model.config.to_hf_dict(), s.draft_hf_config if s else None,
                    s.method if s else None)
 
