@@ -58,7 +58,10 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
 # need is compiled once anyway (one compile cache for the run, `build_cache`: a key's lock makes the second
 # worker take the first's entry).
 XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build",
-                "built_tp2", "built_dp2_ep2", "fp8_built")
+                "built_tp2", "built_dp2_ep2", "fp8_built", "home")
+# A fixture whose tests join another group: test_json_output's cold build (`home`) is used by its Ray test too,
+# so its whole module runs on the Ray group's worker and the cold build happens once, not once per worker.
+JOINS = {"home": "ray_cluster"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
@@ -68,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
         names = set(getattr(item, "fixturenames", ()))
         if COMPILED_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
-        group = next((g for g in XDIST_GROUPS if g in names), None)
+        group = next((JOINS.get(g, g) for g in XDIST_GROUPS if g in names), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
             _group_suffix(config, item, group)

@@ -4,6 +4,7 @@ inputs and the signatures the manifest schema expects, for every family and layo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -56,6 +57,21 @@ def test_traced_inputs_and_manifest_signatures_come_from_one_table(name):
         back, there = target_graph_from(gi, t.family, t.batch, t.ctx, t.query_len), target_graph(r, t)
         assert back == there and back.spec() == there.spec()
         assert back.config == there.config and back.draft_config == there.draft_config
+
+
+def test_a_graphs_spec_is_its_cell_and_the_bundles_shapes():
+    """Another bucket shapes no other graph: its spec (the pre-key's input) stays; a bundle-wide shape or the
+    weights' form changes every one. dp counts only in a sharded graph."""
+    r = _recipe("plain")
+    cell = next(t for t in grid.targets(r) if t.ctx == 128)
+    spec = target_graph(r, cell).spec()
+    more = r.replace(num_seqs_buckets=(*r.num_seqs_buckets, 8),
+                     decode_context_length_buckets=(*r.decode_context_length_buckets, 384))
+    assert target_graph(more, cell).spec() == spec
+    assert target_graph(r.replace(dp=2), cell).spec() == spec
+    for changed in (r.replace(num_blocks=r.num_blocks + 16), r.replace(fp8_packed_kv=True), r.replace(tp=2),
+                    r.replace(model=dataclasses.replace(r.model, weights_dtype="bfloat16"))):
+        assert target_graph(changed, cell).spec() != spec
 
 
 @pytest.mark.parametrize("name", ["plain", "fp8", "eagle3"])
