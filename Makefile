@@ -20,10 +20,11 @@ UV_VERSION := 0.13.9
 
 # The exact, hashed versions of every test and benchmark dependency (requirements/test.lock, made by
 # `make lock`), so CI, a developer and a fresh machine get the same packages; torch is the CPU wheel on disk
-# (requirements/torch.txt), never a multi-GB CUDA build. Then the project itself, editable, without deps.
+# (requirements/torch.txt), never a multi-GB CUDA build; --no-compile: each .pyc is written at its module's first
+# import, not all at install (as tools/vllm_venv.sh). Then the project itself, editable, without deps.
 $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --require-hashes -r $(LOCK)
+	$(BIN)/pip install -q --no-compile --require-hashes -r $(LOCK)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/pip check
 	touch $(STAMP)
