@@ -39,7 +39,7 @@ ALLOWED = {
     "compiler": {"models", "bundle", "kernels", "grid", "memory", "s3"} | RUNTIME,
     # recipe: a bundle's model_config is checked with the recipe's config rules (serve/rank.py), one rule set
     "serve": {"models", "recipe"} | RUNTIME,
-    "bench": {"compiler", "models", "serve", "grid"} | RUNTIME,
+    "bench": {"compiler", "models", "serve", "grid", "memory"} | RUNTIME,
     # the vLLM plugin (neffbuild/vllm): the runtime and the base modules; no part imports it
     "vllm": RUNTIME,
     "cli": {"serve", "compiler", "models", "bundle", "grid", "recipe", "recommend", "bench", "memory", "s3"} | RUNTIME,
