@@ -3,8 +3,9 @@
 Pure arithmetic on a recipe (no torch, no tracing), by the project's one formula for each part:
 
 - weights: the pieces the rank maps, as the bundle stores them (architecture part
-  ``rank_weight_bytes``: the shared piece + the rank's tp and ep pieces), plus the EAGLE3
-  draft's tensors (every rank holds the whole draft; ``models/eagle3/shapes.py``);
+  ``rank_weight_bytes``: the shared piece + the rank's tp and ep pieces, the embedding and
+  unembedding as vocab / tp rows), plus the EAGLE3 draft's tensors (every rank holds the
+  whole draft layer; ``models/eagle3/shapes.py``);
 - KV: ``runtime/kv/layout.py`` (``num_blocks x bytes_per_block``: target buffers, and the
   draft's buffer separately);
 - the pool a device fits, the way vLLM sizes its pool from free memory:
@@ -120,18 +121,17 @@ def device_fit(device_bytes: int, weights: int, layout: KVLayout, *, cap: int | 
 
 
 def sharding_outlook(recipe, parts: dict, layout: KVLayout, device_bytes: int | None) -> dict:
-    """What one rank would hold if the bundle split the vocabulary (embedding, unembedding) and the EAGLE3
-    draft (its tensors and KV heads) over the TP ranks, and without the draft: arithmetic only, a forecast
-    for what the bundle does not build yet (both stay replicated on every rank today)."""
+    """What one rank would hold if the bundle also split the EAGLE3 draft's layer (its tensors and KV heads) over
+    the TP ranks, and without the draft: arithmetic only, a forecast for what the bundle does not build (the
+    vocabulary, embedding and unembedding, is split over TP already: ``parts`` has the rank's share)."""
     tp = recipe.tp
     split_heads = max(1, layout.draft_kv_heads // tp) if layout.has_draft else 0
+    target = sum(parts.values()) - parts["draft"]
     rows = {
-        "vocab_and_draft_split": (sum(parts.values()) - parts["embedding"] - parts["draft"]
-                                  + parts["embedding"] // tp + parts["draft"] // tp,
-                                  dataclasses.replace(layout, draft_kv_heads=split_heads,
-                                                      draft_head_dim=layout.draft_head_dim if split_heads else 0)),
-        "vocab_split_no_draft": (sum(parts.values()) - parts["embedding"] - parts["draft"] + parts["embedding"] // tp,
-                                 dataclasses.replace(layout, draft_kv_heads=0, draft_head_dim=0)),
+        "draft_split": (target + parts["draft"] // tp,
+                        dataclasses.replace(layout, draft_kv_heads=split_heads,
+                                            draft_head_dim=layout.draft_head_dim if split_heads else 0)),
+        "no_draft": (target, dataclasses.replace(layout, draft_kv_heads=0, draft_head_dim=0)),
     }
     out = {}
     for name, (weights, lay) in rows.items():
@@ -190,9 +190,9 @@ def describe(doc: dict) -> list[str]:
                                                                  " (no past compile of these targets in the cache)")]
     if "kv_offset_limit" in doc:
         lines.append(f"  32-bit KV offsets: num_blocks <= {doc['kv_offset_limit']}")
-    out = r["sharding_outlook"]["vocab_and_draft_split"]
-    if "max_num_blocks" in out:
-        lines.append(f"  not built yet: vocabulary and draft split over TP would leave weights "
+    out = r["sharding_outlook"]["draft_split"]
+    if "max_num_blocks" in out and r["draft_weight_bytes"]:
+        lines.append(f"  not built: the draft's layer split over TP would leave weights "
                      f"{fmt_bytes(out['weight_bytes'])} and {out['max_num_blocks']} blocks")
     d = doc.get("device")
     if d:

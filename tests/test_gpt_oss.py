@@ -165,6 +165,9 @@ def test_shard_slices_heads_and_experts(tiny_cfg):
     assert torch.equal(torch.cat([p["o_w"] for p in parts], dim=2), st["o_w"])
     assert torch.equal(parts[1]["gate_up_w"], st["gate_up_w"][:, 2:])
     assert torch.equal(parts[1]["o_b"], st["o_b"])  # replicated: added once, after the all-reduce
+    V = tiny_cfg.vocab_size  # the embedding and the LM head: split by vocabulary, rank 1 the upper half
+    assert torch.equal(parts[1]["embed"], st["embed"][V // 2:])
+    assert torch.equal(parts[0]["lm_head"], st["lm_head"][: V // 2])
     assert {k: tuple(v.shape) for k, v in parts[0].items()} == sharding.rank_shapes(tiny_cfg, par)
 
 

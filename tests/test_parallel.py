@@ -92,7 +92,9 @@ def test_sharded_graph_traces_without_peers_and_key_covers_layout(tiny_recipe):
     assert len({keys[k] for k in keys if k != (1, 2, 1)}) == 4  # (2,1,2) and (2,2,2) trace alike: the layout keys them
     assert "_c10d_functional" not in texts[(1, 1, 1)]
     L = tiny_recipe.model.config.num_hidden_layers
-    assert texts[(2, 1, 2)].count("_c10d_functional.all_reduce.default(") == 2 * L  # o-proj and MoE per layer
+    # o-proj and MoE per layer, and the vocabulary-split embedding once; its logits all-gathered along the vocabulary
+    assert texts[(2, 1, 2)].count("_c10d_functional.all_reduce.default(") == 2 * L + 1
+    assert texts[(2, 1, 2)].count("_c10d_functional.all_gather_into_tensor.default(") == 1
     assert "all_gather_into_tensor" in texts[(1, 2, 2)] and "reduce_scatter_tensor" in texts[(1, 2, 2)]
     with pytest.raises(RuntimeError):
         _resolve_process_group(TP_GROUP)
@@ -115,3 +117,66 @@ def _subgroup_rank(rank, world):
 def test_join_a_subgroup_of_a_larger_job():
     """A bundle's world may be a subgroup: rank ids are ranks in it, collectives stay inside it."""
     assert run_ranks(_subgroup_rank, 3) == [None, (0, 3.0), (1, 3.0)]
+
+
+def _rank_prefill_and_draft(rank, world, cfg, stacked, dweights, layout, prompt, draft_ins):
+    """Rank ``rank``'s eager prefill (its heads, its vocabulary rows, its experts) and EAGLE3 draft call."""
+    from neffbuild.models.eagle3.config import Eagle3Config
+    from neffbuild.models.eagle3.draft import Eagle3Draft
+    from neffbuild.models.gpt_oss.prefill import prefill
+    from neffbuild.runtime.parallel import rank_tensor
+    from neffbuild.runtime.world import join
+
+    join(layout)
+    mine = sharding.shard(cfg, stacked, layout, rank)
+    heads = sharding.kv_heads_of(cfg, layout, layout.tp_rank(rank))
+    kv = [torch.zeros(2, NB, len(heads), BS, cfg.head_dim) for _ in range(cfg.num_kv_buffers)]
+    row = torch.arange(1, 9)
+    logits = prefill(cfg, mine, prompt, kv, row, row, parallel=layout, rank=rank)
+    dcfg = Eagle3Config.from_hf_dict({}, cfg)
+    draft = Eagle3Draft(dcfg, dict(dweights, embed=mine["embed"]), num_speculative_tokens=3, parallel=layout).eval()
+    cache = torch.zeros(2, NB, dcfg.num_key_value_heads, BS, dcfg.head_dim)
+    with torch.no_grad():
+        tokens = draft(*draft_ins, cache, rank_tensor(rank))
+    return logits, kv, list(heads), tuple(mine["embed"].shape), tokens, cache
+
+
+def test_vocab_parallel_prefill_and_draft_equal_unsharded(tiny_cfg):
+    """tp 2: each rank holds vocab / 2 rows of the embedding and the LM head; its eager prefill gives the
+    unsharded prefill's full logits and its KV slice, and the EAGLE3 draft (which shares the embedding,
+    looked up the same way) proposes the unsharded draft's tokens."""
+    from neffbuild.models.eagle3 import weights as dw
+    from neffbuild.models.eagle3.config import Eagle3Config
+    from neffbuild.models.eagle3.draft import Eagle3Draft
+    from neffbuild.models.gpt_oss.prefill import prefill
+
+    layout = ParallelLayout(tp=2, ep=2)
+    cfg = tiny_cfg
+    stacked = W.stack(cfg, W.random_state_dict(cfg, 4))
+    dcfg = Eagle3Config.from_hf_dict({}, cfg)
+    dweights = dw.draft_weights(dcfg, None, 5)
+    g = torch.Generator().manual_seed(6)
+    V, q = cfg.vocab_size, 4
+    prompt = torch.cat([torch.tensor([0, V // 2 - 1, V // 2, V - 1]), torch.randint(0, V, (20,), generator=g)])
+    pos = torch.tensor([[5], [40]]) + torch.arange(q)
+    table = torch.stack([torch.arange(1, 9), torch.arange(9, 17)])
+    slots = (table.gather(1, pos // BS) * BS + pos % BS).reshape(-1)
+    ids = torch.tensor([[0, V // 2 - 1, V // 2, V - 1], [V - 1, 1, V // 2 + 1, 7]])  # both halves' edges
+    draft_ins = (ids, pos, torch.randn(2, q, 3 * cfg.hidden_size, generator=g), torch.tensor([4, 2]), table, slots)
+    results = run_ranks(_rank_prefill_and_draft, layout.world_size, cfg, stacked, dweights, layout, prompt, draft_ins)
+
+    kv = [torch.zeros(2, NB, cfg.num_key_value_heads, BS, cfg.head_dim) for _ in range(cfg.num_kv_buffers)]
+    row = torch.arange(1, 9)
+    want = prefill(cfg, stacked, prompt, kv, row, row)
+    draft = Eagle3Draft(dcfg, dict(dweights, embed=stacked["embed"]), num_speculative_tokens=3).eval()
+    want_cache = torch.zeros(2, NB, dcfg.num_key_value_heads, BS, dcfg.head_dim)
+    with torch.no_grad():
+        want_tokens = draft(*draft_ins, want_cache)
+    for logits, got_kv, heads, embed_shape, tokens, cache in results:
+        assert embed_shape == (V // 2, cfg.hidden_size)
+        assert logits.shape == want.shape == (len(prompt), V)
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+        for got, ref in zip(got_kv, kv, strict=True):
+            torch.testing.assert_close(got, ref[:, :, heads], atol=1e-5, rtol=0)
+        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=0)

@@ -178,6 +178,15 @@ def test_tp_kv_heads_split_or_replicated():
         R.from_dict(raw)
 
 
+def test_tp_must_divide_the_vocabulary():
+    """The embedding and the LM head are split by vocabulary over TP: a vocabulary tp does not divide is refused
+    (naming both keys), not padded."""
+    raw = patched("model.config.vocab_size", 255)
+    raw["parallel"] = {"tp": 2, "ep": 2}
+    with pytest.raises(RecipeError, match=r"parallel\.tp: got 2, must divide model\.config\.vocab_size \(255\)"):
+        R.from_dict(raw)
+
+
 def test_neuron_tp_must_fit_one_instance():
     raw = patched("compiler.backend", "neuron")
     raw["compiler"]["target"] = "trn1"

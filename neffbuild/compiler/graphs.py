@@ -59,7 +59,8 @@ def _inputs_mode():
 def draft_example_inputs(graph: TargetGraph) -> tuple:
     d = dims(graph)
     with _inputs_mode():
-        return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS)
+        rank = (parallel.rank_tensor(0),) if d.sharded else ()
+        return tuple(_example(i, d) for i in step_inputs.DRAFT_INPUTS) + rank
 
 
 @contextlib.contextmanager
@@ -124,9 +125,13 @@ def _draft_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None):
     dcfg, method = graph.draft_config, registry.speculative(graph.speculative_method)
     if weights is None:
         weights = method.get("placeholders")(dcfg)
-        embed = torch.empty(registry.arch(graph.arch).get("placeholder_shapes")(graph.config)["embed"],
-                            dtype=getattr(torch, graph.weights_dtype))  # the target's, shared
+        arch = registry.arch(graph.arch)
+        if graph.draft_own_embed:  # its own: whole on every rank
+            shape = arch.get("placeholder_shapes")(graph.config)["embed"]
+        else:  # the target's, shared: the rank's vocabulary slice under tp > 1
+            shape = arch.get("rank_specs")(graph.config, graph.parallel)["embed"][0]
+        embed = torch.empty(shape, dtype=getattr(torch, graph.weights_dtype))
         weights[method.get("embed_name")(graph.draft_own_embed)] = embed
     module = method.get("draft")(dcfg, weights, num_speculative_tokens=graph.num_speculative_tokens,
-                         packed_k=graph.fp8_packed_kv).eval()
+                                 packed_k=graph.fp8_packed_kv, parallel=graph.parallel).eval()
     return module, draft_example_inputs(graph)

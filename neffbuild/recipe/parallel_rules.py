@@ -1,8 +1,9 @@
 """Validation rules for the ``parallel`` section (tp, dp, ep) and what each backend can build.
 
 World = tp x dp ranks; attention heads split over TP (KV heads split, or replicated when
-there are fewer than tp), experts over EP groups of ``ep`` ranks taken from the world. A
-backend's own limits are its ``layout_rule`` registry part (compiler/backends/neuron_rules.py).
+there are fewer than tp), the embedding and the LM head by vocabulary over TP, experts over EP
+groups of ``ep`` ranks taken from the world. A backend's own limits are its ``layout_rule``
+registry part (compiler/backends/neuron_rules.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
     if Hk % tp and tp % Hk:
         err("parallel.tp", tp, f"must divide model.config.num_key_value_heads ({Hk}) or be a multiple of it "
                                "(KV heads are then replicated over the TP ranks that share them)")
+    if cfg.vocab_size % tp:
+        err("parallel.tp", tp, f"must divide model.config.vocab_size ({cfg.vocab_size}): the embedding and the "
+                               "LM head are split by vocabulary over the TP ranks (pad the vocabulary to a multiple)")
     if E % ep:
         err("parallel.ep", ep, f"must divide model.config.num_local_experts ({E})")
     if (tp * dp) % ep:
@@ -46,7 +50,8 @@ def layout_json(recipe) -> dict:
             "per_rank": {"attention_heads": cfg.num_attention_heads // tp,
                          "kv_heads": max(1, cfg.num_key_value_heads // tp),
                          "kv_heads_replicated": cfg.num_key_value_heads < tp,
-                         "experts": cfg.num_local_experts // ep}}
+                         "experts": cfg.num_local_experts // ep,
+                         "vocab_rows": cfg.vocab_size // tp}}
 
 
 COMBINE_TEXT = {"none": "none", "all_reduce": "one all-reduce", "gather_reduce_scatter": "gather + reduce-scatter"}

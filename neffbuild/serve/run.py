@@ -47,7 +47,7 @@ def _parts(session: ServingRank, opts: Options, prefill):
         if dcfg is None:
             raise InvalidInput(f"--spec: bundle {session.bundle.root.name} was built without speculative decoding; "
                                "drop --spec or build a recipe with a speculative: section")
-        proposer = Eagle3Proposer(session.stepper, dcfg, session.weights)
+        proposer = Eagle3Proposer(session.stepper, dcfg, session.weights, parallel=session.parallel, rank=session.rank)
     if opts.di:
         addresses, alive = prefill
         return NixlSource(session, addresses, alive=alive), proposer  # keys req-{file index}: unique over DP

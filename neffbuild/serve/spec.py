@@ -11,11 +11,13 @@ one MAX all-reduce, so all DP ranks run the same target artifact. A request with
 verified rows (right after a DI transfer: no aux hidden states yet) or no room gets no
 drafts, so that step runs ``target_nospec``; its aux output then feeds the next draft call.
 
-**The draft is replicated on every rank**, not sharded: its weights are stored in the
-bundle's ``shared`` piece, its KV group keeps every draft KV head on every rank, and its
-graph has no collectives. It is one small layer: sharding it would add two all-reduces
-per proposed token for almost no memory, and every TP rank already holds the same aux
-states (the target's outputs are all-reduced), so every TP rank proposes the same drafts.
+**The draft's layer is replicated on every rank**, not sharded: its weights are stored in the
+bundle's ``shared`` piece and its KV group keeps every draft KV head on every rank. Every TP
+rank already holds the same aux states (the target's outputs are all-reduced), so every TP
+rank proposes the same drafts. The one collective in its graph is the token embedding it
+shares with the target, which tp > 1 splits by vocabulary (a lookup, then an all-reduce over
+the TP group, as in the target); docs/benchmarks.md "Vocabulary and draft sharding" gives
+the memory sharding the layer itself would save.
 
 KV for rejected tokens needs no work: ``computed`` advances by the emitted count only; the
 slots past it hold rejected drafts, which the causal mask hides and the next step
@@ -32,6 +34,7 @@ from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.draft import Eagle3Draft
 from neffbuild.models.eagle3.draft import prefill as draft_prefill
 from neffbuild.runtime.kv.blocks import FULL_GROUP, BlockManager
+from neffbuild.runtime.parallel import ParallelLayout, rank_tensor
 from neffbuild.runtime.step.dispatch import DRAFT, StepPlan, plan_draft
 from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve.parts import Request, block_rows
@@ -43,11 +46,15 @@ DraftFn = Callable[[StepPlan, list], torch.Tensor]
 class Eagle3Proposer:
     """Drafts k tokens per request through the bundle's ``draft_b{B}_ctx{S}`` artifacts (or ``draft_fn``)."""
 
-    def __init__(self, stepper: Stepper, dcfg: Eagle3Config, weights: dict, *, draft_fn: DraftFn | None = None):
+    def __init__(self, stepper: Stepper, dcfg: Eagle3Config, weights: dict, *, draft_fn: DraftFn | None = None,
+                 parallel: ParallelLayout | None = None, rank: int = 0):
         self.stepper, self.dcfg, self.grid = stepper, dcfg, stepper.grid
         self.k = self.grid.num_speculative_tokens
         self.eager_draft = Eagle3Draft(dcfg, weights, num_speculative_tokens=self.k,
-                                       packed_k=stepper.kv_layout.packed_k).eval()  # the prompt's catch-up only
+                                       packed_k=stepper.kv_layout.packed_k,
+                                       parallel=parallel).eval()  # the prompt's catch-up only
+        # a sharded rank's catch-up looks up its embedding rows like the graph (in step with its TP group)
+        self.rank = rank_tensor(rank) if parallel is not None and parallel.sharded else None
         self.draft_fn = draft_fn
         self.plans: list[StepPlan] = []
 
@@ -58,7 +65,7 @@ class Eagle3Proposer:
     def on_prefill(self, req: Request, prompt: list[int], aux: torch.Tensor, full_row: torch.Tensor) -> None:
         """The draft's KV for prompt positions 0..N-2 (eager), and the first draft call's row."""
         draft_prefill(self.eager_draft, torch.as_tensor(prompt[1:], dtype=torch.long), aux[:-1],
-                      self.stepper.draft_cache, full_row)
+                      self.stepper.draft_cache, full_row, self.rank)
         req.verified = ([req.next], aux[-1:], len(prompt) - 1)
 
     def after_step(self, req: Request, emitted: list[int], aux: torch.Tensor | None, first_pos: int) -> None:

@@ -15,6 +15,10 @@ Layer (common EAGLE3 form): fused = fc(aux [3H]); attention input = [norm(embedd
 norm(state)] (2H) -> q/k/v; residual on the state; o-proj; post-norm; SiLU-gated MLP;
 final norm; LM head over the draft vocabulary; ``d2t`` maps the argmax to a target id.
 No attention sinks (a -inf sink column is an exact no-op) and no sliding window.
+
+Under tp > 1 the draft's own layer is replicated on every TP rank, but the target's embedding it
+shares is split by vocabulary: the draft then looks tokens up as the target does (its rows, then
+an all-reduce over the TP group), so its graph takes the rank id as its last input.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from neffbuild.kernels import (
     write_kv,
     yarn_inv_freq,
 )
+from neffbuild.kernels.collectives import vocab_parallel_embed
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.weights import DRAFT_EMBED, DRAFT_NAMES
+from neffbuild.runtime.parallel import TP_GROUP, ParallelLayout
 
 
 def draft_layer(cfg: Eagle3Config, w: dict, emb: torch.Tensor, state: torch.Tensor, cos, sin, attend) -> torch.Tensor:
@@ -62,11 +68,13 @@ class Eagle3Draft(nn.Module):
     """Catch-up over 1+k rows, then k greedy proposals; draft KV written in place into ``kv_cache``."""
 
     def __init__(self, cfg: Eagle3Config, weights: dict[str, torch.Tensor], *, num_speculative_tokens: int,
-                 packed_k: bool = False):
+                 packed_k: bool = False, parallel: ParallelLayout | None = None):
         super().__init__()
         self.cfg, self.k, self.packed_k = cfg, num_speculative_tokens, packed_k
-        # The draft shares the target's token embedding (bundle name "embed") unless it brought its own.
+        # The draft shares the target's token embedding (bundle name "embed") unless it brought its own;
+        # the shared one is the rank's vocabulary slice under tp > 1 (its own stays whole on every rank).
         self.embed_name = DRAFT_EMBED if DRAFT_EMBED in weights else "embed"
+        self.tp = (parallel or ParallelLayout()).tp if self.embed_name == "embed" else 1
         for name in DRAFT_NAMES + (self.embed_name,):
             self.register_buffer(name, weights[name], persistent=True)
         inv_freq, self.rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
@@ -76,6 +84,11 @@ class Eagle3Draft(nn.Module):
         w = {name: getattr(self, name) for name in DRAFT_NAMES}
         w["embed"] = getattr(self, self.embed_name)
         return w
+
+    def lookup(self, w: dict, ids: torch.Tensor, rank: torch.Tensor | None) -> torch.Tensor:
+        if self.tp == 1:
+            return w["embed"][ids]
+        return vocab_parallel_embed(w["embed"], ids, rank % self.tp, TP_GROUP)
 
     def paged_attend(self, kv_cache, table, positions, slots, sinks):
         B, S = positions.shape
@@ -98,6 +111,7 @@ class Eagle3Draft(nn.Module):
         block_table: torch.Tensor,  # [B, W] head-trimmed (the full-attention group's block ids)
         slot_mapping: torch.Tensor,  # [B*(1+k)] catch-up write slots (-1 = not written)
         kv_cache: torch.Tensor,  # [2, num_blocks, kv_heads, block_size, head_dim] the draft's own KV group
+        rank: torch.Tensor | None = None,  # [1] this rank's id; sharded bundles only (its embedding rows)
     ) -> torch.Tensor:  # [B, k] proposed target token ids
         cfg, w = self.cfg, self.weights()
         B = input_ids.shape[0]
@@ -105,7 +119,7 @@ class Eagle3Draft(nn.Module):
         sinks = no_sinks(cfg, hidden)
         cos, sin = rope_cos_sin(positions, self.draft_inv_freq, self.rope_scale)
         state = hidden @ w["draft_fc"].t()  # [B, 1+k, H]
-        state = draft_layer(cfg, w, w["embed"][input_ids], state, cos, sin,
+        state = draft_layer(cfg, w, self.lookup(w, input_ids, rank), state, cos, sin,
                             self.paged_attend(kv_cache, block_table, positions, slot_mapping, sinks))
         last = (num_valid - 1).clamp(min=0)[:, None]  # [B, 1]
         state = state.gather(1, last[..., None].expand(B, 1, state.shape[-1]))  # [B, 1, H]
@@ -117,7 +131,7 @@ class Eagle3Draft(nn.Module):
             col = (pos // bs).clamp(max=W - 1)
             slots = torch.where(live, block_table.gather(1, col) * bs + pos % bs, -1).reshape(B)
             cos, sin = rope_cos_sin(pos, self.draft_inv_freq, self.rope_scale)
-            state = draft_layer(cfg, w, w["embed"][tokens[-1]], state, cos, sin,
+            state = draft_layer(cfg, w, self.lookup(w, tokens[-1], rank), state, cos, sin,
                                 self.paged_attend(kv_cache, block_table, pos, slots, sinks))
             tokens.append(propose(cfg, w, state))
         return torch.cat(tokens, dim=1)
@@ -125,7 +139,7 @@ class Eagle3Draft(nn.Module):
 
 @torch.no_grad()
 def prefill(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, kv_cache: torch.Tensor,
-            block_row: torch.Tensor) -> None:
+            block_row: torch.Tensor, rank: torch.Tensor | None = None) -> None:
     """Eager catch-up over a prompt: draft KV at positions 0..n-1 of one request.
 
     tokens [n]: the token at each position + 1; aux [n, 3H]: the target's aux states at each
@@ -146,4 +160,4 @@ def prefill(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, kv_cach
         write_kv(kv_cache, 1, slots, v[0], False)
         return sdpa_with_sinks(q, k, v, no_sinks(cfg, q), cfg.attention_scale, None)
 
-    draft_layer(cfg, w, w["embed"][tokens[None]], aux[None].float() @ w["draft_fc"].t(), cos, sin, attend)
+    draft_layer(cfg, w, draft.lookup(w, tokens[None], rank), aux[None].float() @ w["draft_fc"].t(), cos, sin, attend)

@@ -12,7 +12,9 @@ the write as an input mutation and the AOTInductor artifact performs it on the c
 tensor (checked in tests/test_gpt_oss.py::test_aoti_matches_eager), so no KV is copied.
 
 Sharded (runtime/parallel.py): with tp > 1 the graph holds one rank's heads and all-reduces
-the o-proj over the TP group; with ep > 1 one rank's experts and an EP combine. The
+the o-proj over the TP group, and one rank's vocab / tp rows of the embedding (looked up, then
+all-reduced) and of the LM head (its logits all-gathered along the vocabulary); with ep > 1 one
+rank's experts and an EP combine. The
 collectives are ``_c10d_functional`` ops inside the graph; the rank id is the last input.
 """
 
@@ -31,7 +33,13 @@ from neffbuild.kernels import (
     write_kv,
     yarn_inv_freq,
 )
-from neffbuild.kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
+from neffbuild.kernels.collectives import (
+    all_gather_rows,
+    all_reduce_sum,
+    reduce_scatter_rows,
+    vocab_parallel_embed,
+    vocab_parallel_gather,
+)
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.models.gpt_oss.weights import BLOCKS, SCALES, experts_of, stacked_names
@@ -88,9 +96,20 @@ def expert_weights(w: dict, name: str, i: int):
     return Mxfp4(w[name + BLOCKS][i], w[name + SCALES][i])
 
 
-def unembed(cfg: GptOssConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
-    """Final norm and LM head; logits in float32 whatever the weights' dtype (the step's output contract)."""
-    return (rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()).float()
+def embed(w: dict, ids: torch.Tensor, par: ParallelLayout = SINGLE, rank: torch.Tensor | None = None) -> torch.Tensor:
+    """Token embedding. With tp > 1 each rank holds vocab / tp rows (sharding.py) and the TP group sums."""
+    if par.tp == 1:
+        return w["embed"][ids]
+    return vocab_parallel_embed(w["embed"], ids, rank % par.tp, TP_GROUP)
+
+
+def unembed(cfg: GptOssConfig, w: dict, x: torch.Tensor, par: ParallelLayout = SINGLE) -> torch.Tensor:
+    """Final norm and LM head; logits in float32 whatever the weights' dtype (the step's output contract).
+
+    With tp > 1 each rank computes the logits of its vocab / tp rows and the TP group all-gathers them
+    along the vocabulary, so every rank returns the full logits."""
+    logits = (rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()).float()
+    return logits if par.tp == 1 else vocab_parallel_gather(logits, par.tp, TP_GROUP)
 
 
 class GptOssDecode(nn.Module):
@@ -127,7 +146,7 @@ class GptOssDecode(nn.Module):
     ):
         cfg, w = self.cfg, self.weights()
         B, S = input_ids.shape
-        x = w["embed"][input_ids]  # [B, q, H]
+        x = embed(w, input_ids, self.par, rank)  # [B, q, H]
         # Computed in the graph (a few ops on head_dim/2 values), not a buffer: a buffer becomes a
         # constant the artifact expects the bundle's weights to provide.
         inv_freq, rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
@@ -147,7 +166,7 @@ class GptOssDecode(nn.Module):
                                    cfg.attention_scale, window, self.packed_k)
             x = attention_output_and_mlp(cfg, w, i, x, attn, self.par, rank)
             hidden.append(x)
-        logits = unembed(cfg, w, x)  # [B, q, V] float32
+        logits = unembed(cfg, w, x, self.par)  # [B, q, V] float32, the whole vocabulary on every rank
         if self.aux_layers:  # aux [B, q, 3H], float32 as the draft takes it
             return logits, torch.cat([hidden[i] for i in self.aux_layers], dim=-1).float()
         return logits

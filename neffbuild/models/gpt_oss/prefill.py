@@ -20,6 +20,7 @@ from neffbuild.models.gpt_oss.decode import (
     SINGLE,
     attention_inputs,
     attention_output_and_mlp,
+    embed,
     unembed,
 )
 from neffbuild.models.gpt_oss.sharding import local_config
@@ -79,7 +80,7 @@ def prefill(
     slots = {True: torch.where(real, slots_for(block_row_swa, pos.clamp(max=N - 1), bs), -1),
              False: torch.where(real, slots_for(block_row, pos.clamp(max=N - 1), bs), -1)}
     local, rank_t = local_config(cfg, parallel), rank_tensor(rank)
-    x = stacked["embed"][ids]
+    x = embed(stacked, ids, parallel, rank_t)
     hidden = []
     for i, kind in enumerate(cfg.layer_types):
         sliding = kind == SLIDING
@@ -92,7 +93,7 @@ def prefill(
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
         hidden.append(x[0, :N])
-    logits = unembed(cfg, stacked, x)[0, :N]
+    logits = unembed(cfg, stacked, x, parallel)[0, :N]
     if aux_layers:
         return logits, torch.cat([hidden[i] for i in aux_layers], dim=-1).float()
     return logits

@@ -15,7 +15,8 @@ import math
 
 from neffbuild.models.gpt_oss.config import GptOssConfig
 
-TP_SPLIT = {"qkv_w": 1, "qkv_b": 1, "o_w": 2, "sinks": 1}  # name -> axis split over TP
+# name -> axis split over TP: attention by heads, the embedding and the LM head by vocabulary (rows)
+TP_SPLIT = {"qkv_w": 1, "qkv_b": 1, "o_w": 2, "sinks": 1, "embed": 0, "lm_head": 0}
 EP_SPLIT = {"gate_up_w": 1, "gate_up_b": 1, "down_w": 1, "down_b": 1}  # name -> axis split over EP
 # Expert weights are stacked [out, in] per expert (gate_up_w [L, E, 2I, H], down_w [L, E, H, I]), as an MXFP4
 # checkpoint stores them and nn.Linear holds a weight; transformers' float tensors are [in, out]
@@ -98,6 +99,7 @@ def rank_shapes(cfg: GptOssConfig, par, experts: str = "dense") -> dict[str, tup
     q, k = local.num_attention_heads * d, local.num_key_value_heads * d
     L, H = cfg.num_hidden_layers, cfg.hidden_size
     out.update(qkv_w=(L, q + 2 * k, H), qkv_b=(L, q + 2 * k), o_w=(L, H, q), sinks=(L, local.num_attention_heads))
+    out.update(embed=(cfg.vocab_size // par.tp, H), lm_head=(cfg.vocab_size // par.tp, H))  # vocab / tp rows
     for name, axis in EP_SPLIT.items():
         if name not in full:
             continue

@@ -2,9 +2,11 @@
 
 Attention is split by heads over TP (q, k, v rows of the fused QKV; o-proj columns;
 sinks); when there are fewer KV heads than TP ranks each KV head is replicated on the
-ranks whose query heads use it. Experts are split over EP (gate/up, down and their
-biases). Everything else is replicated: embeddings, norms, the router (every rank routes
-over all experts) and the o-proj bias (added once, after the all-reduce).
+ranks whose query heads use it. The embedding and the LM head are split over TP by
+vocabulary: TP rank r holds rows [r * V/tp, (r + 1) * V/tp) of each (the decode graph sums
+the looked-up rows and all-gathers the logits). Experts are split over EP (gate/up, down and
+their biases). Everything else is replicated: norms, the router (every rank routes over all
+experts) and the o-proj bias (added once, after the all-reduce).
 
 The bundle stores the weights in pieces so that every tensor is stored once: ``shared``
 (replicated), ``tp{r}`` (one per TP rank, when tp > 1) and ``ep{r}`` (one per EP rank,
@@ -35,6 +37,9 @@ def check_layout(cfg: GptOssConfig, par: ParallelLayout) -> None:
     if Hq % par.tp or (Hk % par.tp and par.tp % Hk):
         raise InvalidInput(f"tp {par.tp} must divide the {Hq} attention heads and divide or be a multiple of the "
                            f"{Hk} KV heads")
+    if cfg.vocab_size % par.tp:
+        raise InvalidInput(f"tp {par.tp} must divide the vocabulary of {cfg.vocab_size} tokens (the embedding and "
+                           "the LM head are split by vocabulary over TP)")
     if E % par.ep or par.world_size % par.ep:
         raise InvalidInput(f"ep {par.ep} must divide the {E} experts and the world of {par.world_size} ranks")
 
@@ -63,7 +68,10 @@ def tp_piece(cfg: GptOssConfig, stacked: dict, par: ParallelLayout, tp_rank: int
     rows = _head_rows(cfg, par, tp_rank)
     q_per, d = cfg.num_attention_heads // par.tp, cfg.head_dim
     heads = torch.arange(tp_rank * q_per, (tp_rank + 1) * q_per)
+    rows_per = cfg.vocab_size // par.tp
     return {
+        "embed": stacked["embed"].narrow(0, tp_rank * rows_per, rows_per).contiguous(),
+        "lm_head": stacked["lm_head"].narrow(0, tp_rank * rows_per, rows_per).contiguous(),
         "qkv_w": stacked["qkv_w"].index_select(1, rows),
         "qkv_b": stacked["qkv_b"].index_select(1, rows),
         "o_w": stacked["o_w"].index_select(2, torch.arange(tp_rank * q_per * d, (tp_rank + 1) * q_per * d)),
@@ -128,6 +136,8 @@ def unshard(cfg: GptOssConfig, parts: dict[str, dict[str, torch.Tensor]], par: P
         tp = [parts[f"tp{r}"] for r in range(par.tp)]
         out["o_w"] = torch.cat([p["o_w"] for p in tp], dim=2)
         out["sinks"] = torch.cat([p["sinks"] for p in tp], dim=1)
+        out["embed"] = torch.cat([p["embed"] for p in tp], dim=0)
+        out["lm_head"] = torch.cat([p["lm_head"] for p in tp], dim=0)
         local, d = local_config(cfg, par), cfg.head_dim
         sizes = [local.num_attention_heads * d, local.num_key_value_heads * d, local.num_key_value_heads * d]
         for name in ("qkv_w", "qkv_b"):

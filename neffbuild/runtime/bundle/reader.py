@@ -256,7 +256,8 @@ class Bundle:
                 entry = self.entries.get(label)
                 if entry is None:
                     raise ShapeNotCovered(f"{self.root.name}: no artifact {label!r}; the bundle has {self.labels}")
-                # The EAGLE3 draft is replicated and has no collectives: its graph takes no rank input.
+                # Every sharded graph takes the rank (the EAGLE3 draft for the target's vocabulary-split
+                # embedding); a manifest without signatures: the target families only.
                 sig = entry.get("input_signature")
                 takes_rank = any(i.get("name") == "rank" for i in sig) if sig else entry.get("family") != "draft"
                 self._loaded[label] = _with_rank(self._load(entry), self.context if takes_rank else None)

@@ -82,16 +82,17 @@ DRAFT_INPUTS = (
           lambda d: d.graph_kv_dtype),
 )
 INPUT_NAMES = tuple(i.name for i in STEP_INPUTS) + (KV_CACHES.name, RANK.name)
-DRAFT_INPUT_NAMES = tuple(i.name for i in DRAFT_INPUTS)
+DRAFT_INPUT_NAMES = tuple(i.name for i in DRAFT_INPUTS) + (RANK.name,)
 
 
 def signature(d: Dims, *, draft: bool = False) -> list[dict]:
     """The inputs, flattened as the manifest records them (``kv_caches[j]`` one per buffer)."""
-    if draft:
-        return [{"name": i.name, "shape": i.shape(d), "dtype": i.dtype_of(d)} for i in DRAFT_INPUTS]
-    out = [{"name": i.name, "shape": i.shape(d), "dtype": i.dtype_of(d)} for i in STEP_INPUTS]
-    out += [{"name": f"{KV_CACHES.name}[{j}]", "shape": KV_CACHES.shape(d), "dtype": KV_CACHES.dtype_of(d)}
-            for j in range(d.kv_layout["num_buffers"])]
+    if draft:  # a sharded bundle's draft takes the rank too (the target's vocabulary-split embedding)
+        out = [{"name": i.name, "shape": i.shape(d), "dtype": i.dtype_of(d)} for i in DRAFT_INPUTS]
+    else:
+        out = [{"name": i.name, "shape": i.shape(d), "dtype": i.dtype_of(d)} for i in STEP_INPUTS]
+        out += [{"name": f"{KV_CACHES.name}[{j}]", "shape": KV_CACHES.shape(d), "dtype": KV_CACHES.dtype_of(d)}
+                for j in range(d.kv_layout["num_buffers"])]
     if d.sharded:
         out.append({"name": RANK.name, "shape": RANK.shape(d), "dtype": RANK.dtype_of(d)})
     return out
