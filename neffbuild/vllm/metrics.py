@@ -10,7 +10,7 @@ own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, b
   neffbuild_vllm_decode_rows_total{path}        decode rows: artifact (live rows) | eager (inside mixed forwards)
   neffbuild_decode_needed_seq                   histogram of each decode step's needed_seq (128-token buckets)
 
-``snapshot()`` returns the same counts as a dict (``vllm.LLM(...).apply_model`` reads it in tests).
+``snapshot()`` returns the same counts as a dict (in the plugin's report: neffbuild/vllm/model.py ``report``).
 """
 
 from __future__ import annotations
