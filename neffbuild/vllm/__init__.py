@@ -27,4 +27,4 @@ def register() -> None:
     from neffbuild.vllm import startup
 
     ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
-    startup.install()  # the bundle check when vLLM builds its configuration (neffbuild/vllm/startup.py)
+    startup.install(ARCHITECTURE)  # the bundle check when vLLM builds its configuration (neffbuild/vllm/startup.py)

@@ -20,7 +20,7 @@ bundle only when ``additional_config`` names one.
 from __future__ import annotations
 
 from neffbuild.errors import IncompatibleBundle
-from neffbuild.vllm import ARCHITECTURE, checks
+from neffbuild.vllm import checks
 from neffbuild.vllm.config import from_additional_config
 
 
@@ -36,7 +36,8 @@ def check(vllm_config, *, final: bool = True):
     bundle = open_bundle(settings.bundle, verify=settings.verify, trusted_keys=settings.trusted_keys)
     if bundle.graph_inputs.arch != "gpt_oss":
         raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} is of architecture "
-                                 f"{bundle.graph_inputs.arch!r}; vLLM is serving {ARCHITECTURE}")
+                                 f"{bundle.graph_inputs.arch!r}; vLLM is serving "
+                                 f"{vllm_config.model_config.architecture}")
     engine = engine_view(vllm_config)
     later = ("block_size",) if not final and engine.block_size is None else ()
     found = checks.problems(compiled_view(bundle), engine, unresolved=later)
@@ -67,11 +68,12 @@ def compiled_view(bundle) -> checks.Compiled:
         dp=bundle.parallel.dp, num_speculative_tokens=grid.num_speculative_tokens)
 
 
-def install() -> None:
-    """Chain ``check(final=False)`` behind vLLM's config hook for GPT-OSS (idempotent: register runs repeatedly)."""
+def install(architecture: str) -> None:
+    """Chain ``check(final=False)`` behind vLLM's config hook for ``architecture`` (GPT-OSS's; idempotent:
+    register runs repeatedly)."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
 
-    base = MODELS_CONFIG_MAP.get(ARCHITECTURE, VerifyAndUpdateConfig)
+    base = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
     if getattr(base, "neffbuild_check", False):
         return
 
@@ -83,4 +85,4 @@ def install() -> None:
             base.verify_and_update_config(vllm_config)  # vLLM's own GPT-OSS settings first
             check(vllm_config, final=False)
 
-    MODELS_CONFIG_MAP[ARCHITECTURE] = BundleFitsConfig
+    MODELS_CONFIG_MAP[architecture] = BundleFitsConfig
