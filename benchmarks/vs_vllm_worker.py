@@ -30,6 +30,15 @@ def main() -> None:
     if a.bundle:
         kw["additional_config"] = {"neffbuild": {"bundle": a.bundle}}
     llm = LLM(**kw)
+
+    def plugin_report():
+        """The plugin's report from the worker; None for vLLM's own GPT-OSS (VLLM_PLUGINS="": no plugin)."""
+        if not a.bundle:
+            return None
+        from neffbuild.vllm.model import worker_report
+
+        return worker_report(llm)
+
     rng = random.Random(0)
     batches = [int(b) for b in a.batches.split(",")]
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(a.vocab) for _ in range(a.prompt_len)])
@@ -45,13 +54,13 @@ def main() -> None:
     result = {}
     for n in batches:
         decode, tokens = [], None
-        before = _report(llm)
+        before = plugin_report()
         for _ in range(a.rounds):
             first, _ = run(n, 1)
             full, tokens = run(n, a.new)
             decode.append(full - first)
-        result[str(n)] = {"decode_s": decode, "tokens": tokens, "plugin": _delta(before, _report(llm))}
-    report = _report(llm)
+        result[str(n)] = {"decode_s": decode, "tokens": tokens, "plugin": _delta(before, plugin_report())}
+    report = plugin_report()
     print(json.dumps({"batches": result, "report": report}), flush=True)
 
 
@@ -62,18 +71,6 @@ def _delta(before, after):
     steps = sum(after["steps"].values()) - sum(before["steps"].values())
     return {"steps": steps, **{k: after["seconds"].get(k, 0.0) - before["seconds"].get(k, 0.0)
                                for k in ("forward", "run")}}
-
-
-def _report(llm):
-    """The plugin's report from the worker, or None when vLLM runs without the plugin (VLLM_PLUGINS="")."""
-    try:
-        from neffbuild.vllm.model import report
-    except ImportError:
-        return None
-    try:
-        return llm.apply_model(report)[0]
-    except Exception as e:  # the native engine's model is vLLM's own class: report() is not importable there
-        return {"error": str(e)}
 
 
 if __name__ == "__main__":

@@ -52,13 +52,15 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
 # one worker, so that fixture is built once: the session's one Ray instance, the two 6-graph bundles that only
 # a few tests use, the stand-in's bundle (its own cache), and the module fixtures that compile into caches of
 # their own (test_remote_cache's first push, test_cpu_target's v2 build), and the small session bundles few tests
-# use (tp2, dp2 x ep2, fp8): xdist starts every group (largest first) before the ungrouped tests, so each compile
-# happens early, while the other worker has work, and not in the run's tail (the dp2 x ep2 compile was last).
+# use (tp2, dp2 x ep2, fp8), and the vLLM serve module's fixture (its native vLLM run and its one `vllm serve`
+# start once, on one worker, not once per worker that draws one of its tests): xdist starts every group (largest
+# first) before the ungrouped tests, so each compile happens early, while the other worker has work, and not in
+# the run's tail (the dp2 x ep2 compile was last).
 # A test of two groups' fixtures takes the first group named. The rest spread over both workers; a bundle both
 # need is compiled once anyway (one compile cache for the run, `build_cache`: a key's lock makes the second
 # worker take the first's entry).
 XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build",
-                "built_tp2", "built_dp2_ep2", "fp8_built", "home")
+                "built_tp2", "built_dp2_ep2", "fp8_built", "vllm_setup", "home")
 # A fixture whose tests join another group: test_json_output's cold build (`home`) is used by its Ray test too,
 # so its whole module runs on the Ray group's worker and the cold build happens once, not once per worker.
 JOINS = {"home": "ray_cluster"}

@@ -1,11 +1,11 @@
-"""vLLM serves a bundle: `vllm serve` with the plugin over HTTP, and `vllm.LLM` with the plugin, token for token
-with vLLM's native GPT-OSS and with transformers; every plain decode step ran through an artifact, on vLLM's
-own KV tensors.
+"""vLLM serves a bundle: `vllm serve` with the plugin over HTTP, token for token with vLLM's native GPT-OSS and
+with transformers; every plain decode step ran through an artifact, on vLLM's own KV tensors.
 
-vLLM runs from its own venv (tests/vllm_helpers.py); the module starts one `vllm serve` (the command line
-`neffbuild inspect --vllm-config` prints), one `vllm.LLM` with the plugin and one native `vllm.LLM`
-(VLLM_PLUGINS="" : no plugin loaded at all). The bundle is 4 graphs: batch buckets 2 and 4 x (context bucket
-128 + the fallback 512).
+vLLM runs from its own venv (tests/vllm_helpers.py); the module starts vLLM twice: one `vllm serve` with the
+plugin (the command line `neffbuild inspect --vllm-config` prints, plus vLLM's worker extension for the plugin's
+report, read over vLLM's dev-mode `/collective_rpc`) and one native `vllm.LLM` (VLLM_PLUGINS="": no plugin
+loaded at all). Its tests run on one xdist worker (tests/conftest.py groups `vllm_setup`), so each starts once.
+The bundle is 4 graphs: batch buckets 2 and 4 x (context bucket 128 + the fallback 512).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _requests() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, build_cache, compile_pool):
+def vllm_setup(tmp_path_factory, build_cache, compile_pool):
     folder = tmp_path_factory.mktemp("vllm")
     checkpoint = save_checkpoint(folder / "ckpt")
     bundle = build_bundle(folder, build_cache, write_recipe(folder, checkpoint), executor=compile_pool).bundle
@@ -56,43 +56,38 @@ def setup(tmp_path_factory, build_cache, compile_pool):
     return folder, checkpoint, bundle, requests
 
 
-def _llm(setup, *bundle_args, **env) -> dict:
-    folder, checkpoint, _, _ = setup
-    res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json"),
-                                        *bundle_args], VLLM_ALLOW_INSECURE_SERIALIZATION="1", **env)
+@pytest.fixture(scope="module")
+def native(vllm_setup):
+    """vLLM's own GPT-OSS through vllm.LLM, no plugin loaded (VLLM_PLUGINS="")."""
+    folder, checkpoint, _, _ = vllm_setup
+    res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json")],
+                          VLLM_PLUGINS="")
     assert res.returncode == 0, res.stderr[-4000:]
-    return python_json(res.stdout)
+    return python_json(res.stdout)["tokens"]
 
 
 @pytest.fixture(scope="module")
-def native(setup):
-    return _llm(setup, VLLM_PLUGINS="")["tokens"]
-
-
-@pytest.fixture(scope="module")
-def oracle(setup):
-    _, checkpoint, _, requests = setup
+def oracle(vllm_setup):
+    _, checkpoint, _, requests = vllm_setup
     return transformers_greedy(checkpoint, [r["prompt"] for r in requests], [r["max_tokens"] for r in requests])
 
 
 @pytest.fixture(scope="module")
-def with_llm(setup):
-    return _llm(setup, "--bundle", str(setup[2]))
-
-
-@pytest.fixture(scope="module")
-def served(setup):
-    folder, checkpoint, bundle, requests = setup
+def served(vllm_setup):
+    """The module's one `vllm serve` with the plugin: every request at once, then /metrics and the report."""
+    folder, checkpoint, bundle, requests = vllm_setup
     doc = json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
     multiproc = folder / "prom"
     multiproc.mkdir()
-    server = Server(serve_argv(checkpoint, doc["engine_args"], doc["additional_config"], free_port()),
-                    folder / "serve.log", vllm_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc)))
+    argv = [*serve_argv(checkpoint, doc["engine_args"], doc["additional_config"], free_port()),
+            "--worker-extension-cls", "neffbuild.vllm.model.WorkerReport"]
+    server = Server(argv, folder / "serve.log", vllm_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc),
+                                                         VLLM_SERVER_DEV_MODE="1"))
     try:
         server.wait_ready()
         with ThreadPoolExecutor(len(requests)) as pool:  # all at once: vLLM's scheduler batches them
             tokens = list(pool.map(lambda r: server.complete(r["prompt"], r["max_tokens"]), requests))
-        yield tokens, server.metrics(), doc
+        yield tokens, server.metrics(), server.rpc("neffbuild_report")[0]
     finally:
         server.stop()
 
@@ -101,16 +96,15 @@ def test_vllm_native_matches_transformers(native, oracle):
     assert native == oracle  # the two references agree on this checkpoint (fp32, greedy)
 
 
-def test_llm_with_the_bundle_gives_native_tokens_on_vllms_own_kv_tensors(with_llm, native, setup):
-    assert with_llm["tokens"] == native
-    report = with_llm["report"]
+def test_the_servers_artifacts_ran_on_vllms_own_kv_tensors(served, vllm_setup):
+    _, _, report = served
     assert report["enabled"]
     # the artifacts' KV buffers are vLLM's tensors: same storage (layer pair 0/1 shares one tensor), bundle layout
     assert report["stepper_kv_ptrs"] == [report["vllm_kv_ptrs"][0]] == [report["vllm_kv_ptrs"][1]]
     assert report["kv_shapes"] == [[2, 128, 2, 32, 64]]
     decode = report["forwards"]["decode"]
     assert sum(report["steps"].values()) == decode > 0  # every all-decode forward ran one artifact
-    decode_rows = sum(r["max_tokens"] - 1 for r in setup[3])  # every token after a request's first is a decode row
+    decode_rows = sum(r["max_tokens"] - 1 for r in vllm_setup[3])  # every token after a request's first is a decode row
     assert report["rows"]["artifact"] + report["rows"].get("eager", 0) == decode_rows
     # Decode rows of the mixed forwards (a request joining while others decode) run vLLM's eager attention
     # over KV that earlier artifact steps wrote into these tensors: the equal tokens need those writes there.
@@ -123,7 +117,7 @@ def test_vllm_serve_over_http_gives_native_and_transformers_tokens(served, nativ
     assert tokens == native == oracle
 
 
-def test_every_decode_forward_of_the_server_ran_an_artifact_across_buckets(served, setup):
+def test_every_decode_forward_of_the_server_ran_an_artifact_across_buckets(served, vllm_setup):
     _, metrics, _ = served
     steps = {dict(k)["label"]: v for k, v in prom_samples(metrics, "neffbuild_vllm_artifact_steps_total").items()}
     batches = {label.split("_")[1] for label in steps}
@@ -132,7 +126,7 @@ def test_every_decode_forward_of_the_server_ran_an_artifact_across_buckets(serve
     forwards = {dict(k)["kind"]: v for k, v in prom_samples(metrics, "neffbuild_vllm_forwards_total").items()}
     assert sum(steps.values()) == forwards["decode"]  # no all-decode forward ran outside an artifact
     rows = {dict(k)["path"]: v for k, v in prom_samples(metrics, "neffbuild_vllm_decode_rows_total").items()}
-    assert rows["artifact"] + rows.get("eager", 0) == sum(r["max_tokens"] - 1 for r in setup[3])
+    assert rows["artifact"] + rows.get("eager", 0) == sum(r["max_tokens"] - 1 for r in vllm_setup[3])
     # the runtime's own counter (per batch bucket) and the needed_seq histogram are on vLLM's /metrics too
     buckets = {dict(k)["bucket"]: v for k, v in prom_samples(metrics, "neffbuild_neff_execution_count_total").items()}
     assert buckets == {"decode_b2": sum(v for k, v in steps.items() if "_b2_" in k),

@@ -1,5 +1,7 @@
 """A bundle that does not fit vLLM's configuration stops `vllm serve` at start-up: exit non-zero within 60 s,
-one error naming the vLLM flag and both values, and the port never answers (nothing serves).
+one error naming the vLLM flag and both values, and the port never answers (nothing serves). The plugin's check
+runs while vLLM builds its configuration (neffbuild/vllm/startup.py), so `vllm serve` stops in its API server
+before it spawns an engine process.
 
 The flags come from `neffbuild inspect --vllm-config` (which fit), then one is changed per case; the bundle is
 the vLLM test bundle (tests/test_vllm_serve.py builds the same recipe, so the compile cache serves it).
@@ -8,6 +10,7 @@ the vLLM test bundle (tests/test_vllm_serve.py builds the same recipe, so the co
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import urllib.request
@@ -72,3 +75,5 @@ def test_a_mismatch_fails_vllm_start_up_naming_the_flag(fitting, arg, value, mes
     assert elapsed < 60, f"start-up failed after {elapsed:.0f} s"
     assert message in text, text[-3000:]
     assert "does not fit this vLLM configuration (nothing will serve)" in text
+    # it stopped while vLLM built its configuration, in the API server: no engine or worker process had started
+    assert set(re.findall(r"^\((\w+) pid=\d+\)", text, re.M)) <= {"APIServer"}, text[-3000:]

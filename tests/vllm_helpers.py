@@ -180,6 +180,16 @@ class Server:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             return r.read().decode()
 
+    def rpc(self, method: str) -> list:
+        """vLLM's dev-mode ``POST /collective_rpc`` (VLLM_SERVER_DEV_MODE=1): ``method`` of every worker, e.g. the
+        plugin's worker extension's ``neffbuild_report`` (neffbuild.vllm.model.WorkerReport)."""
+        import urllib.request
+
+        req = urllib.request.Request(self.url + "/collective_rpc", data=json.dumps({"method": method}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["results"]
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")

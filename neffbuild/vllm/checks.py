@@ -54,8 +54,11 @@ def _line(flag: str, what: str, engine, bundle, fix: str) -> str:
     return f"{flag}: vLLM has {what} {engine!r}, the bundle was compiled for {bundle!r} ({fix})"
 
 
-def problems(bundle: Compiled, engine: Engine) -> list[str]:
-    """One line per mismatch (empty: the bundle fits), each naming the flag, vLLM's value and the bundle's."""
+def problems(bundle: Compiled, engine: Engine, *, unresolved: tuple[str, ...] = ()) -> list[str]:
+    """One line per mismatch (empty: the bundle fits), each naming the flag, vLLM's value and the bundle's.
+
+    ``unresolved``: Engine fields vLLM has not settled yet (its early configuration: ``block_size`` before its
+    platform picks the default), not compared; the check on the final configuration compares them."""
     out = []
     for key in MODEL_KEYS:
         if key in bundle.model_config and key in engine.model_config:
@@ -71,7 +74,7 @@ def problems(bundle: Compiled, engine: Engine) -> list[str]:
     if engine.max_model_len != bundle.max_model_len:
         out.append(_line("--max-model-len", "max_model_len", engine.max_model_len, bundle.max_model_len,
                          f"pass --max-model-len {bundle.max_model_len}"))
-    if engine.block_size != bundle.block_size:
+    if "block_size" not in unresolved and engine.block_size != bundle.block_size:
         out.append(_line("--block-size", "block_size", engine.block_size, bundle.block_size,
                          f"pass --block-size {bundle.block_size}"))
     if engine.num_gpu_blocks_override != bundle.num_blocks:

@@ -78,9 +78,12 @@ class BundleDecoder:
         start = time.perf_counter()
         self.metrics.forward("decode")
         computed = positions[:R].tolist()
-        tables = {FULL_GROUP: self._table(full.block_table, computed)}
+        live = positions[:R].long() // self.block_size + 1  # [R] each row's own blocks (columns [0, live))
+        width = max(computed) // self.block_size + 1
+        beyond = torch.arange(width) >= live[:, None]  # [R, width]: the columns past each row's blocks
+        tables = {FULL_GROUP: _table(full.block_table, R, width, beyond)}
         if self.sliding_name is not None:
-            tables[SLIDING_GROUP] = self._table(metadata[self.sliding_name].block_table, computed)
+            tables[SLIDING_GROUP] = _table(metadata[self.sliding_name].block_table, R, width, beyond)
         batch = StepBatch(tokens=[[t] for t in input_ids[:R].tolist()], num_computed=computed, block_tables=tables)
         stepper = self._stepper()
         plan = stepper.plan(batch)
@@ -103,20 +106,15 @@ class BundleDecoder:
             return None
         return pending.index_select(0, hidden_states[:, 0].long())
 
-    def _table(self, table: torch.Tensor, computed: list[int]) -> torch.Tensor:
-        """vLLM's rows cut to the columns this step can touch, columns past each row's live blocks nulled.
 
-        vLLM's persistent block table keeps ids of earlier requests past a row's own blocks; the artifact reads
-        whole head-trimmed rows (masked by position), so the step's view holds the row's own blocks only.
-        """
-        bs = self.block_size
-        live = [n // bs + 1 for n in computed]
-        width = max(live)
-        rows = table[: len(computed), :width].long()  # a copy: vLLM's table is left as it is
-        for r, h in enumerate(live):
-            if h < width:
-                rows[r, h:] = 0  # the null block
-        return rows
+def _table(table: torch.Tensor, R: int, width: int, beyond: torch.Tensor) -> torch.Tensor:
+    """vLLM's rows cut to the columns this step can touch, columns past each row's live blocks nulled.
+
+    vLLM's persistent block table keeps ids of earlier requests past a row's own blocks; the artifact reads
+    whole head-trimmed rows (masked by position), so the step's view holds the row's own blocks only. A copy:
+    vLLM's table is left as it is (the Stepper's checks then range-check every id it holds).
+    """
+    return table[:R, :width].long().masked_fill(beyond, 0)  # a new tensor (0: the null block)
 
 
 def _bound(kv_cache) -> bool:

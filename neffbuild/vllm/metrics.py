@@ -10,7 +10,7 @@ own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, b
   neffbuild_vllm_decode_rows_total{path}        decode rows: artifact (live rows) | eager (inside mixed forwards)
   neffbuild_decode_needed_seq                   histogram of each decode step's needed_seq (128-token buckets)
 
-``snapshot()`` returns the same counts as a dict (``vllm.LLM(...).apply_model`` reads it in tests).
+``snapshot()`` returns the same counts as a dict (in the plugin's report: neffbuild/vllm/model.py ``report``).
 """
 
 from __future__ import annotations
@@ -39,22 +39,29 @@ class PluginMetrics:
             prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact | eager).", ["path"]),
             prom.Histogram(METRIC, "needed_seq of each decode step (max computed + 1 + drafts).", buckets=edges),
         )
+        self._children: dict[tuple[int, str], object] = {}  # each label's counter, looked up once (per step: 3)
+
+    def _child(self, which: int, value: str):
+        child = self._children.get((which, value))
+        if child is None:
+            child = self._children[(which, value)] = self._prom[which].labels(value)
+        return child
 
     def forward(self, kind: str) -> None:
         self.forwards[kind] += 1
         if self._prom is not None:
-            self._prom[1].labels(kind=kind).inc()
+            self._child(1, kind).inc()
 
     def decode_rows(self, path: str, n: int) -> None:
         self.rows[path] += n
         if self._prom is not None:
-            self._prom[2].labels(path=path).inc(n)
+            self._child(2, path).inc(n)
 
     def artifact(self, label: str, needed_seq: int) -> None:
         self.steps[label] += 1
         self.needed[needed_seq] += 1
         if self._prom is not None:
-            self._prom[0].labels(label=label).inc()
+            self._child(0, label).inc()
             self._prom[3].observe(needed_seq)
 
     def seconds(self, what: str, s: float) -> None:

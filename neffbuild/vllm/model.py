@@ -3,8 +3,9 @@
 Without ``additional_config["neffbuild"]`` it is vLLM's own GptOssForCausalLM, untouched. With a bundle:
 
 1. before any layer is built, the bundle is opened (its signature verified when trusted keys are given) and
-   checked against vLLM's configuration (neffbuild/vllm/checks.py): any mismatch fails vLLM's start-up with
-   one error naming each vLLM flag and both values;
+   checked against vLLM's final configuration (neffbuild/vllm/startup.py; the same check already ran when vLLM
+   built its configuration, before any engine process started): any mismatch fails vLLM's start-up with one
+   error naming each vLLM flag and both values;
 2. vLLM's model is built as usual, and every attention layer's implementation reads the KV tensors in the
    bundle's layout (neffbuild/vllm/attention.py): prefill, chunks and mixed batches stay vLLM's eager model;
 3. ``forward`` runs a forward whose requests are all in decode through one artifact (neffbuild/vllm/decode.py)
@@ -22,9 +23,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
 
-from neffbuild.errors import IncompatibleBundle
-from neffbuild.runtime import open_bundle
-from neffbuild.vllm import checks
+from neffbuild.vllm import startup
 from neffbuild.vllm.attention import adopt
 from neffbuild.vllm.config import from_additional_config
 from neffbuild.vllm.decode import BundleDecoder
@@ -35,7 +34,7 @@ logger = init_logger(__name__)
 class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         settings = from_additional_config(vllm_config.additional_config)
-        bundle = _open_checked(settings, vllm_config) if settings is not None else None
+        bundle = startup.check(vllm_config) if settings is not None else None
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.neffbuild: BundleDecoder | None = None
         if bundle is None:
@@ -60,7 +59,7 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
         return super().compute_logits(hidden_states)
 
     def neffbuild_report(self) -> dict:
-        """The plugin's counts and KV storage (for ``LLM.apply_model``; tests read it)."""
+        """The plugin's counts and KV storage (``report`` below; the tests and the benchmark read it)."""
         dec = self.neffbuild
         if dec is None:
             return {"enabled": False}
@@ -73,39 +72,21 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
 
 
 def report(model) -> dict | None:
-    """``LLM.apply_model(report)``: the plugin's report from the worker (a module-level function: vLLM pickles it
-    by reference), None for a model that is not the plugin's."""
+    """The plugin's report from the model in vLLM's worker, None for a model that is not the plugin's."""
     return model.neffbuild_report() if isinstance(model, NeffbuildGptOssForCausalLM) else None
 
 
-def engine_view(vllm_config) -> checks.Engine:
-    mc, cc, sc, pc = (vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config,
-                      vllm_config.parallel_config)
-    spec = vllm_config.speculative_config
-    return checks.Engine(
-        model_config=mc.hf_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
-        max_model_len=mc.max_model_len, block_size=cc.block_size, num_gpu_blocks_override=cc.num_gpu_blocks_override,
-        max_num_seqs=sc.max_num_seqs, kv_cache_dtype=str(cc.cache_dtype),
-        tensor_parallel_size=pc.tensor_parallel_size, pipeline_parallel_size=pc.pipeline_parallel_size,
-        data_parallel_size=pc.data_parallel_size,
-        num_speculative_tokens=(spec.num_speculative_tokens or 0) if spec is not None else 0)
+def worker_report(llm) -> dict | None:
+    """The plugin's report from a ``vllm.LLM``'s worker (``report`` through ``LLM.apply_model``: vLLM pickles the
+    function by reference, so the LLM's process needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); None when the
+    engine's model is not the plugin's."""
+    return llm.apply_model(report)[0]
 
 
-def compiled_view(bundle) -> checks.Compiled:
-    gi, kv, grid = bundle.graph_inputs, bundle.kv_layout, bundle.grid
-    return checks.Compiled(
-        model_config=dict(gi.model_config), max_model_len=grid.max_model_len, block_size=kv.block_size,
-        num_blocks=kv.num_blocks, num_seqs_buckets=tuple(grid.num_seqs_buckets), fp8=kv.fp8, tp=bundle.parallel.tp,
-        dp=bundle.parallel.dp, num_speculative_tokens=grid.num_speculative_tokens)
+class WorkerReport:
+    """A vLLM worker extension with the same report for a running server: ``vllm serve ...
+    --worker-extension-cls neffbuild.vllm.model.WorkerReport``, then (vLLM's dev mode, ``VLLM_SERVER_DEV_MODE=1``)
+    ``POST /collective_rpc {"method": "neffbuild_report"}`` answers ``{"results": [report]}``, one per worker."""
 
-
-def _open_checked(settings, vllm_config):
-    bundle = open_bundle(settings.bundle, verify=settings.verify, trusted_keys=settings.trusted_keys)
-    if bundle.graph_inputs.arch != "gpt_oss":
-        raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} is of architecture "
-                                 f"{bundle.graph_inputs.arch!r}; vLLM is serving GptOssForCausalLM")
-    found = checks.problems(compiled_view(bundle), engine_view(vllm_config))
-    if found:
-        raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} does not fit this vLLM configuration "
-                                 "(nothing will serve):\n  " + "\n  ".join(found))
-    return bundle
+    def neffbuild_report(self) -> dict | None:
+        return report(self.get_model())

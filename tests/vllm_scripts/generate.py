@@ -3,7 +3,8 @@
     python generate.py --model CKPT --requests R.json [--bundle B] [--num-blocks N] ...
     R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
 
-Prints one JSON line: every request's tokens, in order, and the plugin's report (None when no bundle).
+Prints one JSON line: every request's tokens, in order, and the plugin's report (None when no bundle; with one,
+VLLM_ALLOW_INSECURE_SERIALIZATION=1: neffbuild.vllm.model.worker_report).
 """
 
 import argparse
@@ -43,21 +44,13 @@ def main() -> None:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
-    report = _report(llm)
+    report = None
+    if a.bundle:
+        from neffbuild.vllm.model import worker_report
+
+        report = worker_report(llm)
     print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report,
                       "load_s": loaded, "generate_s": times}), flush=True)
-
-
-def _report(llm):
-    """The plugin's report from the worker, or None when vLLM runs without the plugin (VLLM_PLUGINS="")."""
-    try:
-        from neffbuild.vllm.model import report
-    except ImportError:
-        return None
-    try:
-        return llm.apply_model(report)[0]
-    except Exception as e:  # the native engine's model is vLLM's own class: report() is not importable there
-        return {"error": str(e)}
 
 
 if __name__ == "__main__":

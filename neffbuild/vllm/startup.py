@@ -1,0 +1,88 @@
+"""The start-up check: does the configured bundle fit vLLM's configuration? (the rules: neffbuild/vllm/checks.py)
+
+It runs twice, and either run stops vLLM's start-up with one ``IncompatibleBundle`` naming each flag and both
+values:
+
+1. **when vLLM builds its configuration**, in the process that parses the flags (``vllm serve``'s API server,
+   ``vllm.LLM``'s caller), before any engine process is spawned or any weight is read: vLLM calls its
+   per-architecture hook (``MODELS_CONFIG_MAP[architecture].verify_and_update_config``) at the end of
+   ``VllmConfig``'s set-up, and ``install`` (from the plugin's ``register``) puts this check behind vLLM's own
+   GPT-OSS hook there. A bundle that does not fit costs vLLM's import and its config, nothing more.
+   ``--block-size`` is not final yet when the flag was not given (vLLM's platform picks its default after the
+   hook): that one line waits for the second run.
+2. **before the model is built**, in the worker (neffbuild/vllm/model.py), on vLLM's final configuration:
+   the authoritative check, every rule.
+
+Light on purpose: ``register`` runs in every vLLM process; this module imports no vLLM model code and opens the
+bundle only when ``additional_config`` names one.
+"""
+
+from __future__ import annotations
+
+from neffbuild.errors import IncompatibleBundle
+from neffbuild.vllm import checks
+from neffbuild.vllm.config import from_additional_config
+
+
+def check(vllm_config, *, final: bool = True):
+    """The opened bundle when it fits vLLM's configuration (None without a ``neffbuild`` section), else raise.
+
+    ``final=False``: the check on the configuration vLLM is still building (fields it resolves later skipped)."""
+    settings = from_additional_config(vllm_config.additional_config)
+    if settings is None:
+        return None
+    from neffbuild.runtime import open_bundle
+
+    bundle = open_bundle(settings.bundle, verify=settings.verify, trusted_keys=settings.trusted_keys)
+    if bundle.graph_inputs.arch != "gpt_oss":
+        raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} is of architecture "
+                                 f"{bundle.graph_inputs.arch!r}; vLLM is serving "
+                                 f"{vllm_config.model_config.architecture}")
+    engine = engine_view(vllm_config)
+    later = ("block_size",) if not final and engine.block_size is None else ()
+    found = checks.problems(compiled_view(bundle), engine, unresolved=later)
+    if found:
+        raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} does not fit this vLLM configuration "
+                                 "(nothing will serve):\n  " + "\n  ".join(found))
+    return bundle
+
+
+def engine_view(vllm_config) -> checks.Engine:
+    mc, cc, sc, pc = (vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config,
+                      vllm_config.parallel_config)
+    spec = vllm_config.speculative_config
+    return checks.Engine(
+        model_config=mc.hf_config.to_dict(), dtype=str(mc.dtype).removeprefix("torch."),
+        max_model_len=mc.max_model_len, block_size=cc.block_size, num_gpu_blocks_override=cc.num_gpu_blocks_override,
+        max_num_seqs=sc.max_num_seqs, kv_cache_dtype=str(cc.cache_dtype),
+        tensor_parallel_size=pc.tensor_parallel_size, pipeline_parallel_size=pc.pipeline_parallel_size,
+        data_parallel_size=pc.data_parallel_size,
+        num_speculative_tokens=(spec.num_speculative_tokens or 0) if spec is not None else 0)
+
+
+def compiled_view(bundle) -> checks.Compiled:
+    gi, kv, grid = bundle.graph_inputs, bundle.kv_layout, bundle.grid
+    return checks.Compiled(
+        model_config=dict(gi.model_config), max_model_len=grid.max_model_len, block_size=kv.block_size,
+        num_blocks=kv.num_blocks, num_seqs_buckets=tuple(grid.num_seqs_buckets), fp8=kv.fp8, tp=bundle.parallel.tp,
+        dp=bundle.parallel.dp, num_speculative_tokens=grid.num_speculative_tokens)
+
+
+def install(architecture: str) -> None:
+    """Chain ``check(final=False)`` behind vLLM's config hook for ``architecture`` (GPT-OSS's; idempotent:
+    register runs repeatedly)."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+
+    base = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
+    if getattr(base, "neffbuild_check", False):
+        return
+
+    class BundleFitsConfig(base):
+        neffbuild_check = True
+
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            base.verify_and_update_config(vllm_config)  # vLLM's own GPT-OSS settings first
+            check(vllm_config, final=False)
+
+    MODELS_CONFIG_MAP[architecture] = BundleFitsConfig
