@@ -22,7 +22,7 @@ RUNTIME = {"runtime", *(f"runtime.{r}" for r in ROOMS)}
 # part -> the parts it may import (besides the base modules and itself).
 ALLOWED = {
     "base": set(),
-    "kernels": set(),
+    "kernels": {"runtime"},  # the group names the graphs and eager collectives use (runtime/parallel.py)
     "runtime": set(),
     "runtime.kv": {"runtime"},
     "runtime.di": {"runtime"},

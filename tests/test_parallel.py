@@ -119,6 +119,34 @@ def test_join_a_subgroup_of_a_larger_job():
     assert run_ranks(_subgroup_rank, 3) == [None, (0, 3.0), (1, 3.0)]
 
 
+def _eager_collectives_rank(rank, world):
+    from torch._C._distributed_c10d import ProcessGroup
+
+    from neffbuild.kernels.collectives import all_gather_rows, all_reduce_sum, reduce_scatter_rows
+    from neffbuild.runtime import world as W
+    from neffbuild.runtime.parallel import TP_GROUP, eager_group
+
+    ctx = W.join(ParallelLayout(tp=2))
+    twin_apart = ctx.groups[eager_group(TP_GROUP)] is not ctx.groups[TP_GROUP]
+    dead = ProcessGroup(0, 2)  # no backend: any collective over it fails at once
+    W.register(TP_GROUP, dead)  # the graphs' name now resolves to it; eager code must not notice
+    x = torch.tensor([[1.0 + rank, 2.0]])
+    out = (all_reduce_sum(x, TP_GROUP).tolist(), x.tolist(), all_gather_rows(x, 2, TP_GROUP).tolist(),
+           reduce_scatter_rows(torch.arange(4.0).view(2, 2) * (rank + 1), 2, TP_GROUP).tolist(), twin_apart)
+    del dead
+    return out
+
+
+def test_eager_collectives_run_over_the_twin_group_not_the_graphs():
+    """Eager (Python) collectives use each group's eager twin through torch.distributed's API, never the group the
+    artifacts use: a compiled artifact holds the GIL, and a gloo worker may need the GIL to drop an eager tensor
+    under the group's queue lock (kernels/collectives.py). With the graphs' name bound to a group that cannot run
+    a collective, the eager results are still the sums, gathers and scatters."""
+    got = run_ranks(_eager_collectives_rank, 2)
+    assert got[0] == ([[3.0, 4.0]], [[1.0, 2.0]], [[1.0, 2.0], [2.0, 2.0]], [[0.0, 3.0]], True)
+    assert got[1] == ([[3.0, 4.0]], [[2.0, 2.0]], [[1.0, 2.0], [2.0, 2.0]], [[6.0, 9.0]], True)
+
+
 def _rank_prefill_and_draft(rank, world, cfg, stacked, dweights, layout, prompt, draft_ins):
     """Rank ``rank``'s eager prefill (its heads, its vocabulary rows, its experts) and EAGLE3 draft call."""
     from neffbuild.models.eagle3.config import Eagle3Config

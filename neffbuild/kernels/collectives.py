@@ -4,25 +4,63 @@
 AOTInductor compiles them; at run time the artifact resolves the group name in the
 process's registry, so one artifact serves every rank that registered its own group
 under the same name. Tracing needs only a registered placeholder of the right size.
+
+Eager calls (prefill, the eager reference, the draft's prefill) run the same collective through
+``torch.distributed``'s Python API over the group's eager twin (``parallel.eager_group``), never
+through the functional op over the graphs' group. Why: a gloo worker thread drops its last
+reference to a finished collective's tensors while it holds its group's queue lock, and a tensor
+Python has seen needs the GIL to go. The functional op and a compiled artifact both enqueue on
+that lock while holding the GIL, so an artifact right after an eager collective on the same group
+could wait for the worker while the worker waits for the GIL (seen: a tp 2 x dp 2 EAGLE3 run hung
+in the draft artifact after the draft's eager prefill). The Python API releases the GIL before it
+enqueues, and the twin keeps eager tensors out of the graphs' group.
 """
 
 import torch
+import torch.distributed as dist
+
+from neffbuild.runtime.parallel import eager_group
 
 _C = torch.ops._c10d_functional
 
 
+def _eager(group: str):
+    """The eager twin of ``group``, or None while tracing (or when no twin is registered: the functional op)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(eager_group(group))
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
 def all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _C.wait_tensor(_C.all_reduce(x, "sum", group))
+    pg = _eager(group)
+    if pg is None:
+        return _C.wait_tensor(_C.all_reduce(x, "sum", group))
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=pg)
+    return out
 
 
 def all_gather_rows(x: torch.Tensor, group_size: int, group: str) -> torch.Tensor:
     """[N, ...] on each rank -> [group_size * N, ...], in group-rank order."""
-    return _C.wait_tensor(_C.all_gather_into_tensor(x.contiguous(), group_size, group))
+    pg = _eager(group)
+    if pg is None:
+        return _C.wait_tensor(_C.all_gather_into_tensor(x.contiguous(), group_size, group))
+    out = x.new_empty((group_size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
+    return out
 
 
 def reduce_scatter_rows(x: torch.Tensor, group_size: int, group: str) -> torch.Tensor:
     """[group_size * N, ...] summed over ranks; each rank keeps its own [N, ...] chunk."""
-    return _C.wait_tensor(_C.reduce_scatter_tensor(x.contiguous(), "sum", group_size, group))
+    pg = _eager(group)
+    if pg is None:
+        return _C.wait_tensor(_C.reduce_scatter_tensor(x.contiguous(), "sum", group_size, group))
+    out = x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
+    return out
 
 
 def vocab_parallel_embed(table: torch.Tensor, ids: torch.Tensor, tp_rank: torch.Tensor, group: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ reduce-scatter sums the experts' outputs and hands each rank back its own rows.
 
 Compiled graphs name their groups by fixed strings (``TP_GROUP``, ``EP_GROUP``), never by
 rank lists, so one artifact serves every rank: each rank registers ITS groups under those
-names (``join``) before running an artifact. Standard library only at import (torch inside
+names (``join``) before running an artifact, and each group's eager twin (``eager_group``). Standard library only at import (torch inside
 ``rank_tensor``), so the recipe validator uses the same layout rules without torch.
 """
 
@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 
 TP_GROUP = "neffbuild_tp"  # the group an attention all-reduce runs over
 EP_GROUP = "neffbuild_ep"  # the group the MoE combine runs over
+
+
+def eager_group(name: str) -> str:
+    """The name of ``name``'s eager twin: the same ranks in a process group of their own, which eager (Python)
+    collectives use (``neffbuild.kernels.collectives``). A compiled artifact holds the GIL while it runs, so it
+    must never wait on a gloo group whose worker thread may be releasing a Python tensor of an eager collective
+    (that needs the GIL: a deadlock). Artifacts and eager code therefore never share a group."""
+    return f"{name}_eager"
 
 
 @dataclass(frozen=True)

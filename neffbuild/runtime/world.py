@@ -2,7 +2,8 @@
 
 ``join`` creates every TP and EP group of a ``ParallelLayout`` and registers this rank's
 under the names the compiled graphs use (``TP_GROUP``, ``EP_GROUP``), so one artifact
-resolves each rank's own groups. Thin: standard library and torch only.
+resolves each rank's own groups; each has an eager twin for Python-side collectives
+(``parallel.eager_group``). Thin: standard library and torch only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from neffbuild.errors import IncompatibleBundle
-from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout, rank_tensor
+from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout, eager_group, rank_tensor
 
 
 @dataclass
@@ -61,9 +62,10 @@ def join(layout: ParallelLayout, what: str = "bundle", group=None) -> RankContex
         for ranks in groups:
             if not whole and rank not in ranks:
                 continue  # outside the default world's collective creation, only members take part
-            pg = dist.new_group([to_global(r) for r in ranks], use_local_synchronization=not whole)
-            if rank in ranks:
-                mine[name] = pg
+            for key in (name, eager_group(name)):  # the graphs' group, then its eager twin (parallel.eager_group)
+                pg = dist.new_group([to_global(r) for r in ranks], use_local_synchronization=not whole)
+                if rank in ranks:
+                    mine[key] = pg
     for name, pg in mine.items():
         register(name, pg)
     return RankContext(layout, rank, group or dist.group.WORLD, mine)
