@@ -10,8 +10,9 @@ reduce-scatter sums the experts' outputs and hands each rank back its own rows.
 
 Compiled graphs name their groups by fixed strings (``TP_GROUP``, ``EP_GROUP``), never by
 rank lists, so one artifact serves every rank: each rank registers ITS groups under those
-names (``join``) before running an artifact, and each group's eager twin (``eager_group``). Standard library only at import (torch inside
-``rank_tensor``), so the recipe validator uses the same layout rules without torch.
+names (``join``) before running an artifact, and each group's eager twin (``eager_group``).
+Standard library only at import (torch inside ``rank_tensor``), so the recipe validator uses
+the same layout rules without torch.
 """
 
 from __future__ import annotations
