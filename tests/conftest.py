@@ -46,7 +46,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Fixtures that compile (or hand out something compiled): a test using one is `slow` whatever its own marks
 # say, so `make test-fast` (-m "not slow") compiles nothing.
 COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_ep2", "eagle3_built",
-                     "production_built", "neuron_bundle", "build_cache", "compile_pool", "ray_cluster"}
+                     "production_built", "neuron_bundle", "build_cache", "compile_pool", "ray_cluster",
+                     "home"}  # test_json_output's cold build
 
 # `make test` runs two pytest-xdist workers (--dist loadgroup). Every test of a fixture named here runs on
 # one worker, so that fixture is built once: the session's one Ray instance, the two 6-graph bundles that only

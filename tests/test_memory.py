@@ -209,6 +209,7 @@ def test_plan_reads_artifact_size_and_rss_from_the_cache(built, build_cache):
         assert row["source"] == "key" and row["peak_rss_bytes"] == int(metas[t["cache_key"]]["peak_rss_bytes"] * 1.25)
 
 
+@pytest.mark.slow  # it compiles (cold, its own cache)
 def test_local_build_under_a_memory_cap_runs_one_compile_at_a_time(tmp_path, tiny_raw):
     """Two targets, two jobs, 3 GiB 'free' (each compile is estimated above 2 GiB): one at a time, said so.
     The 2-layer model (the fewest gk_decode allows): the gate schedules real compiles whatever their graph."""
