@@ -49,7 +49,7 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
                      "production_built", "neuron_bundle", "build_cache", "compile_pool", "ray_cluster",
                      "home"}  # test_json_output's cold build
 
-# `make test` runs two pytest-xdist workers (--dist loadgroup). Every test of a fixture named here runs on
+# `make test` runs three pytest-xdist workers (--dist loadgroup). Every test of a fixture named here runs on
 # one worker, so that fixture is built once: the session's one Ray instance, the two 6-graph bundles that only
 # a few tests use, the stand-in's bundle (its own cache), and the module fixtures that compile into caches of
 # their own (test_remote_cache's first push, test_cpu_target's v2 build), and the small session bundles few tests

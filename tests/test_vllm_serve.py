@@ -61,7 +61,7 @@ def native(vllm_setup):
     """vLLM's own GPT-OSS through vllm.LLM, no plugin loaded (VLLM_PLUGINS="")."""
     folder, checkpoint, _, _ = vllm_setup
     res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json")],
-                          VLLM_PLUGINS="")
+                          VLLM_PLUGINS="", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one process: no engine-core spawn
     assert res.returncode == 0, res.stderr[-4000:]
     return python_json(res.stdout)["tokens"]
 
