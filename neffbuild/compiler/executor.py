@@ -59,7 +59,9 @@ class LocalExecutor:
         pending = list(jobs)
         pending.reverse()  # pop() takes them in the given order
         gate = self.admission = memory_plan.admission_for(pending, self.jobs)
-        self.workers = gate.workers()
+        # A pool for one run starts no more workers than it has jobs (each pays a torch + inductor import); a kept
+        # pool is sized for the builds to come.
+        self.workers = gate.workers() if self.keep_warm else max(1, min(gate.workers(), len(pending)))
         running: dict = {}
         done_ok = False
         try:
