@@ -153,7 +153,7 @@ def test_kill_9_at_random_moments_then_resume(built, build_cache, small_checkpoi
     args = [sys.executable, "-m", "neffbuild.cli.main", "compile", str(path), "-o", str(out), "--cache-dir", str(cache),
             "--jobs", "2"]
     rng = random.Random(int(os.environ.get("NEFFBUILD_TEST_SEED", "7")))
-    for delay in (rng.uniform(2, 8), rng.uniform(15, 30)):
+    for delay in (rng.uniform(2, 8), rng.uniform(8, 14)):  # starting the pool; in the target's compile
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         time.sleep(delay)
