@@ -88,20 +88,6 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: id(item) not in grouped)
 
 
-def pytest_runtest_teardown(item, nextitem):
-    """--dist loadgroup hands a group's tests to one worker together: after the Ray group's last test there, the
-    session's local Ray cluster stops (idle, it costs about 2 CPU-seconds a minute to the session's end)."""
-    if nextitem is None or not _loadgroup_worker(item.config) or _group(item) != "ray_cluster":
-        return
-    ray = sys.modules.get("ray")
-    if _group(nextitem) != "ray_cluster" and ray is not None and ray.is_initialized():
-        ray.shutdown()  # the fixture's own shutdown at the session's end finds nothing left to do
-
-
-def _group(item) -> str | None:
-    return next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
-
-
 def _group_suffix(config, item, group: str) -> None:
     """``--dist loadgroup`` schedules by a ``@group`` node-id suffix that pytest-xdist 3.8 writes into
     ``item._nodeid``, which pytest >= 9.2 no longer reads (the id is ``item._id`` there): every test became its
@@ -121,7 +107,7 @@ def pytest_collection_finish(session):
     if not _loadgroup_worker(session.config):
         return
     for item in session.items:
-        group = _group(item)
+        group = next((m.args[0] for m in item.iter_markers("xdist_group") if m.args), None)
         if group and not item.nodeid.endswith(f"@{group}"):
             raise pytest.UsageError(f"{item.nodeid}: its xdist group {group!r} did not reach the node id, so "
                                     "--dist loadgroup would run its tests on both workers (pytest/xdist versions)")

@@ -29,9 +29,7 @@ EP_GROUP = "neffbuild_ep"  # the group the MoE combine runs over
 
 def eager_group(name: str) -> str:
     """The name of ``name``'s eager twin: the same ranks in a process group of their own, which eager (Python)
-    collectives use (``neffbuild.kernels.collectives``). A compiled artifact holds the GIL while it runs, so it
-    must never wait on a gloo group whose worker thread may be releasing a Python tensor of an eager collective
-    (that needs the GIL: a deadlock). Artifacts and eager code therefore never share a group."""
+    collectives use, so artifacts and eager code never share a group (why: ``neffbuild.kernels.collectives``)."""
     return f"{name}_eager"
 
 
