@@ -1,6 +1,8 @@
 """The only module that reads environment variables.
 
-NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild)
+NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild); its kernels/ holds the native
+                     MXFP4 kernel as built for this host (neffbuild/runtime/mxfp4.py)
+CC                   the C compiler that builds that kernel (default: cc, then gcc, from PATH)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
 UCX_TLS              UCX transports for NIXL (DI); `tcp` is always kept (default: tcp,sm,self)
@@ -34,6 +36,13 @@ def cache_dir() -> Path:
         return Path(value).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "neffbuild"
+
+
+def c_compiler() -> str | None:
+    """$CC, else cc or gcc from PATH; None when there is none."""
+    import shutil
+
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def default_jobs() -> int:

@@ -13,6 +13,7 @@ import copy
 import hashlib
 import json
 import struct
+import zipfile
 
 import pytest
 import torch
@@ -236,6 +237,9 @@ def test_compiled_bf16_mxfp4_equals_eager_and_transformers(mxfp4_bundle):
     from neffbuild.serve.rank import open_rank
 
     ck, built = mxfp4_bundle
+    [artifact] = (built.bundle / "artifacts").glob("*.pt2")
+    with zipfile.ZipFile(artifact) as z:  # the compiled step calls the native packed-expert op (runtime/mxfp4.py)
+        assert any(n.endswith(".wrapper.json") and b"neffbuild::mxfp4_dot" in z.read(n) for n in z.namelist())
     bundle = open_bundle(built.bundle)
     assert bundle.kv_layout.dtype == torch.bfloat16
     prompts = PROMPTS[:2] + [PROMPTS[2][:60]]  # within the 512 fallback with STEPS to go

@@ -9,12 +9,18 @@ the rows of the experts the router picked (``packed_dot``), inside the product-a
 compiled step reads 4.25 bits a weight; in prefill's dense form, every held expert once.
 """
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import torch
 
+from neffbuild.runtime.mxfp4 import e2m1, e8m0, packed_dot
+
+# On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): picked packed experts then go
+# through the runtime's native op (runtime/mxfp4.py), called from the compiled code like oneDNN's matmuls.
+_NATIVE = contextvars.ContextVar("neffbuild_native_mxfp4", default=False)
 DENSE_TOKENS = 64  # from this many tokens on (prefill), every expert runs on every token (see moe)
-SCALE_BIAS = 127  # E8M0: a scale byte s means 2^(s - 127)
 
 
 class Mxfp4(NamedTuple):
@@ -34,24 +40,6 @@ class Mxfp4(NamedTuple):
         return (*lead, groups * half * 2)
 
 
-def e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 nibbles (int32, 0..15) -> float32 values: the 16-entry table (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the
-    negatives) as exact float arithmetic, so a compiled graph needs no table constant and vectorises the decode.
-
-    On the 3 magnitude bits f (0..7) the table is piecewise linear: f / 2 up to 4, slope 1 from 4 to 6, slope 2
-    from 6 to 7; bit 3 is the sign (code 8 is -0.0). Float ops, not a bit cast: inductor's CPU code turns an
-    int32 -> float32 bit cast into a scalar store-and-reload per vector, which cost 20-30 % of the decode."""
-    f = (codes & 7).float()
-    mag = 0.5 * f + 0.5 * torch.relu(f - 4) + torch.relu(f - 6)
-    return mag * (1 - ((codes >> 2) & 2).float())
-
-
-def e8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Scale bytes -> float32 2^(s - 127), exact (exp2 of an integer is a power of two; no dtype bit cast, which
-    TorchScript, the neuron backend's tracer, cannot record)."""
-    return torch.exp2(scales.float() - SCALE_BIAS)
-
-
 def dequantize(w: Mxfp4, dtype: torch.dtype) -> torch.Tensor:
     """[..., G, 16] blocks and [..., G] scales -> [..., G * 32] in ``dtype`` (exact: E2M1 x 2^k fits bfloat16)."""
     b = w.blocks.to(torch.int32)
@@ -65,26 +53,24 @@ def rows(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(w.pick(idx), dtype) if isinstance(w, Mxfp4) else w[idx]
 
 
-def packed_dot(x: torch.Tensor, w: Mxfp4, idx: torch.Tensor) -> torch.Tensor:
-    """x [N, 1 or k, in] times the rows of the experts ``idx`` [N, k] picked: [N, k, out] in x's dtype, decoding
-    each picked byte once, where it is read (nothing of the other experts is touched).
-
-    A byte holds two neighbouring values (low nibble first), so x is split once into its even and odd values
-    (a cat: one small buffer) and each byte meets one of each; the group's scale multiplies its 32-value partial
-    sum, not every value. Products and sums run in float32 (x times an E2M1 code is exact there). Measured on
-    one 512 x 256 product over 2 of 8 experts (docs/benchmarks.md): 2.5x faster than decoding rows of values
-    and reducing them against x (strided reads of x per vector, a scale per value)."""
-    *lead, n_in = x.shape
-    pairs = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1).float()  # [N, k', in]: even values, then odd
-    pairs = pairs.view(*lead, 1, 2, n_in // 32, 16)  # [N, k', 1, 2, G, 16]
-    b = w.blocks[idx].to(torch.int32)  # [N, k, out, G, 16]: the picked experts' bytes only
-    part = (pairs[..., 0, :, :] * e2m1(b & 0x0F) + pairs[..., 1, :, :] * e2m1(b >> 4)).sum(-1)  # [N, k, out, G]
-    return (part * e8m0(w.scales[idx])).sum(-1).to(x.dtype)
+@contextlib.contextmanager
+def native_experts():
+    """Inside: picked MXFP4 experts call ``torch.ops.neffbuild.mxfp4_dot`` (a table-lookup C kernel on the CPU,
+    docs/benchmarks.md "Real width") instead of tracing ``packed_dot``'s arithmetic, which inductor's CPU code
+    runs at about ten float ops a weight. Only AOTInductor's CPU graphs use it: another backend cannot call a
+    custom op, and the eager reference stays the plain torch form."""
+    token = _NATIVE.set(True)
+    try:
+        yield
+    finally:
+        _NATIVE.reset(token)
 
 
 def _dot(x: torch.Tensor, w, idx: torch.Tensor) -> torch.Tensor:
     """x [N, 1 or k, in] times the picked experts' weights [N, k, out, in]: [N, k, out]."""
     if isinstance(w, Mxfp4):
+        if _NATIVE.get():
+            return torch.ops.neffbuild.mxfp4_dot(x, w.blocks, w.scales, idx)
         return packed_dot(x, w, idx)
     return (x[:, :, None, :] * w[idx]).sum(-1)
 

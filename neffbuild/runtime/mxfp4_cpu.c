@@ -1,0 +1,93 @@
+/* MXFP4 expert product on the CPU: y[n, j, :] = x[n, j or 0, :] . W[idx[n, j]]^T, W packed as the checkpoint keeps it.
+
+   blocks [E, out, G, 16] uint8: two E2M1 codes a byte, the low nibble the earlier value; scales [E, out, G] uint8
+   (E8M0: 2^(s - 127)); x float32 [N, kx, G * 32] with kx 1 (every pick reads row n) or k; idx int64 [N, k], each in
+   [0, E) (the caller checks: this file trusts it); y float32 [N, k, out].
+
+   A code is decoded by a 16-entry table held in a register (a byte shuffle: one instruction for 16 codes), the
+   table holding twice each E2M1 value so that it fits int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives); the
+   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by neffbuild.kernels.extern
+   with the host's -march; without AVX2 and FMA the plain loop below runs (same result, slower). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static float half_scale(uint8_t s) { return ldexpf(0.5f, (int)s - 127); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen(__m128i bytes8) {  /* the low 8 int8 of a register -> 8 float32 */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8));
+}
+
+static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
+                     const float *scale_of) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, low4));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+        const __m128i v0 = _mm_unpacklo_epi8(lo, hi);  /* values 0..15 of the group, in order */
+        const __m128i v1 = _mm_unpackhi_epi8(lo, hi);  /* values 16..31 */
+        const float *xg = x + g * 32;
+        __m256 part = _mm256_mul_ps(widen(v0), _mm256_loadu_ps(xg));
+        part = _mm256_fmadd_ps(widen(_mm_srli_si128(v0, 8)), _mm256_loadu_ps(xg + 8), part);
+        part = _mm256_fmadd_ps(widen(v1), _mm256_loadu_ps(xg + 16), part);
+        part = _mm256_fmadd_ps(widen(_mm_srli_si128(v1, 8)), _mm256_loadu_ps(xg + 24), part);
+        acc = _mm256_fmadd_ps(part, _mm256_set1_ps(scale_of[scales[g]]), acc);
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
+                     const float *scale_of) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        float part = 0.0f;
+        for (int i = 0; i < 16; i++) {
+            const uint8_t b = row[g * 16 + i];
+            part += TWICE_E2M1[b & 0x0F] * x[g * 32 + 2 * i] + TWICE_E2M1[b >> 4] * x[g * 32 + 2 * i + 1];
+        }
+        acc += part * scale_of[scales[g]];
+    }
+    return acc;
+}
+#endif
+
+/* 1 when this build took the vector path (the caller reports it). */
+int neffbuild_mxfp4_vectorised(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
+                         const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y) {
+    float scale_of[256];
+    for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
+    const int64_t in = groups * 32;
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t e = idx[i * k + j];
+            const float *xr = x + (i * kx + (kx == 1 ? 0 : j)) * in;
+            const uint8_t *wb = blocks + e * out * groups * 16;
+            const uint8_t *ws = scales + e * out * groups;
+            float *yr = y + (i * k + j) * out;
+            for (int64_t o = 0; o < out; o++)
+                yr[o] = row_dot(xr, wb + o * groups * 16, ws + o * groups, groups, scale_of);
+        }
+    }
+}

@@ -1,0 +1,121 @@
+"""``neffbuild::mxfp4_dot``, the native packed-expert product compiled CPU graphs call (neffbuild/runtime/mxfp4.py):
+the same numbers as the traced torch form, bad inputs refused before the C code reads anything, and the torch form
+when no C compiler builds the kernel. Compiles nothing (the compiled MXFP4 bundle's tokens against the eager
+reference and transformers: tests/test_serving_dtypes.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neffbuild.kernels.moe import Mxfp4, moe, native_experts
+from neffbuild.runtime import mxfp4
+
+
+def _weights(E=6, out=48, groups=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (E, out, groups, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(112, 135, (E, out, groups), dtype=torch.uint8, generator=g)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kx", [1, 3])
+def test_op_equals_the_torch_form(kx, dtype):
+    blocks, scales = _weights()
+    x = torch.randn(4, kx, 5 * 32).to(dtype)
+    idx = torch.tensor([[0, 5, 2], [1, 1, 3], [4, 0, 5], [2, 3, 1]])
+    got = torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)
+    want = mxfp4.packed_dot(x, (blocks, scales), idx)
+    assert got.dtype == dtype and got.shape == (4, 3, 48)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                               atol=1e-4 * float(want.float().abs().max()))
+    assert mxfp4.library() is not None  # the test host has a C compiler: the C kernel ran, not the fallback
+
+
+def test_every_scale_and_code_decodes_exactly():
+    """Scale bytes 0..254 (2^-127 .. 2^127) and every code pair, against a one-hot x: each output is one weight."""
+    E, out, groups = 1, 255, 1
+    scales = torch.arange(255, dtype=torch.uint8).view(E, out, groups)
+    blocks = (torch.arange(out * 16) % 256).to(torch.uint8).view(E, out, groups, 16)
+    idx = torch.zeros(1, 1, dtype=torch.int64)
+    for pos in (0, 1, 17, 30):
+        x = torch.zeros(1, 1, 32)
+        x[0, 0, pos] = 1.0
+        got = torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)
+        assert torch.equal(got, mxfp4.packed_dot(x, (blocks, scales), idx)), pos
+
+
+def test_moe_through_the_op_equals_the_traced_form():
+    torch.manual_seed(0)
+    H, I, E = 64, 32, 6
+    gate_up, down = Mxfp4(*_weights(E, 2 * I, H // 32, 1)), Mxfp4(*_weights(E, H, I // 32, 2))
+    args = (torch.randn(E, H) * 0.1, torch.zeros(E), gate_up, torch.zeros(E, 2 * I), down, torch.zeros(E, H), 2,
+            1.702, 7.0)
+    x = torch.randn(3, H)
+    plain = moe(x, *args)
+    with native_experts():
+        native = moe(x, *args)
+    torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ("idx_high", "expert ids must lie in [0, 6)"),
+    ("idx_negative", "expert ids must lie in [0, 6)"),
+    ("idx_float", "idx must be an integer tensor"),
+    ("blocks_int8", "blocks and scales must be uint8"),
+    ("x_width", "x must be [N, 1 or k, 160]"),
+    ("idx_rows", "idx must be [N, k]"),
+    ("scales_shape", "scales [E, out, G] expected"),
+])
+def test_bad_inputs_are_refused_before_the_c_code(change, needle):
+    blocks, scales = _weights()
+    x, idx = torch.randn(2, 1, 160), torch.tensor([[0, 1], [2, 3]])
+    if change == "idx_high":
+        idx = idx + 4
+    elif change == "idx_negative":
+        idx = idx - 1
+    elif change == "idx_float":
+        idx = idx.float()
+    elif change == "blocks_int8":
+        blocks = blocks.to(torch.int8)
+    elif change == "x_width":
+        x = torch.randn(2, 1, 128)
+    elif change == "idx_rows":
+        idx = torch.tensor([[0, 1]])
+    elif change == "scales_shape":
+        scales = scales[:, :, :4]
+    with pytest.raises(ValueError, match="mxfp4_dot: ") as err:
+        torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)
+    assert needle in str(err.value)
+
+
+def test_without_a_c_compiler_the_torch_form_runs_and_says_so(tmp_path):
+    """CC names a compiler that fails: one line on stderr, and the same numbers as the torch form."""
+    script = ("import torch\nfrom neffbuild.runtime import mxfp4\n"
+              "b = torch.randint(0, 256, (2, 8, 1, 16), dtype=torch.uint8)\n"
+              "s = torch.full((2, 8, 1), 127, dtype=torch.uint8)\n"
+              "x = torch.randn(1, 1, 32); i = torch.tensor([[1]])\n"
+              "assert mxfp4.library() is None\n"
+              "assert torch.equal(torch.ops.neffbuild.mxfp4_dot(x, b, s, i), mxfp4.packed_dot(x, (b, s), i))\n"
+              "print('same')\n")
+    env = dict(os.environ, CC="/bin/false", NEFFBUILD_CACHE_DIR=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "same", res.stderr[-2000:]
+    assert "could not build mxfp4_cpu.c" in res.stderr and "slower torch form" in res.stderr
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built left in the cache
+
+
+def test_the_kernel_is_built_once_into_the_cache_folder():
+    from neffbuild import settings
+
+    lib = mxfp4.library()
+    assert lib is not None and lib.neffbuild_mxfp4_vectorised() in (0, 1)
+    assert mxfp4.library() is lib  # one build and one load per process
+    built = list((settings.cache_dir() / "kernels").rglob("mxfp4_cpu.so"))
+    assert built and not list((settings.cache_dir() / "kernels").rglob("tmp*/*.so"))  # renamed into place
