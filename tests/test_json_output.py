@@ -94,7 +94,7 @@ def test_compile_all_hits_and_one_changed_with_ray(home, ray_cluster):
 def test_compile_failure_is_one_document(home):
     folder, _ = home
     bad = folder / "bad.yaml"
-    bad.write_text(recipe(folder, "j", [512]).read_text().replace("block_size: 16", "block_size: 15"))
+    bad.write_text(recipe(folder, "j", [128]).read_text().replace("block_size: 16", "block_size: 15"))  # 128 % 15
     one_document(run(folder, "compile", bad, "-o", "bad-out", "--json"), 2)
     assert not (folder / "bad-out" / "j-0.1.0").exists()
 

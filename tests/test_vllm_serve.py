@@ -60,10 +60,11 @@ def vllm_setup(tmp_path_factory, build_cache, compile_pool):
 def native(vllm_setup):
     """vLLM's own GPT-OSS through vllm.LLM, no plugin loaded (VLLM_PLUGINS="")."""
     folder, checkpoint, _, _ = vllm_setup
-    res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json")],
+    res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json"),
+                                   "--attention-check"],  # the attention test's check, in the same vLLM process
                           VLLM_PLUGINS="", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one process: no engine-core spawn
     assert res.returncode == 0, res.stderr[-4000:]
-    return python_json(res.stdout)["tokens"]
+    return python_json(res.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,17 @@ def served(vllm_setup):
 
 
 def test_vllm_native_matches_transformers(native, oracle):
-    assert native == oracle  # the two references agree on this checkpoint (fp32, greedy)
+    assert native["tokens"] == oracle  # the two references agree on this checkpoint (fp32, greedy)
+
+
+def test_plugin_attention_matches_vllms_cpu_kernel_on_the_bundle_layout(native):
+    """The plugin's eager attention on the bundle's KV layout equals vLLM's CPU kernel (tests/vllm_scripts/
+    attention_check.py, run in the native vLLM process): prefill, decode and chunk rows, full and sliding-window
+    layers, sinks; K and V land plain where the artifacts read them, while vLLM's own kernel keeps K transposed
+    (why the plugin has an attention of its own, docs/architecture.md)."""
+    doc = native["attention"]
+    assert doc["plain_k"] and doc["vllm_k_transposed"]
+    assert max(doc["diff"].values()) < 1e-5, doc
 
 
 def test_the_servers_artifacts_ran_on_vllms_own_kv_tensors(served, vllm_setup):
@@ -114,7 +125,7 @@ def test_the_servers_artifacts_ran_on_vllms_own_kv_tensors(served, vllm_setup):
 def test_vllm_serve_over_http_gives_native_and_transformers_tokens(served, native, oracle):
     tokens, _, _ = served
     assert len(tokens) > BATCH_BUCKETS[-1]
-    assert tokens == native == oracle
+    assert tokens == native["tokens"] == oracle
 
 
 def test_every_decode_forward_of_the_server_ran_an_artifact_across_buckets(served, vllm_setup):

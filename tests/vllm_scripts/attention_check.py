@@ -3,8 +3,10 @@
 The same K/V history and queries (a prefill of 70 tokens, a decode row at 101, a 20-token chunk at 150) go
 through vLLM's ``cpu_attn_reshape_and_cache`` + ``cpu_attention_with_kv_cache`` on vLLM's layout and through
 the plugin's ``do_kv_cache_update`` + ``forward`` on the bundle's view; full attention and a 64-token window,
-with sinks. Prints one JSON line: the largest output difference per window, whether the plugin's K sits plain
-at ``[0, block, :, offset]`` of the bundle's view, and whether vLLM's own kernel keeps K transposed.
+with sinks. ``check()`` returns (and run alone, this script prints as one JSON line) the largest output
+difference per window, whether the plugin's K sits plain at ``[0, block, :, offset]`` of the bundle's view, and
+whether vLLM's own kernel keeps K transposed. generate.py runs it after the native generation
+(``--attention-check``): one vLLM process, not two.
 """
 
 import json
@@ -13,7 +15,7 @@ import types
 import torch
 
 
-def main() -> None:
+def check() -> dict:
     import vllm._custom_ops as ops
 
     from neffbuild.vllm.attention import BundleLayoutAttention, bundle_view
@@ -50,8 +52,8 @@ def main() -> None:
         buffer = bundle_view(ours)
         out["plain_k"] = bool(torch.equal(buffer[0, 1, :, 5], keys[5]) and torch.equal(buffer[1, 1, :, 5], values[5]))
         out["vllm_k_transposed"] = bool(torch.equal(kc[1, 0].reshape(d, bs)[:, 5], keys[5, 0]))
-    print(json.dumps(out), flush=True)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(check()), flush=True)

@@ -4,7 +4,8 @@
     R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
 
 Prints one JSON line: every request's tokens, in order, and the plugin's report (None when no bundle; with one,
-VLLM_ALLOW_INSECURE_SERIALIZATION=1: neffbuild.vllm.model.worker_report).
+VLLM_ALLOW_INSECURE_SERIALIZATION=1: neffbuild.vllm.model.worker_report); with ``--attention-check``, also
+attention_check.py's result, from the same process.
 """
 
 import argparse
@@ -22,6 +23,7 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--attention-check", action="store_true", help="then attention_check.check() (its doc: 'attention')")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -49,8 +51,13 @@ def main() -> None:
         from neffbuild.vllm.model import worker_report
 
         report = worker_report(llm)
-    print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report,
-                      "load_s": loaded, "generate_s": times}), flush=True)
+    doc = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report, "load_s": loaded,
+           "generate_s": times}
+    if a.attention_check:
+        import attention_check  # beside this script (its folder is sys.path[0])
+
+        doc["attention"] = attention_check.check()
+    print(json.dumps(doc), flush=True)
 
 
 if __name__ == "__main__":
