@@ -3,12 +3,11 @@
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from neffbuild import recipe as R
-from neffbuild.compiler.builder import compile_recipe
 from neffbuild.runtime.bundle.reader import check, open_bundle
 from neffbuild.serve.rank import open_rank
 from tests.engine_runs import greedy
@@ -33,14 +32,19 @@ def _decode(bundle_path, prompt, new_tokens):
 
 @pytest.fixture(scope="module")
 def ray_built(ray_cluster, small_checkpoint, tmp_path_factory, built, build_cache):
-    """The tiny test model, 2 targets (b1 x ctx 128 + fallback), built on Ray into a cache holding only the session
-    bundle's fallback (the same key): Ray compiles ctx 128 (one compile, not two) and the fallback is a hit."""
+    """The tiny test model, 2 targets (b1 x ctx 128 + fallback), built on Ray by ``compile --json --executor ray``
+    into a cache holding only the session bundle's fallback (the same key): Ray compiles ctx 128 (one compile, not
+    two) and the fallback is a hit. Its whole stdout is one JSON document: a Ray build that compiles
+    (tests/test_json_output.py holds every other command to it). (recipe, folder, the document)."""
     folder = tmp_path_factory.mktemp("ray")
     path = write_recipe(folder, small_checkpoint, num_seqs_buckets=[1], ctx_buckets=[128], serving__max_num_seqs=1)
     seed_cache(build_cache, folder / "cache", [cache_key(built.bundle, "decode_b1_ctx512")])
-    res = compile_recipe(R.load(path), folder / "out", cache_root=folder / "cache", executor="ray")
-    assert not res.failed, res.failed
-    return path, folder, res
+    out = _cli("compile", str(path), "-o", str(folder / "out"), "--cache-dir", str(folder / "cache"), "--json",
+               "--executor", "ray", "--address", ray_cluster)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)  # the whole stdout: a log line from Ray or a build before or after fails here
+    assert doc["failed"] == [], doc
+    return path, folder, SimpleNamespace(built=doc["built"], cached=doc["cached"], bundle=ROOT / doc["bundle"])
 
 
 def test_ray_bundle_verifies_and_decodes_like_the_local_build(ray_built, built):

@@ -57,7 +57,7 @@ def library() -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp"]  # OpenMP: torch's thread count
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_identity(), *flags]).encode()).hexdigest()
     path = settings.cache_dir() / "kernels" / key[:24] / "mxfp4_cpu.so"
     if not path.is_file():
@@ -79,7 +79,7 @@ def library() -> ctypes.CDLL | None:
     lib.neffbuild_mxfp4_dot.restype = None
     lib.neffbuild_mxfp4_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_void_p]
+                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_mxfp4_vectorised.restype = ctypes.c_int
     return lib
 
@@ -150,7 +150,7 @@ def mxfp4_dot(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: 
     n, k = ids.shape
     out = torch.empty(n, k, blocks.shape[1], dtype=torch.float32)
     lib.neffbuild_mxfp4_dot(xf.data_ptr(), xf.shape[1], blocks.data_ptr(), scales.data_ptr(), ids.data_ptr(), n, k,
-                            blocks.shape[1], blocks.shape[2], out.data_ptr())
+                            blocks.shape[1], blocks.shape[2], out.data_ptr(), torch.get_num_threads())
     return out.to(x.dtype)
 
 

@@ -6,14 +6,14 @@
 
    A code is decoded by a 16-entry table held in a register (a byte shuffle: one instruction for 16 codes), the
    table holding twice each E2M1 value so that it fits int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives); the
-   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by neffbuild.kernels.extern
-   with the host's -march; without AVX2 and FMA the plain loop below runs (same result, slower). */
+   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by neffbuild/runtime/mxfp4.py
+   with the host's -march: AVX-512 (16 lanes) or AVX2 + FMA (8); elsewhere the plain loop (same sums, slower). */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -21,7 +21,26 @@ static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4
 
 static float half_scale(uint8_t s) { return ldexpf(0.5f, (int)s - 127); }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 lanes: a group's 32 values are two vectors, each one widen of 16 decoded int8 and one FMA. */
+static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
+                     const float *scale_of) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, low4));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+        const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(lo, hi)));  /* values 0..15 */
+        const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(lo, hi)));  /* 16..31 */
+        __m512 part = _mm512_mul_ps(v0, _mm512_loadu_ps(x + g * 32));
+        part = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + g * 32 + 16), part);
+        acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scale_of[scales[g]]), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 static inline __m256 widen(__m128i bytes8) {  /* the low 8 int8 of a register -> 8 float32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8));
 }
@@ -65,9 +84,11 @@ static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, 
 }
 #endif
 
-/* 1 when this build took the vector path (the caller reports it). */
+/* 2: the AVX-512 path, 1: AVX2, 0: the plain loop (the caller reports it). */
 int neffbuild_mxfp4_vectorised(void) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
@@ -75,19 +96,18 @@ int neffbuild_mxfp4_vectorised(void) {
 }
 
 void neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
-                         const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y) {
+                         const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
+                         int threads) {
     float scale_of[256];
     for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
-    const int64_t in = groups * 32;
-    for (int64_t i = 0; i < n; i++) {
-        for (int64_t j = 0; j < k; j++) {
-            const int64_t e = idx[i * k + j];
-            const float *xr = x + (i * kx + (kx == 1 ? 0 : j)) * in;
-            const uint8_t *wb = blocks + e * out * groups * 16;
-            const uint8_t *ws = scales + e * out * groups;
-            float *yr = y + (i * k + j) * out;
-            for (int64_t o = 0; o < out; o++)
-                yr[o] = row_dot(xr, wb + o * groups * 16, ws + o * groups, groups, scale_of);
-        }
+    const int64_t in = groups * 32, rows = n * k * out;
+    /* One output value per iteration: x row and weight row both contiguous; threads split the rows. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pick = r / out, o = r % out, i = pick / k, j = pick % k;
+        const int64_t e = idx[pick];
+        const float *xr = x + (i * kx + (kx == 1 ? 0 : j)) * in;
+        const uint8_t *w = blocks + (e * out + o) * groups * 16;
+        y[r] = row_dot(xr, w, scales + (e * out + o) * groups, groups, scale_of);
     }
 }
