@@ -60,7 +60,7 @@ demo: $(STAMP)
 # a subprocess's compile) leaves its core to the others (idle AMD EPYC host: suite 783 s on 3 workers, 830 s on 2);
 # tests/conftest.py keeps each Ray test and each 6-graph bundle's tests on one worker, and gives the workers one
 # compile cache. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP) $(VLLM_STAMP)

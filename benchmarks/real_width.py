@@ -168,15 +168,14 @@ def worker_bundle(a, ps) -> dict:
     from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.engine import Engine
     from neffbuild.serve.parts import LocalPrefill, Request
-    from neffbuild.serve.session import open_session
+    from neffbuild.serve.rank import open_rank
 
     torch.set_num_threads(1)
-    session = open_session(open_bundle(Path(a.model), preload=True))
+    session = open_rank(open_bundle(Path(a.model), preload=True))
 
     def run(b, new):
         reqs = [Request(str(r), p, new, 0, index=r) for r, p in enumerate(ps[:b])]
-        engine = Engine(session.stepper, session.block_manager(),
-                        LocalPrefill(session.prefill, session.stepper.kv_caches))
+        engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.kv_caches))
         t0 = time.perf_counter()
         with torch.no_grad():
             engine.run(reqs)

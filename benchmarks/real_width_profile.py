@@ -81,7 +81,7 @@ def main() -> None:
     from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.runtime.kv.cache import allocate
-    from neffbuild.serve.session import eager_artifacts
+    from neffbuild.serve.rank import eager_artifacts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle", type=Path)
