@@ -56,8 +56,9 @@ demo: $(STAMP)
 	$(BIN)/neffbuild inspect artifacts/gpt-oss-tiny-0.1.0
 	$(BIN)/neffbuild generate artifacts/gpt-oss-tiny-0.1.0 --prompt-ids $$(seq -s, 1 120) --prompt-ids 7,8 --max-new-tokens 150 --check
 
-# Three pytest-xdist workers on the 2-core CI host: a worker that waits (a server starting, a timeout being proved,
-# a subprocess's compile) leaves its core to the others (idle AMD EPYC host: suite 783 s on 3 workers, 830 s on 2);
+# Four pytest-xdist workers on the 2-core CI host: a worker that waits (a server starting, a timeout being proved,
+# a subprocess's compile) leaves its core to the others (idle AMD EPYC host: 732 s and 744 s on 4 workers, 773 s on
+# 3 for nearly the same tree; docs/benchmarks.md, "Test suite");
 # tests/conftest.py keeps each Ray test and each 6-graph bundle's tests on one worker, and gives the workers one
 # compile cache. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 4

@@ -7,7 +7,7 @@ form, side by side, batch 1 and 4, one thread; bytes per step and the fraction o
 Writes the random MXFP4 checkpoint of benchmarks/real_width.py into WORKDIR/ckpt (kept for a rerun), then
 compiles real_width.py's ``bundle-mxfp4`` recipe (bf16 weights, MXFP4 experts, bf16 KV; batch buckets 1 and 4,
 one context bucket) twice in this process, into two caches: as the product compiles it (the picked experts
-through ``neffbuild::mxfp4_dot``, neffbuild/runtime/mxfp4.py) and with that op off (``packed_dot``'s arithmetic
+through ``neffbuild::mxfp4_dot``, neffbuild/runtime/native.py) and with that op off (``packed_dot``'s arithmetic
 traced into the graph, what inductor made of it before). Each artifact is then timed at ``--context`` (median
 of ``--repeat`` steps), the two forms alternating for ``--rounds`` rounds. Bytes per step follow real_width.py's
 rule (the weights a step must read, the experts the router can pick, the KV at that context); "of copy" divides
@@ -38,13 +38,13 @@ def compile_bundle(recipe: Path, out: Path, cache: Path, native: bool) -> Path:
     from neffbuild.compiler.builder import compile_recipe
     from neffbuild.compiler.executor import InlineExecutor
 
-    saved = inductor.native_experts
+    saved = inductor.native_cpu_ops
     if not native:
-        inductor.native_experts = contextlib.nullcontext  # export traces packed_dot instead of calling the op
+        inductor.native_cpu_ops = contextlib.nullcontext  # export traces packed_dot instead of calling the op
     try:
         res = compile_recipe(R.load(recipe), out, cache_root=cache, executor=InlineExecutor())
     finally:
-        inductor.native_experts = saved
+        inductor.native_cpu_ops = saved
     if res.failed:
         raise SystemExit(f"compile failed: {res.failed}")
     return res.bundle

@@ -1,7 +1,7 @@
 """The only module that reads environment variables.
 
 NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild); its kernels/ holds the native
-                     MXFP4 kernel as built for this host (neffbuild/runtime/mxfp4.py)
+                     MXFP4 kernel as built for this host (neffbuild/runtime/native.py)
 CC                   the C compiler that builds that kernel (default: cc, then gcc, from PATH)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)

@@ -1,4 +1,4 @@
-"""``neffbuild::mxfp4_dot``, the native packed-expert product compiled CPU graphs call (neffbuild/runtime/mxfp4.py):
+"""``neffbuild::mxfp4_dot``, the native packed-expert product compiled CPU graphs call (neffbuild/runtime/native.py):
 the same numbers as the traced torch form, bad inputs refused before the C code reads anything, and the torch form
 when no C compiler builds the kernel. Compiles nothing (the compiled MXFP4 bundle's tokens against the eager
 reference and transformers: tests/test_serving_dtypes.py)."""
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from neffbuild.kernels.moe import Mxfp4, moe, native_experts
-from neffbuild.runtime import mxfp4
+from neffbuild.kernels.moe import Mxfp4, moe, native_cpu_ops
+from neffbuild.runtime import native as mxfp4
 
 
 def _weights(E=6, out=48, groups=5, seed=0):
@@ -58,7 +58,7 @@ def test_moe_through_the_op_equals_the_traced_form():
             1.702, 7.0)
     x = torch.randn(3, H)
     plain = moe(x, *args)
-    with native_experts():
+    with native_cpu_ops():
         native = moe(x, *args)
     torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))
 
@@ -96,7 +96,7 @@ def test_bad_inputs_are_refused_before_the_c_code(change, needle):
 
 def test_without_a_c_compiler_the_torch_form_runs_and_says_so(tmp_path):
     """CC names a compiler that fails: one line on stderr, and the same numbers as the torch form."""
-    script = ("import torch\nfrom neffbuild.runtime import mxfp4\n"
+    script = ("import torch\nfrom neffbuild.runtime import native as mxfp4\n"
               "b = torch.randint(0, 256, (2, 8, 1, 16), dtype=torch.uint8)\n"
               "s = torch.full((2, 8, 1), 127, dtype=torch.uint8)\n"
               "x = torch.randn(1, 1, 32); i = torch.tensor([[1]])\n"
@@ -107,7 +107,7 @@ def test_without_a_c_compiler_the_torch_form_runs_and_says_so(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
                          timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "same", res.stderr[-2000:]
-    assert "could not build mxfp4_cpu.c" in res.stderr and "slower torch form" in res.stderr
+    assert "could not build native_cpu.c" in res.stderr and "slower torch form" in res.stderr
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built left in the cache
 
 
@@ -117,7 +117,7 @@ def test_the_kernel_is_built_once_into_the_cache_folder():
     lib = mxfp4.library()
     assert lib is not None and lib.neffbuild_mxfp4_vectorised() in (0, 1, 2)
     assert mxfp4.library() is lib  # one build and one load per process
-    built = list((settings.cache_dir() / "kernels").rglob("mxfp4_cpu.so"))
+    built = list((settings.cache_dir() / "kernels").rglob("native_cpu.so"))
     assert built and not list((settings.cache_dir() / "kernels").rglob("tmp*/*.so"))  # renamed into place
 
 
@@ -134,3 +134,22 @@ def test_threads_split_the_rows_and_change_no_value():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def test_bf16_linear_equals_a_bf16_matmul():
+    """The LM head's op: float32 sums rounded to bfloat16, as the matmul gives them (within one bf16 rounding:
+    the two sum in different orders); rows of x in fours and a tail, a width with a tail past the 32-lane loop."""
+    from neffbuild.runtime import native
+
+    g = torch.Generator().manual_seed(3)
+    for m, k in ((1, 96), (5, 80)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = (torch.randn(300, k, generator=g) * 0.05).bfloat16()
+        got = torch.ops.neffbuild.bf16_linear(x, w)
+        want = x.float() @ w.float().t()
+        assert got.dtype == torch.bfloat16 and got.shape == (m, 300)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, (x @ w.t()), rtol=1.6e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="bf16_linear: "):
+        torch.ops.neffbuild.bf16_linear(x.float(), w)
+    assert native.library().neffbuild_bf16_native() in (0, 1)

@@ -238,7 +238,7 @@ def test_compiled_bf16_mxfp4_equals_eager_and_transformers(mxfp4_bundle):
 
     ck, built = mxfp4_bundle
     [artifact] = (built.bundle / "artifacts").glob("*.pt2")
-    with zipfile.ZipFile(artifact) as z:  # the compiled step calls the native packed-expert op (runtime/mxfp4.py)
+    with zipfile.ZipFile(artifact) as z:  # the compiled step calls the native packed-expert op (runtime/native.py)
         assert any(n.endswith(".wrapper.json") and b"neffbuild::mxfp4_dot" in z.read(n) for n in z.namelist())
     bundle = open_bundle(built.bundle)
     assert bundle.kv_layout.dtype == torch.bfloat16

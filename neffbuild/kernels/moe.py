@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from neffbuild.runtime.mxfp4 import e2m1, e8m0, packed_dot
+from neffbuild.runtime.native import e2m1, e8m0, packed_dot
 
 # On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): picked packed experts then go
-# through the runtime's native op (runtime/mxfp4.py), called from the compiled code like oneDNN's matmuls.
+# through the runtime's native op (runtime/native.py), called from the compiled code like oneDNN's matmuls.
 _NATIVE = contextvars.ContextVar("neffbuild_native_mxfp4", default=False)
 DENSE_TOKENS = 64  # from this many tokens on (prefill), every expert runs on every token (see moe)
 
@@ -54,16 +54,22 @@ def rows(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def native_experts():
+def native_cpu_ops():
     """Inside: picked MXFP4 experts call ``torch.ops.neffbuild.mxfp4_dot`` (a table-lookup C kernel on the CPU,
     docs/benchmarks.md "Real width") instead of tracing ``packed_dot``'s arithmetic, which inductor's CPU code
-    runs at about ten float ops a weight. Only AOTInductor's CPU graphs use it: another backend cannot call a
-    custom op, and the eager reference stays the plain torch form."""
+    runs at about ten float ops a weight, and a bfloat16 LM head calls ``neffbuild::bf16_linear`` (``native_on``,
+    models/gpt_oss/decode.py). Only AOTInductor's CPU graphs use it: another backend cannot call a custom op, and
+    the eager reference stays plain torch."""
     token = _NATIVE.set(True)
     try:
         yield
     finally:
         _NATIVE.reset(token)
+
+
+def native_on() -> bool:
+    """True inside ``native_cpu_ops`` (a CPU graph being traced for AOTInductor)."""
+    return _NATIVE.get()
 
 
 def _dot(x: torch.Tensor, w, idx: torch.Tensor) -> torch.Tensor:

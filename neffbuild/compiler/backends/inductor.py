@@ -30,7 +30,7 @@ import torch
 from neffbuild.compiler.backends.base import Backend
 from neffbuild.compiler.reproducible import normalize_pt2
 from neffbuild.errors import InvalidInput
-from neffbuild.kernels.moe import native_experts
+from neffbuild.kernels.moe import native_cpu_ops
 from neffbuild.runtime.bundle.loaders import load_inductor
 
 # AOTInductor options whose torch defaults come from the environment at import (AOT_INDUCTOR_*): each shapes the
@@ -80,9 +80,9 @@ class InductorBackend(Backend):
         return cls(flags=flags, device=device, target=target)
 
     def export(self, module, example_inputs):
-        """CPU graphs call the native MXFP4 expert product (``kernels.moe.native_experts``); the artifact names the op
+        """CPU graphs call the native MXFP4 expert product (``kernels.moe.native_cpu_ops``); the artifact names the op
         and the runtime registers it before an artifact's first call."""
-        native = native_experts() if self.device == "cpu" else contextlib.nullcontext()
+        native = native_cpu_ops() if self.device == "cpu" else contextlib.nullcontext()
         with torch.no_grad(), native:
             return torch.export.export(module, example_inputs, strict=False)
 

@@ -40,6 +40,7 @@ from neffbuild.kernels.collectives import (
     vocab_parallel_embed,
     vocab_parallel_gather,
 )
+from neffbuild.kernels.moe import native_on  # also registers the native ops (runtime/native.py)
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.models.gpt_oss.weights import BLOCKS, SCALES, experts_of, stacked_names
@@ -108,7 +109,11 @@ def unembed(cfg: GptOssConfig, w: dict, x: torch.Tensor, par: ParallelLayout = S
 
     With tp > 1 each rank computes the logits of its vocab / tp rows and the TP group all-gathers them
     along the vocabulary, so every rank returns the full logits."""
-    logits = (rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()).float()
+    h, head = rms_norm(x, w["norm"], cfg.rms_norm_eps), w["lm_head"]
+    if native_on() and h.dim() == 2 and h.dtype == head.dtype == torch.bfloat16:
+        logits = torch.ops.neffbuild.bf16_linear(h, head).float()  # runtime/native.py: the vocabulary's GEMV
+    else:
+        logits = (h @ head.t()).float()
     return logits if par.tp == 1 else vocab_parallel_gather(logits, par.tp, TP_GROUP)
 
 

@@ -6,7 +6,7 @@
 backend and the eager reference, and is the op's fallback.
 
 Inductor's CPU code decodes E2M1 with about ten float ops a weight (no register table lookup); the C kernel here
-(``mxfp4_cpu.c``) decodes 16 codes with one byte shuffle. It is built on first use with the host's C compiler
+(``native_cpu.c``) decodes 16 codes with one byte shuffle. It is built on first use with the host's C compiler
 (``settings.c_compiler``) and ``-march=native`` into the cache folder's ``kernels/`` (keyed by the source, the
 compiler and the CPU), so a serving host runs code for its own CPU; without a compiler the op runs
 ``packed_dot`` (same values, slower) and says so once. The op lives in the runtime because every process that
@@ -33,7 +33,7 @@ import torch
 
 from neffbuild import settings
 
-SOURCE = Path(__file__).with_name("mxfp4_cpu.c")
+SOURCE = Path(__file__).with_name("native_cpu.c")
 SCALE_BIAS = 127
 
 
@@ -59,7 +59,7 @@ def library() -> ctypes.CDLL | None:
         version = ""
     flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp"]  # OpenMP: torch's thread count
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_identity(), *flags]).encode()).hexdigest()
-    path = settings.cache_dir() / "kernels" / key[:24] / "mxfp4_cpu.so"
+    path = settings.cache_dir() / "kernels" / key[:24] / "native_cpu.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: never half-written
@@ -72,7 +72,7 @@ def library() -> ctypes.CDLL | None:
                 why = str(exc)[:300]
             if why is not None:
                 print(f"neffbuild: {cc} could not build {SOURCE.name} ({why}): MXFP4 experts run the slower torch "
-                      "form", file=sys.stderr)
+                      "form (and the bf16 LM head oneDNN's matmul)", file=sys.stderr)
                 return None
             os.replace(staged, path)
     lib = ctypes.CDLL(str(path))
@@ -81,6 +81,10 @@ def library() -> ctypes.CDLL | None:
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_mxfp4_vectorised.restype = ctypes.c_int
+    lib.neffbuild_bf16_linear.restype = None
+    lib.neffbuild_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.neffbuild_bf16_native.restype = ctypes.c_int
     return lib
 
 
@@ -157,3 +161,27 @@ def mxfp4_dot(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: 
 @mxfp4_dot.register_fake
 def _(x, blocks, scales, idx):
     return x.new_empty(idx.shape[0], idx.shape[1], blocks.shape[1])
+
+
+@torch.library.custom_op("neffbuild::bf16_linear", mutates_args=())
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T in bfloat16 (float32 sums, the result rounded to bfloat16 as a bf16 matmul's is): the
+    LM head over the vocabulary, where oneDNN's bf16 GEMV reads at about two thirds of the copy bandwidth. The C
+    loop takes it on a CPU with AVX-512 BF16 (one dot-product instruction per 32 weights); elsewhere the matmul."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2 \
+            or x.shape[1] != w.shape[1]:
+        raise ValueError(f"bf16_linear: x [M, K] and w [N, K] in bfloat16 expected, got {x.dtype} "
+                         f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
+    lib = library() if x.device.type == "cpu" else None
+    if lib is None or not lib.neffbuild_bf16_native():
+        return x @ w.t()
+    xc, wc = x.contiguous(), w.contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    lib.neffbuild_bf16_linear(xc.data_ptr(), xc.shape[0], wc.data_ptr(), wc.shape[0], wc.shape[1], out.data_ptr(),
+                              torch.get_num_threads())
+    return out.to(torch.bfloat16)
+
+
+@bf16_linear.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])

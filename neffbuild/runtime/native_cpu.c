@@ -6,7 +6,7 @@
 
    A code is decoded by a 16-entry table held in a register (a byte shuffle: one instruction for 16 codes), the
    table holding twice each E2M1 value so that it fits int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives); the
-   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by neffbuild/runtime/mxfp4.py
+   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by neffbuild/runtime/native.py
    with the host's -march: AVX-512 (16 lanes) or AVX2 + FMA (8); elsewhere the plain loop (same sums, slower). */
 
 #include <math.h>
@@ -110,4 +110,53 @@ void neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, cons
         const uint8_t *w = blocks + (e * out + o) * groups * 16;
         y[r] = row_dot(xr, w, scales + (e * out + o) * groups, groups, scale_of);
     }
+}
+
+/* bf16 linear without bias, y[m, o] = sum_k x[m, k] w[o, k] (the LM head over the vocabulary): bf16 inputs, float32
+   sums (x times w is exact in float32), rounded to bf16 by the caller as a bf16 matmul's output is. Each weight row
+   is read once for every row of x (up to 4 at a time). AVX-512 BF16: one dot-product instruction per 32 weights. */
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static void rows_dot_bf16(const uint16_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t k = 0;
+    for (; k + 32 <= in; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + k));
+        for (int64_t i = 0; i < m; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512((const void *)(x + i * in + k)), wv);
+    }
+    for (int64_t i = 0; i < m; i++) {
+        float s = _mm512_reduce_add_ps(acc[i]);
+        for (int64_t t = k; t < in; t++) s += bf16_to_float(x[i * in + t]) * bf16_to_float(w[t]);
+        y[i * ystride] = s;
+    }
+}
+#else
+static void rows_dot_bf16(const uint16_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
+    for (int64_t i = 0; i < m; i++) {
+        float s = 0.0f;
+        for (int64_t t = 0; t < in; t++) s += bf16_to_float(x[i * in + t]) * bf16_to_float(w[t]);
+        y[i * ystride] = s;
+    }
+}
+#endif
+
+int neffbuild_bf16_native(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void neffbuild_bf16_linear(const uint16_t *x, int64_t m, const uint16_t *w, int64_t out, int64_t in, float *y,
+                           int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t i0 = 0; i0 < m; i0 += 4)
+            rows_dot_bf16(x + i0 * in, m - i0 < 4 ? m - i0 : 4, w + o * in, in, y + i0 * out + o, out);
 }
