@@ -1,5 +1,5 @@
-"""The compiled decode step at GPT-OSS-20B width with MXFP4 experts: the native expert op beside the traced torch
-form, side by side, batch 1 and 4, one thread; bytes per step and the fraction of the copy bandwidth.
+"""The compiled decode step at GPT-OSS-20B width with MXFP4 experts: the native CPU ops beside the plain traced
+graph, side by side, batch 1 and 4, one thread; bytes per step and the fraction of the copy bandwidth.
 
     .venv/bin/python benchmarks/mxfp4_step.py --workdir /tmp/rw [--layers 2] [--ctx 1024] [--context 500]
         [--repeat 5] [--rounds 2]
@@ -7,8 +7,9 @@ form, side by side, batch 1 and 4, one thread; bytes per step and the fraction o
 Writes the random MXFP4 checkpoint of benchmarks/real_width.py into WORKDIR/ckpt (kept for a rerun), then
 compiles real_width.py's ``bundle-mxfp4`` recipe (bf16 weights, MXFP4 experts, bf16 KV; batch buckets 1 and 4,
 one context bucket) twice in this process, into two caches: as the product compiles it (the picked experts
-through ``neffbuild::mxfp4_dot``, neffbuild/runtime/native.py) and with that op off (``packed_dot``'s arithmetic
-traced into the graph, what inductor made of it before). Each artifact is then timed at ``--context`` (median
+through ``neffbuild::mxfp4_dot`` and the LM head through ``neffbuild::bf16_linear``, neffbuild/runtime/native.py)
+and with those ops off (``packed_dot``'s arithmetic traced into the graph and oneDNN's matmul for the head, what
+the graph was before). Each artifact is then timed at ``--context`` (median
 of ``--repeat`` steps), the two forms alternating for ``--rounds`` rounds. Bytes per step follow real_width.py's
 rule (the weights a step must read, the experts the router can pick, the KV at that context); "of copy" divides
 the bytes read per second by ``neffbuild.bench.bytes.copy_bandwidth()``. The load average is printed with the
@@ -40,7 +41,7 @@ def compile_bundle(recipe: Path, out: Path, cache: Path, native: bool) -> Path:
 
     saved = inductor.native_cpu_ops
     if not native:
-        inductor.native_cpu_ops = contextlib.nullcontext  # export traces packed_dot instead of calling the op
+        inductor.native_cpu_ops = contextlib.nullcontext  # export traces packed_dot and the matmul instead
     try:
         res = compile_recipe(R.load(recipe), out, cache_root=cache, executor=InlineExecutor())
     finally:
@@ -83,7 +84,7 @@ def main() -> None:
                         "--layers", str(a.layers)], check=True)
     recipe = recipe_for("bundle-mxfp4", ckpt, work, [1, 4], a.ctx)
     bundles = {}
-    for form, native in (("native op", True), ("traced torch form", False)):
+    for form, native in (("native ops", True), ("traced torch form", False)):
         tag = "native" if native else "torch"
         bundles[form] = compile_bundle(recipe, work / f"out-{tag}", work / f"cache-{tag}", native)
         assert uses_op(bundles[form]) == native, form
@@ -116,8 +117,8 @@ def main() -> None:
         print(f"| {form} | {b} | {step * 1e3:.1f} ms | {b / step:.2f} | {nbytes / 1e9:.3f} GB | "
               f"{nbytes / step / 1e9:.2f} | {nbytes / step / bw:.0%} |")
     for b in (1, 4):
-        ratio = statistics.median(times[("traced torch form", b)]) / statistics.median(times[("native op", b)])
-        print(f"batch {b}: the native op's step is x{ratio:.2f} the speed of the traced form's")
+        ratio = statistics.median(times[("traced torch form", b)]) / statistics.median(times[("native ops", b)])
+        print(f"batch {b}: the native ops' step is x{ratio:.2f} the speed of the traced form's")
     (work / "mxfp4_step.json").write_text(json.dumps({"rows": rows, "copy_bandwidth": bw, "load": load}, indent=1))
 
 

@@ -7,8 +7,8 @@
 Four rooms, each a package with its own docstring: ``bundle/`` (open and verify a bundle, load
 its artifacts), ``step/`` (the per-step API), ``kv/`` (KV buffers, blocks and their tables),
 ``di/`` (disaggregated inference: KV moved over NIXL); ``parallel.py`` and ``world.py`` (the
-tp/dp/ep layout and a rank's process groups) serve them all, and ``mxfp4.py`` registers the native
-op compiled CPU graphs call for packed experts (``native_cpu.c``, built on the serving host). This
+tp/dp/ep layout and a rank's process groups) serve them all, and ``native.py`` registers the native
+ops compiled CPU graphs call (packed experts, the bf16 LM head: ``native_cpu.c``, built on the host). This
 module exports what serving code calls (docs/architecture.md lists it); everything else is imported from its room.
 
 Imports only the standard library, torch and safetensors (nixl lazily) and the base modules

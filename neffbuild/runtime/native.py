@@ -1,4 +1,5 @@
-"""``neffbuild::mxfp4_dot``: the packed-expert product compiled CPU graphs call, as they call oneDNN's matmuls.
+"""The native ops compiled CPU graphs call, as they call oneDNN's matmuls: ``neffbuild::mxfp4_dot`` (the packed
+expert product) and ``neffbuild::bf16_linear`` (the bf16 LM head, below).
 
 ``torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)``: x [N, 1 or k, in] times the rows of the experts
 ``idx`` [N, k] picked from MXFP4 weights (blocks [E, out, in/32, 16] uint8, scales [E, out, in/32] uint8) ->

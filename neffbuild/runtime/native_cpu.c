@@ -121,18 +121,46 @@ static inline float bf16_to_float(uint16_t h) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-static void rows_dot_bf16(const uint16_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+/* m (1..4) rows of x against one weight row; m is a constant where it is called (below), so the accumulators stay
+   in registers. */
+static inline __attribute__((always_inline)) void rows_dot_m(const uint16_t *x, const int m, const uint16_t *w,
+                                                               int64_t in, float *y, int64_t ystride) {
+    /* Two accumulators a row (even and odd 32-weight chunks): the dot product's latency, not its throughput, bounds
+       one chain. */
+    __m512 acc[4], acc2[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc[i] = acc2[i] = _mm512_setzero_ps();
     int64_t k = 0;
+    for (; k + 64 <= in; k += 64) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + k));
+        const __m512bh wv2 = (__m512bh)_mm512_loadu_si512((const void *)(w + k + 32));
+#pragma GCC unroll 4
+        for (int i = 0; i < m; i++) {
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512((const void *)(x + i * in + k)), wv);
+            acc2[i] = _mm512_dpbf16_ps(acc2[i], (__m512bh)_mm512_loadu_si512((const void *)(x + i * in + k + 32)),
+                                       wv2);
+        }
+    }
     for (; k + 32 <= in; k += 32) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + k));
-        for (int64_t i = 0; i < m; i++)
+#pragma GCC unroll 4
+        for (int i = 0; i < m; i++)
             acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512((const void *)(x + i * in + k)), wv);
     }
-    for (int64_t i = 0; i < m; i++) {
-        float s = _mm512_reduce_add_ps(acc[i]);
+#pragma GCC unroll 4
+    for (int i = 0; i < m; i++) {
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc2[i]));
         for (int64_t t = k; t < in; t++) s += bf16_to_float(x[i * in + t]) * bf16_to_float(w[t]);
         y[i * ystride] = s;
+    }
+}
+
+static void rows_dot_bf16(const uint16_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
+    switch (m) {
+        case 1: rows_dot_m(x, 1, w, in, y, ystride); break;
+        case 2: rows_dot_m(x, 2, w, in, y, ystride); break;
+        case 3: rows_dot_m(x, 3, w, in, y, ystride); break;
+        default: rows_dot_m(x, 4, w, in, y, ystride); break;
     }
 }
 #else

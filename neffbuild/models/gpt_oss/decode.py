@@ -110,8 +110,8 @@ def unembed(cfg: GptOssConfig, w: dict, x: torch.Tensor, par: ParallelLayout = S
     With tp > 1 each rank computes the logits of its vocab / tp rows and the TP group all-gathers them
     along the vocabulary, so every rank returns the full logits."""
     h, head = rms_norm(x, w["norm"], cfg.rms_norm_eps), w["lm_head"]
-    if native_on() and h.dim() == 2 and h.dtype == head.dtype == torch.bfloat16:
-        logits = torch.ops.neffbuild.bf16_linear(h, head).float()  # runtime/native.py: the vocabulary's GEMV
+    if native_on() and h.dtype == head.dtype == torch.bfloat16:  # runtime/native.py: the vocabulary's GEMV
+        logits = torch.ops.neffbuild.bf16_linear(h.reshape(-1, h.shape[-1]), head).view(*h.shape[:-1], -1).float()
     else:
         logits = (h @ head.t()).float()
     return logits if par.tp == 1 else vocab_parallel_gather(logits, par.tp, TP_GROUP)
