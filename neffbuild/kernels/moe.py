@@ -58,7 +58,7 @@ def native_cpu_ops():
     """Inside: picked MXFP4 experts call ``torch.ops.neffbuild.mxfp4_dot`` (a table-lookup C kernel on the CPU,
     docs/benchmarks.md "Real width") instead of tracing ``packed_dot``'s arithmetic, which inductor's CPU code
     runs at about ten float ops a weight, and a bfloat16 LM head calls ``neffbuild::bf16_linear`` (``native_on``,
-    models/gpt_oss/decode.py). Only AOTInductor's CPU graphs use it: another backend cannot call a custom op, and
+    the architecture's unembedding). Only AOTInductor's CPU graphs use it: another backend cannot call a custom op, and
     the eager reference stays plain torch."""
     token = _NATIVE.set(True)
     try:
