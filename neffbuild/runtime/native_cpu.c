@@ -21,19 +21,29 @@ static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4
 
 static float half_scale(uint8_t s) { return ldexpf(0.5f, (int)s - 127); }
 
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+/* One group's 16 bytes -> its 32 values as int8 (twice E2M1), in order: [0..15] and [16..31]. */
+static inline void decode_group(const uint8_t *bytes, __m128i *first, __m128i *second) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i b = _mm_loadu_si128((const __m128i *)bytes);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, low4));  /* the low nibble: the earlier value */
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    *first = _mm_unpacklo_epi8(lo, hi);
+    *second = _mm_unpackhi_epi8(lo, hi);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* 16 lanes: a group's 32 values are two vectors, each one widen of 16 decoded int8 and one FMA. */
 static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
                      const float *scale_of) {
-    const __m128i table = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, low4));
-        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-        const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(lo, hi)));  /* values 0..15 */
-        const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(lo, hi)));  /* 16..31 */
+        __m128i c0, c1;
+        decode_group(row + g * 16, &c0, &c1);
+        const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0));  /* values 0..15 */
+        const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1));  /* 16..31 */
         __m512 part = _mm512_mul_ps(v0, _mm512_loadu_ps(x + g * 32));
         part = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + g * 32 + 16), part);
         acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scale_of[scales[g]]), acc);
@@ -47,15 +57,10 @@ static inline __m256 widen(__m128i bytes8) {  /* the low 8 int8 of a register ->
 
 static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
                      const float *scale_of) {
-    const __m128i table = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(row + g * 16));
-        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, low4));
-        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-        const __m128i v0 = _mm_unpacklo_epi8(lo, hi);  /* values 0..15 of the group, in order */
-        const __m128i v1 = _mm_unpackhi_epi8(lo, hi);  /* values 16..31 */
+        __m128i v0, v1;
+        decode_group(row + g * 16, &v0, &v1);  /* values 0..15 and 16..31 of the group */
         const float *xg = x + g * 32;
         __m256 part = _mm256_mul_ps(widen(v0), _mm256_loadu_ps(xg));
         part = _mm256_fmadd_ps(widen(_mm_srli_si128(v0, 8)), _mm256_loadu_ps(xg + 8), part);
