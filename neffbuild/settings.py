@@ -1,8 +1,8 @@
 """The only module that reads environment variables.
 
 NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild); its kernels/ holds the native
-                     MXFP4 kernel as built for this host (neffbuild/runtime/native.py)
-CC                   the C compiler that builds that kernel (default: cc, then gcc, from PATH)
+                     CPU ops as built for this host (neffbuild/runtime/native.py)
+CC                   the C compiler that builds them (default: cc, then gcc, from PATH)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
 UCX_TLS              UCX transports for NIXL (DI); `tcp` is always kept (default: tcp,sm,self)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from neffbuild.kernels.moe import Mxfp4, moe, native_cpu_ops
-from neffbuild.runtime import native as mxfp4
+from neffbuild.runtime import native
 
 
 def _weights(E=6, out=48, groups=5, seed=0):
@@ -30,11 +30,11 @@ def test_op_equals_the_torch_form(kx, dtype):
     x = torch.randn(4, kx, 5 * 32).to(dtype)
     idx = torch.tensor([[0, 5, 2], [1, 1, 3], [4, 0, 5], [2, 3, 1]])
     got = torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)
-    want = mxfp4.packed_dot(x, (blocks, scales), idx)
+    want = native.packed_dot(x, (blocks, scales), idx)
     assert got.dtype == dtype and got.shape == (4, 3, 48)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                atol=1e-4 * float(want.float().abs().max()))
-    assert mxfp4.library() is not None  # the test host has a C compiler: the C kernel ran, not the fallback
+    assert native.library() is not None  # the test host has a C compiler: the C kernel ran, not the fallback
 
 
 def test_every_scale_and_code_decodes_exactly():
@@ -47,7 +47,7 @@ def test_every_scale_and_code_decodes_exactly():
         x = torch.zeros(1, 1, 32)
         x[0, 0, pos] = 1.0
         got = torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)
-        assert torch.equal(got, mxfp4.packed_dot(x, (blocks, scales), idx)), pos
+        assert torch.equal(got, native.packed_dot(x, (blocks, scales), idx)), pos
 
 
 def test_moe_through_the_op_equals_the_traced_form():
@@ -96,12 +96,12 @@ def test_bad_inputs_are_refused_before_the_c_code(change, needle):
 
 def test_without_a_c_compiler_the_torch_form_runs_and_says_so(tmp_path):
     """CC names a compiler that fails: one line on stderr, and the same numbers as the torch form."""
-    script = ("import torch\nfrom neffbuild.runtime import native as mxfp4\n"
+    script = ("import torch\nfrom neffbuild.runtime import native\n"
               "b = torch.randint(0, 256, (2, 8, 1, 16), dtype=torch.uint8)\n"
               "s = torch.full((2, 8, 1), 127, dtype=torch.uint8)\n"
               "x = torch.randn(1, 1, 32); i = torch.tensor([[1]])\n"
-              "assert mxfp4.library() is None\n"
-              "assert torch.equal(torch.ops.neffbuild.mxfp4_dot(x, b, s, i), mxfp4.packed_dot(x, (b, s), i))\n"
+              "assert native.library() is None\n"
+              "assert torch.equal(torch.ops.neffbuild.mxfp4_dot(x, b, s, i), native.packed_dot(x, (b, s), i))\n"
               "print('same')\n")
     env = dict(os.environ, CC="/bin/false", NEFFBUILD_CACHE_DIR=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
@@ -114,9 +114,9 @@ def test_without_a_c_compiler_the_torch_form_runs_and_says_so(tmp_path):
 def test_the_kernel_is_built_once_into_the_cache_folder():
     from neffbuild import settings
 
-    lib = mxfp4.library()
+    lib = native.library()
     assert lib is not None and lib.neffbuild_mxfp4_vectorised() in (0, 1, 2)
-    assert mxfp4.library() is lib  # one build and one load per process
+    assert native.library() is lib  # one build and one load per process
     built = list((settings.cache_dir() / "kernels").rglob("native_cpu.so"))
     assert built and not list((settings.cache_dir() / "kernels").rglob("tmp*/*.so"))  # renamed into place
 
@@ -139,8 +139,6 @@ def test_threads_split_the_rows_and_change_no_value():
 def test_bf16_linear_equals_a_bf16_matmul():
     """The LM head's op: float32 sums rounded to bfloat16, as the matmul gives them (within one bf16 rounding:
     the two sum in different orders); rows of x in fours and a tail, a width with a tail past the 32-lane loop."""
-    from neffbuild.runtime import native
-
     g = torch.Generator().manual_seed(3)
     for m, k in ((1, 96), (5, 80)):
         x = torch.randn(m, k, generator=g).bfloat16()

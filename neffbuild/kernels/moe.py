@@ -17,9 +17,9 @@ import torch
 
 from neffbuild.runtime.native import e2m1, e8m0, packed_dot
 
-# On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): picked packed experts then go
-# through the runtime's native op (runtime/native.py), called from the compiled code like oneDNN's matmuls.
-_NATIVE = contextvars.ContextVar("neffbuild_native_mxfp4", default=False)
+# On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): the graph then calls the runtime's
+# native ops (runtime/native.py) for picked packed experts and a bf16 LM head, as it calls oneDNN's matmuls.
+_NATIVE = contextvars.ContextVar("neffbuild_native_cpu_ops", default=False)
 DENSE_TOKENS = 64  # from this many tokens on (prefill), every expert runs on every token (see moe)
 
 
@@ -75,7 +75,7 @@ def native_on() -> bool:
 def _dot(x: torch.Tensor, w, idx: torch.Tensor) -> torch.Tensor:
     """x [N, 1 or k, in] times the picked experts' weights [N, k, out, in]: [N, k, out]."""
     if isinstance(w, Mxfp4):
-        if _NATIVE.get():
+        if native_on():
             return torch.ops.neffbuild.mxfp4_dot(x, w.blocks, w.scales, idx)
         return packed_dot(x, w, idx)
     return (x[:, :, None, :] * w[idx]).sum(-1)

@@ -36,6 +36,7 @@ from neffbuild import settings
 
 SOURCE = Path(__file__).with_name("native_cpu.c")
 SCALE_BIAS = 127
+FALLBACK = "MXFP4 experts run the slower torch form and the bf16 LM head oneDNN's matmul"
 
 
 def _cpu_identity() -> str:
@@ -52,7 +53,7 @@ def library() -> ctypes.CDLL | None:
     """The built kernel, loaded; None (with one line on stderr) where no C compiler builds it."""
     cc = settings.c_compiler()
     if not cc:
-        print("neffbuild: no C compiler (cc/gcc, or $CC): MXFP4 experts run the slower torch form", file=sys.stderr)
+        print(f"neffbuild: no C compiler (cc/gcc, or $CC): {FALLBACK}", file=sys.stderr)
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -72,8 +73,7 @@ def library() -> ctypes.CDLL | None:
             except (OSError, subprocess.SubprocessError) as exc:
                 why = str(exc)[:300]
             if why is not None:
-                print(f"neffbuild: {cc} could not build {SOURCE.name} ({why}): MXFP4 experts run the slower torch "
-                      "form (and the bf16 LM head oneDNN's matmul)", file=sys.stderr)
+                print(f"neffbuild: {cc} could not build {SOURCE.name} ({why}): {FALLBACK}", file=sys.stderr)
                 return None
             os.replace(staged, path)
     lib = ctypes.CDLL(str(path))

@@ -80,8 +80,8 @@ class InductorBackend(Backend):
         return cls(flags=flags, device=device, target=target)
 
     def export(self, module, example_inputs):
-        """CPU graphs call the native MXFP4 expert product (``kernels.moe.native_cpu_ops``); the artifact names the op
-        and the runtime registers it before an artifact's first call."""
+        """CPU graphs call the native ops (``kernels.moe.native_cpu_ops``: picked MXFP4 experts, a bf16 LM head); the
+        artifact names them and the runtime registers them before an artifact's first call."""
         native = native_cpu_ops() if self.device == "cpu" else contextlib.nullcontext()
         with torch.no_grad(), native:
             return torch.export.export(module, example_inputs, strict=False)
