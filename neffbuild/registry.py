@@ -68,8 +68,9 @@ AUTO_FLAG_RULES = "inductor"  # with backend: auto, flags must pass the embedded
 # Architecture parts: config (dataclass with from_hf_dict), weights (config, checkpoint,
 # seed -> stacked weights), placeholder_shapes (config -> {name: shape}), decode (the decode
 # graph module), aux_layers (num_layers -> EAGLE3 aux layer ids), prefill (eager prompt
-# pass that fills the paged KV; serve/ uses it). Sharding (tp/ep): rank_shapes (config, layout
-# -> one rank's shapes), local_config (a rank's heads), iter_pieces / shard_layout / kv_heads_of /
+# pass that fills the paged KV; serve/ uses it; ``logits=`` "all", "last" or "none"). Sharding
+# (tp/ep): rank_shapes (config, layout -> one rank's shapes), local_config (a rank's heads),
+# iter_pieces / shard_layout / kv_heads_of /
 # piece_names (the bundle's weight pieces and which a rank maps), shard (a rank's weights), unshard
 # (pieces -> the full weights, the --check reference).
 # placeholder_shapes, rank_shapes, local_config and rank_weight_bytes (config, layout -> bytes of the

@@ -6,7 +6,7 @@ caller's (the architecture's decode graph).
 Expert weights come dense ([E, out, in] tensors) or MXFP4 (``Mxfp4``: the checkpoint's blocks
 and scales, kept packed). Packed experts are decoded where they are read: in decode, only
 the rows of the experts the router picked (``packed_dot``), inside the product-and-sum, so a
-compiled step reads 4.25 bits a weight; in prefill's dense form, every held expert once.
+compiled step reads 4.25 bits a weight; in eager prefill, each expert that got tokens once.
 """
 
 import contextlib
@@ -20,7 +20,7 @@ from neffbuild.runtime.native import e2m1, e8m0, packed_dot
 # On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): the graph then calls the runtime's
 # native ops (runtime/native.py) for picked packed experts and a bf16 LM head, as it calls oneDNN's matmuls.
 _NATIVE = contextvars.ContextVar("neffbuild_native_cpu_ops", default=False)
-DENSE_TOKENS = 64  # from this many tokens on (prefill), every expert runs on every token (see moe)
+DENSE_TOKENS = 64  # from this many tokens on (prefill): expert by expert over its tokens (see moe)
 
 
 class Mxfp4(NamedTuple):
@@ -114,8 +114,10 @@ def moe(
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [N, k]
     weights = torch.softmax(top_val, dim=-1)  # [N, k]
     if x.shape[0] >= DENSE_TOKENS:
-        return _dense(x, router_w.shape[0], top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit,
-                      first_expert)
+        if _traced(x):
+            return _dense(x, router_w.shape[0], top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit,
+                          first_expert)
+        return _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert)
     if first_expert is not None:
         local = top_idx - first_expert  # [N, k]
         held = (local >= 0) & (local < gate_up_w.shape[0])
@@ -132,14 +134,34 @@ def moe(
     return (out * weights.unsqueeze(-1)).sum(1)
 
 
-def _dense(x, experts, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert):
-    """Every held expert on every token as one batched matmul, each term scaled by its routing weight
-    (zero where the token did not choose the expert): each expert's weights are read once, in place.
+def _traced(x: torch.Tensor) -> bool:
+    """True while a graph is being traced (export, dynamo): shapes that depend on the routing cannot be traced."""
+    from torch._guards import detect_fake_mode
 
-    The indexed product-and-sum (``moe``) compiles to loops that read the chosen experts in place, but run
-    eagerly (prefill) it materialises ``[N, k, H, 2I]``: 0.87 s per layer at N = 400, H = I = 256, top 2
-    of 8, against 0.03 s here. With N * k well above E every expert is chosen anyway. This is also the
-    form transformers' experts module runs at inference."""
+    return torch.compiler.is_compiling() or detect_fake_mode([x]) is not None
+
+
+def _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert):
+    """Eager form for many tokens (prefill): each held expert runs two matmuls over the tokens that chose it,
+    its weights decoded (MXFP4) one expert at a time. The indexed product-and-sum (``moe``) compiles to
+    loops that read the chosen experts in place, but run eagerly it materialises ``[N, k, H, 2I]`` (0.87 s
+    per layer at N = 400, H = I = 256, top 2 of 8); ``_dense`` runs every expert on every token, E / k
+    times the routed work (x8 at GPT-OSS's top 4 of 32) and every expert decoded at once."""
+    E = gate_up_w.shape[0]
+    local = top_idx if first_expert is None else top_idx - first_expert  # [N, k]: ids in the held slice
+    out = torch.zeros_like(x)
+    for e in torch.unique(local[(local >= 0) & (local < E)]).tolist():
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        w1, w2 = (whole(w.pick(e) if isinstance(w, Mxfp4) else w[e], x.dtype) for w in (gate_up_w, down_w))
+        h = swiglu(x[tok] @ w1.t() + gate_up_b[e], alpha, limit)
+        out.index_add_(0, tok, (h @ w2.t() + down_b[e]) * weights[tok, slot, None].to(x.dtype))
+    return out
+
+
+def _dense(x, experts, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert):
+    """Traced form for many tokens: every held expert on every token as one batched matmul, each term scaled
+    by its routing weight (zero where the token did not choose the expert), so the graph's shapes do not
+    depend on the routing; each expert's weights are read once, in place."""
     N, E = x.shape[0], gate_up_w.shape[0]  # E: the experts held (all ``experts``, or one EP rank's slice)
     routed = torch.zeros(N, experts, dtype=x.dtype).scatter(1, top_idx, weights.to(x.dtype))  # weight or 0
     if first_expert is not None:

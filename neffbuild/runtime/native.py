@@ -82,7 +82,7 @@ def library() -> ctypes.CDLL | None:
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_mxfp4_vectorised.restype = ctypes.c_int
-    lib.neffbuild_bf16_linear.restype = None
+    lib.neffbuild_bf16_linear.restype = ctypes.c_int
     lib.neffbuild_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_bf16_native.restype = ctypes.c_int
@@ -167,8 +167,10 @@ def _(x, blocks, scales, idx):
 @torch.library.custom_op("neffbuild::bf16_linear", mutates_args=())
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K].T in bfloat16 (float32 sums, the result rounded to bfloat16 as a bf16 matmul's is): the
-    LM head over the vocabulary, where oneDNN's bf16 GEMV reads at about two thirds of the copy bandwidth. The C
-    loop takes it on a CPU with AVX-512 BF16 (one dot-product instruction per 32 weights); elsewhere the matmul."""
+    LM head over the vocabulary, where oneDNN's bf16 GEMV reads at about two thirds of the copy bandwidth and, on
+    CPUs without AVX-512 BF16, torch's bf16 matmul of a few rows runs at about 10 GFLOP/s (docs/benchmarks.md "Real
+    width"). The C loop takes it with AVX-512 BF16 (one dot-product instruction per 32 weights) or AVX2 + FMA (the
+    weights widened by a shift, float32 FMAs); elsewhere the matmul."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2 \
             or x.shape[1] != w.shape[1]:
         raise ValueError(f"bf16_linear: x [M, K] and w [N, K] in bfloat16 expected, got {x.dtype} "
@@ -178,8 +180,9 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x @ w.t()
     xc, wc = x.contiguous(), w.contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    lib.neffbuild_bf16_linear(xc.data_ptr(), xc.shape[0], wc.data_ptr(), wc.shape[0], wc.shape[1], out.data_ptr(),
-                              torch.get_num_threads())
+    if lib.neffbuild_bf16_linear(xc.data_ptr(), xc.shape[0], wc.data_ptr(), wc.shape[0], wc.shape[1], out.data_ptr(),
+                                 torch.get_num_threads()):
+        raise MemoryError(f"bf16_linear: no memory for a float32 copy of x {tuple(x.shape)}")
     return out.to(torch.bfloat16)
 
 

@@ -11,6 +11,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -119,13 +120,17 @@ void neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, cons
 
 /* bf16 linear without bias, y[m, o] = sum_k x[m, k] w[o, k] (the LM head over the vocabulary): bf16 inputs, float32
    sums (x times w is exact in float32), rounded to bf16 by the caller as a bf16 matmul's output is. Each weight row
-   is read once for every row of x (up to 4 at a time). AVX-512 BF16: one dot-product instruction per 32 weights. */
+   is read once for every row of x (up to 4 at a time). AVX-512 BF16: one dot-product instruction per 32 weights;
+   AVX2 + FMA: 8 weights widened to float32 by a 16-bit shift (bf16 is float32's upper half) and one FMA a row, x
+   widened once up front; elsewhere the plain loop. */
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
     return v.f;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_PATH 2
+typedef uint16_t x_t;  /* x as the caller's bf16 */
 /* m (1..4) rows of x against one weight row; m is a constant where it is called (below), so the accumulators stay
    in registers. */
 static inline __attribute__((always_inline)) void rows_dot_m(const uint16_t *x, const int m, const uint16_t *w,
@@ -159,8 +164,55 @@ static inline __attribute__((always_inline)) void rows_dot_m(const uint16_t *x, 
         y[i * ystride] = s;
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BF16_PATH 1
+typedef float x_t;  /* x widened to float32 once */
+static inline __m256 widen_bf16(const uint16_t *p) {  /* 8 bf16 -> 8 float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 
-static void rows_dot_bf16(const uint16_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
+/* Two weight rows' sums from their accumulators, the columns past the last 8 (or 16) added one by one. */
+static inline void finish_pair(__m256 acc0, __m256 acc1, const float *x, const uint16_t *w, int64_t in, int64_t k,
+                               float *y) {
+    for (int r = 0; r < 2; r++) {
+        const __m256 v = r ? acc1 : acc0;
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        float s = _mm_cvtss_f32(h);
+        for (int64_t t = k; t < in; t++) s += x[t] * bf16_to_float(w[r * in + t]);
+        y[r] = s;
+    }
+}
+
+/* m (1..4) rows of x against two weight rows (w and w + in), y[i][0] and y[i][1]: each load of x serves two rows of
+   weights, which halves the reads of x (four float32 rows of GPT-OSS's 2,880 are 46 KB, past a 32 KB L1: reading
+   them from L2 once for every weight row bound the loop), and 2m chains of FMAs stay in flight. */
+static inline __attribute__((always_inline)) void rows_dot_m(const float *x, const int m, const uint16_t *w,
+                                                               int64_t in, float *y, int64_t ystride) {
+    __m256 acc[4], acc2[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc[i] = acc2[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= in; k += 8) {
+        const __m256 w0 = widen_bf16(w + k), w1 = widen_bf16(w + in + k);
+#pragma GCC unroll 4
+        for (int i = 0; i < m; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * in + k);
+            acc[i] = _mm256_fmadd_ps(xv, w0, acc[i]);
+            acc2[i] = _mm256_fmadd_ps(xv, w1, acc2[i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < m; i++) finish_pair(acc[i], acc2[i], x + i * in, w, in, k, y + i * ystride);
+}
+#else
+#define BF16_PATH 0
+typedef float x_t;
+#endif
+
+#if BF16_PATH == 2
+static void rows_dot_bf16(const x_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
     switch (m) {
         case 1: rows_dot_m(x, 1, w, in, y, ystride); break;
         case 2: rows_dot_m(x, 2, w, in, y, ystride); break;
@@ -168,28 +220,80 @@ static void rows_dot_bf16(const uint16_t *x, int64_t m, const uint16_t *w, int64
         default: rows_dot_m(x, 4, w, in, y, ystride); break;
     }
 }
+#elif BF16_PATH == 1
+/* One row of x against two weight rows, two chains each (one chain a row would leave the FMA's latency exposed). */
+static void row_dot_1(const float *x, const uint16_t *w, int64_t in, float *y) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t k = 0;
+    for (; k + 16 <= in; k += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        a0 = _mm256_fmadd_ps(x0, widen_bf16(w + k), a0);
+        a1 = _mm256_fmadd_ps(x1, widen_bf16(w + k + 8), a1);
+        b0 = _mm256_fmadd_ps(x0, widen_bf16(w + in + k), b0);
+        b1 = _mm256_fmadd_ps(x1, widen_bf16(w + in + k + 8), b1);
+    }
+    finish_pair(_mm256_add_ps(a0, a1), _mm256_add_ps(b0, b1), x, w, in, k, y);
+}
+
+/* Rows of w in pairs (``rows_dot_m``, ``row_dot_1``); an odd last row through a zero-padded copy. */
+static void rows_dot_bf16(const x_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
+    switch (m) {
+        case 1: row_dot_1(x, w, in, y); break;
+        case 2: rows_dot_m(x, 2, w, in, y, ystride); break;
+        case 3: rows_dot_m(x, 3, w, in, y, ystride); break;
+        default: rows_dot_m(x, 4, w, in, y, ystride); break;
+    }
+}
 #else
-static void rows_dot_bf16(const uint16_t *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
+static void rows_dot_bf16(const float *x, int64_t m, const uint16_t *w, int64_t in, float *y, int64_t ystride) {
     for (int64_t i = 0; i < m; i++) {
         float s = 0.0f;
-        for (int64_t t = 0; t < in; t++) s += bf16_to_float(x[i * in + t]) * bf16_to_float(w[t]);
+        for (int64_t t = 0; t < in; t++) s += x[i * in + t] * bf16_to_float(w[t]);
         y[i * ystride] = s;
     }
 }
 #endif
 
-int neffbuild_bf16_native(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* 2: AVX-512 BF16 dot products, 1: AVX2 + FMA, 0: the plain loop (the Python side uses the matmul there). */
+int neffbuild_bf16_native(void) { return BF16_PATH; }
 
-void neffbuild_bf16_linear(const uint16_t *x, int64_t m, const uint16_t *w, int64_t out, int64_t in, float *y,
-                           int threads) {
+/* 0, or 1 when the widened copy of x could not be allocated (nothing written then). */
+int neffbuild_bf16_linear(const uint16_t *x, int64_t m, const uint16_t *w, int64_t out, int64_t in, float *y,
+                          int threads) {
+#if BF16_PATH == 2
+    const x_t *xs = x;
+#else
+    float *xs = malloc((size_t)(m * in) * sizeof(float));
+    if (xs == NULL) return 1;
+    for (int64_t t = 0; t < m * in; t++) xs[t] = bf16_to_float(x[t]);
+#endif
+#if BF16_PATH == 1
+    /* Weight rows in pairs; an odd count's last row is one of a pair with a zero row (its second sum discarded). */
+    int64_t pairs = out / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t p = 0; p < pairs; p++)
+        for (int64_t i0 = 0; i0 < m; i0 += 4)
+            rows_dot_bf16(xs + i0 * in, m - i0 < 4 ? m - i0 : 4, w + 2 * p * in, in, y + i0 * out + 2 * p, out);
+    if (out % 2) {
+        uint16_t *last = calloc((size_t)(2 * in), sizeof(uint16_t));
+        float *two = malloc((size_t)(2 * m) * sizeof(float));
+        if (last == NULL || two == NULL) { free(last); free(two); free(xs); return 1; }
+        memcpy(last, w + (out - 1) * in, (size_t)in * sizeof(uint16_t));
+        for (int64_t i0 = 0; i0 < m; i0 += 4)
+            rows_dot_bf16(xs + i0 * in, m - i0 < 4 ? m - i0 : 4, last, in, two + i0 * 2, 2);
+        for (int64_t i = 0; i < m; i++) y[i * out + out - 1] = two[i * 2];
+        free(last);
+        free(two);
+    }
+    free(xs);
+#else
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t o = 0; o < out; o++)
         for (int64_t i0 = 0; i0 < m; i0 += 4)
-            rows_dot_bf16(x + i0 * in, m - i0 < 4 ? m - i0 : 4, w + o * in, in, y + i0 * out + o, out);
+            rows_dot_bf16(xs + i0 * in, m - i0 < 4 ? m - i0 : 4, w + o * in, in, y + i0 * out + o, out);
+#if BF16_PATH == 0
+    free(xs);
+#endif
+#endif
+    return 0;
 }

@@ -179,7 +179,7 @@ class LocalPrefill:
         ``first_hold``): reserved here already, so that reserve changes nothing and the tables change once."""
         pads = _lockstep([r.prompt for r in reqs], self.group) if self.collective else [0] * len(reqs)
         for n, pad_to in enumerate(pads):
-            kw = {"pad_to": pad_to} if self.collective else {}
+            kw = {"pad_to": pad_to, "logits": "last"} if self.collective else {"logits": "last"}
             if self.aux_layers:
                 kw["aux_layers"] = self.aux_layers
             if n >= len(reqs):  # no n-th request here: take part in the prefill's collectives only

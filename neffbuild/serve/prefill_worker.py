@@ -90,7 +90,7 @@ class _Rank:
                                    [self.caches[of(i)] for i in range(self.cfg.num_hidden_layers)],
                                    packed_fp8=self.kv_layout.packed_k, heads=me.kv_heads,
                                    total_heads=self.cfg.num_key_value_heads)
-        self._prefill = lambda tokens, rows: me.prefill(tokens, self.caches, rows)
+        self._prefill = lambda tokens, rows: me.prefill(tokens, self.caches, rows, logits="none")  # KV only
         self.lock = threading.Lock()
         self.blocks = me.block_manager() if rank == 0 else None
         self.answers: dict[str, dict] = {}  # request -> its prefill answer, until every puller released it

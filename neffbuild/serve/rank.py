@@ -82,9 +82,9 @@ def _prefill_on(cfg, weights: dict, packed_k: bool, parallel: ParallelLayout, ra
     prefill = registry.arch_of(cfg).get("prefill")
     shard = {"parallel": parallel, "rank": rank} if parallel.sharded else {}
 
-    def run_prefill(prompt, kv_caches, rows, pad_to: int = 0, aux_layers: tuple[int, ...] = ()):
+    def run_prefill(prompt, kv_caches, rows, pad_to: int = 0, aux_layers: tuple[int, ...] = (), logits: str = "all"):
         return prefill(cfg, weights, prompt, kv_caches, rows[FULL_GROUP], rows.get(SLIDING_GROUP, rows[FULL_GROUP]),
-                       packed_k=packed_k, pad_to=pad_to, aux_layers=aux_layers, **shard)
+                       packed_k=packed_k, pad_to=pad_to, aux_layers=aux_layers, logits=logits, **shard)
 
     return run_prefill
 

@@ -29,6 +29,8 @@ from neffbuild.runtime.kv.blocks import (
 )
 from neffbuild.runtime.parallel import ParallelLayout, rank_tensor
 
+LOGITS = ("all", "last", "none")  # prefill's ``logits``: which positions' rows it returns
+
 
 def slots_for(block_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Cache slots of absolute positions through one request's (untrimmed) block table row.
@@ -66,9 +68,15 @@ def prefill(
     rank: int = 0,
     pad_to: int = 0,
     aux_layers: tuple[int, ...] = (),
+    logits: str = "all",
 ):
     """Fill the KV cache for one prompt; return logits [N, vocab] for every prompt position
-    (and, with ``aux_layers``, those layers' outputs concatenated: [N, len(aux_layers) * H])."""
+    (and, with ``aux_layers``, those layers' outputs concatenated: [N, len(aux_layers) * H]).
+
+    ``logits="last"``: only the last position's row ([1, vocab]; what a sampler needs), ``"none"``: None (a KV
+    producer): at a 201k vocabulary the unembedding of every position costs more than the layers."""
+    if logits not in LOGITS:
+        raise ValueError(f"prefill: logits={logits!r}; one of {', '.join(LOGITS)}")
     prompt = torch.as_tensor(prompt, dtype=torch.long)
     N = prompt.shape[0]
     ids = torch.cat([prompt, prompt.new_zeros(max(0, pad_to - N))])[None]  # [1, max(N, pad_to)]
@@ -93,7 +101,11 @@ def prefill(
         attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
         hidden.append(x[0, :N])
-    logits = unembed(cfg, stacked, x, parallel)[0, :N]
+    if logits == "none":
+        out = None
+    else:  # "last": one row (none for an empty prompt: a lockstep rank with no request runs the same collectives)
+        rows = slice(max(N - 1, 0), max(N, 1)) if logits == "last" else slice(0, x.shape[1])
+        out = unembed(cfg, stacked, x[:, rows], parallel)[0, : (min(N, 1) if logits == "last" else N)]
     if aux_layers:
-        return logits, torch.cat([hidden[i] for i in aux_layers], dim=-1).float()
-    return logits
+        return out, torch.cat([hidden[i] for i in aux_layers], dim=-1).float()
+    return out
