@@ -1,5 +1,6 @@
 """Each decode kernel against a direct (loop or dense) reference."""
 
+import importlib
 import math
 
 import pytest
@@ -17,6 +18,8 @@ from neffbuild.kernels import (
 )
 from neffbuild.kernels.kv import FP8, fp8_bytes_to_float, gather_blocks, pack_k_fp8_view
 from neffbuild.kernels.moe import DENSE_TOKENS
+
+moe_module = importlib.import_module("neffbuild.kernels.moe")  # the package's ``moe`` is the function
 
 g = torch.Generator().manual_seed(0)
 
@@ -114,11 +117,14 @@ def test_kv_write_skips_pad_and_packed_layout():
         assert torch.equal(got, vals[0].to(cache.dtype).float())
 
 
-@pytest.mark.parametrize("N", [5, DENSE_TOKENS])  # the indexed product-and-sum, and every expert on every token
-def test_moe_matches_per_token_loop(N):
+# the indexed product-and-sum (5 tokens); from DENSE_TOKENS on, eager: expert by expert over its tokens, traced:
+# every expert on every token (a graph's shapes cannot follow the routing)
+@pytest.mark.parametrize("N,traced", [(5, False), (DENSE_TOKENS, False), (DENSE_TOKENS, True)])
+def test_moe_matches_per_token_loop(N, traced, monkeypatch):
     H, I, E, k = 6, 4, 4, 2
     x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
     gw, gb, dw, db = rnd(E, 2 * I, H), rnd(E, 2 * I), rnd(E, H, I), rnd(E, H)  # experts [out, in]
+    monkeypatch.setattr(moe_module, "_traced", lambda x: traced)
     got = moe(x, rw, rb, gw, gb, dw, db, k, 1.702, 7.0)
     for n in range(N):
         logits = x[n] @ rw.t() + rb
@@ -128,9 +134,10 @@ def test_moe_matches_per_token_loop(N):
         torch.testing.assert_close(got[n], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("N", [5, DENSE_TOKENS])
-def test_moe_expert_slices_sum_to_the_whole(N):
-    """Two EP ranks' slices (``first_expert``) add up to the unsharded MoE, in either form."""
+@pytest.mark.parametrize("N,traced", [(5, False), (DENSE_TOKENS, False), (DENSE_TOKENS, True)])
+def test_moe_expert_slices_sum_to_the_whole(N, traced, monkeypatch):
+    """Two EP ranks' slices (``first_expert``) add up to the unsharded MoE, in every form."""
+    monkeypatch.setattr(moe_module, "_traced", lambda x: traced)
     H, I, E, k = 6, 4, 4, 2
     x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
     gw, gb, dw, db = rnd(E, 2 * I, H), rnd(E, 2 * I), rnd(E, H, I), rnd(E, H)  # experts [out, in]

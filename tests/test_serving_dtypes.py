@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from neffbuild import recipe as R
-from neffbuild.kernels.moe import Mxfp4, dequantize, e2m1, e8m0, rows
+from neffbuild.kernels.moe import Mxfp4, decode_eager, dequantize, e2m1, e8m0, rows
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.config import GptOssConfig
 from neffbuild.models.gpt_oss.shapes import WeightForm
@@ -104,6 +104,16 @@ def test_packed_rows_decode_as_the_host_dequantises():
         assert got.dtype == dtype and torch.equal(got, W.dequant_mxfp4(blocks, scales).to(dtype))
     idx = torch.tensor([[2, 0]])
     assert torch.equal(rows(Mxfp4(blocks, scales), idx, torch.float32), W.dequant_mxfp4(blocks, scales)[idx])
+
+
+def test_eager_table_decode_equals_the_arithmetic_for_every_byte_and_scale():
+    """Eager prefill's expert decode (a table of value pairs) gives ``dequantize``'s values, bit for bit: every
+    byte (both nibbles, -0.0 included) under every scale byte but NaN's 255, in float32 and bfloat16."""
+    blocks = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(255, 1, 16, 16).contiguous()
+    scales = torch.arange(255, dtype=torch.uint8).view(255, 1, 1).expand(255, 1, 16).contiguous()
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = decode_eager(Mxfp4(blocks, scales), dtype), dequantize(Mxfp4(blocks, scales), dtype)
+        assert got.dtype == dtype and torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
 
 
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", None)])

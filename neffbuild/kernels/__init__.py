@@ -1,7 +1,9 @@
 """Traceable decode kernels in plain PyTorch ops.
 
 No data-dependent Python control flow and no ``.item()``: every function exports with
-``torch.export`` for any static shape. The graphs in ``neffbuild.models`` call them.
+``torch.export`` for any static shape. The graphs in ``neffbuild.models`` call them. Eager-only
+paths that graphs never reach: ``sdpa_with_sinks`` (prefill) and ``moe``'s expert-by-expert form
+for many tokens (taken only outside tracing).
 """
 
 from neffbuild.kernels.attention import paged_attention, sdpa_with_sinks

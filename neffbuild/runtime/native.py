@@ -89,6 +89,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def eager_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype eager CPU matmuls of ``dtype`` operands run in: float32 for bfloat16 where oneDNN has no fast bf16
+    kernel (``torch.ops.mkldnn._is_mkldnn_bf16_supported``; without AVX-512 torch's bf16 matmul ran at 10.7 GFLOP/s
+    one core against float32's 80, docs/benchmarks.md "Real width"), else ``dtype``. Eager code only (prefill's MoE
+    and attention): a compiled graph keeps its dtypes."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return dtype
+
+
 def check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor) -> None:
     """Every fact the C loop trusts, checked: a ValueError naming the argument otherwise."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
