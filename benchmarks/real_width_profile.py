@@ -5,12 +5,12 @@
 
 One thread. For each batch: the compiled step (the bundle's artifact, median of ``--repeat``);
 the eager reference step on the same weights under ``torch.profiler`` (per-op self time: which
-matmul, which expert op); and the pieces timed alone in eager torch on the bundle's own tensors:
-the unembedding (final norm + ``x @ lm_head.T`` over the whole vocabulary), the same followed by
-an argmax (what a fused sampler would return instead of the logits), and one layer's MoE
-(router, top-k, the experts' FP4 decode and products). With the bytes each piece reads,
-GB/s per piece says which one is off the memory roofline. Prints markdown; ``--out`` keeps the
-profiler tables.
+matmul, which expert op); and the step's pieces timed alone on the bundle's own tensors, run as
+the compiled CPU step runs them (runtime/native.py's ops): the unembedding over the whole
+vocabulary (and, beside it, as oneDNN's matmul), one layer's MoE (router, top-k, the picked
+experts' product), one layer's attention projections. With the bytes each piece reads, GB/s per
+piece says which one is off the memory roofline. Prints markdown; ``--out`` keeps the profiler
+tables.
 """
 
 from __future__ import annotations
@@ -51,30 +51,42 @@ def step_args(bundle, b: int, context: int, kv):
 
 
 def pieces(bundle, cfg, b: int, repeat: int) -> list[tuple[str, float, int]]:
-    """(piece, seconds, bytes read) for the unembedding, unembedding + argmax, one layer's MoE."""
+    """(piece, seconds, bytes read) of one step's parts, run as the compiled CPU step runs them (the native ops of
+    runtime/native.py on: ``native_cpu_ops``), beside the unembedding as a plain matmul (oneDNN)."""
     from neffbuild.kernels import moe, rms_norm
-    from neffbuild.models.gpt_oss.decode import expert_weights
+    from neffbuild.kernels.moe import native_cpu_ops
+    from neffbuild.models.gpt_oss.decode import expert_weights, linear, unembed
 
     w = bundle.weights
     x = torch.randn(b, cfg.hidden_size).to(w["lm_head"].dtype)
-    head = w["lm_head"].numel() * w["lm_head"].element_size()
+    attn = torch.randn(b, cfg.num_attention_heads * cfg.head_dim).to(x.dtype)
 
-    def unembed():
-        return (rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()).float()
+    def size(t):
+        return t.numel() * t.element_size()
 
     gate_up, down = expert_weights(w, "gate_up_w", 0), expert_weights(w, "down_w", 0)
     routed = min(b * cfg.num_experts_per_tok, cfg.num_local_experts) / cfg.num_local_experts
-    names = [n for n in w if n.startswith(("gate_up_w", "down_w"))]
-    expert_bytes = int(sum(w[n][0].numel() * w[n][0].element_size() for n in names) * routed)
+    expert_bytes = int(sum(size(w[n][0]) for n in w if n.startswith(("gate_up_w", "down_w"))) * routed)
+    head, projections = size(w["lm_head"]), size(w["qkv_w"][0]) + size(w["o_w"][0])
 
-    def layer_moe():
-        return moe(x, w["router_w"][0], w["router_b"][0], gate_up, w["gate_up_b"][0], down, w["down_b"][0],
-                   cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
+    def native(fn):
+        def run():
+            with native_cpu_ops():
+                return fn()
+        return run
 
+    parts = [
+        ("unembedding, the step's op (bf16_linear)", native(lambda: unembed(cfg, w, x[:, None])), head),
+        ("unembedding, oneDNN matmul", lambda: (rms_norm(x, w["norm"], cfg.rms_norm_eps) @ w["lm_head"].t()).float(),
+         head),
+        ("one layer's MoE, the step's ops (mxfp4_dot)",
+         native(lambda: moe(x, w["router_w"][0], w["router_b"][0], gate_up, w["gate_up_b"][0], down, w["down_b"][0],
+                            cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)), expert_bytes),
+        ("one layer's qkv + o projections, the step's op",
+         native(lambda: (linear(x, w["qkv_w"][0]), linear(attn, w["o_w"][0]))), projections),
+    ]
     with torch.no_grad():
-        return [("unembedding (logits over the vocabulary)", _median(unembed, repeat), head),
-                ("unembedding + argmax", _median(lambda: unembed().argmax(-1), repeat), head),
-                ("one layer's MoE (eager)", _median(layer_moe, repeat), expert_bytes)]
+        return [(name, _median(fn, repeat), size) for name, fn, size in parts]
 
 
 def main() -> None:

@@ -248,8 +248,11 @@ def test_compiled_bf16_mxfp4_equals_eager_and_transformers(mxfp4_bundle):
 
     ck, built = mxfp4_bundle
     [artifact] = (built.bundle / "artifacts").glob("*.pt2")
-    with zipfile.ZipFile(artifact) as z:  # the compiled step calls the native packed-expert op (runtime/native.py)
-        assert any(n.endswith(".wrapper.json") and b"neffbuild::mxfp4_dot" in z.read(n) for n in z.namelist())
+    with zipfile.ZipFile(artifact) as z:  # the compiled step calls the native ops (runtime/native.py): the packed
+        # experts, and the bf16 linears (qkv and o of each layer, the LM head)
+        [wrapper] = [z.read(n) for n in z.namelist() if n.endswith(".wrapper.json")]
+        assert b"neffbuild::mxfp4_dot" in wrapper
+        assert wrapper.count(b"neffbuild::bf16_linear") >= 2 * 2 + 1  # 2 layers
     bundle = open_bundle(built.bundle)
     assert bundle.kv_layout.dtype == torch.bfloat16
     prompts = PROMPTS[:2] + [PROMPTS[2][:60]]  # within the 512 fallback with STEPS to go

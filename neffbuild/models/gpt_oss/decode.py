@@ -49,11 +49,20 @@ from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout
 SINGLE = ParallelLayout()
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T. A bfloat16 CPU graph traced for AOTInductor calls ``neffbuild::bf16_linear``
+    (runtime/native.py; ``native_on``): float32 sums rounded to bf16 as the matmul's are, at the weights' read
+    bandwidth, where oneDNN's bf16 GEMV reads slower (and, without AVX-512, computes at about 10 GFLOP/s)."""
+    if native_on() and x.dtype == weight.dtype == torch.bfloat16:
+        return torch.ops.neffbuild.bf16_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+    return x @ weight.t()
+
+
 def attention_inputs(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, cos, sin):
     """Norm, fused QKV projection and RoPE for layer i. x [B, S, H] -> q [B,S,Hq,d], k, v [B,S,Hk,d]."""
     d, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, w["ln_attn"][i], cfg.rms_norm_eps)
-    qkv = h @ w["qkv_w"][i].t() + w["qkv_b"][i]
+    qkv = linear(h, w["qkv_w"][i]) + w["qkv_b"][i]
     B, S = x.shape[:2]
     q, k, v = qkv.split([Hq * d, Hk * d, Hk * d], dim=-1)
     q, k, v = q.view(B, S, Hq, d), k.view(B, S, Hk, d), v.view(B, S, Hk, d)
@@ -66,7 +75,7 @@ def attention_output_and_mlp(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor
 
     With tp > 1 the o-proj partial sums are all-reduced over the TP group before the bias.
     """
-    y = attn @ w["o_w"][i].t()  # [B, S, H], this rank's heads' share
+    y = linear(attn, w["o_w"][i])  # [B, S, H], this rank's heads' share
     if par.tp > 1:
         y = all_reduce_sum(y, TP_GROUP)
     x = x + y + w["o_b"][i]
@@ -109,11 +118,7 @@ def unembed(cfg: GptOssConfig, w: dict, x: torch.Tensor, par: ParallelLayout = S
 
     With tp > 1 each rank computes the logits of its vocab / tp rows and the TP group all-gathers them
     along the vocabulary, so every rank returns the full logits."""
-    h, head = rms_norm(x, w["norm"], cfg.rms_norm_eps), w["lm_head"]
-    if native_on() and h.dtype == head.dtype == torch.bfloat16:  # runtime/native.py: the vocabulary's GEMV
-        logits = torch.ops.neffbuild.bf16_linear(h.reshape(-1, h.shape[-1]), head).view(*h.shape[:-1], -1).float()
-    else:
-        logits = (h @ head.t()).float()
+    logits = linear(rms_norm(x, w["norm"], cfg.rms_norm_eps), w["lm_head"]).float()  # the vocabulary's GEMV
     return logits if par.tp == 1 else vocab_parallel_gather(logits, par.tp, TP_GROUP)
 
 
