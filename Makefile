@@ -83,9 +83,13 @@ bench: $(STAMP)
 	$(MAKE) bench-real-width
 
 # GPT-OSS-20B's width against llama.cpp and vLLM CPU: benchmarks/peers.sh installs them in their own venvs.
+# Two interleaved rounds (about 35 minutes on 2 cores); transformers (hf-bf16) and the dense-expert bundle
+# (bundle-bf16) are opt-in with --engines: transformers' bf16 eager took over 19 minutes a round on a CPU
+# without AVX-512 (docs/benchmarks.md, "Real width").
 bench-real-width: $(STAMP)
 	benchmarks/peers.sh
-	$(BIN)/python benchmarks/real_width.py --plot docs/img/real-width.png
+	$(BIN)/python benchmarks/real_width.py --rounds 2 --engines bundle-mxfp4,llama-mxfp4,llama-bf16,vllm-bf16 \
+		--plot docs/img/real-width.png
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) artifacts/*/ .pytest_cache

@@ -219,7 +219,7 @@ def worker(a) -> None:
 # ----------------------------------------------------------------------------- one engine, the report
 
 
-def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict) -> dict | str:
+def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict, bw: float) -> dict | str:
     """One round of one engine in its own process: the worker's JSON, or a line saying why it was skipped."""
     kind, runner, _ = ENGINES[name]
     ckpt = ckpts[kind]
@@ -248,6 +248,7 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict) -> dict | str
     before = os.getloadavg()[0]
     doc = last_json(argv, work / f"{name}.log")
     doc["load"] = f"{before:.1f}-{os.getloadavg()[0]:.1f}"
+    doc["copy_bandwidth"] = bw  # this run's figure, kept with the round (a later --report divides by it)
     with open(work / f"{name}.jsonl", "a") as f:  # each round as it lands: a run cut short keeps what it measured
         f.write(json.dumps(doc) + "\n")
     return doc
@@ -267,8 +268,9 @@ def report(a, docs: dict, cfg, bw: float) -> list[str]:
             step = med / (a.new - 1)
             nbytes = step_bytes(cfg, ENGINES[name][2], b, ctx)
             rss = max(r["peak_rss_mb"] for r in runs)
+            run_bw = runs[-1].get("copy_bandwidth", bw)
             lines.append(f"| {name} | {b} | {b * (a.new - 1) / med:.2f} | {step * 1e3:.1f} ms | "
-                         f"{nbytes / 1e9:.3f} GB | {nbytes / step / 1e9:.2f} | {nbytes / step / bw:.0%} | "
+                         f"{nbytes / 1e9:.3f} GB | {nbytes / step / 1e9:.2f} | {nbytes / step / run_bw:.0%} | "
                          f"{rss / 1024:.1f} GiB | {runs[-1]['load']} |")
     lines += ["", "| pair | batch | token agreement (before the first difference) |", "|---|---|---|"]
     done = {k: v for k, v in docs.items() if not isinstance(v, str)}
@@ -296,11 +298,27 @@ def plot(path: Path, a, docs: dict) -> None:
         ax.bar([i + j * width for i in range(len(done))], tps, width, label=f"batch {b}")
     ax.set_xticks([i + width * (len(a.batches) - 1) / 2 for i in range(len(done))], list(done), rotation=20)
     ax.set_ylabel("decode tokens/s (one thread)")
-    ax.set_title(f"GPT-OSS-20B width, {a.layers} layers, {a.prompt}-token prompts, {a.new} new ({load()})")
+    loads = [float(x) for v in done.values() for r in v for x in r["load"].split("-")]  # the runs' own
+    ax.set_title(f"GPT-OSS-20B width, {a.layers} layers, {a.prompt}-token prompts, {a.new} new "
+                 f"(load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f})")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+
+
+def bandwidth(recorded: dict | None) -> float:
+    """The copy bandwidth to divide by: measured now, or (``--report``) the figure the runs recorded with their
+    rounds, since a report may run on a busy host."""
+    from neffbuild.bench.bytes import copy_bandwidth
+
+    if recorded is None:
+        bw = copy_bandwidth()
+        print(f"copy bandwidth {bw / 1e9:.2f} GB/s ({load()})", flush=True)
+        return bw
+    bws = sorted({r["copy_bandwidth"] for v in recorded.values() for r in v if "copy_bandwidth" in r})
+    print(f"copy bandwidth of the runs: {', '.join(f'{x / 1e9:.2f}' for x in bws) or 'not recorded'} GB/s")
+    return bws[-1] if bws else copy_bandwidth()
 
 
 def main() -> None:
@@ -332,7 +350,6 @@ def main() -> None:
         raise SystemExit(2)
     from benchmarks._common import machine
     from benchmarks.real_width_ckpt import config
-    from neffbuild.bench.bytes import copy_bandwidth
 
     work = a.workdir or Path(tempfile.mkdtemp(prefix="real-width-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -343,18 +360,17 @@ def main() -> None:
     print(f"checkpoints ({a.layers} layers) ready in {time.perf_counter() - t0:.0f} s: {work / 'ckpt'}", flush=True)
     cfg = config(a.layers, a.tiny)
     (work / "prompts.json").write_text(json.dumps(prompts(max(a.batches), a.prompt, cfg.vocab_size)))
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.2f} GB/s ({load()})", flush=True)
     docs, setup = {n: [] for n in names}, {}
     if a.report:
         docs = {n: [json.loads(ln) for ln in (work / f"{n}.jsonl").read_text().splitlines()]
                 for n in names if (work / f"{n}.jsonl").is_file()}
+    bw = bandwidth(docs if a.report else None)
     for rnd in range(0 if a.report else a.rounds):
         for n in names:
             if isinstance(docs[n], str):
                 continue
             try:
-                got = run_engine(n, a, work, ckpts, setup)
+                got = run_engine(n, a, work, ckpts, setup, bw)
             except RuntimeError as exc:
                 got = f"failed: {exc}"
             docs[n] = got if isinstance(got, str) else docs[n] + [got]
@@ -362,9 +378,10 @@ def main() -> None:
                                            f"done in {got['wall_s']:.0f} s (load average {got['load']})"),
                   flush=True)
     width = "TOY dimensions (--tiny: a pipeline check)" if a.tiny else "GPT-OSS-20B width"
+    rounds = max((len(v) for v in docs.values() if not isinstance(v, str)), default=0) if a.report else a.rounds
     lines = [f"machine: {machine()}; copy bandwidth {bw / 1e9:.2f} GB/s; one thread per engine; "
              f"{a.layers} layers at {width}; {a.prompt}-token prompts, {a.new} new tokens, greedy; "
-             f"{a.rounds} round(s); medians", ""] + report(a, docs, cfg, bw)
+             f"up to {rounds} round(s) an engine; medians", ""] + report(a, docs, cfg, bw)
     print("\n".join(lines))
     (work / "real_width.json").write_text(json.dumps({"runs": docs, "setup": setup, "copy_bandwidth": bw,
                                                       "table": lines}, indent=1))
