@@ -57,6 +57,28 @@ def test_oracle_matches_transformers(tiny_recipe, tiny_cfg, stacked, hf_checkpoi
         torch.testing.assert_close(mine, ref_logits[1:], atol=1e-4, rtol=0)
 
 
+def test_prefill_returns_the_logits_asked_for(tiny_recipe, stacked):
+    """``logits="last"`` (the engine's) is the last row of ``"all"`` (to float rounding: one row's product sums in
+    another order than the whole prompt's matmul) with the same argmax; ``"none"`` (a KV producer) fills the same
+    cache and returns nothing; another value is refused before anything runs."""
+    prompt = PROMPTS[2]
+    got = {}
+    for mode in ("all", "last", "none"):
+        session = eager_rank(tiny_recipe, stacked)
+        blocks, N = session.block_manager(), len(prompt)
+        blocks.reserve(0, N, N)
+        rows = {g: t[0] for g, t in block_rows(blocks, [0], [N]).items()}
+        got[mode] = session.prefill(prompt, session.stepper.kv_caches, rows, logits=mode), session.stepper.kv_caches
+    assert got["all"][0].shape == (len(prompt), stacked["lm_head"].shape[0])
+    torch.testing.assert_close(got["last"][0], got["all"][0][-1:], atol=1e-5, rtol=1e-5)
+    assert int(got["last"][0].argmax()) == int(got["all"][0][-1].argmax())
+    assert got["none"][0] is None
+    for mode in ("last", "none"):
+        assert all(torch.equal(a, b) for a, b in zip(got[mode][1], got["all"][1], strict=True))
+    with pytest.raises(ValueError, match="logits='first'"):
+        session.prefill(prompt, session.stepper.kv_caches, rows, logits="first")
+
+
 def _one_step(tiny_recipe, module, stacked, prompt, ctx, packed=False, fp8=False, trim_swa=True):
     """Prefill ``prompt`` (block manager tables), then one step of ``module`` at context bucket ``ctx``."""
     session = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=packed)

@@ -11,6 +11,7 @@ compiled step reads 4.25 bits a weight; in eager prefill, each expert that got t
 
 import contextlib
 import contextvars
+import functools
 from typing import NamedTuple
 
 import torch
@@ -168,11 +169,16 @@ def decode_eager(w: Mxfp4, dtype: torch.dtype) -> torch.Tensor:
     256-entry table, so decoding is one gather and one scale multiply (exact: a power of two), about 23x
     ``dequantize``'s arithmetic on a 2,880 x 5,760 expert. Graphs keep the arithmetic (a bit cast does not trace
     into every backend, and inductor vectorises the arithmetic)."""
-    codes = torch.arange(256)
-    table = torch.stack([e2m1(codes & 0x0F), e2m1(codes >> 4)], dim=-1).to(torch.bfloat16)  # [256, 2]: low first
-    values = table.view(torch.int32).flatten()[w.blocks.int()].view(torch.bfloat16)  # [..., G, 32]
+    values = _pair_words()[w.blocks.int()].view(torch.bfloat16)  # [..., G, 32]
     values = values.mul_(e8m0(w.scales).to(torch.bfloat16)[..., None])
     return values.flatten(-2).to(dtype)
+
+
+@functools.cache
+def _pair_words() -> torch.Tensor:
+    """[256] int32: byte b's two E2M1 values as bfloat16, the low nibble's first (``decode_eager``'s table)."""
+    codes = torch.arange(256)
+    return torch.stack([e2m1(codes & 0x0F), e2m1(codes >> 4)], dim=-1).to(torch.bfloat16).view(torch.int32).flatten()
 
 
 def _dense(x, experts, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert):

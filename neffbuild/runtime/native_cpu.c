@@ -257,7 +257,7 @@ static void rows_dot_bf16(const float *x, int64_t m, const uint16_t *w, int64_t 
 /* 2: AVX-512 BF16 dot products, 1: AVX2 + FMA, 0: the plain loop (the Python side uses the matmul there). */
 int neffbuild_bf16_native(void) { return BF16_PATH; }
 
-/* 0, or 1 when the widened copy of x could not be allocated (nothing written then). */
+/* 0, or 1 when its scratch (the widened copy of x, an odd last row) could not be allocated (nothing written then). */
 int neffbuild_bf16_linear(const uint16_t *x, int64_t m, const uint16_t *w, int64_t out, int64_t in, float *y,
                           int threads) {
 #if BF16_PATH == 2
@@ -268,17 +268,22 @@ int neffbuild_bf16_linear(const uint16_t *x, int64_t m, const uint16_t *w, int64
     for (int64_t t = 0; t < m * in; t++) xs[t] = bf16_to_float(x[t]);
 #endif
 #if BF16_PATH == 1
-    /* Weight rows in pairs; an odd count's last row is one of a pair with a zero row (its second sum discarded). */
+    /* Weight rows in pairs; an odd count's last row is one of a pair with a zero row (its second sum discarded), its
+       scratch allocated before anything is written. */
+    uint16_t *last = NULL;
+    float *two = NULL;
+    if (out % 2) {
+        last = calloc((size_t)(2 * in), sizeof(uint16_t));
+        two = malloc((size_t)(2 * m) * sizeof(float));
+        if (last == NULL || two == NULL) { free(last); free(two); free(xs); return 1; }
+        memcpy(last, w + (out - 1) * in, (size_t)in * sizeof(uint16_t));
+    }
     int64_t pairs = out / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t p = 0; p < pairs; p++)
         for (int64_t i0 = 0; i0 < m; i0 += 4)
             rows_dot_bf16(xs + i0 * in, m - i0 < 4 ? m - i0 : 4, w + 2 * p * in, in, y + i0 * out + 2 * p, out);
     if (out % 2) {
-        uint16_t *last = calloc((size_t)(2 * in), sizeof(uint16_t));
-        float *two = malloc((size_t)(2 * m) * sizeof(float));
-        if (last == NULL || two == NULL) { free(last); free(two); free(xs); return 1; }
-        memcpy(last, w + (out - 1) * in, (size_t)in * sizeof(uint16_t));
         for (int64_t i0 = 0; i0 < m; i0 += 4)
             rows_dot_bf16(xs + i0 * in, m - i0 < 4 ? m - i0 : 4, last, in, two + i0 * 2, 2);
         for (int64_t i = 0; i < m; i++) y[i * out + out - 1] = two[i * 2];

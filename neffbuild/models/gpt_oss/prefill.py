@@ -103,9 +103,10 @@ def prefill(
         hidden.append(x[0, :N])
     if logits == "none":
         out = None
-    else:  # "last": one row (none for an empty prompt: a lockstep rank with no request runs the same collectives)
-        rows = slice(max(N - 1, 0), max(N, 1)) if logits == "last" else slice(0, x.shape[1])
-        out = unembed(cfg, stacked, x[:, rows], parallel)[0, : (min(N, 1) if logits == "last" else N)]
+    elif logits == "last":  # one row; none for an empty prompt (a lockstep rank with no request: same collectives)
+        out = unembed(cfg, stacked, x[:, max(N - 1, 0):max(N, 1)], parallel)[0, :min(N, 1)]
+    else:
+        out = unembed(cfg, stacked, x, parallel)[0, :N]
     if aux_layers:
         return out, torch.cat([hidden[i] for i in aux_layers], dim=-1).float()
     return out
