@@ -19,7 +19,7 @@ import torch
 from neffbuild.runtime.native import e2m1, e8m0, eager_dtype, packed_dot
 
 # On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): the graph then calls the runtime's
-# native ops (runtime/native.py) for picked packed experts and a bf16 LM head, as it calls oneDNN's matmuls.
+# native ops (runtime/native.py) for picked packed experts and bf16 linears, as it calls oneDNN's matmuls.
 _NATIVE = contextvars.ContextVar("neffbuild_native_cpu_ops", default=False)
 DENSE_TOKENS = 64  # from this many tokens on (prefill): expert by expert over its tokens (see moe)
 
@@ -58,9 +58,9 @@ def rows(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def native_cpu_ops():
     """Inside: picked MXFP4 experts call ``torch.ops.neffbuild.mxfp4_dot`` (a table-lookup C kernel on the CPU,
     docs/benchmarks.md "Real width") instead of tracing ``packed_dot``'s arithmetic, which inductor's CPU code
-    runs at about ten float ops a weight, and a bfloat16 LM head calls ``neffbuild::bf16_linear`` (``native_on``,
-    the architecture's unembedding). Only AOTInductor's CPU graphs use it: another backend cannot call a custom op, and
-    the eager reference stays plain torch."""
+    runs at about ten float ops a weight, and bfloat16 linears call ``neffbuild::bf16_linear`` (``native_on``: the
+    architecture's LM head and attention projections). Only AOTInductor's CPU graphs use it: another backend
+    cannot call a custom op, and the eager reference stays plain torch."""
     token = _NATIVE.set(True)
     try:
         yield

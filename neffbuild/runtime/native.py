@@ -1,5 +1,5 @@
 """The native ops compiled CPU graphs call, as they call oneDNN's matmuls: ``neffbuild::mxfp4_dot`` (the packed
-expert product) and ``neffbuild::bf16_linear`` (the bf16 LM head, below).
+expert product) and ``neffbuild::bf16_linear`` (the bf16 linears: LM head, qkv and o projections; below).
 
 ``torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)``: x [N, 1 or k, in] times the rows of the experts
 ``idx`` [N, k] picked from MXFP4 weights (blocks [E, out, in/32, 16] uint8, scales [E, out, in/32] uint8) ->
@@ -36,7 +36,7 @@ from neffbuild import settings
 
 SOURCE = Path(__file__).with_name("native_cpu.c")
 SCALE_BIAS = 127
-FALLBACK = "MXFP4 experts run the slower torch form and the bf16 LM head oneDNN's matmul"
+FALLBACK = "MXFP4 experts run the slower torch form and the bf16 linears oneDNN's matmul"
 
 
 def _cpu_identity() -> str:
