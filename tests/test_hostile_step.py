@@ -205,7 +205,6 @@ def _dp_out_of_pool_rank(rank, world):
     from neffbuild import recipe as R
     from neffbuild.models.gpt_oss.weights import model_weights
     from neffbuild.runtime.kv.cache import KVLayout
-    from neffbuild.runtime.step import dp_sync
     from neffbuild.runtime.step.dispatch import Grid
     from neffbuild.serve.rank import eager_artifacts
 
@@ -213,7 +212,7 @@ def _dp_out_of_pool_rank(rank, world):
     layout = KVLayout(cfg.num_kv_buffers, 40, cfg.num_key_value_heads, 16, cfg.head_dim)
     step = Stepper(eager_artifacts(cfg, model_weights(cfg, None, 0), Grid((1, 2), (128,), 256), layout, 8),
                    group=dist.group.WORLD)
-    before = dp_sync.COLLECTIVES["count"]
+    before = step.collectives
     for i in range(4):
         table = torch.arange(1, 17)[None].clone()
         if rank == 1 and i == 2:
@@ -221,7 +220,7 @@ def _dp_out_of_pool_rank(rank, world):
         try:
             step.step(StepBatch([[3]], [10 + i], {"full": table}))
         except StepInputError as exc:
-            return {"step": i, "message": str(exc), "collectives": dp_sync.COLLECTIVES["count"] - before}
+            return {"step": i, "message": str(exc), "collectives": step.collectives - before}
     return {"step": None}
 
 

@@ -216,7 +216,7 @@ def test_stepper_fails_closed_before_running_anything():
         step.step(StepBatch([[1]] * 3, [5] * 3, {"full": table}))
     with pytest.raises(ShapeNotCovered, match="needed context 257 is above max_model_len 256"):
         step.step(StepBatch([[1], [1]], [256, 3], {"full": table[:2]}))
-    with pytest.raises(StepInputError, match=r"rows \[1\] run 2 tokens; must be 1 or 1\+k \(1\)"):
+    with pytest.raises(StepInputError, match=r"rows \[1\] run 2 tokens; must be 1 to 1\+k \(1\)"):
         step.step(StepBatch([[1], [1, 2]], [5, 5], {"full": table[:2]}))
     with pytest.raises(StepInputError, match="must be \\[R=2, W>=1\\]"):
         step.step(StepBatch([[1], [1]], [5, 5], {"full": table}))

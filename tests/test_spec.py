@@ -26,12 +26,12 @@ GRID = Grid((1, 2, 4), (128,), 256, K)
 
 @pytest.mark.parametrize("computed, drafts, veto", [
     ([10, 20], True, False),
-    ([10, 20], False, True),  # a request without drafts
+    ([10, 20], False, True),  # no request with drafts
     ([10, 256 - K - 1], True, False),  # max_position + k + 1 == max_model_len: room
     ([10, 256 - K], True, True),  # no room for drafts
 ])
 def test_family_veto(computed, drafts, veto):
-    assert needs_nospec(GRID, max(computed) + 1, all_have_drafts=drafts) is veto
+    assert needs_nospec(GRID, max(computed) + 1, any_drafts=drafts) is veto
 
 
 def test_spec_plan_includes_drafts_and_shares_the_draft_bucket():

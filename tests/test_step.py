@@ -15,7 +15,6 @@ from neffbuild.models.gpt_oss.prefill import prefill
 from neffbuild.models.gpt_oss.weights import model_weights
 from neffbuild.runtime import StepBatch, Stepper
 from neffbuild.runtime.kv.cache import KVLayout
-from neffbuild.runtime.step import dp_sync
 from neffbuild.runtime.step.dispatch import Grid
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests.conftest import TINY
@@ -102,10 +101,10 @@ def test_engine_owned_tables_join_leave_across_buckets(built, small_checkpoint):
     assert needed == [p.needed_seq for p in plans]  # the hook saw every step's synced needed_seq
 
 
-def _eager_stepper(cfg, weights, k):
+def _eager_stepper(cfg, weights, k, batches=(1, 2)):
     """The tiny model's eager graph (max_model_len 512, block 16, num_swa 8) behind a Stepper."""
     layout = KVLayout(cfg.num_kv_buffers, 80, cfg.num_key_value_heads, 16, cfg.head_dim)
-    return Stepper(eager_artifacts(cfg, weights, Grid((1, 2), (128,), 512, k), layout, 8))
+    return Stepper(eager_artifacts(cfg, weights, Grid(batches, (128,), 512, k), layout, 8))
 
 
 def test_spec_step_equals_single_token_steps_and_family_rules():
@@ -133,12 +132,44 @@ def test_spec_step_equals_single_token_steps_and_family_rules():
     # largest difference was 9.4e-6 (of 1e-5); with the two orders it is 1.07e-5 (one logit of 1024).
     torch.testing.assert_close(results[3], results[0], atol=3e-5, rtol=0)
     step = _eager_stepper(cfg, weights, 3)
-    mixed = step.step(StepBatch([drafts, [5]], [50, 60], {"full": full.repeat(2, 1), "sliding": swa.repeat(2, 1)}))
-    assert (mixed.plan.family, mixed.plan.query_len, mixed.logits.shape[1]) == ("target_nospec", 1, 1)
-    assert mixed.aux_hidden.shape == (2, 1, 3 * cfg.hidden_size)
+    idle = step.plan(StepBatch([[5], [6]], [50, 60], {"full": full.repeat(2, 1), "sliding": swa.repeat(2, 1)}))
+    assert (idle.family, idle.query_len) == ("target_nospec", 1)  # no row has drafts
     near_end = step.plan(StepBatch([drafts], [509], {"full": full}))  # 509 + 3 + 1 > 512: no room for drafts
     assert (near_end.family, near_end.needed_seq, near_end.label) == ("target_nospec", 510, "decode_b1_s1_ctx512")
     assert step.plan(StepBatch([drafts], [508], {"full": full})).label == "decode_b1_s4_ctx512"
+
+
+def test_rows_with_fewer_drafts_pad_and_write_no_kv():
+    """Rows with 3, 1 and 0 drafts run one target_spec step (a host engine's scheduler may schedule fewer than
+    k): each row's live positions give the logits of its tokens run one by one, and a padded position writes no
+    KV (its slots keep their bytes)."""
+    cfg = R.load(TINY).model.config
+    weights = model_weights(cfg, None, 0)
+    rows = [[7, 99, 3, 250], [11, 42], [5]]
+    prompts = [[(i * 13 + 7 * r) % 256 for i in range(45)] for r in range(3)]
+    tables = [{"full": torch.arange(1 + 10 * r, 5 + 10 * r)[None],
+               "sliding": torch.arange(41 + 10 * r, 45 + 10 * r)[None]} for r in range(3)]
+    spec, plain = _eager_stepper(cfg, weights, 3, (1, 4)), _eager_stepper(cfg, weights, 0)
+    for step in (spec, plain):
+        for prompt, t in zip(prompts, tables, strict=True):
+            prefill(cfg, weights, prompt, step.kv_caches, t["full"][0], t["sliding"][0])
+    before = [c.clone() for c in spec.kv_caches]
+    both = {g: torch.cat([t[g] for t in tables]) for g in ("full", "sliding")}
+    out = spec.step(StepBatch(rows, [45] * 3, both))
+    assert (out.plan.family, out.plan.query_len) == ("target_spec", 4) and out.logits.shape[:2] == (3, 4)
+    for r, toks in enumerate(rows):
+        ref = torch.cat([plain.step(StepBatch([[t]], [45 + i], tables[r])).logits[0] for i, t in enumerate(toks)])
+        torch.testing.assert_close(out.logits[r, :len(toks)], ref, atol=3e-5, rtol=0)
+    # Positions 45 + len(row) .. 48 of each row were padding: their slots (block 2 of the row's full table,
+    # offsets 13..15 at most; row 0 has none) hold what they held before.
+    for r, toks in enumerate(rows):
+        blk = int(tables[r]["full"][0, 2])
+        for off in range(45 % 16 + len(toks), 48 % 16 + 1):
+            for c, b in zip(spec.kv_caches, before, strict=True):
+                assert torch.equal(c[:, blk, :, off], b[:, blk, :, off]), (r, off)
+        written = 45 % 16
+        assert not all(torch.equal(c[:, blk, :, written], b[:, blk, :, written])
+                       for c, b in zip(spec.kv_caches, before, strict=True))
 
 
 # -- DP: local problems travel through the one collective -------------------------------------------
@@ -164,7 +195,7 @@ def _dp_rank(rank, world, init_file, out_dir):
     table = torch.arange(1, 17).repeat(4, 1)
     log = {}
     for name, rows_at in SCENARIOS.items():
-        before = dp_sync.COLLECTIVES["count"]
+        before = step.collectives
         for i in range(6):
             rows = rows_at(rank, i)
             batch = StepBatch([t for t, _ in rows], [n for _, n in rows], {"full": table[:len(rows)]})
@@ -173,7 +204,7 @@ def _dp_rank(rank, world, init_file, out_dir):
             except NeffbuildError as exc:
                 log[name] = {"step": i, "error": type(exc).__name__, "message": str(exc)}
                 break
-        log[name]["collectives"] = dp_sync.COLLECTIVES["count"] - before
+        log[name]["collectives"] = step.collectives - before
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(log))
 

@@ -66,10 +66,10 @@ def test_vllm_config_of_a_cpu_bundle_is_the_whole_vllm_serve_line_for_the_plugin
     assert doc["engine_args"]["num_gpu_blocks_override"] == POOL and doc["warnings"] == []
 
 
-def test_a_random_weight_cpu_bundle_says_vllm_has_no_checkpoint_to_load():
-    manifest = {"graph_inputs": {"num_seqs_buckets": [1, 4], "max_model_len": 512, "block_size": 32, "num_blocks": 99,
-                                 "tp": 1, "dp": 1, "fp8_packed_kv": False}}
-    config = handoff.plugin_config("/b", manifest, {"model": {"random_seed": 0}})
+def test_a_random_weight_cpu_bundle_says_vllm_has_no_checkpoint_to_load(built):
+    from neffbuild.runtime.bundle.reader import read_manifest
+
+    config = handoff.plugin_config("/b", read_manifest(built.bundle), {"model": {"random_seed": 0}})
     assert " vllm serve CHECKPOINT --dtype float32" in config["command"]
     [warning] = config["warnings"]
     assert "model.random_seed" in warning and "model.checkpoint" in warning

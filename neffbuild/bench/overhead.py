@@ -108,7 +108,7 @@ def _dp_rank(rank: int, port: int, repeat: int, queue) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     t = torch.tensor([4, 500], dtype=torch.int32)
-    synced = median_seconds(lambda: dp_sync.sync_step(1, 500 + rank), repeat)
+    synced = median_seconds(lambda: dp_sync.sync_step(1, 500 + rank)[0], repeat)
     bare = median_seconds(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), repeat)
     if rank == 0:
         queue.put({"dp_sync_us": round(synced * 1e6, 1), "bare_allreduce_us": round(bare * 1e6, 1)})

@@ -87,12 +87,14 @@ def plugin_config(root, manifest: dict, recipe: dict) -> dict:
     """
     from pathlib import Path
 
-    gi = manifest["graph_inputs"]
+    from neffbuild.runtime.bundle.facts import facts_of
+
+    facts = facts_of(manifest)
     checkpoint = (recipe.get("model") or {}).get("checkpoint")
-    args = {"dtype": "float32", "enforce_eager": True, **engine_args(manifest)}
-    args["max_num_seqs"] = gi["num_seqs_buckets"][-1]
-    if gi["fp8_packed_kv"]:
-        args["kv_cache_dtype"] = "fp8"
+    dtype, kv_cache_dtype = facts.engine_dtypes()  # the plugin's start-up check compares the same two
+    args = {"dtype": dtype, "enforce_eager": True, **engine_args(manifest)}
+    if kv_cache_dtype != "auto":
+        args["kv_cache_dtype"] = kv_cache_dtype
     extra = {PLUGIN_KEY: {"bundle": str(Path(root).resolve())}}
     warn = [] if checkpoint else [
         f"the bundle's weights are random (model.random_seed), so no checkpoint holds them for vLLM to load; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from neffbuild.errors import NO_VALUE, Problem, did_you_mean
+from neffbuild.runtime.bundle.config_rules import int_rule
 
 # Upper bounds of the serving sizes: what fits in memory and in int64 index math.
 LIMITS = {"max_model_len": 2**24, "max_num_seqs": 4096, "block_size": 4096, "num_blocks": 2**24, "tp": 1024,
@@ -77,14 +78,9 @@ class Checks:
         return self.check_int(value, path, minimum, maximum=LIMITS.get(key, 2**31 - 1))
 
     def check_int(self, value, path: str, minimum: int | None = 1, *, maximum: int = 2**31 - 1):
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.err(path, value, "must be an integer" + (" (not a float)" if isinstance(value, float) else ""))
-            return None
-        if minimum is not None and value < minimum:
-            self.err(path, value, f"must be >= {minimum}" if minimum != 1 else "must be a positive integer")
-            return None
-        if value > maximum:
-            self.err(path, value, f"must be <= {maximum}")
+        why = int_rule(value, minimum, maximum)
+        if why:
+            self.err(path, value, why)
             return None
         return value
 

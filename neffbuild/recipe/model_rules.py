@@ -12,9 +12,10 @@ from pathlib import Path
 
 from neffbuild import registry
 from neffbuild.errors import NO_VALUE, NeffbuildError, did_you_mean
-from neffbuild.recipe import config_rules, dtype_rules
+from neffbuild.recipe import dtype_rules
 from neffbuild.recipe.loading import read_regular_file
 from neffbuild.recipe.types import ModelSpec, Speculative
+from neffbuild.runtime.bundle import config_rules
 
 KNOWN_ARCHS = tuple(registry.ARCHITECTURES)
 SPEC_METHODS = tuple(registry.SPECULATIVE)
@@ -91,11 +92,8 @@ def read_json(v, p: Path, path: str) -> dict | None:
 def arch_config(v, hf: dict, path: str, arch: str):
     """The architecture's config from Hugging Face keys (None: unknown architecture or bad keys)."""
     if arch not in registry.ARCHITECTURES:
-        return None
-    entry = registry.arch(arch)
-    if not config_rules.check_numbers(v, hf, path, entry.get("config"), entry.get("field_limits")()):
-        return None
-    return entry.get("build_config")(v.err, hf, path)
+        return None  # the recipe reports an unknown architecture where it reads model.arch
+    return config_rules.arch_config(v, hf, path, arch)
 
 
 def speculative(v, raw: dict, cfg) -> Speculative | None:

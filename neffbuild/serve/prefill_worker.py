@@ -29,19 +29,16 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Self
 
 from neffbuild import registry
 from neffbuild.errors import InvalidInput, KVTransferError
-from neffbuild.runtime.bundle import schema
-from neffbuild.runtime.bundle.graph_inputs import GraphInputs
-from neffbuild.runtime.bundle.reader import read_manifest
+from neffbuild.runtime.bundle.reader import read_facts
 from neffbuild.runtime.di.ingest import KVIngest, KVProducer
 from neffbuild.runtime.di.nixl_agent import load_nixl
 from neffbuild.runtime.di.prompt import di_prompt, strip_leading_null
-from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
-from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, model_config, open_rank
+from neffbuild.runtime.parallel import ParallelLayout
+from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, open_rank
 
 _IDS = itertools.count()
 GLOO_TIMEOUT = timedelta(seconds=20)
@@ -52,8 +49,8 @@ def _window(cfg) -> int | None:
 
 
 def bundle_tp(bundle_path) -> int:
-    section = ParallelSection.of_manifest(read_manifest(Path(bundle_path)))
-    return section.parallel.tp if section is not None else 1
+    facts = read_facts(bundle_path, strict=False)
+    return facts.parallel.tp if facts is not None else 1
 
 
 def check_prefill_tp(cfg, arch: str, tp: int) -> None:
@@ -67,13 +64,11 @@ def check_prefill_tp(cfg, arch: str, tp: int) -> None:
 def check_group_tp(bundle_path, tp: int) -> None:
     """A prefill group of ``tp`` ranks can split the bundle's model (exit 2 naming ``--prefill-tp`` otherwise).
 
-    The flag is the user's, so it is judged first, from the manifest's model config alone (a manifest that passes
-    the schema); whether the bundle's files are valid is ``reader.check``'s to say when ``open_rank`` opens it
-    (exit 1)."""
-    m = read_manifest(Path(bundle_path))
-    if not schema.problems(m):
-        gi = GraphInputs.of_manifest(m)
-        check_prefill_tp(model_config(gi, Path(bundle_path)), gi.arch, tp)
+    The flag is the user's, so it is judged first on a bundle the runtime's judge passes; a broken bundle is
+    ``open_rank``'s to report (exit 1)."""
+    facts = read_facts(bundle_path, strict=False)
+    if facts is not None:
+        check_prefill_tp(facts.config, facts.arch, tp)
 
 
 class _Rank:

@@ -1,13 +1,15 @@
 """``open_rank``: the one way to open a bundle for one serving rank.
 
-A serving rank holds, of a bundle: the model config (checked with the recipe's config rules, so a
-broken manifest is the bundle's fault, exit 1), its weights (the pieces its rank maps, or every
-piece joined, and re-split for another TP degree), its KV layout and buffers, the model's
-prefill on those weights, a block manager over its pool, and what runs a decode step: the
-compiled artifacts, the eager graph (the ``--check`` reference) or nothing (a DI prefill rank).
-The engine (serve/run.py), the DI prefill worker, ``generate --check`` and the vLLM plugin to
-come all open a bundle through ``open_rank``; ``serving_rank`` composes the same parts over
-artifacts a test builds by hand. The architecture's parts come from ``neffbuild/registry.py``.
+A serving rank of neffbuild's own engine holds, of a bundle: the model config (the bundle's typed
+facts, ``runtime.bundle.facts``: the runtime's one judge, ``reader.check``, already refused a
+broken one, exit 1), its weights (the pieces its rank maps, or every piece joined, and re-split
+for another TP degree), its KV layout and buffers, the model's prefill on those weights, a block
+manager over its pool, and what runs a decode step: the compiled artifacts, the eager graph (the
+``--check`` reference) or nothing (a DI prefill rank). The engine (serve/run.py), the DI prefill
+worker and ``generate --check`` open a bundle through ``open_rank``; ``serving_rank`` composes the
+same parts over artifacts a test builds by hand. Another host engine (the vLLM plugin) opens the
+bundle with the runtime's ``open_bundle`` and reads the same facts: nothing here is for it.
+The architecture's parts come from ``neffbuild/registry.py``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from pathlib import Path
 import torch
 
 from neffbuild import registry
-from neffbuild.errors import BundleError, RecipeError
-from neffbuild.runtime.bundle import reader, weights_file
+from neffbuild.runtime.bundle import reader
+from neffbuild.runtime.bundle.facts import BundleFacts
 from neffbuild.runtime.bundle.graph_inputs import GraphInputs
 from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager, kv_groups
 from neffbuild.runtime.kv.cache import KVLayout, allocate
-from neffbuild.runtime.parallel import ParallelLayout, ParallelSection
+from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.runtime.step.dispatch import Grid, StepPlan
 from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve.eager import EagerArtifacts
@@ -60,7 +62,9 @@ class ServingRank:
     @property
     def kv_heads(self) -> range:
         """The model KV heads this rank holds (its TP slice; all of them unsharded)."""
-        if self.parallel.tp == 1:
+        if self.bundle is not None:
+            return self.bundle.facts.kv_heads  # as the bundle records them for its ranks
+        if self.parallel.tp == 1:  # joined weights, re-split for a TP degree of the caller's (a DI prefill rank)
             return range(self.config.num_key_value_heads)
         return registry.arch_of(self.config).get("kv_heads_of")(self.config, self.parallel,
                                                                 self.parallel.tp_rank(self.rank))
@@ -103,66 +107,28 @@ def serving_rank(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable
                        group if par.ep_gathers else None)
 
 
-def model_config(gi: GraphInputs, root: Path):
-    """The bundle's model config, checked with the recipe's rules (a broken bundle: exit 1, not the user's input)."""
-    from neffbuild.recipe.validator import Validator  # the recipe's config rules, one rule set for both
-
-    v = Validator(root, "graph_inputs.model_config")
-    cfg = v.arch_config(gi.model_config, "graph_inputs.model_config", gi.arch)
-    if cfg is None or v.problems:
-        raise BundleError(str(RecipeError("manifest graph_inputs.model_config", v.problems or [])))
-    return cfg
-
-
-def _check_weights(cfg, gi: GraphInputs, weights: dict, parallel: ParallelLayout) -> None:
-    """The model config describes the weights the artifacts bind (else exit 1: the manifest and weights disagree)."""
-    arch = registry.arch(gi.arch)
-    experts = arch.get("experts_of")(weights)  # dense or MXFP4: the stored names say which
-    for name, shape in arch.get("rank_shapes")(cfg, parallel, experts).items():
-        have = tuple(weights[name].shape) if name in weights else None
-        if have != tuple(shape):
-            raise BundleError(f"graph_inputs.model_config implies weight {name!r} of shape {list(shape)}, the bundle's "
-                              f"weights hold {list(have) if have else 'none'}: the manifest and weights disagree")
-
-
-def _joined_weights(root: Path, m: dict, cfg, gi: GraphInputs) -> dict:
+def _joined_weights(root: Path, facts: BundleFacts) -> dict:
     """Every tensor of the model, unsharded: a sharded bundle's pieces joined by the architecture's rule."""
-    weights = weights_file.load(reader.safe_path(root, m["weights"]["file"]), m["weights"]["tensors"])
-    section = ParallelSection.of_manifest(m)
-    if section is None:
+    weights, pieces = reader.weight_pieces(root)
+    if not pieces:
         return weights
-    parts = {name: reader.load_pieces(root, section, [name]) for name in section.pieces}
-    return registry.arch(gi.arch).get("unshard")(cfg, dict(parts, shared=weights), section.parallel)
+    return registry.arch(facts.arch).get("unshard")(facts.config, dict(pieces, shared=weights), facts.parallel)
 
 
 def _open_compiled(bundle: reader.Bundle, group, on_plan) -> ServingRank:
     gi, ctx = bundle.graph_inputs, bundle.context
-    cfg = model_config(gi, bundle.root)
+    cfg = bundle.facts.config
     par, rank = (ctx.parallel, ctx.rank) if ctx is not None else (ParallelLayout(), 0)
-    _check_weights(cfg, gi, bundle.weights, par)
     out = serving_rank(cfg, bundle.weights, bundle, group=bundle.group if ctx is not None else group,
                        on_plan=on_plan, parallel=par, rank=rank)
     out.graph_inputs, out.bundle = gi, bundle
     return out
 
 
-def read_valid(root: str | Path, *, strict: bool = True) -> tuple[dict, GraphInputs] | None:
-    """(manifest, graph_inputs) of a bundle ``reader.check`` (the one judge of validity) passes. Not valid: a
-    BundleError naming the problems, or None with ``strict=False`` (a caller that leaves the report to the open)."""
-    root = Path(root)
-    problems = reader.check(root, full=False)
-    if problems:
-        if not strict:
-            return None
-        raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
-    m = reader.read_manifest(root)
-    return m, GraphInputs.of_manifest(m)
-
-
 def _open_joined(root: Path, decode: str, tp: int, rank: int) -> ServingRank:
-    m, gi = read_valid(root)
-    cfg = model_config(gi, root)
-    weights, par = _joined_weights(root, m, cfg, gi), ParallelLayout(tp=tp)
+    facts = reader.read_facts(root)
+    gi, cfg = facts.graph_inputs, facts.config
+    weights, par = _joined_weights(root, facts), ParallelLayout(tp=tp)
     if tp > 1:  # re-split for this group's TP degree by the architecture's rule
         weights = registry.arch(gi.arch).get("shard")(cfg, weights, par, rank)
     # Every KV head, then this rank's share; no draft group: no proposer runs on joined weights.

@@ -14,14 +14,14 @@ such as first-call allocation; it is reported apart as ``first_step_seconds``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from neffbuild.errors import NeffbuildError
+from neffbuild.runtime.bundle.reader import read_facts
 from neffbuild.runtime.di.ingest import load_nixl
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
 from neffbuild.serve.prefill_worker import PrefillGroup, check_group_tp
-from neffbuild.serve.rank import EAGER, model_config, open_rank, read_valid
+from neffbuild.serve.rank import EAGER, open_rank
 from neffbuild.serve.requests import check_requests
 from neffbuild.serve.run import Options
 from neffbuild.serve.world import run_ranks, world_for
@@ -94,10 +94,9 @@ def merge(ranks: list[dict], n_requests: int, world: int, dp: int) -> GenerateRe
 
 def _check_early(bundle_path: str, requests: list[Request], what: str) -> None:
     """The requests are the user's: refuse them before any rank or worker starts (a valid manifest only)."""
-    valid = read_valid(bundle_path, strict=False)
-    if valid is not None:
-        gi = valid[1]
-        check_requests(requests, model_config(gi, Path(bundle_path)).vocab_size, gi.grid.max_model_len, what)
+    facts = read_facts(bundle_path, strict=False)
+    if facts is not None:
+        check_requests(requests, facts.vocab_size, facts.graph_inputs.grid.max_model_len, what)
 
 
 def generate(bundle_path: str, requests: list[Request], opts: Options) -> GenerateResult:

@@ -70,7 +70,7 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
     for label in bundle.labels:  # load every artifact now: no decode step pays for loading
         bundle.artifact(label)
     source, proposer = _parts(session, opts, prefill)
-    before = dp_sync.COLLECTIVES["count"]
+    before = session.stepper.collectives
     try:
         engine = Engine(session.stepper, session.block_manager(), source, proposer, on_step=progress(requests, group))
         engine.run(requests)
@@ -78,7 +78,7 @@ def serve_rank(bundle_path: str, requests: list[Request], opts: Options, *, grou
         source.close()
     st = engine.stats
     out = {"requests": [dict(r.result(), index=r.index) for r in requests], "steps": st.steps,
-           "collectives": dp_sync.COLLECTIVES["count"] - before, "step_seconds": st.step_seconds,
+           "collectives": session.stepper.collectives - before, "step_seconds": st.step_seconds,
            "step_tokens": st.step_tokens, "run_seconds": st.run_seconds, "engine_seconds": st.engine_seconds,
            "source_seconds": st.source_seconds, "histogram": hist.rows(),
            "transfers": [dict(r.transfer, id=r.id) for r in requests if r.transfer is not None]}

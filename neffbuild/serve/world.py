@@ -14,9 +14,8 @@ import tempfile
 from pathlib import Path
 
 from neffbuild.errors import InvalidInput, NeffbuildError
-from neffbuild.runtime.parallel import ParallelSection
+from neffbuild.runtime.bundle.reader import read_facts
 from neffbuild.serve.parts import Request
-from neffbuild.serve.rank import read_valid
 from neffbuild.serve.run import Options, serve_rank
 
 MAX_LOCAL_WORLD = 16
@@ -24,15 +23,13 @@ MAX_LOCAL_WORLD = 16
 
 def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
     """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default: the recipe's dp)."""
-    valid = read_valid(bundle_path, strict=False)
-    if valid is None:  # broken: the ranks' open_bundle names what is wrong (exit 1)
+    facts = read_facts(bundle_path, strict=False)
+    if facts is None:  # broken: the ranks' open_bundle names what is wrong (exit 1)
         return dp_flag or 1, dp_flag or 1
-    m, gi = valid
-    section = ParallelSection.of_manifest(m)
-    if section is None:  # unsharded: the same graph serves any number of DP ranks
-        dp = dp_flag or gi.parallel.dp
+    if not facts.sharded:  # unsharded: the same graph serves any number of DP ranks
+        dp = dp_flag or facts.parallel.dp
         return dp, dp
-    par = section.parallel
+    par = facts.parallel
     world, dp = par.world_size, par.dp
     if dp_flag not in (None, dp):
         raise InvalidInput(f"--dp {dp_flag}: this bundle was compiled for dp {dp} (tp {par.tp}, ep {par.ep}); "

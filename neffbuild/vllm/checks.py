@@ -43,7 +43,8 @@ class Compiled:
     block_size: int
     num_blocks: int
     num_seqs_buckets: tuple[int, ...]
-    fp8: bool = False
+    dtype: str = "float32"  # the model dtype vLLM must run (the bundle facts' engine_dtypes)
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype for the bundle's KV buffers
     tp: int = 1
     dp: int = 1
     num_speculative_tokens: int = 0
@@ -65,12 +66,12 @@ def problems(bundle: Compiled, engine: Engine, *, unresolved: tuple[str, ...] = 
             b, e = bundle.model_config[key], engine.model_config[key]
             if not _same(b, e):
                 out.append(_line(MODEL_FLAG, key, e, b, "serve the checkpoint the bundle was compiled from"))
-    if engine.dtype != "float32":
-        out.append(_line("--dtype", "dtype", engine.dtype, "float32", "pass --dtype float32"))
-    want_kv = "fp8" if bundle.fp8 else "auto"
-    if engine.kv_cache_dtype != want_kv:
-        out.append(_line("--kv-cache-dtype", "kv_cache_dtype", engine.kv_cache_dtype, want_kv,
-                         f"pass --kv-cache-dtype {want_kv}"))
+    if engine.dtype != bundle.dtype:
+        out.append(_line("--dtype", "dtype", engine.dtype, bundle.dtype, f"pass --dtype {bundle.dtype}"))
+    if engine.kv_cache_dtype != bundle.kv_cache_dtype:
+        out.append(_line("--kv-cache-dtype", "kv_cache_dtype", engine.kv_cache_dtype, bundle.kv_cache_dtype,
+                         f"pass --kv-cache-dtype {bundle.kv_cache_dtype}"))
+    out += _unserved(bundle)
     if engine.max_model_len != bundle.max_model_len:
         out.append(_line("--max-model-len", "max_model_len", engine.max_model_len, bundle.max_model_len,
                          f"pass --max-model-len {bundle.max_model_len}"))
@@ -95,6 +96,23 @@ def problems(bundle: Compiled, engine: Engine, *, unresolved: tuple[str, ...] = 
     if engine.pipeline_parallel_size != 1:
         out.append(_line("--pipeline-parallel-size", "pipeline_parallel_size", engine.pipeline_parallel_size, 1,
                          "the bundle's decode graph runs every layer"))
+    return out
+
+
+# What the plugin's eager attention and decode path serve today (docs/vllm.md); a bundle outside these fails
+# start-up naming the flag, so it never serves silently wrong. One place: widen it when the plugin does.
+SERVED_DTYPES = ("float32",)
+SERVED_KV_CACHE_DTYPES = ("auto",)
+
+
+def _unserved(bundle: Compiled) -> list[str]:
+    out = []
+    if bundle.dtype not in SERVED_DTYPES:
+        out.append(f"--dtype: the bundle computes in {bundle.dtype}; the plugin serves {', '.join(SERVED_DTYPES)} "
+                   "bundles only (docs/vllm.md)")
+    if bundle.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES:
+        out.append(f"--kv-cache-dtype: the bundle's KV is {bundle.kv_cache_dtype}; the plugin serves KV in the "
+                   "model dtype only, not packed FP8 (docs/vllm.md)")
     return out
 
 

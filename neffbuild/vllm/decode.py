@@ -44,15 +44,18 @@ class BundleDecoder:
 
     # -- vLLM's KV tensors as the bundle's buffers (once: vLLM binds them after the model is built)
     def kv_buffers(self) -> list[torch.Tensor]:
+        """Buffer j is the one tensor vLLM gave every layer the bundle maps to j (``facts.layer_buffers``)."""
+        of_layer = self.bundle.facts.layer_buffers
         out = []
         for j in range(self.bundle.kv_layout.num_buffers):
-            first, second = (_tensor(self.layers[i].kv_cache) for i in (2 * j, 2 * j + 1))
-            if first.data_ptr() != second.data_ptr():
+            layers = [i for i, b in enumerate(of_layer) if b == j]
+            tensors = [_tensor(self.layers[i].kv_cache) for i in layers]
+            if len({t.data_ptr() for t in tensors}) != 1:
                 raise IncompatibleBundle(
-                    f"neffbuild: layers {2 * j} and {2 * j + 1} have KV tensors of their own; the bundle's layer pairs "
-                    "share one buffer, as vLLM's hybrid KV cache manager lays them out (do not pass "
+                    f"neffbuild: layers {layers} have KV tensors of their own; the bundle's layers {layers} share "
+                    f"KV buffer {j}, as vLLM's hybrid KV cache manager lays them out (do not pass "
                     "--disable-hybrid-kv-cache-manager)")
-            out.append(bundle_view(first))
+            out.append(bundle_view(tensors[0]))
         return out
 
     def _stepper(self) -> Stepper:

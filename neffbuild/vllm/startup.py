@@ -31,12 +31,10 @@ def check(vllm_config, *, final: bool = True):
     settings = from_additional_config(vllm_config.additional_config)
     if settings is None:
         return None
-    from neffbuild.runtime import open_bundle
-
-    bundle = open_bundle(settings.bundle, verify=settings.verify, trusted_keys=settings.trusted_keys)
-    if bundle.graph_inputs.arch != "gpt_oss":
+    bundle = open_configured(settings)
+    if bundle.facts.arch != SERVED_ARCH:
         raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} is of architecture "
-                                 f"{bundle.graph_inputs.arch!r}; vLLM is serving "
+                                 f"{bundle.facts.arch!r}; vLLM is serving "
                                  f"{vllm_config.model_config.architecture}")
     engine = engine_view(vllm_config)
     later = ("block_size",) if not final and engine.block_size is None else ()
@@ -45,6 +43,17 @@ def check(vllm_config, *, final: bool = True):
         raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} does not fit this vLLM configuration "
                                  "(nothing will serve):\n  " + "\n  ".join(found))
     return bundle
+
+
+SERVED_ARCH = "gpt_oss"  # the registry name of the architecture the plugin's model class subclasses (model.py)
+
+
+def open_configured(settings):
+    """The bundle ``settings`` name, opened by the runtime's one judge (``open_bundle``: the same refusals, in
+    the same words, as ``neffbuild generate``), with the plugin's trust and verify settings. No vLLM needed."""
+    from neffbuild.runtime import open_bundle
+
+    return open_bundle(settings.bundle, verify=settings.verify, trusted_keys=settings.trusted_keys)
 
 
 def engine_view(vllm_config) -> checks.Engine:
@@ -61,11 +70,13 @@ def engine_view(vllm_config) -> checks.Engine:
 
 
 def compiled_view(bundle) -> checks.Compiled:
-    gi, kv, grid = bundle.graph_inputs, bundle.kv_layout, bundle.grid
+    facts, kv, grid = bundle.facts, bundle.kv_layout, bundle.grid
+    dtype, kv_cache_dtype = facts.engine_dtypes()
     return checks.Compiled(
-        model_config=dict(gi.model_config), max_model_len=grid.max_model_len, block_size=kv.block_size,
-        num_blocks=kv.num_blocks, num_seqs_buckets=tuple(grid.num_seqs_buckets), fp8=kv.fp8, tp=bundle.parallel.tp,
-        dp=bundle.parallel.dp, num_speculative_tokens=grid.num_speculative_tokens)
+        model_config=facts.config.to_hf_dict(), max_model_len=grid.max_model_len, block_size=kv.block_size,
+        num_blocks=kv.num_blocks, num_seqs_buckets=tuple(grid.num_seqs_buckets), dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype, tp=facts.parallel.tp, dp=facts.parallel.dp,
+        num_speculative_tokens=facts.num_speculative_tokens)
 
 
 def install(architecture: str) -> None:

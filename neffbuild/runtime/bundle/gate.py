@@ -5,9 +5,12 @@ after the schema passed: the EAGLE3 draft's KV layout (present exactly when the 
 drafts, its heads and head_dim those of ``graph_inputs.draft_config`` over the target's, the
 same buffer every draft artifact records); a ``parallel`` section exactly on a sharded bundle
 (tp or ep above 1), with graph_inputs' tp/dp/ep; the model_config fields the step API reads
-(vocab_size, hidden_size); the speculative method of a bundle with drafts.
+(vocab_size, hidden_size), then the whole model config under the recipe's own rules
+(``config_rules.model_problems``) and the weights' shapes it implies; the speculative method of a
+bundle with drafts. What this passes, every engine serves: neffbuild's own and the vLLM plugin
+open a bundle through the same ``reader.check``.
 ``read_digest_line`` reads a bounded prefix of ``manifest.sha256`` (a 12 GB sparse file is an
-error, never a MemoryError). Standard library and the registry only.
+error, never a MemoryError). Torch-free: the standard library, the registry and the bundle room's types.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import stat
 from pathlib import Path
 
 from neffbuild import registry
+from neffbuild.runtime.bundle import config_rules, facts
 from neffbuild.runtime.bundle.schema import Problem, is_int, short
+from neffbuild.runtime.parallel import ParallelLayout
 
 MAX_DIGEST_BYTES = 4096  # "<64 hex digits>  manifest.json\n" is 81 bytes
 
@@ -37,7 +42,25 @@ def read_digest_line(path: Path) -> str | None:
 def problems(m: dict) -> list[Problem]:
     gi = m["graph_inputs"]
     out = _model_config(gi)
+    if not out:
+        cfg, out = config_rules.model_problems(gi["arch"], gi["model_config"])
+        out += _weights_fit(m, gi, cfg) if cfg is not None else []
     return out + _parallel_presence(m, gi) + _speculative_method(gi) + (_draft_layout(m, gi) if not out else [])
+
+
+def _weights_fit(m: dict, gi: dict, cfg) -> list[Problem]:
+    """The model config describes the weights the artifacts bind (rank 0's table: every rank's has its shapes)."""
+    arch = registry.arch(gi["arch"])
+    table = facts.weight_table(m)
+    shapes = arch.get("rank_shapes")(cfg, ParallelLayout.from_json(gi), arch.get("experts_of")(table))
+    for name, shape in shapes.items():
+        entry = table.get(name)
+        have = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(have, list) or tuple(have) != tuple(shape):
+            return [Problem("graph_inputs.model_config", f"implies weight {name!r} of shape {list(shape)}, the "
+                            f"bundle's weights hold {have if have is not None else 'none'}: the manifest and weights "
+                            "disagree")]
+    return []
 
 
 def _speculative_method(gi: dict) -> list[Problem]:

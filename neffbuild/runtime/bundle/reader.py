@@ -19,6 +19,7 @@ from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotC
 from neffbuild.fsutil import no_duplicate_keys, sha256_file
 from neffbuild.runtime import parallel, world
 from neffbuild.runtime.bundle import aoti_package, loaders, paths, weights_file
+from neffbuild.runtime.bundle import facts as bundle_facts
 from neffbuild.runtime.bundle import gate as bundle_gate
 from neffbuild.runtime.bundle import model_sig as signature
 from neffbuild.runtime.bundle import schema as manifest_schema
@@ -27,7 +28,7 @@ from neffbuild.runtime.bundle.graph_inputs import GraphInputs
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_DEPTH = 32
 
-__all__ = ["Bundle", "Problem", "check", "open_bundle", "read_manifest", "safe_path"]
+__all__ = ["Bundle", "Problem", "check", "open_bundle", "read_facts", "read_manifest", "safe_path", "weight_pieces"]
 
 
 def safe_path(root: Path, rel: object) -> Path:
@@ -110,7 +111,8 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
     problems += manifest_schema.problems(m)
     if problems:
         return problems
-    problems += _parallel_problems(m) + bundle_gate.problems(m)
+    problems += _parallel_problems(m)
+    problems += bundle_gate.problems(m) if not problems else []  # the gate reads the parallel section it passed
     if problems:
         return problems
     problems += _file_problems(root, m["files"], full)
@@ -181,15 +183,33 @@ def _parallel_problems(m: dict) -> list[Problem]:
     return problems
 
 
+def read_facts(root: str | Path, *, strict: bool = True) -> bundle_facts.BundleFacts | None:
+    """The typed facts of a bundle the one judge (``check``, sizes) passes, nothing loaded: for a caller that must
+    size its world or judge its own flags before it opens the bundle. Not valid: a BundleError naming the
+    problems, or None with ``strict=False`` (the caller leaves the report to ``open_bundle``)."""
+    root = Path(root)
+    problems = check(root, full=False)
+    if problems:
+        if not strict:
+            return None
+        raise BundleError(f"{root}: " + "; ".join(map(str, problems[:10])))
+    return bundle_facts.facts_of(read_manifest(root))
+
+
+def weight_pieces(root: str | Path) -> tuple[dict, dict]:
+    """(the replicated weights, {piece: its tensors}) of a judged bundle, every file memory-mapped: the parts an
+    engine joins into the unsharded model (``{}`` pieces for an unsharded bundle)."""
+    root = Path(root)
+    m = read_manifest(root)
+    weights = weights_file.load(safe_path(root, m["weights"]["file"]), m["weights"]["tensors"])
+    section = parallel.ParallelSection.of_manifest(m)
+    pieces = {name: load_pieces(root, section, [name]) for name in section.pieces} if section is not None else {}
+    return weights, pieces
+
+
 def rank_table(m: dict, rank: int = 0) -> dict:
     """The constants one rank's artifacts bind: ``weights.tensors`` plus its pieces' (same shapes on all ranks)."""
-    if "parallel" not in m:
-        return m["weights"]["tensors"]
-    section = parallel.ParallelSection.from_json(m["parallel"])
-    table = dict(m["weights"]["tensors"])
-    for name in section.pieces_of(rank):
-        table.update(section.pieces[name]["tensors"])
-    return table
+    return bundle_facts.weight_table(m, rank)
 
 
 def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> None:
@@ -204,7 +224,8 @@ def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> 
 
 
 class Bundle:
-    """An opened bundle: manifest, grid, shared weights, and lazily loaded artifacts."""
+    """An opened bundle: its typed facts (``facts``: what engines read, never the manifest), grid, KV layout,
+    shared weights, and lazily loaded artifacts. ``manifest`` stays for the bundle room's own readers."""
 
     def __init__(self, root: Path, manifest: dict, device: str, rank: world.RankContext | None = None):
         self.root, self.manifest, self.device = root, manifest, device
@@ -218,18 +239,19 @@ class Bundle:
             if "parallel" in manifest else None
         if rank is not None:  # a sharded rank maps the replicated piece plus the pieces the manifest lists for it
             self.weights.update(load_pieces(root, self.parallel_section, self.parallel_section.pieces_of(rank.rank)))
+        self.facts = bundle_facts.facts_of(manifest, rank.rank if rank is not None else 0)
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
         """Token ids the artifacts take: [0, vocab_size) (the step API checks every id against it)."""
-        return self.manifest["graph_inputs"]["model_config"]["vocab_size"]
+        return self.facts.vocab_size
 
     @property
     def aux_hidden_size(self) -> int:
         """Width of the EAGLE3 draft's hidden input (3 x the target's hidden size)."""
-        return 3 * self.manifest["graph_inputs"]["model_config"]["hidden_size"]
+        return 3 * self.facts.hidden_size
 
     @property
     def labels(self) -> list[str]:

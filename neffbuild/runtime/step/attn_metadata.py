@@ -66,8 +66,10 @@ def build(
     ctx: int,
     block_size: int,
     num_swa: int,
+    lengths: torch.Tensor | None = None,  # [R] live tokens per row (None: all q); the rest are padding
 ) -> StepInputs:
-    """Inputs for one step at batch bucket ``batch`` and context bucket ``ctx``."""
+    """Inputs for one step at batch bucket ``batch`` and context bucket ``ctx``. A row's positions past its
+    ``lengths`` entry (a row with fewer drafts than the step's query) write nothing: slot -1, as padding rows."""
     R, q = tokens.shape
     pad = batch - R
     width = -(-ctx // block_size)
@@ -76,6 +78,9 @@ def build(
     blk_idx, offs = positions // block_size, positions % block_size
     slots = torch.gather(full_table, 1, blk_idx) * block_size + offs
     slots_swa = torch.gather(swa_table, 1, blk_idx) * block_size + offs
+    if lengths is not None:
+        dead = torch.arange(q) >= lengths[:, None]  # [R, q] padded positions
+        slots, slots_swa = slots.masked_fill(dead, PAD_SLOT), slots_swa.masked_fill(dead, PAD_SLOT)
     trimmed_swa, offset = tail_trim(swa_table, positions[:, -1], block_size, max(num_swa, 1))
 
     def padded(t: torch.Tensor, value: int) -> torch.Tensor:

@@ -180,7 +180,7 @@ def step_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
         if type(toks) not in _SEQ or type(n) is not int or n < 0:
             return False
         q = len(toks)
-        if q != 1 and q != q2:
+        if q < 1 or q > q2:  # 1 + d tokens, d = 0..k drafts (a with-spec step pads the rest)
             return False
         for t in toks:
             if type(t) is not int or t < 0 or t >= top:
@@ -215,7 +215,7 @@ def _dict_ok(tokens, computed, tables, k, vocab, bs, num_blocks, mml) -> bool:
         if type(toks) not in _SEQ or type(n) is not int or n < 0:
             return False
         q = len(toks)
-        if q != 1 and q != q2:
+        if q < 1 or q > q2:  # 1 + d tokens, d = 0..k drafts (a with-spec step pads the rest)
             return False
         for t in toks:
             if type(t) is not int or t < 0 or t >= top:
@@ -287,9 +287,10 @@ def _step_reference(tokens, computed, tables, *, k: int, vocab: int | None, layo
     R = len(tokens)
     if len(computed) != R:
         return f"step: {len(computed)} num_computed values for {R} token rows"
-    bad = [r for r, t in enumerate(tokens) if len(t) not in (1, 1 + k)]
+    bad = [r for r, t in enumerate(tokens) if not 1 <= len(t) <= 1 + k]
     if bad:
-        return f"step: rows {bad[:5]} run {len(tokens[bad[0]])} tokens; must be 1 or 1+k ({1 + k})"
+        return f"step: rows {bad[:5]} run {len(tokens[bad[0]])} tokens; must be 1 to 1+k ({1 + k}): the next token " \
+            "and up to k drafts"
     ns = []
     for r, n in enumerate(computed):
         v = _index(n)

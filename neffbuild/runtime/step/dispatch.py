@@ -70,12 +70,15 @@ def label(family: str, batch: int, ctx: int, query_len: int) -> str:
     raise ValueError(f"unknown family {family!r}")
 
 
-def needs_nospec(grid: Grid, needed_base: int, *, all_have_drafts: bool) -> bool:
-    """With EAGLE3, whether this rank must run without speculation: some request has no k drafts
-    (none proposed, or right after a DI transfer: no aux hidden states yet), or there is no room for
-    them (``max_position + k + 1 > max_model_len``). Synced across DP ranks with MAX."""
+def needs_nospec(grid: Grid, needed_base: int, *, any_drafts: bool) -> bool:
+    """With EAGLE3, whether this rank must run without speculation: no request has drafts (none proposed,
+    or right after a DI transfer: no aux hidden states yet), or there is no room for them (the one "room
+    for drafts" rule: ``max_position + k + 1 > max_model_len``). A with-spec step runs every row at query
+    1+k: a row with d < k drafts (a host engine's scheduler may schedule fewer) is padded, its padded
+    positions' KV writes masked (runtime/step/attn_metadata.py) and their logits ignored. Synced across
+    DP ranks with MAX."""
     k = grid.num_speculative_tokens
-    return k > 0 and (not all_have_drafts or needed_base + k > grid.max_model_len)
+    return k > 0 and (not any_drafts or needed_base + k > grid.max_model_len)
 
 
 def family_for(grid: Grid, nospec: bool) -> tuple[str, int]:
@@ -128,10 +131,10 @@ def plan_step(
     num_draft_tokens: int = 0,
     *,
     grid: Grid,
-    all_have_drafts: bool = True,
+    any_drafts: bool = True,
     after_transfer: bool = False,
 ) -> StepPlan:
     """The artifact for one decode step of ``num_reqs`` requests on one rank (no DP sync)."""
     base = buckets.needed_seq(num_computed_tokens)
-    nospec = needs_nospec(grid, base, all_have_drafts=all_have_drafts and num_draft_tokens > 0 and not after_transfer)
+    nospec = needs_nospec(grid, base, any_drafts=any_drafts and num_draft_tokens > 0 and not after_transfer)
     return plan_synced(grid, batch_count=num_reqs, needed_base=base, nospec=nospec, num_reqs=num_reqs)

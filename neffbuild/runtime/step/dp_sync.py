@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = {"count": 0}  # per-process count of all-reduces issued, for tests and metrics
-
 
 def world_size(group=None) -> int:
     if not dist.is_available() or not dist.is_initialized():
@@ -21,11 +19,11 @@ def world_size(group=None) -> int:
 
 
 def sync_step(local_padded_num_reqs: int, local_max_ctx: int, group=None, *, spec_flags: tuple[int, ...] = ()):
-    """MAX over ranks of (padded_num_reqs, max_ctx, *spec_flags) in ONE all-reduce."""
+    """(MAX over ``group``'s ranks of (padded_num_reqs, max_ctx, *spec_flags) in ONE all-reduce, whether an
+    all-reduce ran): the caller counts its own collectives (a process may hold several Steppers)."""
     values = (int(local_padded_num_reqs), int(local_max_ctx), *map(int, spec_flags))
     if world_size(group) == 1:
-        return values
+        return values, False
     t = torch.tensor(values, dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    COLLECTIVES["count"] += 1
-    return tuple(int(v) for v in t.tolist())
+    return tuple(int(v) for v in t.tolist()), True

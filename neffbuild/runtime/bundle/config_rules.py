@@ -2,15 +2,18 @@
 
 Every integer has an upper bound (the architecture's ``field_limits`` registry part), so nothing
 downstream allocates from a hostile number (a list of 10**30 layer types, a 10**400 vocabulary);
-floats are finite real numbers; ``rope_parameters`` is checked key by key. Used by
-``model_rules.py`` for ``model.config`` and ``speculative.draft.config``.
+floats are finite real numbers; ``rope_parameters`` is checked key by key. One rule set for both
+sides: the recipe validator (recipe/model_rules.py: ``model.config``, ``speculative.draft.config``)
+and the bundle's judge (``model_problems``: a manifest's ``graph_inputs.model_config``, run by
+``reader.check``, so every engine that opens a bundle refuses the same configs). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
 
-from neffbuild.errors import NO_VALUE, did_you_mean
+from neffbuild import registry
+from neffbuild.errors import NO_VALUE, Problem, did_you_mean
 
 ROPE_FLOATS = {"factor": (0.0, 1e6), "beta_fast": (0.0, 1e6), "beta_slow": (0.0, 1e6), "rope_theta": (0.0, 1e12),
                "attention_factor": (0.0, 1e6), "mscale": (0.0, 1e6), "mscale_all_dim": (0.0, 1e6)}
@@ -87,3 +90,51 @@ def check_numbers(v, hf: dict, path: str, config_cls, limits: tuple[dict, dict])
         v.err(f"{path}.layer_types", types, f"must be a list of {sliding!r} / {full!r} (at most {most} entries)")
         ok = False
     return ok
+
+
+def int_rule(value, minimum: int | None = 1, maximum: int = 2**31 - 1) -> str | None:
+    """The rule an integer field breaks (None: it is an int in range); the recipe's ``check_int`` words it too."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return "must be an integer" + (" (not a float)" if isinstance(value, float) else "")
+    if minimum is not None and value < minimum:
+        return f"must be >= {minimum}" if minimum != 1 else "must be a positive integer"
+    if value > maximum:
+        return f"must be <= {maximum}"
+    return None
+
+
+class Findings:
+    """The ``err`` / ``check_int`` pair the rules report through, collecting Problems (the recipe's ``Checks``
+    is the other implementation)."""
+
+    def __init__(self):
+        self.problems: list[Problem] = []
+
+    def err(self, path: str, value, message: str) -> None:
+        self.problems.append(Problem(path, message, value))
+
+    def check_int(self, value, path: str, minimum: int | None = 1, *, maximum: int = 2**31 - 1):
+        why = int_rule(value, minimum, maximum)
+        if why:
+            self.err(path, value, why)
+            return None
+        return value
+
+
+def arch_config(v, hf: dict, path: str, arch: str):
+    """The architecture's config from Hugging Face keys, checked through ``v`` (None: unknown or bad keys)."""
+    if arch not in registry.ARCHITECTURES:
+        known = ", ".join(registry.ARCHITECTURES)
+        v.err(path.rsplit(".", 1)[0] + ".arch", arch, f"unknown architecture (known: {known})")
+        return None
+    entry = registry.arch(arch)
+    if not check_numbers(v, hf, path, entry.get("config"), entry.get("field_limits")()):
+        return None
+    return entry.get("build_config")(v.err, hf, path)
+
+
+def model_problems(arch: str, hf: dict, path: str = "graph_inputs.model_config") -> tuple[object, list[Problem]]:
+    """(config, problems) of a bundle's model config under the recipe's rules: one judge for every engine."""
+    v = Findings()
+    cfg = arch_config(v, hf, path, arch)
+    return (cfg if not v.problems else None), v.problems
