@@ -16,8 +16,8 @@ from neffbuild.kernels import (
     write_kv,
     yarn_inv_freq,
 )
-from neffbuild.kernels.kv import FP8, fp8_bytes_to_float, gather_blocks, pack_k_fp8_view
 from neffbuild.kernels.moe import DENSE_TOKENS
+from neffbuild.runtime.kv.access import FP8, fp8_bytes_to_float, gather_blocks, pack_k_fp8_view
 
 moe_module = importlib.import_module("neffbuild.kernels.moe")  # the package's ``moe`` is the function
 

@@ -22,7 +22,8 @@ RUNTIME = {"runtime", *(f"runtime.{r}" for r in ROOMS)}
 # part -> the parts it may import (besides the base modules and itself).
 ALLOWED = {
     "base": set(),
-    "kernels": {"runtime"},  # the group names the graphs and eager collectives use (runtime/parallel.py)
+    # the group names the graphs and eager collectives use (runtime/parallel.py); the KV layout's one access (kv.access)
+    "kernels": {"runtime", "runtime.kv"},
     "runtime": set(),
     "runtime.kv": {"runtime"},
     "runtime.di": {"runtime"},
@@ -37,8 +38,9 @@ ALLOWED = {
     "s3": set(),  # the S3 client over boto3 (neffbuild/s3.py): base modules only; boto3 imported on use
     "bundle": RUNTIME | {"recipe", "s3"},  # recipe: recipe_check reads recipe.yaml with the validator's rules
     "compiler": {"models", "bundle", "kernels", "grid", "memory", "s3"} | RUNTIME,
-    # recipe: a bundle's model_config is checked with the recipe's config rules (serve/rank.py), one rule set
-    "serve": {"models", "recipe"} | RUNTIME,
+    # no recipe: a bundle's model config is judged in the runtime (runtime/bundle/config_rules.py, the recipe's
+    # own rule set) when any engine opens it
+    "serve": {"models"} | RUNTIME,
     "bench": {"compiler", "models", "serve", "grid", "memory"} | RUNTIME,
     # the vLLM plugin (neffbuild/vllm): the runtime and the base modules; no part imports it
     "vllm": RUNTIME,
@@ -203,3 +205,55 @@ def test_the_cli_starts_without_torch(args, tmp_path):
 
 if __name__ == "__main__":
     print("\n".join(arrows()))
+
+
+# The vLLM plugin drives the runtime as any host engine would: through its public names only (plus vLLM, the base
+# modules and its own modules), never a room's internals.
+PUBLIC_ONLY = {"vllm"}
+
+
+def private_runtime_imports(root: Path) -> list[str]:
+    known = modules(root)
+    out = []
+    for m, p in known.items():
+        if part(m) not in PUBLIC_ONLY:
+            continue
+        for i in sorted(imports(p, known)):
+            if part(i) in RUNTIME and i != "neffbuild.runtime":
+                out.append(f"{p.relative_to(root)} imports {i}: the plugin uses neffbuild.runtime's public names only")
+    return out
+
+
+def test_the_plugin_imports_only_the_runtimes_public_names():
+    assert private_runtime_imports(ROOT) == []
+
+
+# Engines read a bundle through the runtime's typed facts (runtime/bundle/facts.py), never the manifest's dicts.
+ENGINES = ("serve", "vllm")
+MANIFEST_READS = ("manifest", "read_manifest", "graph_inputs_json", "of_manifest")
+
+
+def raw_manifest_reads(root: Path) -> list[str]:
+    out = []
+    for m, p in modules(root).items():
+        if part(m) not in ENGINES:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
+                node.value if isinstance(node, ast.Constant) and node.value == "graph_inputs" else None
+            if name in MANIFEST_READS or name == "graph_inputs" and isinstance(node, ast.Constant):
+                out.append(f"{p.relative_to(root)}:{node.lineno} reads {name}")
+    return out
+
+
+def test_engines_read_no_raw_manifest():
+    assert raw_manifest_reads(ROOT) == []
+
+
+def test_a_planted_private_import_and_manifest_read_fail(tmp_path):
+    shutil.copytree(ROOT / "neffbuild", tmp_path / "neffbuild")
+    (tmp_path / "neffbuild/vllm/planted.py").write_text(
+        "from neffbuild.runtime.step.dispatch import Grid\n\n\ndef f(b):\n    return b.manifest['graph_inputs']\n")
+    assert private_runtime_imports(tmp_path) == ["neffbuild/vllm/planted.py imports neffbuild.runtime.step.dispatch: "
+                                                 "the plugin uses neffbuild.runtime's public names only"]
+    assert [r.split(" ")[0] for r in raw_manifest_reads(tmp_path)] == ["neffbuild/vllm/planted.py:5"] * 2

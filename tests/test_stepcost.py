@@ -54,7 +54,7 @@ class _GatheredAttention(nn.Module):
     """The pre-issue-24 read: the named blocks copied into [B, h, T, d], then two einsums over the copy."""
 
     def forward(self, q, cache, table):  # q [B, 2, h, d]: two query rows, so no matmul is a plain dot
-        from neffbuild.kernels.kv import gather_blocks
+        from neffbuild.runtime.kv.access import gather_blocks
 
         k, v = (gather_blocks(cache, half, table, False, q.dtype) for half in (0, 1))
         p = torch.einsum("bshd,bhtd->bhst", q, k).softmax(-1)

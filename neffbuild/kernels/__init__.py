@@ -7,10 +7,10 @@ for many tokens (taken only outside tracing).
 """
 
 from neffbuild.kernels.attention import paged_attention, sdpa_with_sinks
-from neffbuild.kernels.kv import gather_blocks, pack_k_fp8_view, write_kv
 from neffbuild.kernels.moe import Mxfp4, moe, swiglu
 from neffbuild.kernels.norm import rms_norm
 from neffbuild.kernels.rope import apply_rope, rope_cos_sin, yarn_inv_freq
+from neffbuild.runtime.kv.access import gather_blocks, pack_k_fp8_view, write_kv
 
 __all__ = [
     "Mxfp4",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from neffbuild.kernels.kv import FP8, block_operand, gather_blocks
+from neffbuild.runtime.kv.access import FP8, block_operand, gather_blocks
 from neffbuild.runtime.native import eager_dtype
 
 ROWS_IN_PLACE = 4  # query rows per KV head up to which the in-place read beats the copy on CPU (measured)

@@ -1,8 +1,11 @@
-"""A rank's place in a sharded bundle's world: world checks, TP/EP group creation and registration.
+"""A rank's place in a sharded bundle's world: world checks, TP/EP groups and their registration.
 
-``join`` creates every TP and EP group of a ``ParallelLayout`` and registers this rank's
-under the names the compiled graphs use (``TP_GROUP``, ``EP_GROUP``), so one artifact
-resolves each rank's own groups; each has an eager twin for Python-side collectives
+Two ways onto a world, one result (a ``RankContext``): ``join`` creates every TP and EP group of
+a ``ParallelLayout`` (neffbuild's own engine, which starts its ranks itself); ``adopt`` takes the
+groups a host engine already made for this rank (``HostGroups``: vLLM's TP, EP and DP groups),
+checks their sizes against the layout, and creates nothing. Either way this rank's groups are
+registered under the names the compiled graphs use (``TP_GROUP``, ``EP_GROUP``), so one artifact
+resolves each rank's own groups, each with an eager twin for Python-side collectives
 (``parallel.eager_group``). Thin: standard library and torch only.
 """
 
@@ -30,6 +33,42 @@ class RankContext:
     @property
     def rank_input(self) -> torch.Tensor:
         return rank_tensor(self.rank)
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """The process groups a host engine made for one rank, which a sharded bundle opens onto (``open_bundle(...,
+    host_groups=)``): ``rank`` is the rank's place in the bundle's world order (``dp_rank * tp + tp_rank``),
+    ``tp`` / ``ep`` the groups of its TP and EP peers (None where that degree is 1), ``dp`` the group the step's
+    DP collective runs over (None: no DP sync). ``eager_tp`` / ``eager_ep``: groups of the same ranks for the
+    runtime's Python-side collectives, so they never interleave with the artifacts' on one group (default:
+    ``tp`` / ``ep`` themselves, for a host whose eager code issues none on them)."""
+
+    rank: int
+    tp: object | None = None
+    ep: object | None = None
+    dp: object | None = None
+    eager_tp: object | None = None
+    eager_ep: object | None = None
+
+
+def adopt(layout: ParallelLayout, host: HostGroups, what: str = "bundle") -> RankContext:
+    """This rank's context on the host's groups: sizes checked against ``layout``, registered by name, none made."""
+    if not 0 <= host.rank < layout.world_size:
+        raise IncompatibleBundle(f"{what} was compiled for {layout.describe()}; host rank {host.rank} is outside it")
+    mine = {}
+    for name, degree, pg, eager in ((TP_GROUP, layout.tp, host.tp, host.eager_tp),
+                                    (EP_GROUP, layout.ep, host.ep, host.eager_ep)):
+        if degree == 1:
+            continue
+        size = dist.get_world_size(pg) if pg is not None and dist.is_initialized() else 1
+        if size != degree:
+            raise IncompatibleBundle(f"{what} was compiled for {layout.describe()}: its {name} group has {degree} "
+                                     f"ranks, the host's has {size}; start the engine with the bundle's degrees")
+        mine[name], mine[eager_group(name)] = pg, eager if eager is not None else pg
+    for name, pg in mine.items():
+        register(name, pg)
+    return RankContext(layout, host.rank, host.dp, mine)
 
 
 def check_world(layout: ParallelLayout, what: str = "bundle", group=None) -> int:

@@ -37,6 +37,7 @@ from neffbuild.runtime.bundle.reader import read_facts
 from neffbuild.runtime.di.ingest import KVIngest, KVProducer
 from neffbuild.runtime.di.nixl_agent import load_nixl
 from neffbuild.runtime.di.prompt import di_prompt, strip_leading_null
+from neffbuild.runtime.di.regions import regions_for
 from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, open_rank
 
@@ -80,11 +81,8 @@ class _Rank:
         self.tp, self.rank, self.n_minus_1, self.dist = tp, rank, n_minus_1, dist
         me = open_rank(bundle_path, decode=PREFILL_ONLY, tp=tp, rank=rank)
         self.cfg, self.kv_layout, self.caches = me.config, me.kv_layout, me.kv_caches
-        of = registry.arch_of(self.cfg).get("kv_buffer_of_layer")
-        self.producer = KVProducer(f"prefill-{os.getpid()}-r{rank}",
-                                   [self.caches[of(i)] for i in range(self.cfg.num_hidden_layers)],
-                                   packed_fp8=self.kv_layout.packed_k, heads=me.kv_heads,
-                                   total_heads=self.cfg.num_key_value_heads)
+        self.producer = KVProducer(f"prefill-{os.getpid()}-r{rank}", regions_for(me.facts, self.caches,
+                                                                                  heads=me.kv_heads))
         self._prefill = lambda tokens, rows: me.prefill(tokens, self.caches, rows, logits="none")  # KV only
         self.lock = threading.Lock()
         self.blocks = me.block_manager() if rank == 0 else None
@@ -259,12 +257,7 @@ class PrefillGroup:
 
 def connect_decode(session: ServingRank, addresses, *, alive=None, name: str | None = None) -> KVIngest:
     """This decode rank's ``KVIngest`` over its KV buffers, connected to the prefill ranks at ``addresses``."""
-    cfg = session.config
-    of = registry.arch_of(cfg).get("kv_buffer_of_layer")
-    kv = KVIngest(name or f"decode-{os.getpid()}-{next(_IDS)}",
-                  [session.kv_caches[of(i)] for i in range(cfg.num_hidden_layers)],
-                  packed_fp8=session.kv_layout.packed_k, heads=session.kv_heads,
-                  total_heads=cfg.num_key_value_heads)
+    kv = KVIngest(name or f"decode-{os.getpid()}-{next(_IDS)}", regions_for(session.facts, session.kv_caches))
     try:
         kv.connect(addresses, alive=alive)
     except BaseException:

@@ -52,6 +52,7 @@ class ServingRank:
     lockstep_group: object | None = None  # sharded, MoE gathering across DP groups: prefill in lockstep over it
     graph_inputs: GraphInputs | None = None  # the manifest's (None: hand-built artifacts)
     bundle: reader.Bundle | None = None  # the opened bundle (compiled decode only)
+    facts: BundleFacts | None = None  # the bundle's typed facts (None: hand-built artifacts)
 
     def block_manager(self) -> BlockManager:
         """A fresh block manager over this rank's pool, with the model's KV groups."""
@@ -121,7 +122,7 @@ def _open_compiled(bundle: reader.Bundle, group, on_plan) -> ServingRank:
     par, rank = (ctx.parallel, ctx.rank) if ctx is not None else (ParallelLayout(), 0)
     out = serving_rank(cfg, bundle.weights, bundle, group=bundle.group if ctx is not None else group,
                        on_plan=on_plan, parallel=par, rank=rank)
-    out.graph_inputs, out.bundle = gi, bundle
+    out.graph_inputs, out.bundle, out.facts = gi, bundle, bundle.facts
     return out
 
 
@@ -134,7 +135,7 @@ def _open_joined(root: Path, decode: str, tp: int, rank: int) -> ServingRank:
     # Every KV head, then this rank's share; no draft group: no proposer runs on joined weights.
     layout = replace(gi.kv_layout, kv_heads=cfg.num_key_value_heads, draft_kv_heads=0, draft_head_dim=0)
     out = ServingRank(cfg, weights, layout, [], _prefill_on(cfg, weights, layout.packed_k, par, rank),
-                      parallel=par, rank=rank, graph_inputs=gi)
+                      parallel=par, rank=rank, graph_inputs=gi, facts=facts)
     out.kv_layout = replace(layout, kv_heads=len(out.kv_heads))
     if decode == EAGER:
         stepper = Stepper(eager_artifacts(cfg, weights, gi.grid, out.kv_layout, gi.num_swa))

@@ -7,7 +7,9 @@ head_dim]`` (every block's K rows, then every block's V rows). Both are the same
 plugin keeps vLLM's allocation (its block manager, its pool, its sharing of one tensor per sliding/full layer
 pair) and changes only how its attention layers read and write it: this implementation writes K and V at
 ``[half, block, :, offset]`` of the bundle's view and attends over the blocks of each request's table, exactly
-as the artifacts do. Nothing is copied between layouts; vLLM's own CPU kernels are not used.
+as the artifacts do, through the runtime's one implementation of the layout (``runtime.kv_access``: writes,
+block reads and the packed-FP8 decode the compiled graphs and the eager prefill use). Nothing is copied between
+layouts; vLLM's own CPU kernels are not used.
 
 Attention itself: per request, the keys from its table (the sliding window's first block on for sliding
 layers), causal and window masks in absolute positions, softmax with the layer's sinks (GPT-OSS), GQA by
@@ -22,6 +24,8 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
+from neffbuild.runtime import kv_access
+
 
 def bundle_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """vLLM's per-layer tensor as the bundle's buffer ``[2, nb, kv, bs, d]`` (a view: same storage)."""
@@ -35,17 +39,14 @@ def bundle_view(kv_cache: torch.Tensor) -> torch.Tensor:
 class BundleLayoutAttention(CPUAttentionBackendImpl):
     """vLLM's CPU attention implementation, reading and writing K/V in the bundle's layout."""
 
+    neffbuild_packed = False  # packed-FP8 K (the bundle's fp8_packed_kv): set by ``adopt``
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         buffer = bundle_view(kv_cache)
-        bs = buffer.shape[3]
         n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        keep = slots >= 0  # padding tokens have slot -1
-        if not bool(keep.all()):
-            slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
-        blk, off = slots // bs, slots % bs
-        buffer[0, blk, :, off] = key[: blk.shape[0]]  # [n, kv, d] at each token's block and offset
-        buffer[1, blk, :, off] = value[: blk.shape[0]]
+        slots = slot_mapping.long()  # padding tokens have slot -1: written nowhere
+        kv_access.write_kv(buffer, 0, slots, key[:n], self.neffbuild_packed)  # [n, kv, d] at each token's slot
+        kv_access.write_kv(buffer, 1, slots, value[:n], False)  # V is never packed
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -70,9 +71,9 @@ class BundleLayoutAttention(CPUAttentionBackendImpl):
         first_q = total - n
         window = self.sliding_window if self.sliding_window not in (None, -1) else None
         lo_block = max(0, first_q - window + 1) // bs if window else 0
-        blocks = row[lo_block: -(-total // bs)].long()
-        k = buffer[0, blocks].permute(1, 0, 2, 3).reshape(kv, -1, d)  # [kv, T, d] from lo_block's first position
-        v = buffer[1, blocks].permute(1, 0, 2, 3).reshape(kv, -1, d)
+        blocks = row[lo_block: -(-total // bs)].long()[None]  # [1, W]
+        k = kv_access.gather_blocks(buffer, 0, blocks, self.neffbuild_packed, q.dtype)[0]  # [kv, T, d] from lo_block
+        v = kv_access.gather_blocks(buffer, 1, blocks, False, q.dtype)[0]
         k_pos = torch.arange(lo_block * bs, lo_block * bs + k.shape[1])
         q_pos = torch.arange(first_q, total)
         allowed = k_pos[None, :] <= q_pos[:, None]  # [n, T]
@@ -88,8 +89,9 @@ class BundleLayoutAttention(CPUAttentionBackendImpl):
         return out.permute(2, 0, 1, 3).reshape(n, H, d)
 
 
-def adopt(attention_layers) -> None:
-    """Switch every decoder attention layer's implementation to the bundle layout (no new state: the class only)."""
+def adopt(attention_layers, packed_k: bool = False) -> None:
+    """Switch every decoder attention layer's implementation to the bundle layout (the class, and whether K is
+    packed FP8: the bundle facts' ``fp8_packed_kv``)."""
     for layer in attention_layers:
         impl = layer.impl
         if type(impl) is not CPUAttentionBackendImpl:
@@ -98,3 +100,4 @@ def adopt(attention_layers) -> None:
         if impl.attn_type != "decoder" or impl.sinks is None:
             raise RuntimeError(f"neffbuild: layer {layer.layer_name} is not a GPT-OSS decoder layer with sinks")
         impl.__class__ = BundleLayoutAttention
+        impl.neffbuild_packed = packed_k

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from neffbuild.runtime.step.histogram import METRIC, TILE
+from neffbuild.runtime import NeededSeqHistogram
 
 
 class PluginMetrics:
@@ -32,12 +32,13 @@ class PluginMetrics:
         except ImportError:
             self._prom = None
             return
-        edges = [float(v) for v in range(TILE, max_model_len + 1, TILE)]
+        edges = NeededSeqHistogram.prometheus_edges(max_model_len)
         self._prom = (
             prom.Counter("neffbuild_vllm_artifact_steps", "Decode forwards run by a bundle artifact.", ["label"]),
             prom.Counter("neffbuild_vllm_forwards", "Model forwards by kind (decode | prefill | mixed).", ["kind"]),
             prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact | eager).", ["path"]),
-            prom.Histogram(METRIC, "needed_seq of each decode step (max computed + 1 + drafts).", buckets=edges),
+            prom.Histogram(NeededSeqHistogram.METRIC, "needed_seq of each decode step (max computed + 1 + drafts).",
+                           buckets=edges),
         )
         self._children: dict[tuple[int, str], object] = {}  # each label's counter, looked up once (per step: 3)
 

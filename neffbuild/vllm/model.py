@@ -40,7 +40,7 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
         if bundle is None:
             return
         layers = [m for m in self.modules() if isinstance(m, Attention)]
-        adopt(layers)
+        adopt(layers, bundle.facts.fp8_packed_kv)
         self.neffbuild = BundleDecoder(bundle, layers, self.config.hidden_size)
         logger.info("neffbuild: serving decode steps from %s (%d artifacts)", settings.bundle, len(bundle.labels))
 

@@ -317,7 +317,7 @@ def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
 
 
 def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False,
-                group=None, trusted_keys=None) -> Bundle:
+                group=None, trusted_keys=None, host_groups: world.HostGroups | None = None) -> Bundle:
     """Open a bundle for serving.
 
     verify: "sizes" (default: the manifest digest, every file present with its size), "full"
@@ -331,6 +331,8 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     both); ``group`` is that world when the job holds more processes (default: the whole
     world). Opening it creates and registers the rank's TP and EP groups and maps only the
     rank's weight pieces; ``bundle.group`` is then the group DP sync runs over.
+    ``host_groups``: a host engine's own groups for this rank (``world.HostGroups``: vLLM's TP, EP
+    and DP groups); the bundle then opens onto them, collective-free, and creates no group.
 
     trusted_keys: PEM public keys (paths or bytes); default ``NEFFBUILD_TRUSTED_KEYS``. When any
     are given, the bundle's signature (``model.sig``) is verified over every file before anything
@@ -357,8 +359,10 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
         check_artifact(safe_path(root, top["file"]), top, rank_table(manifest), f"artifacts[{top['label']}]")
     aoti_package.sweep_temp()
     rank = None
-    if "parallel" in manifest:  # collective: every rank of the world opens the bundle
-        rank = world.join(parallel.ParallelSection.from_json(manifest["parallel"]).parallel, f"bundle {root}", group)
+    if "parallel" in manifest:  # every rank of the world opens the bundle (collective unless on the host's groups)
+        layout = parallel.ParallelSection.from_json(manifest["parallel"]).parallel
+        rank = world.adopt(layout, host_groups, f"bundle {root}") if host_groups is not None else \
+            world.join(layout, f"bundle {root}", group)
     bundle = Bundle(root, manifest, device, rank)
     if preload:
         for label in bundle.labels:

@@ -44,10 +44,11 @@ DEFAULT_TIMEOUT = 30.0
 class KVProducer:
     """One prefill rank's KV, readable over NIXL; ``serve`` answers the side channel on ``host``."""
 
-    def __init__(self, name: str, layer_buffers: Sequence[torch.Tensor], *, packed_fp8: bool = False,
+    def __init__(self, name: str, layer_buffers: Sequence[torch.Tensor] | KVRegions, *, packed_fp8: bool = False,
                  heads: range | None = None, total_heads: int | None = None):
         self.name = name
-        self.regions = register_regions(layer_buffers, packed_fp8=packed_fp8, heads=heads, total_heads=total_heads)
+        self.regions = layer_buffers if isinstance(layer_buffers, KVRegions) else \
+            register_regions(layer_buffers, packed_fp8=packed_fp8, heads=heads, total_heads=total_heads)
         self.agent = NixlAgent(name, self.regions)
         self.progress = Progress(self.agent)
         self.server: Server | None = None
@@ -79,10 +80,11 @@ class KVProducer:
 class KVIngest:
     """One decode rank's KV and its connection to a prefill group (``connect``), then ``pull``s."""
 
-    def __init__(self, name: str, layer_buffers: Sequence[torch.Tensor], *, packed_fp8: bool = False,
+    def __init__(self, name: str, layer_buffers: Sequence[torch.Tensor] | KVRegions, *, packed_fp8: bool = False,
                  heads: range | None = None, total_heads: int | None = None):
         self.name = name
-        self.regions = register_regions(layer_buffers, packed_fp8=packed_fp8, heads=heads, total_heads=total_heads)
+        self.regions = layer_buffers if isinstance(layer_buffers, KVRegions) else \
+            register_regions(layer_buffers, packed_fp8=packed_fp8, heads=heads, total_heads=total_heads)
         self.agent = NixlAgent(name, self.regions)
         self.clients: list[Client] = []
         self.remotes: list[KVRegions] = []

@@ -131,6 +131,17 @@ def register_regions(layer_buffers: Sequence[torch.Tensor], *, packed_fp8: bool 
                      str(dtype).removeprefix("torch."), packed_fp8, max(dev, 0), "DRAM" if dev < 0 else "VRAM")
 
 
+def regions_for(facts, kv_buffers: Sequence[torch.Tensor], *, heads: range | None = None) -> KVRegions:
+    """A bundle's KV buffers as transfer regions, for any engine's transfer (neffbuild's prefill worker and
+    decode ranks, a vLLM connector): one K and one V region per buffer in layer order (``facts.layer_buffers``),
+    packed FP8 as the bundle says, this rank's KV heads (``facts.kv_heads``; ``heads`` for a rank that re-split
+    the model for a TP degree of its own, as a DI prefill rank does). ``facts``: the bundle's ``BundleFacts``."""
+    per_layer = [kv_buffers[b] for b in facts.layer_buffers]
+    return register_regions(per_layer, packed_fp8=facts.fp8_packed_kv,
+                            heads=heads if heads is not None else facts.kv_heads,
+                            total_heads=facts.config.num_key_value_heads)
+
+
 @dataclass(frozen=True)
 class HeadSegment:
     """Local heads ``[local_first, local_first + count)`` come from remote ``rank``'s ``[remote_first, ...)``

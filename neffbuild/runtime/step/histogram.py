@@ -29,6 +29,13 @@ TILE = 128  # Prometheus bucket width: the attention tile, the granularity of co
 class NeededSeqHistogram:
     """Counts of decode steps per needed_seq. Not thread-safe; one per rank."""
 
+    METRIC = METRIC  # the Prometheus name every engine exports it under
+
+    @staticmethod
+    def prometheus_edges(max_model_len: int) -> list[float]:
+        """Bucket edges for a live Prometheus histogram of needed_seq: one per attention tile."""
+        return [float(v) for v in range(TILE, max_model_len + 1, TILE)]
+
     def __init__(self, max_model_len: int | None = None, counts: Iterable[tuple[int, int]] = ()):
         self.max_model_len = max_model_len
         self.counts: Counter[int] = Counter()

@@ -1,4 +1,8 @@
-"""Paged KV cache reads and writes, including packed FP8 K.
+"""Paged KV cache reads and writes in the bundle's layout, including packed FP8 K: the one implementation.
+
+The decode graphs (through ``neffbuild.kernels``), the eager prefill and a host engine's own attention (the
+vLLM plugin's eager forwards, neffbuild/vllm/attention.py) all read and write KV through these functions, so a
+prefill writes exactly the bytes an artifact reads, for every KV dtype. Traceable: plain torch ops only.
 
 A KV buffer is ``[2, num_blocks, kv_heads, block_size, head_dim]``: K half (index 0) then
 V half (index 1). Packed FP8 K stores logical ``K[b, h, t, d]`` at
