@@ -65,9 +65,9 @@ def check_prefill_tp(cfg, arch: str, tp: int) -> None:
 def check_group_tp(bundle_path, tp: int) -> None:
     """A prefill group of ``tp`` ranks can split the bundle's model (exit 2 naming ``--prefill-tp`` otherwise).
 
-    The flag is the user's, so it is judged first on a bundle the runtime's judge passes; a broken bundle is
-    ``open_rank``'s to report (exit 1)."""
-    facts = read_facts(bundle_path, strict=False)
+    The flag is the user's, so it is judged first, on a manifest the runtime's judge passes (its files are
+    ``open_rank``'s to judge, exit 1)."""
+    facts = read_facts(bundle_path, strict=False, files=False)
     if facts is not None:
         check_prefill_tp(facts.config, facts.arch, tp)
 

@@ -107,12 +107,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
         digest = digest_problem(root)
     except BundleError as exc:
         return [Problem(paths.MANIFEST_PATH, str(exc))]
-    problems = [digest] if digest else []
-    problems += manifest_schema.problems(m)
-    if problems:
-        return problems
-    problems += _parallel_problems(m)
-    problems += bundle_gate.problems(m) if not problems else []  # the gate reads the parallel section it passed
+    problems = ([digest] if digest else []) + manifest_problems(m)
     if problems:
         return problems
     problems += _file_problems(root, m["files"], full)
@@ -130,6 +125,14 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
             except BundleError as exc:
                 problems.append(Problem(entry["file"], str(exc)))
     return problems
+
+
+def manifest_problems(m: dict) -> list[Problem]:
+    """The manifest's own part of the judgement (``check`` adds the digest and the files): schema, the parallel
+    section, then the gate (the model config under the recipe's rules, the weights' shapes it implies, ...)."""
+    problems = manifest_schema.problems(m)
+    problems += _parallel_problems(m) if not problems else []
+    return problems or bundle_gate.problems(m)  # the gate reads the sections the schema and parallel checks passed
 
 
 def _file_problems(root: Path, files: dict, full: bool) -> list[Problem]:
@@ -183,12 +186,16 @@ def _parallel_problems(m: dict) -> list[Problem]:
     return problems
 
 
-def read_facts(root: str | Path, *, strict: bool = True) -> bundle_facts.BundleFacts | None:
+def read_facts(root: str | Path, *, strict: bool = True, files: bool = True) -> bundle_facts.BundleFacts | None:
     """The typed facts of a bundle the one judge (``check``, sizes) passes, nothing loaded: for a caller that must
-    size its world or judge its own flags before it opens the bundle. Not valid: a BundleError naming the
+    size its world or judge its own flags before it opens the bundle. ``files=False``: the manifest's part of the
+    judgement only (a user's flag is judged before the bundle's files). Not valid: a BundleError naming the
     problems, or None with ``strict=False`` (the caller leaves the report to ``open_bundle``)."""
     root = Path(root)
-    problems = check(root, full=False)
+    try:
+        problems = check(root, full=False) if files else manifest_problems(read_manifest(root))
+    except BundleError as exc:
+        problems = [Problem(paths.MANIFEST_PATH, str(exc))]
     if problems:
         if not strict:
             return None
