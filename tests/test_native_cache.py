@@ -123,7 +123,8 @@ def _seeded(tmp_path: Path) -> Path:
     """A cache root holding one published entry, built by a child (this process must not map a library the test
     then truncates: that is a bus error in any process that has it loaded); its entry folder."""
     cache = tmp_path / "cache"
-    script = "from neffbuild.runtime import native_build\nlib, note = native_build.obtain()\nprint(lib is not None, note)"
+    script = ("from neffbuild.runtime import native_build\n"
+              "lib, note = native_build.obtain()\nprint(lib is not None, note)")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(cache), timeout=300)
     assert res.stdout.split() == ["True", "None"], res.stderr[-2000:]
     (entry,) = [p.parent for p in (cache / "kernels").glob(f"*/{native_build.LIBRARY}")]

@@ -52,8 +52,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def _library(flags: tuple[str, ...] | None) -> ctypes.CDLL | None:
+_LOADED: dict[tuple[str, ...] | None, ctypes.CDLL | None] = {}
+
+
+def _obtain(flags: tuple[str, ...] | None) -> ctypes.CDLL | None:
     lib, note = native_build.obtain(flags)
     if note:
         print(f"neffbuild: native kernels: {note}" + ("" if lib else f": {FALLBACK}"), file=sys.stderr, flush=True)
@@ -63,8 +65,13 @@ def _library(flags: tuple[str, ...] | None) -> ctypes.CDLL | None:
 def library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
     """The built kernels, loaded (once a process for each ``flags``; default ``settings.native_cflags()``); None
     (with one line on stderr) where they cannot be built or loaded: the torch forms run then."""
+    key = None if flags is None else tuple(flags)
+    if key in _LOADED:  # every op call: no lock once loaded
+        return _LOADED[key]
     with _LOCK:
-        return _library(None if flags is None else tuple(flags))
+        if key not in _LOADED:
+            _LOADED[key] = _obtain(key)
+        return _LOADED[key]
 
 
 def prepare() -> bool:

@@ -101,7 +101,8 @@ def _run(cmd: list[str], timeout: float, what: str, progress: str | None = None)
 def entry_key(cc: str, flags: tuple[str, ...]) -> str:
     """The entry's name; a compiler that hangs on ``--version`` is Failed (one that fails it is keyed without it,
     and its build says what is wrong)."""
-    version = _run([cc, "--version"], VERSION_TIMEOUT_S, f"{cc} --version").stdout
+    version = _run([cc, "--version"], VERSION_TIMEOUT_S, f"{cc} --version",
+                   progress=f"building native kernels ({SOURCE.name} with {cc}: waiting for {cc} --version)...").stdout
     parts = [LAYOUT, SOURCE.read_text(), version, cpu_identity(), *flags]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
@@ -233,7 +234,7 @@ def _from_entry(entry: Path, notes: list[str]) -> ctypes.CDLL | None:
     except Failed as exc:
         why = str(exc)
     _discard(entry)
-    notes.append(f"{why}: removed and rebuilt")
+    notes.append(f"{why}: removed")
     return None
 
 
@@ -268,7 +269,10 @@ def _cached(cc: str, flags: tuple[str, ...], key: str, notes: list[str]) -> ctyp
             if lib is not None:
                 return lib
             _sweep(kernels, key)
-            return load(_publish(cc, flags, kernels, key))
+            lib = load(_publish(cc, flags, kernels, key))
+            if notes:
+                notes[-1] += " and rebuilt"
+            return lib
     except OSError as exc:
         raise FolderRefused(f"cache folder {kernels} cannot be written ({exc.strerror or exc})") from None
 

@@ -7,8 +7,9 @@
 
    A code is decoded by a 16-entry table held in a register (a byte shuffle: one instruction for 16 codes), the
    table holding twice each E2M1 value so that it fits int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives); the
-   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by neffbuild/runtime/native.py
-   with the host's -march: AVX-512 (16 lanes) or AVX2 + FMA (8); elsewhere the plain loop (same sums, slower). */
+   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by
+   neffbuild/runtime/native_build.py with the host's -march: AVX-512 (16 lanes) or AVX2 + FMA (8); elsewhere the
+   plain loop (same sums, slower). */
 
 #include <math.h>
 #include <stdint.h>

@@ -54,9 +54,9 @@ def prepare_native(manifest: dict, device) -> None:
     if toolchain.get("backend") != "inductor" or str(toolchain.get("device", "cpu")) != "cpu" \
             or torch.device(device).type != "cpu":
         return
-    tables = [manifest["weights"]["tensors"], *(p["tensors"] for p in manifest.get("parallel", {}).get("pieces", {})
-                                                 .values())]
-    if any(t.get("dtype") in NATIVE_OP_DTYPES for table in tables for t in table.values()):
+    pieces = (manifest.get("parallel") or {}).get("pieces") or {}
+    tables = [manifest["weights"]["tensors"], *(p.get("tensors") or {} for p in pieces.values())]
+    if any(isinstance(t, dict) and t.get("dtype") in NATIVE_OP_DTYPES for table in tables for t in table.values()):
         from neffbuild.runtime import native
 
         native.prepare()
