@@ -3,6 +3,8 @@
 NEFFBUILD_CACHE_DIR  compile cache folder (default: ~/.cache/neffbuild); its kernels/ holds the native
                      CPU ops as built for this host (neffbuild/runtime/native.py)
 CC                   the C compiler that builds them (default: cc, then gcc, from PATH)
+NEFFBUILD_NATIVE_CFLAGS  the instruction-set flags they are built with (default: -march=native; e.g.
+                     -march=x86-64-v3 for the AVX2 paths; part of their cache key)
 NEFFBUILD_JOBS       default number of parallel compile workers (default: CPU count)
 NEFFBUILD_LOG        log level for stderr logging (default: WARNING)
 UCX_TLS              UCX transports for NIXL (DI); `tcp` is always kept (default: tcp,sm,self)
@@ -43,6 +45,21 @@ def c_compiler() -> str | None:
     import shutil
 
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def native_cflags() -> tuple[str, ...]:
+    """NEFFBUILD_NATIVE_CFLAGS split as a shell would (default ``-march=native``); a value with unbalanced quotes
+    is InvalidInput naming the variable."""
+    import shlex
+
+    value = os.environ.get("NEFFBUILD_NATIVE_CFLAGS", "").strip()
+    if not value:
+        return ("-march=native",)
+    try:
+        return tuple(shlex.split(value))
+    except ValueError as exc:
+        raise InvalidInput(f"NEFFBUILD_NATIVE_CFLAGS={value[:80]!r}: {exc} (give compiler flags, e.g. "
+                           f"-march=x86-64-v3)") from None
 
 
 def default_jobs() -> int:

@@ -7,76 +7,38 @@ expert product) and ``neffbuild::bf16_linear`` (the bf16 linears: LM head, qkv a
 backend and the eager reference, and is the op's fallback.
 
 Inductor's CPU code decodes E2M1 with about ten float ops a weight (no register table lookup); the C kernel here
-(``native_cpu.c``) decodes 16 codes with one byte shuffle. It is built on first use with the host's C compiler
-(``settings.c_compiler``) and ``-march=native`` into the cache folder's ``kernels/`` (keyed by the source, the
-compiler and the CPU), so a serving host runs code for its own CPU; without a compiler the op runs
-``packed_dot`` (same values, slower) and says so once. The op lives in the runtime because every process that
-runs an artifact must have it registered before the artifact's first call (``runtime.bundle.loaders`` imports
-this module).
+(``native_cpu.c``) decodes 16 codes with one byte shuffle. It is built for the host's CPU (``-march=native``, or
+``settings.native_cflags()``) when a bundle whose artifacts call the ops is opened (``prepare``, from
+``open_bundle``), not in the first decode step, into the cache folder's ``kernels/`` by ``native_build.py``'s rules:
+one build per key under a lock, checked on a known answer before it is published, its sha256 checked before it is
+loaded, refused from a folder another user could write. Every failure to build or load (no compiler, a compile
+error or timeout, a refused or unwritable folder that a private build cannot replace either) runs the torch forms
+(``packed_dot``, the matmul: the same values, slower) and says so in one line on stderr, once a process. The op
+lives in the runtime because every process that runs an artifact must have it registered before the artifact's
+first call (``runtime.bundle.loaders`` imports this module).
 
-Whatever reaches the C code is checked first (dtypes, shapes, expert ids in range): a bad input is a
-``ValueError`` naming the argument, never a read outside the weights.
+Whatever reaches the C code is checked first (every tensor's device, dtype and shape, expert ids in range; the
+fake kernels check the same shapes): a bad input is a ``ValueError`` naming the argument, never a read outside
+the weights or of a tensor with no memory (the meta device).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
+import threading
 
 import torch
 
-from neffbuild import settings
+from neffbuild.runtime import native_build
 
-SOURCE = Path(__file__).with_name("native_cpu.c")
 SCALE_BIAS = 127
 FALLBACK = "MXFP4 experts run the slower torch form and the bf16 linears oneDNN's matmul"
+_LOCK = threading.Lock()
 
 
-def _cpu_identity() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("flags", "model name", "Features", "CPU part"))]
-    return "\n".join(dict.fromkeys(lines))  # one line of each kind (every core repeats them)
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built kernel, loaded; None (with one line on stderr) where no C compiler builds it."""
-    cc = settings.c_compiler()
-    if not cc:
-        print(f"neffbuild: no C compiler (cc/gcc, or $CC): {FALLBACK}", file=sys.stderr)
-        return None
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp"]  # OpenMP: torch's thread count
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_identity(), *flags]).encode()).hexdigest()
-    path = settings.cache_dir() / "kernels" / key[:24] / "native_cpu.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then renamed: never half-written
-            staged = Path(tmp) / path.name
-            try:
-                run = subprocess.run([cc, *flags, "-o", str(staged), str(SOURCE), "-lm"], capture_output=True,
-                                     text=True, timeout=120)
-                why = run.stderr.strip()[:300] if run.returncode != 0 else None
-            except (OSError, subprocess.SubprocessError) as exc:
-                why = str(exc)[:300]
-            if why is not None:
-                print(f"neffbuild: {cc} could not build {SOURCE.name} ({why}): {FALLBACK}", file=sys.stderr)
-                return None
-            os.replace(staged, path)
-    lib = ctypes.CDLL(str(path))
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.neffbuild_mxfp4_dot.restype = None
     lib.neffbuild_mxfp4_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -86,7 +48,36 @@ def library() -> ctypes.CDLL | None:
     lib.neffbuild_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_bf16_native.restype = ctypes.c_int
+    lib.bf16_path = int(lib.neffbuild_bf16_native())  # 2: AVX-512 BF16, 1: AVX2 + FMA, 0: plain (the matmul runs)
     return lib
+
+
+_LOADED: dict[tuple[str, ...] | None, ctypes.CDLL | None] = {}
+
+
+def _obtain(flags: tuple[str, ...] | None) -> ctypes.CDLL | None:
+    lib, note = native_build.obtain(flags)
+    if note:
+        print(f"neffbuild: native kernels: {note}" + ("" if lib else f": {FALLBACK}"), file=sys.stderr, flush=True)
+    return _bind(lib) if lib is not None else None
+
+
+def library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """The built kernels, loaded (once a process for each ``flags``; default ``settings.native_cflags()``); None
+    (with one line on stderr) where they cannot be built or loaded: the torch forms run then."""
+    key = None if flags is None else tuple(flags)
+    if key in _LOADED:  # every op call: no lock once loaded
+        return _LOADED[key]
+    with _LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = _obtain(key)
+        return _LOADED[key]
+
+
+def prepare() -> bool:
+    """Build (or find) and load the kernels now, so that no decode step compiles: ``open_bundle`` calls it (through
+    ``loaders.prepare_native``) for a bundle whose artifacts call the ops. True when the C kernels will run."""
+    return library() is not None
 
 
 @functools.cache
@@ -100,8 +91,25 @@ def eager_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor) -> None:
-    """Every fact the C loop trusts, checked: a ValueError naming the argument otherwise."""
+def _one_device(op: str, **tensors: torch.Tensor) -> None:
+    """Every tensor on the first one's device (a weight left on the meta device while x is on the CPU would
+    otherwise reach the CPU kernel)."""
+    (first, x), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} and {first} on {x.device}; put them on one device")
+
+
+def _no_meta(op: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device.type == "meta":
+            raise ValueError(f"{op}: {name} is on the meta device (no memory to read); load the weights first")
+
+
+def check_shapes(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor) -> None:
+    """The facts that need no values (dtypes, shapes, one device): the real kernel and the fake one alike."""
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"mxfp4_dot: x must be a float tensor, got {x.dtype}")
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"mxfp4_dot: blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:3]):
@@ -115,9 +123,24 @@ def check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: torc
                          f"idx {tuple(idx.shape)}, x {tuple(x.shape)}")
     if idx.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"mxfp4_dot: idx must be an integer tensor, got {idx.dtype}")
+    _one_device("mxfp4_dot", x=x, blocks=blocks, scales=scales, idx=idx)
+
+
+def check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor) -> None:
+    """Every fact the C loop trusts, checked: a ValueError naming the argument otherwise."""
+    check_shapes(x, blocks, scales, idx)
+    _no_meta("mxfp4_dot", x=x, blocks=blocks, scales=scales, idx=idx)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= blocks.shape[0]):
         raise ValueError(f"mxfp4_dot: expert ids must lie in [0, {blocks.shape[0]}), got "
                          f"[{int(idx.min())}, {int(idx.max())}]")
+
+
+def _pointer(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> int:
+    """``t``'s address for C, after the copies: on the CPU, of ``dtype`` and ``shape``, contiguous."""
+    if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        raise ValueError(f"{op}: {name} reached the C call as {t.dtype} {tuple(t.shape)} on {t.device} "
+                         f"(contiguous: {t.is_contiguous()}); {dtype} {tuple(shape)} contiguous on the CPU expected")
+    return t.data_ptr()
 
 
 def e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -134,8 +157,9 @@ def e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def e8m0(scales: torch.Tensor) -> torch.Tensor:
     """Scale bytes -> float32 2^(s - 127), exact (exp2 of an integer is a power of two; no dtype bit cast, which
-    TorchScript, the neuron backend's tracer, cannot record)."""
-    return torch.exp2(scales.float() - SCALE_BIAS)
+    TorchScript, the neuron backend's tracer, cannot record); byte 255 is NaN, as the OCP MX spec defines E8M0's
+    0xFF (2^128 would be inf in float32), and as the C kernel has it."""
+    return torch.where(scales == 255, torch.nan, torch.exp2(scales.float() - SCALE_BIAS))
 
 
 def packed_dot(x: torch.Tensor, w, idx: torch.Tensor) -> torch.Tensor:
@@ -160,19 +184,38 @@ def mxfp4_dot(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: 
     lib = library() if x.device.type == "cpu" else None
     if lib is None:
         return packed_dot(x, (blocks, scales), idx)
+    return mxfp4_native(lib, x, blocks, scales, idx).to(x.dtype)
+
+
+def mxfp4_native(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 idx: torch.Tensor) -> torch.Tensor:
+    """The C loop of ``lib`` on checked inputs (``check``): float32 [N, k, out]."""
     xf = x.to(torch.float32).contiguous()
     blocks, scales = blocks.contiguous(), scales.contiguous()
     ids = idx.to(torch.int64).contiguous()
-    n, k = ids.shape
-    out = torch.empty(n, k, blocks.shape[1], dtype=torch.float32)
-    lib.neffbuild_mxfp4_dot(xf.data_ptr(), xf.shape[1], blocks.data_ptr(), scales.data_ptr(), ids.data_ptr(), n, k,
-                            blocks.shape[1], blocks.shape[2], out.data_ptr(), torch.get_num_threads())
-    return out.to(x.dtype)
+    (n, k), (E, out, groups, _) = ids.shape, blocks.shape
+    y = torch.empty(n, k, out, dtype=torch.float32, device="cpu")
+    op = "mxfp4_dot"
+    lib.neffbuild_mxfp4_dot(_pointer(op, "x", xf, torch.float32, x.shape), xf.shape[1],
+                            _pointer(op, "blocks", blocks, torch.uint8, (E, out, groups, 16)),
+                            _pointer(op, "scales", scales, torch.uint8, (E, out, groups)),
+                            _pointer(op, "idx", ids, torch.int64, (n, k)), n, k, out, groups,
+                            _pointer(op, "out", y, torch.float32, (n, k, out)), torch.get_num_threads())
+    return y
 
 
 @mxfp4_dot.register_fake
 def _(x, blocks, scales, idx):
+    check_shapes(x, blocks, scales, idx)
     return x.new_empty(idx.shape[0], idx.shape[1], blocks.shape[1])
+
+
+def _check_linear(x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2 \
+            or x.shape[1] != w.shape[1]:
+        raise ValueError(f"bf16_linear: x [M, K] and w [N, K] in bfloat16 expected, got {x.dtype} "
+                         f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
+    _one_device("bf16_linear", x=x, w=w)
 
 
 @torch.library.custom_op("neffbuild::bf16_linear", mutates_args=())
@@ -182,21 +225,27 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     CPUs without AVX-512 BF16, torch's bf16 matmul of a few rows runs at about 10 GFLOP/s (docs/benchmarks.md "Real
     width"). The C loop takes it with AVX-512 BF16 (one dot-product instruction per 32 weights) or AVX2 + FMA (the
     weights widened by a shift, float32 FMAs); elsewhere the matmul."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2 \
-            or x.shape[1] != w.shape[1]:
-        raise ValueError(f"bf16_linear: x [M, K] and w [N, K] in bfloat16 expected, got {x.dtype} "
-                         f"{tuple(x.shape)} and {w.dtype} {tuple(w.shape)}")
+    _check_linear(x, w)
+    _no_meta("bf16_linear", x=x, w=w)
     lib = library() if x.device.type == "cpu" else None
-    if lib is None or not lib.neffbuild_bf16_native():
+    if lib is None or not lib.bf16_path:
         return x @ w.t()
+    return bf16_native(lib, x, w).to(torch.bfloat16)
+
+
+def bf16_native(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The C loop of ``lib`` (any of its paths, the plain one included) on checked inputs: float32 [M, N]."""
     xc, wc = x.contiguous(), w.contiguous()
-    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    if lib.neffbuild_bf16_linear(xc.data_ptr(), xc.shape[0], wc.data_ptr(), wc.shape[0], wc.shape[1], out.data_ptr(),
-                                 torch.get_num_threads()):
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32, device="cpu")
+    if lib.neffbuild_bf16_linear(_pointer("bf16_linear", "x", xc, torch.bfloat16, (m, k)), m,
+                                 _pointer("bf16_linear", "w", wc, torch.bfloat16, (n, k)), n, k,
+                                 _pointer("bf16_linear", "out", y, torch.float32, (m, n)), torch.get_num_threads()):
         raise MemoryError(f"bf16_linear: no memory for a float32 copy of x {tuple(x.shape)}")
-    return out.to(torch.bfloat16)
+    return y
 
 
 @bf16_linear.register_fake
 def _(x, w):
+    _check_linear(x, w)
     return x.new_empty(x.shape[0], w.shape[0])

@@ -1,13 +1,15 @@
 /* MXFP4 expert product on the CPU: y[n, j, :] = x[n, j or 0, :] . W[idx[n, j]]^T, W packed as the checkpoint keeps it.
 
    blocks [E, out, G, 16] uint8: two E2M1 codes a byte, the low nibble the earlier value; scales [E, out, G] uint8
-   (E8M0: 2^(s - 127)); x float32 [N, kx, G * 32] with kx 1 (every pick reads row n) or k; idx int64 [N, k], each in
-   [0, E) (the caller checks: this file trusts it); y float32 [N, k, out].
+   (E8M0: 2^(s - 127); 0xFF is NaN, as the OCP MX spec has it); x float32 [N, kx, G * 32] with kx 1 (every pick
+   reads row n) or k; idx int64 [N, k], each in [0, E) (the caller checks: this file trusts it); y float32
+   [N, k, out].
 
    A code is decoded by a 16-entry table held in a register (a byte shuffle: one instruction for 16 codes), the
    table holding twice each E2M1 value so that it fits int8 (0, 1, 2, 3, 4, 6, 8, 12 and their negatives); the
-   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by neffbuild/runtime/native.py
-   with the host's -march: AVX-512 (16 lanes) or AVX2 + FMA (8); elsewhere the plain loop (same sums, slower). */
+   group's scale (with the 1/2) multiplies the group's 32-value partial sum. Built by
+   neffbuild/runtime/native_build.py with the host's -march: AVX-512 (16 lanes) or AVX2 + FMA (8); elsewhere the
+   plain loop (same sums, slower). */
 
 #include <math.h>
 #include <stdint.h>
@@ -20,7 +22,8 @@
 
 static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-static float half_scale(uint8_t s) { return ldexpf(0.5f, (int)s - 127); }
+/* The group's scale with the table's 1/2; byte 255 is NaN (OCP MX E8M0), as in runtime/native.py's e8m0. */
+static float half_scale(uint8_t s) { return s == 255 ? NAN : ldexpf(0.5f, (int)s - 127); }
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
 /* One group's 16 bytes -> its 32 values as int8 (twice E2M1), in order: [0..15] and [16..31]. */

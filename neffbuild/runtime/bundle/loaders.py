@@ -43,6 +43,25 @@ def load_inductor(path: Path, weights: dict[str, torch.Tensor], toolchain: dict,
     return runner
 
 
+NATIVE_OP_DTYPES = ("uint8", "bfloat16")  # MXFP4 blocks and scales (mxfp4_dot), bf16 linears (bf16_linear)
+
+
+def prepare_native(manifest: dict, device) -> None:
+    """Build (or find) and load the native ops' kernels while the bundle opens, never in its first decode step:
+    for CPU inductor artifacts with MXFP4 or bfloat16 weights, which the export traced through the ops
+    (``kernels.moe.native_cpu_ops``). Never raises: a failure runs the torch forms, said once on stderr."""
+    toolchain = manifest.get("toolchain", {})
+    if toolchain.get("backend") != "inductor" or str(toolchain.get("device", "cpu")) != "cpu" \
+            or torch.device(device).type != "cpu":
+        return
+    pieces = (manifest.get("parallel") or {}).get("pieces") or {}
+    tables = [manifest["weights"]["tensors"], *(p.get("tensors") or {} for p in pieces.values())]
+    if any(isinstance(t, dict) and t.get("dtype") in NATIVE_OP_DTYPES for table in tables for t in table.values()):
+        from neffbuild.runtime import native
+
+        native.prepare()
+
+
 class NeuronStep:
     """A loaded NEFF with the step calling convention: flattens the KV tuple, drops the state outputs."""
 

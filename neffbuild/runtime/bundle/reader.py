@@ -359,6 +359,7 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
     reason = loaders.toolchain_problem(manifest["toolchain"]) or loaders.device_problem(manifest["toolchain"], device)
     if reason:
         raise IncompatibleBundle(f"{root}: {reason}")
+    loaders.prepare_native(manifest, device)  # the native ops' kernels built now, not in the first decode step
     if loaders.reads_package_signature(manifest["toolchain"]) and verify != "full":
         # The fallback artifact pins what the runtime allocates from before any artifact loads (KV buffers,
         # block-table widths): check it against its own package now, so a lie there fails here, not in memory.
