@@ -57,13 +57,13 @@ def adopt(layout: ParallelLayout, host: HostGroups, what: str = "bundle") -> Ran
     if not 0 <= host.rank < layout.world_size:
         raise IncompatibleBundle(f"{what} was compiled for {layout.describe()}; host rank {host.rank} is outside it")
     mine = {}
-    for name, degree, pg, eager in ((TP_GROUP, layout.tp, host.tp, host.eager_tp),
-                                    (EP_GROUP, layout.ep, host.ep, host.eager_ep)):
+    for name, kind, degree, pg, eager in ((TP_GROUP, "tp", layout.tp, host.tp, host.eager_tp),
+                                          (EP_GROUP, "ep", layout.ep, host.ep, host.eager_ep)):
         if degree == 1:
             continue
         size = dist.get_world_size(pg) if pg is not None and dist.is_initialized() else 1
         if size != degree:
-            raise IncompatibleBundle(f"{what} was compiled for {layout.describe()}: its {name} group has {degree} "
+            raise IncompatibleBundle(f"{what} was compiled for {layout.describe()}: its {kind} group has {degree} "
                                      f"ranks, the host's has {size}; start the engine with the bundle's degrees")
         mine[name], mine[eager_group(name)] = pg, eager if eager is not None else pg
     for name, pg in mine.items():
