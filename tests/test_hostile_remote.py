@@ -304,7 +304,8 @@ def _meta(key: str, art: bytes) -> bytes:
 @pytest.mark.parametrize("what", ["meta", "prekey", "entry.sig", "artifact", "index"])
 def test_an_endless_remote_object_is_refused_within_its_limit(endless, monkeypatch, tmp_path, keys, what):
     """Each remote read stops at its limit (+ one 64 KiB chunk): Python's peak allocation while it runs (beyond
-    building the S3 client) stays under twice the limit, and the refusal names the object and the limit. Today's tree reads until memory ends."""
+    building the S3 client) stays under twice the limit, and the refusal names the object and the limit.
+    Today's tree reads until memory ends."""
     from neffbuild.bundle import remote as ship
     from neffbuild.compiler import entry_sig, remote_cache
 
