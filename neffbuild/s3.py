@@ -34,7 +34,9 @@ NOT_FOUND = "not_found"  # the bucket does not exist (a missing key is not an er
 SERVER = "server"  # 5xx, throttling, a malformed answer
 NO_CREDENTIALS = "no_credentials"  # the chain resolved nothing
 MISSING_EXTRA = "missing_extra"  # boto3 is not installed
+TOO_LARGE = "too_large"  # an object over the size its reader allows (refused while it streams)
 OTHER = "other"
+_CHUNK = 64 * 1024  # a bounded read's step: what it may hold beyond its limit before it refuses
 
 
 class RemoteError(NeffbuildError):
@@ -196,6 +198,8 @@ class S3Remote:
         """``read(response)`` of the object, or None when the key is missing; other failures classified."""
         try:
             return read(self.client.get_object(Bucket=self.url.bucket, Key=key, **extra))
+        except RemoteError:
+            raise
         except self._botocore.exceptions.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
@@ -203,20 +207,53 @@ class S3Remote:
         except Exception as exc:
             raise self._classify(exc, "get", key) from None
 
-    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytes | None:
-        """The object's bytes (``byte_range`` = inclusive ``(first, last)``), or None when the key is missing."""
-        extra = {} if byte_range is None else {"Range": f"bytes={int(byte_range[0])}-{int(byte_range[1])}"}
-        return self._get_object(key, lambda resp: resp["Body"].read(), **extra)
+    def too_large(self, key: str, limit: int, size: int | None = None) -> RemoteError:
+        got = f"{size} bytes" if size is not None else "more bytes"
+        return RemoteError(TOO_LARGE, f"get {SCHEME}{self.url.bucket}/{key}: {got} than its limit of {limit} "
+                                      f"bytes; refused (read no further: a remote object never fills memory)")
 
-    def get_to_file(self, key: str, dest: Path) -> bool:
-        """Stream the object into ``dest`` (written to ``dest`` + ``.part`` then renamed); False when missing."""
+    def get(self, key: str, *, limit: int, byte_range: tuple[int, int] | None = None) -> bytes | None:
+        """The object's bytes (``byte_range`` = inclusive ``(first, last)``), or None when the key is missing.
+
+        At most ``limit`` bytes: a larger object (by its Content-Length, or by what streams) is a RemoteError
+        TOO_LARGE naming it and the limit, raised after reading at most ``limit`` + one chunk, the connection
+        dropped (a 1 GiB object planted where a small record belongs costs no memory)."""
+        extra = {} if byte_range is None else {"Range": f"bytes={int(byte_range[0])}-{int(byte_range[1])}"}
+        return self._get_object(key, lambda resp: self._bounded(resp, key, limit), **extra)
+
+    def _bounded(self, resp, key: str, limit: int) -> bytes:
+        body, size = resp["Body"], resp.get("ContentLength")
+        try:
+            if isinstance(size, int) and size > limit:
+                raise self.too_large(key, limit, size)
+            buf = bytearray()
+            for chunk in body.iter_chunks(_CHUNK):
+                buf += chunk
+                if len(buf) > limit:
+                    raise self.too_large(key, limit)
+            return bytes(buf)
+        finally:
+            body.close()
+
+    def get_to_file(self, key: str, dest: Path, *, limit: int) -> bool:
+        """Stream the object into ``dest`` (written to ``dest`` + ``.part`` then renamed); False when missing.
+        Over ``limit`` bytes (the size its record promises): RemoteError TOO_LARGE, the part file removed."""
         dest = Path(dest)
         part = dest.with_name(dest.name + f".{os.getpid()}.part")
 
         def stream(resp) -> bool:
-            with open(part, "wb") as fh:
-                for chunk in resp["Body"].iter_chunks(1 << 20):
-                    fh.write(chunk)
+            body, size, written = resp["Body"], resp.get("ContentLength"), 0
+            try:
+                if isinstance(size, int) and size > limit:
+                    raise self.too_large(key, limit, size)
+                with open(part, "wb") as fh:
+                    for chunk in body.iter_chunks(1 << 20):
+                        written += len(chunk)
+                        if written > limit:
+                            raise self.too_large(key, limit)
+                        fh.write(chunk)
+            finally:
+                body.close()
             os.replace(part, dest)
             return True
 

@@ -160,6 +160,21 @@ def cache_trusted_keys() -> list[str]:
     return [part for part in value.split(os.pathsep) if part.strip()]
 
 
+def remote_smoke_timeout_s() -> float:
+    """NEFFBUILD_REMOTE_SMOKE_TIMEOUT_S: the least time a fetched cache entry's smoke run may take (default 30)."""
+    value = os.environ.get("NEFFBUILD_REMOTE_SMOKE_TIMEOUT_S", "").strip()
+    if not value:
+        return 30.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidInput(f"NEFFBUILD_REMOTE_SMOKE_TIMEOUT_S: got {value!r}, must be a number of seconds over 0 "
+                           "(for example 30)")
+    return seconds
+
+
 def cache_sign_key() -> str | None:
     value = os.environ.get("NEFFBUILD_CACHE_SIGN_KEY", "").strip()
     return value or None

@@ -377,3 +377,45 @@ def test_a_remote_entry_that_fails_its_smoke_run_is_rejected_and_never_cached(fi
     entry = Cache(tmp_path / "cache").get(key)
     assert entry is not None and entry.path.read_bytes() != bad
     assert _bundle_bytes(res.bundle) == _bundle_bytes(first.bundle)
+
+
+def test_a_rewritten_pre_key_record_cannot_serve_another_graph(rc_recipe, s3_server, tmp_path, monkeypatch, rc_pool,
+                                                               tiny_cfg, build_cache):
+    """Issue 54: CI signs two models' entries (same shapes: only swiglu_limit differs) and their pre-key records; a
+    bucket writer copies the other model's signed record over this target's. Today's tree followed it: exit 0 with
+    the other model's artifact. Now the record is not followed (its signature names another pre-key): the target
+    is traced, its own signed entry fetched, and the bundle holds the genuine artifact and gives its tokens.
+    Both CI builds use the session cache (compiled once per cache)."""
+    pytest.importorskip("cryptography")
+    from neffbuild.compiler.entry_sig import load_trusted
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+    from tests.conftest import _save_hf
+
+    key, pub = _ci_key(tmp_path)
+    _env(monkeypatch, s3_server)
+    url = s3_server.url()
+    genuine = compile_recipe(R.load(rc_recipe), tmp_path / "g", jobs=1, cache_root=build_cache, remote=url,
+                             executor=rc_pool, remote_sign_key=key)
+    prekeys = lambda: {k for k in s3_server.keys(url) if "/prekeys/" in k}
+    [pre_a] = prekeys()
+    hf = dict(tiny_cfg.to_hf_dict(), num_hidden_layers=2, swiglu_limit=0.25)
+    hf.pop("layer_types")
+    other_ckpt = _save_hf(tmp_path / "other-ckpt", GptOssConfig.from_hf_dict(hf))
+    other = compile_recipe(R.load(write_recipe(tmp_path, other_ckpt, name="rc", **FALLBACK_ONLY)), tmp_path / "o",
+                           jobs=1, cache_root=build_cache, remote=url, executor=rc_pool, remote_sign_key=key)
+    assert not genuine.failed and not other.failed
+    [pre_b] = prekeys() - {pre_a}
+    c = s3_server.client()
+    signed_b = c.get_object(Bucket=s3_server.bucket, Key=pre_b)["Body"].read()
+    assert "signature" in json.loads(signed_b)
+    c.put_object(Bucket=s3_server.bucket, Key=pre_a, Body=signed_b)  # A's record now names B's signed entry
+
+    trusting = compile_recipe(R.load(rc_recipe), tmp_path / "t", jobs=1, cache_root=tmp_path / "t-cache", remote=url,
+                              executor=rc_pool, remote_trust=load_trusted([pub]))
+    doc = trusting.to_json()
+    assert (doc["built"], doc["remote_hits"]) == (0, 1), doc
+    art = Path("artifacts") / "decode_b1_ctx512.pt2"
+    assert (trusting.bundle / art).read_bytes() != (other.bundle / art).read_bytes()  # today's tree: the other's
+    assert (trusting.bundle / art).read_bytes() == (genuine.bundle / art).read_bytes()
+    assert any("pre-key record" in w and "another pre-key" in w for w in doc["remote"]["warnings"]), doc
+    assert _tokens(trusting.bundle) == _tokens(genuine.bundle)

@@ -137,7 +137,7 @@ def silent(monkeypatch, s3_server):
 def test_a_remote_that_never_answers_is_found_down_in_seconds(silent, capfd):
     import time
 
-    from neffbuild.compiler.remote_cache import PROBE_CONNECT_S, PROBE_READ_S
+    from neffbuild.s3_probe import PROBE_CONNECT_S, PROBE_READ_S
 
     rc = RemoteCache("s3://neffbuild-test/hung")
     t0 = time.monotonic()

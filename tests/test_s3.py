@@ -46,8 +46,8 @@ def test_create_only_ranged_get_list(monkeypatch, s3_server):
     k = r.url.key("entries", "a.bin")
     assert r.put_if_absent(k, b"0123456789") is True
     assert r.put_if_absent(k, b"other") is False  # If-None-Match: the first writer wins
-    assert r.get(k) == b"0123456789" and r.get(k, (2, 4)) == b"234"
-    assert r.get(r.url.key("missing")) is None and r.head(r.url.key("missing")) is None
+    assert r.get(k, limit=10) == b"0123456789" and r.get(k, limit=3, byte_range=(2, 4)) == b"234"
+    assert r.get(r.url.key("missing"), limit=1) is None and r.head(r.url.key("missing")) is None
     assert r.head(k)["size"] == 10
     assert [o["key"] for o in r.list("entries")] == [k]
 
@@ -60,22 +60,22 @@ def test_read_only_credentials_are_denied_writes(monkeypatch, s3_server):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ro_env["AWS_ACCESS_KEY_ID"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", ro_env["AWS_SECRET_ACCESS_KEY"])
     ro = s3.S3Remote(rw.url)
-    assert ro.get(k) == b"x"
+    assert ro.get(k, limit=1) == b"x"
     with pytest.raises(s3.RemoteError) as exc:
         ro.put_if_absent(rw.url.key("y"), b"y")
     assert exc.value.kind == s3.DENIED and exc.value.status == 403
     assert ro_env["AWS_SECRET_ACCESS_KEY"] not in str(exc.value)
     assert ro_env["AWS_ACCESS_KEY_ID"] not in str(exc.value)
-    assert rw.get(rw.url.key("y")) is None
+    assert rw.get(rw.url.key("y"), limit=1) is None
 
 
 def test_unknown_key_and_closed_port_are_classified(monkeypatch, s3_server):
     r = _remote(monkeypatch, s3_server, "none")
     with pytest.raises(s3.RemoteError) as exc:
-        r.get(r.url.key("x"))
+        r.get(r.url.key("x"), limit=1)
     assert exc.value.kind == s3.DENIED and "not-a-secret" not in str(exc.value)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", closed_endpoint())
     r = s3.open_remote("s3://neffbuild-test/p", connect_timeout=1, attempts=1)
     with pytest.raises(s3.RemoteError) as exc:
-        r.get(r.url.key("x"))
+        r.get(r.url.key("x"), limit=1)
     assert exc.value.kind == s3.UNREACHABLE and "cannot reach http://127.0.0.1:" in str(exc.value)

@@ -12,6 +12,11 @@ immutable: an index that exists with other bytes is refused, the same bytes are 
 downloads into ``DIR/.<name>-<version>.pull`` (kept across a kill; ``*.part`` files resume with
 ranged reads), checks every sha256, the bundle's own checks and (with trusted keys) its
 signature, and only then renames the folder to ``DIR/<name>-<version>``.
+
+Both ask the remote once with short limits first (s3_probe.py: 3 s to connect, 5 s to the first byte,
+a "waiting for" line on stderr after a second): an endpoint that accepts and never answers fails in
+seconds, naming it. Every read is bounded while it streams: the index by MAX_INDEX_BYTES, each blob
+by the size the index records.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from neffbuild.errors import BundleError, InvalidInput
 from neffbuild.fsutil import sha256_file
 from neffbuild.runtime.bundle import model_sig as signature
 from neffbuild.runtime.bundle import paths, reader
+from neffbuild.s3_probe import probe
 
 INDEX_FORMAT = "neffbuild-remote-bundle"
 INDEX_VERSION = 1
@@ -80,6 +86,7 @@ def push(bundle_path: str | Path, url: str, progress: Progress | None = None) ->
     progress = progress or Progress()
     root = Path(bundle_path)
     base = s3.parse_url(url, "push URL")
+    probe(base, base.key("bundles"), f"push {base}")  # before hashing the bundle: a dead endpoint fails at once
     index, raw = local_index(root)
     dirname = paths.bundle_dirname(index["name"], index["version"])
     remote = s3.open_remote(base)
@@ -87,7 +94,7 @@ def push(bundle_path: str | Path, url: str, progress: Progress | None = None) ->
     out = {"bundle": dirname, "url": f"{base}/{dirname}", "digest_url": f"{base}/sha256:{index['manifest_sha256']}",
            "files": len(index["files"]), "bytes": sum(f["bytes"] for f in index["files"].values()),
            "uploaded_blobs": 0, "uploaded_bytes": 0, "skipped_bytes": 0}
-    existing = remote.get(ref)
+    existing = remote.get(ref, limit=MAX_INDEX_BYTES)
     if existing is not None:
         _same_or_refuse(existing, raw, base, dirname)
         return dict(out, noop=True, skipped_bytes=out["bytes"])
@@ -95,7 +102,7 @@ def push(bundle_path: str | Path, url: str, progress: Progress | None = None) ->
     missing, wrong = {}, set()
     for digest, (rel, size) in blobs.items():
         have = remote.head(blob_key(base, digest))
-        if have is not None and have["size"] == size and _blob_digest(remote, blob_key(base, digest)) == digest:
+        if have is not None and have["size"] == size and _blob_digest(remote, blob_key(base, digest), size) == digest:
             out["skipped_bytes"] += size
         else:
             missing[digest] = (rel, size)
@@ -110,18 +117,21 @@ def push(bundle_path: str | Path, url: str, progress: Progress | None = None) ->
     out["replaced_blobs"] = len(wrong)
     remote.put_if_absent(digest_key(base, index["manifest_sha256"]), raw)
     if not remote.put_if_absent(ref, raw):  # another push of this version won the race
-        _same_or_refuse(remote.get(ref) or b"", raw, base, dirname)
+        _same_or_refuse(remote.get(ref, limit=MAX_INDEX_BYTES) or b"", raw, base, dirname)
     return dict(out, noop=False)
 
 
-def _blob_digest(remote: s3.S3Remote, key: str) -> str | None:
+def _blob_digest(remote: s3.S3Remote, key: str, size: int) -> str | None:
     """The sha256 of a remote blob's bytes, read back (a size is no proof: a same-size blob of zeros at the
     weights' address would make the version unpullable for good, since versions are immutable)."""
     chunks = remote.iter_from(key)
     if chunks is None:
         return None
-    h = hashlib.sha256()
+    h, n = hashlib.sha256(), 0
     for chunk in chunks:
+        n += len(chunk)
+        if n > size:  # more than its HEAD said: not this content, read no further
+            return None
         h.update(chunk)
     return h.hexdigest()
 
@@ -191,12 +201,17 @@ def pull(value: str, dest: str | Path, *, trusted_keys=None, progress: Progress 
     progress = progress or Progress()
     base, key, ref = parse_ref(value)
     keys = signature.load_trusted_keys(trusted_keys) if trusted_keys else []  # a bad key: exit 2 before any I/O
+    probe(base, key, f"pull {base}/{ref}")
     remote = s3.open_remote(base)
-    raw = remote.get(key)
+    try:
+        raw = remote.get(key, limit=MAX_INDEX_BYTES)
+    except s3.RemoteError as exc:
+        if exc.kind != s3.TOO_LARGE:
+            raise
+        raise BundleError(f"{base}/{ref}: the bundle index is over {MAX_INDEX_BYTES} bytes; refused while it "
+                          f"streamed ({exc})") from None
     if raw is None:
         raise BundleError(f"{base}/{ref}: no such bundle (nothing at {s3.SCHEME}{base.bucket}/{key})")
-    if len(raw) > MAX_INDEX_BYTES:
-        raise BundleError(f"{base}/{ref}: index over {MAX_INDEX_BYTES} bytes")
     idx = parse_index(raw, f"{s3.SCHEME}{base.bucket}/{key}", ref)
     dest = Path(dest)
     dirname = paths.bundle_dirname(idx["name"], idx["version"])

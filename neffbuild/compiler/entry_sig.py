@@ -8,6 +8,12 @@ model-signing statement, EC key), whose subject names the cache key and whose tw
 the artifact file's sha256 and the sha256 of the entry's toolchain (the backend fingerprint in
 canonical JSON). A reader with trusted keys accepts an entry only when one of them signed exactly
 that key, those bytes and that toolchain; anything else is rebuilt (docs/remote-cache.md, "Trust").
+
+What points at an entry is signed too: a pre-key record (``prekeys/<pre-key>.json``, which lets a fresh
+machine skip tracing) names the key its target traced to, and a bucket writer who rewrites it to another
+graph's genuinely signed entry would otherwise get that entry served under this target. A signing writer
+puts ``{"key", "signature"}`` there, the signature's subject naming the pre-key and its one resource the
+key; a reader with trusted keys follows only such a record (else it traces and fetches by its own key).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ ENTRY_SIG = "entry.sig"
 SUBJECT = "neffbuild-cache-entry/"  # + the cache key
 TOOLCHAIN = "toolchain.json"  # the resource name of the fingerprint's digest
 MAX_ENTRY_SIG_BYTES = 64 * 1024
+PREKEY_SUBJECT = "neffbuild-cache-prekey/"  # + the pre-key
+PREKEY_RESOURCE = "cache-key"  # the resource whose digest is the key the pre-key traced to
 
 
 def _resources(artifact_name: str, artifact_sha256: str, fingerprint) -> list[tuple[str, str]]:
@@ -56,6 +64,33 @@ def entry_problem(raw: bytes | None, key: str, meta: dict, artifact_sha256: str,
         return f"signed by {signer.source} for another key ({subject[:90]!r})"
     if table != want:
         return f"signed by {signer.source} over other bytes or another toolchain than the entry holds"
+    return None
+
+
+def prekey_record(pre: str, key: str, private_key=None) -> bytes:
+    """A remote pre-key record: ``{"key"}``, with ``"signature"`` (over this pre-key and key) given a key."""
+    record = {"key": key}
+    if private_key is not None:
+        from neffbuild.bundle.signing import signed_document
+
+        record["signature"] = signed_document(PREKEY_SUBJECT + pre, [(PREKEY_RESOURCE, key)], private_key)
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def prekey_problem(record: dict, pre: str, trusted) -> str | None:
+    """Why a remote pre-key record is not one a trusted key signed for this pre-key and its key (None: it is)."""
+    doc = record.get("signature")
+    if doc is None:
+        return "is not signed"
+    try:
+        doc = signature.parse_signature(json.dumps(doc).encode(), "pre-key record")  # the one parser's checks
+        signer, subject, table = signature.verify_document("pre-key record", doc, trusted)
+    except SignatureError as exc:
+        return f"has a signature that is not accepted ({str(exc)[:240]})"
+    if subject != PREKEY_SUBJECT + pre:
+        return f"is signed by {signer.source} for another pre-key ({subject[:90]!r})"
+    if table != {PREKEY_RESOURCE: record.get("key")}:
+        return f"is signed by {signer.source} for another key than it names"
     return None
 
 

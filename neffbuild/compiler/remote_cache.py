@@ -38,25 +38,11 @@ from pathlib import Path
 from neffbuild import s3
 from neffbuild.compiler.cache import CACHE_VERSION, META, Cache, Entry, _meta_ok
 from neffbuild.fsutil import sha256_file
+from neffbuild.s3_probe import probe
 
 MODES = ("auto", "rw", "ro")
-# A probe (the first request of a run, `cache remote check`) waits at most this long per request: a remote that
-# accepts connections and never answers is found down in seconds, not after minutes of silence.
-PROBE_CONNECT_S, PROBE_READ_S = 3.0, 5.0
-PROBE_SAY_AFTER_S = 1.0  # a probe still waiting after this long says so on stderr
-
-
-def _say_while_waiting(what: str, timeout_s: float):
-    """A started timer that prints one line on stderr if the wait outlives PROBE_SAY_AFTER_S (cancel it)."""
-    import sys
-    import threading
-
-    timer = threading.Timer(PROBE_SAY_AFTER_S, lambda: print(
-        f"waiting for {what} (giving up after {timeout_s:.0f} s)...", file=sys.stderr, flush=True))
-    timer.daemon = True
-    timer.start()
-    return timer
-
+MAX_META_BYTES = 1024 * 1024  # a meta.json is a few KiB
+MAX_PREKEY_BYTES = 64 * 1024  # {"key", "signature"}: the signature is under 2 KiB
 
 @dataclass
 class RemoteStats:
@@ -83,6 +69,7 @@ class RemoteCache:
         self._keys = None
         self.read_only = mode == "ro"
         self.down: str | None = None  # why the remote is not asked any more
+        self.suspect = False  # a fetched entry's smoke run timed out: no more fetches (pushes go on)
         self.stats = RemoteStats()
         self._client = client
         self._md5: dict[str, str] = {}
@@ -105,17 +92,11 @@ class RemoteCache:
         unreachable: ``down``, with the warning, so no later request waits its long timeout. True when usable."""
         if self.down is not None:
             return False
-        limit = PROBE_CONNECT_S + PROBE_READ_S
-        timer = _say_while_waiting(f"the remote cache {self.url}", limit)
         try:
-            quick = s3.S3Remote(self.url, connect_timeout=PROBE_CONNECT_S, read_timeout=PROBE_READ_S, attempts=1)
-            quick.head(self._key(META))  # any answer (found or not) proves the remote answers
+            probe(self.url, self._key(META), f"the remote cache {self.url}")
         except s3.RemoteError as exc:
-            if exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
-                self._error(exc)
-                return False
-        finally:
-            timer.cancel()
+            self._error(exc)
+            return False
         return True
 
     def _key(self, *parts: str) -> str:
@@ -136,10 +117,19 @@ class RemoteCache:
 
     @property
     def state(self) -> str:
-        """``read-write``, ``read-only`` or ``unreachable`` (for the summary)."""
+        """``read-write``, ``read-only``, ``suspect``, ``unreachable`` or ``unusable`` (for the summary)."""
         if self.down:
             return "unreachable" if self.down == s3.UNREACHABLE else "unusable"
+        if self.suspect:
+            return "suspect"
         return "read-only" if self.read_only else "read-write"
+
+    def mark_suspect(self, why: str) -> None:
+        """One entry's code did not finish its smoke run: fetch nothing more from this remote in this build."""
+        if not self.suspect:
+            self.suspect = True
+            self.warn(f"remote cache {self.url}: {why}; the remote is suspect, so nothing more is fetched from it "
+                      "in this build (targets compile locally)")
 
     @property
     def trusted_keys(self) -> list:
@@ -150,29 +140,32 @@ class RemoteCache:
         return self._keys
 
     # -- reads
-    def fetch(self, cache: Cache, key: str, check=None) -> Entry | None:
+    def fetch(self, cache: Cache, key: str, check=None, expect=None) -> Entry | None:
         """The remote entry ``key`` published into ``cache`` (call under ``cache.lock(key)``), or None (a miss)."""
         tmp = cache.new_tmp(key)
-        got = self.fetch_to(key, tmp, check)
+        got = self.fetch_to(key, tmp, check, expect)
         if got is None:
             _rmtree(tmp)
             return None
         return cache.publish(key, tmp, *got)
 
-    def fetch_to(self, key: str, tmp: Path, check=None) -> tuple[Path, dict] | None:
+    def fetch_to(self, key: str, tmp: Path, check=None, expect=None) -> tuple[Path, dict] | None:
         """(artifact, meta) of the remote entry ``key`` downloaded into ``tmp`` and checked against its meta,
         ready for ``Cache.publish`` (the ``produce`` of ``jobs.publish``), or None (a miss; ``tmp`` is left
         empty). A key whose remote entry failed its check is in ``rejected`` and is not asked again.
 
         With trusted keys the entry must carry a signature by one of them over this key, these bytes and
-        this toolchain (compiler/entry_sig.py). ``check(artifact)`` (the smoke run in a child process) runs
-        last, before anything is published; a LoadFailed rejects the entry (it is rebuilt)."""
+        this toolchain (compiler/entry_sig.py). ``expect(meta)`` (what this target's graph and toolchain are:
+        an entry recording another graph is refused under any key) runs before the artifact is downloaded.
+        ``check(artifact)`` (the smoke run in a child process) runs last, before anything is published; a
+        LoadFailed rejects the entry (it is rebuilt). Every object is read with a bound: the meta and the
+        signature by their limits, the artifact by the size its meta records."""
         client = self.client
-        if client is None or key in self.rejected:
+        if client is None or key in self.rejected or self.suspect:
             return None
         artifact = None
         try:
-            raw = client.get(self._key("entries", key, META))
+            raw = client.get(self._key("entries", key, META), limit=MAX_META_BYTES)
             if raw is None:
                 return None
             meta = json.loads(raw)
@@ -181,8 +174,13 @@ class RemoteCache:
                 self._reject(key, f"remote cache: entry {key[:16]} has a malformed {META}; treated as a miss "
                                   f"(the remote object is left as it is)")
                 return None
+            why = expect(meta) if expect is not None else None
+            if why is not None:
+                self._reject(key, f"remote cache: entry {key[:16]} ({meta.get('label', '')}) {why}: remote entry "
+                                  f"rejected, rebuilt (the remote object is left as it is)")
+                return None
             artifact = tmp / Path(meta["file"]).name
-            found = client.get_to_file(self._key("entries", key, meta["file"]), artifact)
+            found = client.get_to_file(self._key("entries", key, meta["file"]), artifact, limit=meta["bytes"])
             digest = sha256_file(artifact) if found and artifact.stat().st_size == meta["bytes"] else None
             if digest != meta["sha256"]:
                 artifact.unlink(missing_ok=True)
@@ -217,17 +215,25 @@ class RemoteCache:
         """Why the entry is not signed by a trusted key (None: it is, or no key is trusted: the bucket is)."""
         if not self.trusted:
             return None
-        from neffbuild.compiler.entry_sig import ENTRY_SIG, entry_problem
+        from neffbuild.compiler.entry_sig import ENTRY_SIG, MAX_ENTRY_SIG_BYTES, entry_problem
 
-        raw = client.get(self._key("entries", key, ENTRY_SIG))
+        try:
+            raw = client.get(self._key("entries", key, ENTRY_SIG), limit=MAX_ENTRY_SIG_BYTES)
+        except s3.RemoteError as exc:
+            if exc.kind != s3.TOO_LARGE:
+                raise
+            return f"{ENTRY_SIG} is over {MAX_ENTRY_SIG_BYTES} bytes"
         return entry_problem(raw, key, meta, digest, self.trusted_keys)
 
-    @staticmethod
-    def _check(check, artifact: Path) -> str | None:
+    def _check(self, check, artifact: Path) -> str | None:
         from neffbuild.compiler.smoke import LoadFailed
+        from neffbuild.compiler.smoke_child import SmokeTimedOut
 
         try:
             check(artifact)
+        except SmokeTimedOut as exc:
+            self.mark_suspect(f"a fetched entry's smoke run did not finish ({exc}; its code may loop)")
+            return f"failed its smoke run in a child process ({exc})"
         except LoadFailed as exc:
             return f"failed its smoke run in a child process ({exc})"
         return None
@@ -237,28 +243,51 @@ class RemoteCache:
         self.stats.errors += 1
         self.warn(message)
 
-    def fetch_pre(self, cache: Cache, pre: str, check=None) -> Entry | None:
-        """The entry a remote pre-key record names (fetched when the local cache lacks it), or None."""
+    def fetch_pre(self, cache: Cache, pre: str, check=None, expect=None) -> Entry | None:
+        """The entry a remote pre-key record names (fetched when the local cache lacks it), or None (trace).
+
+        With trusted keys the record must be signed by one of them for this pre-key and the key it names
+        (compiler/entry_sig.py): a rewritten record would otherwise serve another graph's signed entry.
+        ``expect(meta)`` is asked of the entry found (local or fetched): one recording another graph or
+        toolchain is never this target's, whatever the record says."""
         client = self.client
-        if client is None:
+        if client is None or self.suspect:
             return None
         try:
-            raw = client.get(self._key("prekeys", f"{pre}.json"))
-            key = json.loads(raw)["key"] if raw is not None else None
+            raw = client.get(self._key("prekeys", f"{pre}.json"), limit=MAX_PREKEY_BYTES)
+            record = json.loads(raw) if raw is not None else None
         except s3.RemoteError as exc:
             self._error(exc)
             return None
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, RecursionError):
             return None
-        if not isinstance(key, str) or len(key) != 64:
+        key = record.get("key") if isinstance(record, dict) else None
+        if not isinstance(key, str) or len(key) != 64 or not self._pre_trusted(record, pre):
             return None
         with cache.lock(key):
             entry = cache.get(key)
             if entry is None:
-                entry = self.fetch(cache, key, check)
+                entry = self.fetch(cache, key, check, expect)
+            elif expect is not None and (why := expect(entry.meta)) is not None:
+                self.stats.errors += 1
+                self.warn(f"remote cache: pre-key record {pre[:16]} names entry {key[:16]}, which {why}; not "
+                          "followed (the target is traced)")
+                return None
         if entry is not None:
             cache.put_pre(pre, key)
         return entry
+
+    def _pre_trusted(self, record: dict, pre: str) -> bool:
+        if not self.trusted:
+            return True
+        from neffbuild.compiler.entry_sig import prekey_problem
+
+        why = prekey_problem(record, pre, self.trusted_keys)
+        if why is not None:
+            self.stats.errors += 1
+            self.warn(f"remote cache: a pre-key record {why}: pre-key records not signed by a trusted key are not "
+                      "followed; those targets are traced and fetched by their own key")
+        return why is None
 
     def has(self, key: str) -> bool | None:
         """Whether the remote holds a complete entry for ``key`` (None: could not tell)."""
@@ -285,7 +314,9 @@ class RemoteCache:
             if head is None:
                 outcome = self._push_entry(client, entry, art_key, meta_key)
             if pre is not None and outcome in ("pushed", "present"):
-                client.put_if_absent(self._key("prekeys", f"{pre}.json"), json.dumps({"key": entry.key}).encode())
+                from neffbuild.compiler.entry_sig import prekey_record
+
+                client.put_if_absent(self._key("prekeys", f"{pre}.json"), prekey_record(pre, entry.key, self.sign_key))
             return outcome
         except s3.RemoteError as exc:
             if exc.kind == s3.DENIED and self.mode == "auto":
@@ -338,37 +369,8 @@ def for_worker(url: str, mode: str, trusted: tuple[bytes, ...] = ()) -> RemoteCa
 
 
 def check(url: str) -> dict:
-    """``cache remote check``: {"url", "endpoint", "reachable", "readable", "writable", "errors"}.
+    """``cache remote check``: {"url", "endpoint", "reachable", "readable", "writable", "errors"} (s3_probe.check
+    listing the cache's own folder)."""
+    from neffbuild.s3_probe import check as check_remote
 
-    Writable is tested by a create-only put of a probe object under ``PREFIX/.neffbuild-probe/``
-    (left there: the cache never deletes; its name is unique per check). Each request waits at most
-    PROBE_CONNECT_S + PROBE_READ_S, once; a wait longer than a second says so on stderr."""
-    out = {"url": url, "endpoint": None, "reachable": False, "readable": False, "writable": False, "errors": []}
-    timer = _say_while_waiting(url, 2 * (PROBE_CONNECT_S + PROBE_READ_S))
-    try:
-        return _check(url, out)
-    finally:
-        timer.cancel()
-
-
-def _check(url: str, out: dict) -> dict:
-    import uuid
-
-    client = None
-    try:
-        client = s3.open_remote(url, connect_timeout=PROBE_CONNECT_S, read_timeout=PROBE_READ_S, attempts=1)
-        out["endpoint"] = client.endpoint
-        next(iter(client.list(f"v{CACHE_VERSION}")), None)
-        out["reachable"] = out["readable"] = True
-    except s3.RemoteError as exc:
-        out["errors"].append(str(exc))
-        if exc.kind in (s3.DENIED, s3.NOT_FOUND, s3.OTHER, s3.SERVER):
-            out["reachable"] = True
-        if client is None or exc.kind in (s3.UNREACHABLE, s3.MISSING_EXTRA, s3.NO_CREDENTIALS):
-            return out
-    try:
-        out["writable"] = client.put_if_absent(client.url.key(".neffbuild-probe", uuid.uuid4().hex), b"probe")
-        out["reachable"] = True
-    except s3.RemoteError as exc:
-        out["errors"].append(str(exc))
-    return out
+    return check_remote(url, f"v{CACHE_VERSION}")

@@ -57,13 +57,14 @@ def cached_remote(tier: RemoteCache | None, cache, job: Job) -> JobResult | None
     from neffbuild.compiler.worker import cached_result, pre_key_for
 
     try:
-        pre = pre_key_for(job.graph, get_backend(**job.backend))
+        backend = get_backend(**job.backend)
+        pre = pre_key_for(job.graph, backend)
     except Exception:
         return None
     from neffbuild.compiler.smoke_child import fetched_check
 
     before = tier.stats.hits
-    if tier.fetch_pre(cache, pre, fetched_check(job)) is None:
+    if tier.fetch_pre(cache, pre, fetched_check(job), expected_meta(job, backend)) is None:
         return None
     res = cached_result(job)
     if res is not None and tier.stats.hits > before:
@@ -71,12 +72,34 @@ def cached_remote(tier: RemoteCache | None, cache, job: Job) -> JobResult | None
     return res
 
 
+def expected_meta(job: Job, backend, input_signature=None):
+    """``expect(meta)`` for a remote entry fetched for ``job``: why the meta records another toolchain, graph
+    (a pre-key hit) or input signature (traced) than this target's (None: it records this one's). A pre-key
+    record may point anywhere; an entry that says it is another graph's is never taken for this one."""
+    from neffbuild.compiler.cache import canonical
+    from neffbuild.compiler.graph_spec import graph_summary
+
+    want = {"fingerprint": backend.fingerprint()}  # traced: the key covers the graph's text, so its inputs will do
+    if input_signature is None:
+        want["graph"] = graph_summary(job.graph)
+    else:
+        want["input_signature"] = input_signature
+
+    def expect(meta: dict) -> str | None:
+        for name, value in want.items():
+            if canonical(meta.get(name)) != canonical(value):
+                return f"records another {name} than this target's ({str(meta.get(name))[:120]})"
+        return None
+
+    return expect
+
+
 def for_worker(tier: RemoteCache | None, job: Job) -> Job:
     """The job as a worker gets it: without the tier once it is down, and told which keys the driver
     already found corrupt on the remote (the worker does not fetch and count them again)."""
     if tier is None or not job.remote:
         return job
-    if tier.down:
+    if tier.down or tier.suspect:
         return dataclasses.replace(job, remote=None)
     return dataclasses.replace(job, remote_skip=tuple(sorted(tier.rejected)))
 
@@ -92,6 +115,8 @@ def after_result(tier: RemoteCache | None, cache, job: Job, res: JobResult) -> J
         tier.warn(w)
     if report.get("state") == "unreachable":
         tier.down = tier.down or "unreachable"
+    if report.get("state") == "suspect":
+        tier.suspect = True
     if report.get("hits"):
         res = res.replace(remote_hit=True)
     if not res.ok or res.remote_hit or not res.cache_key:

@@ -7,7 +7,12 @@ torch's import once, then each check costs the load and one step. Requests and a
 length-prefixed pickles over the child's original stdout (its fds 1 and 2 go to the null device, so what the
 loader prints cannot corrupt them). A child that dies (a signal, an exit) answers that check with LoadFailed
 naming the signal and is started afresh for the next one; one that does not answer within the timeout is
-killed the same way.
+killed the same way (SmokeTimedOut: the remote cache then fetches nothing more in that build).
+
+The timeout of a fetched entry's check is scaled to one load and one step, not a fixed 10 minutes: a few
+times the time to read the artifact and the weights at a slow disk's pace, at least the floor
+``NEFFBUILD_REMOTE_SMOKE_TIMEOUT_S`` (30 s by default). Code that loops is found in seconds for a small
+model, and a line on stderr says what is being waited for.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ from pathlib import Path
 from neffbuild.compiler.smoke import LoadFailed
 
 CHILD_TIMEOUT_S = 600.0
+READ_BYTES_PER_S = 250e6  # a slow disk: loading the artifact and binding the weights reads each byte once
+TIMEOUT_FACTOR = 4.0  # what one load and one step may take against that estimate
 _LEN = struct.Struct("<Q")
+
+
+class SmokeTimedOut(LoadFailed):
+    """A smoke run that did not answer within its timeout (killed): code that loops, or a machine far too slow."""
 
 
 class _Child:
@@ -55,7 +66,7 @@ class _Child:
         if answer is None:
             code = self.proc.wait()
             if expired:
-                raise LoadFailed(f"the smoke run did not finish within {timeout_s:.0f} s")
+                raise SmokeTimedOut(f"the smoke run did not finish within {timeout_s:.0f} s")
             if code < 0:
                 name = signal.Signals(-code).name if -code in signal.valid_signals() else "?"
                 raise LoadFailed(f"the smoke run died of signal {-code} ({name})")
@@ -71,7 +82,28 @@ def fetched_check(job):
     here (None where the job's smoke run is skipped: no weights on this node, or a sharded graph)."""
     if job.weights_path is None or not Path(job.weights_path).is_file() or job.graph.parallel.sharded:
         return None
-    return lambda artifact: smoke_in_child(job.backend, artifact, job.graph, job.weights_path)
+
+    def check(artifact: Path) -> None:
+        from neffbuild.s3_probe import say_while_waiting
+
+        timeout_s = fetched_timeout_s(artifact, Path(job.weights_path))
+        timer = say_while_waiting(f"the smoke run of the remote cache entry for {job.label} in a child process",
+                                  timeout_s)
+        try:
+            smoke_in_child(job.backend, artifact, job.graph, job.weights_path, timeout_s)
+        finally:
+            timer.cancel()
+
+    return check
+
+
+def fetched_timeout_s(artifact: Path, weights: Path) -> float:
+    """How long a fetched entry's load and one step may take: TIMEOUT_FACTOR x reading the artifact and the
+    weights at READ_BYTES_PER_S, at least ``NEFFBUILD_REMOTE_SMOKE_TIMEOUT_S``."""
+    from neffbuild import settings
+
+    size = sum(p.stat().st_size for p in (artifact, weights) if p.is_file())
+    return max(settings.remote_smoke_timeout_s(), TIMEOUT_FACTOR * size / READ_BYTES_PER_S)
 
 
 _CHILD: list[_Child] = []

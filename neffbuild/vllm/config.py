@@ -41,8 +41,9 @@ def from_additional_config(additional: dict | None) -> PluginConfig | None:
     if not isinstance(bundle, str) or not bundle:
         raise InvalidInput(f"{where}.bundle: required, the bundle folder (got {bundle!r})")
     keys = section.get("trusted_keys")
-    if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
-        raise InvalidInput(f"{where}.trusted_keys: a list of PEM public key paths (got {keys!r})")
+    if keys is not None and (not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys)):
+        raise InvalidInput(f"{where}.trusted_keys: a non-empty list of PEM public key paths (got {keys!r}); leave "
+                           "it out to use NEFFBUILD_TRUSTED_KEYS")
     verify = section.get("verify", "sizes")
     if verify not in ("sizes", "full"):
         raise InvalidInput(f"{where}.verify: 'sizes' or 'full' (got {verify!r})")

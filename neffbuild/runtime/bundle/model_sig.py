@@ -276,9 +276,17 @@ def verify_bundle(root: str | Path, trusted_keys) -> Verified:
 
 
 def require(root: Path, trusted_keys=None) -> Verified | None:
-    """open_bundle's gate: verify with ``trusted_keys`` (default NEFFBUILD_TRUSTED_KEYS); None when no key is set."""
+    """open_bundle's gate: verify with ``trusted_keys`` (None: NEFFBUILD_TRUSTED_KEYS); None when no key is set.
+
+    An empty list is refused (InvalidInput naming ``trusted_keys``): "trust these keys" with none listed is a
+    caller's mistake (a config read as ``[]``), and reading it as "no policy" would switch off the host's
+    NEFFBUILD_TRUSTED_KEYS and open unsigned bundles. Pass None for the environment's keys."""
     if trusted_keys is None:
         from neffbuild import settings
 
         trusted_keys = settings.trusted_keys()
-    return verify_bundle(root, trusted_keys) if trusted_keys else None
+        return verify_bundle(root, trusted_keys) if trusted_keys else None
+    if isinstance(trusted_keys, (str, bytes)) or len(trusted_keys) == 0:
+        raise InvalidInput(f"trusted_keys: got {trusted_keys!r:.80}, must list at least one PEM public key (a path "
+                           "or PEM bytes); leave it out (None) to use NEFFBUILD_TRUSTED_KEYS")
+    return verify_bundle(root, trusted_keys)
