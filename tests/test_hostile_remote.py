@@ -137,7 +137,7 @@ def test_without_keys_an_entry_recording_another_graph_is_refused(monkeypatch, s
                                                                    two_targets, b_is_local):
     """No keys: the bucket is trusted, yet a pre-key record pointing at an entry that records another graph (B's
     shapes) is not followed for A, whether B's entry is on the remote only or already in the local cache."""
-    from neffbuild.compiler.remote_tier import expected_meta
+    from neffbuild.compiler.remote_meta import expected_meta
 
     job_a, job_b, backend = two_targets
     assert _recorded(job_a, backend) != _recorded(job_b, backend)

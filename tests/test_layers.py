@@ -36,8 +36,10 @@ ALLOWED = {
     "memory": RUNTIME,  # a rank's bytes by the runtime's KV layout (neffbuild/memory.py, torch-free)
     "recommend": {"grid"} | RUNTIME,
     "s3": set(),  # the S3 client over boto3 (neffbuild/s3.py): base modules only; boto3 imported on use
-    "bundle": RUNTIME | {"recipe", "s3"},  # recipe: recipe_check reads recipe.yaml with the validator's rules
-    "compiler": {"models", "bundle", "kernels", "grid", "memory", "s3"} | RUNTIME,
+    "s3_probe": {"s3"},  # the connect / first-byte probe every remote user runs first (neffbuild/s3_probe.py)
+    # recipe: recipe_check reads recipe.yaml with the validator's rules
+    "bundle": RUNTIME | {"recipe", "s3", "s3_probe"},
+    "compiler": {"models", "bundle", "kernels", "grid", "memory", "s3", "s3_probe"} | RUNTIME,
     # no recipe: a bundle's model config is judged in the runtime (runtime/bundle/config_rules.py, the recipe's
     # own rule set) when any engine opens it
     "serve": {"models"} | RUNTIME,
@@ -241,7 +243,7 @@ def raw_manifest_reads(root: Path) -> list[str]:
         for node in ast.walk(ast.parse(p.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
                 node.value if isinstance(node, ast.Constant) and node.value == "graph_inputs" else None
-            if name in MANIFEST_READS or name == "graph_inputs" and isinstance(node, ast.Constant):
+            if name in MANIFEST_READS or (name == "graph_inputs" and isinstance(node, ast.Constant)):
                 out.append(f"{p.relative_to(root)}:{node.lineno} reads {name}")
     return out
 

@@ -13,6 +13,7 @@ import dataclasses
 
 from neffbuild.compiler.jobs import Job, JobResult
 from neffbuild.compiler.remote_cache import MODES, RemoteCache
+from neffbuild.compiler.remote_meta import expected_meta
 from neffbuild.errors import InvalidInput
 
 
@@ -70,28 +71,6 @@ def cached_remote(tier: RemoteCache | None, cache, job: Job) -> JobResult | None
     if res is not None and tier.stats.hits > before:
         res = res.replace(remote_hit=True)
     return res
-
-
-def expected_meta(job: Job, backend, input_signature=None):
-    """``expect(meta)`` for a remote entry fetched for ``job``: why the meta records another toolchain, graph
-    (a pre-key hit) or input signature (traced) than this target's (None: it records this one's). A pre-key
-    record may point anywhere; an entry that says it is another graph's is never taken for this one."""
-    from neffbuild.compiler.cache import canonical
-    from neffbuild.compiler.graph_spec import graph_summary
-
-    want = {"fingerprint": backend.fingerprint()}  # traced: the key covers the graph's text, so its inputs will do
-    if input_signature is None:
-        want["graph"] = graph_summary(job.graph)
-    else:
-        want["input_signature"] = input_signature
-
-    def expect(meta: dict) -> str | None:
-        for name, value in want.items():
-            if canonical(meta.get(name)) != canonical(value):
-                return f"records another {name} than this target's ({str(meta.get(name))[:120]})"
-        return None
-
-    return expect
 
 
 def for_worker(tier: RemoteCache | None, job: Job) -> Job:

@@ -176,7 +176,7 @@ def _build(job: Job, backend, result: JobResult):
 
     def produce(tmp: Path):
         if remote is not None and key not in job.remote_skip:  # the second tier: fetched and checked into tmp
-            from neffbuild.compiler.remote_tier import expected_meta
+            from neffbuild.compiler.remote_meta import expected_meta
             from neffbuild.compiler.smoke_child import fetched_check
 
             got = remote.fetch_to(key, tmp, fetched_check(job), expected_meta(job, backend, signature))
