@@ -56,11 +56,12 @@ def save_checkpoint(folder: Path) -> Path:
 
 
 def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", num_blocks: int = NUM_BLOCKS,
-                 num_seqs_buckets=tuple(BATCH_BUCKETS), ctx_buckets=tuple(CTX_BUCKETS), **serving) -> Path:
+                 num_seqs_buckets=tuple(BATCH_BUCKETS), ctx_buckets=tuple(CTX_BUCKETS),
+                 max_model_len: int = MAX_MODEL_LEN, **serving) -> Path:
     raw = {
         "name": name, "version": "0.1.0",
         "model": {"arch": "gpt_oss", "checkpoint": str(checkpoint)},
-        "serving": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": num_seqs_buckets[-1], "block_size": BLOCK_SIZE,
+        "serving": {"max_model_len": max_model_len, "max_num_seqs": num_seqs_buckets[-1], "block_size": BLOCK_SIZE,
                     "num_blocks": num_blocks, **serving},
         "neuron_config": {"num_seqs_buckets": list(num_seqs_buckets),
                           "decode_context_length_buckets": list(ctx_buckets), "gk_decode": True,
@@ -75,12 +76,16 @@ def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", 
 
 
 def vllm_env(threads: int = 1, **extra: str) -> dict:
-    """The environment of a vLLM subprocess: this worktree's code first, offline, one compute thread."""
+    """The environment of a vLLM subprocess: this worktree's code first, offline, one compute thread. A vLLM
+    started with the plugin's printed settings takes its KV memory from them (``--kv-cache-memory-bytes``): pass
+    ``VLLM_CPU_KVCACHE_SPACE=None`` to leave the legacy variable out, as a user's shell would."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads),
                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
                TOKENIZERS_PARALLELISM="false")
     env.pop("PYTEST_XDIST_WORKER", None)
-    env.update(extra)
+    env.update({k: v for k, v in extra.items() if v is not None})
+    for k in [k for k, v in extra.items() if v is None]:
+        env.pop(k, None)
     return env
 
 

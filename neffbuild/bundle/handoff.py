@@ -79,6 +79,12 @@ PLUGIN_KEY = "neffbuild"  # the plugin's section of vLLM's --additional-config (
 CHECKPOINT_PLACEHOLDER = "CHECKPOINT"
 
 
+def kv_pool_bytes(facts) -> int:
+    """The bytes of the bundle's KV pool in vLLM's tensors (its target layers; rounded up to a MiB)."""
+    layout = facts.graph_inputs.kv_layout
+    return -(-layout.target_bytes // 2**20) * 2**20
+
+
 def plugin_config(root, manifest: dict, recipe: dict) -> dict:
     """{command, env, engine_args, additional_config, warnings}: ``vllm serve`` with the plugin, for this bundle.
 
@@ -95,6 +101,9 @@ def plugin_config(root, manifest: dict, recipe: dict) -> dict:
     args = {"dtype": dtype, "enforce_eager": True, **engine_args(manifest)}
     if kv_cache_dtype != "auto":
         args["kv_cache_dtype"] = kv_cache_dtype
+    # vLLM CPU sizes its KV memory from a fraction of the host (0.92 by default) and refuses to start on a host
+    # where less than that is free; the bundle fixes the pool, so the memory it needs is known: its bytes.
+    args["kv_cache_memory_bytes"] = kv_pool_bytes(facts)
     extra = {PLUGIN_KEY: {"bundle": str(Path(root).resolve())}}
     warn = [] if checkpoint else [
         f"the bundle's weights are random (model.random_seed), so no checkpoint holds them for vLLM to load; "

@@ -40,11 +40,14 @@ class BundleLayoutAttention(CPUAttentionBackendImpl):
     """vLLM's CPU attention implementation, reading and writing K/V in the bundle's layout."""
 
     neffbuild_packed = False  # packed-FP8 K (the bundle's fp8_packed_kv): set by ``adopt``
+    neffbuild_skip = None  # [T] bool: tokens an artifact ran in this forward (decode.BundleDecoder.skip_tokens)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         buffer = bundle_view(kv_cache)
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()  # padding tokens have slot -1: written nowhere
+        if self.neffbuild_skip is not None:  # an artifact wrote these tokens' KV in this forward
+            slots = slots.masked_fill(self.neffbuild_skip[:n], -1)
         kv_access.write_kv(buffer, 0, slots, key[:n], self.neffbuild_packed)  # [n, kv, d] at each token's slot
         kv_access.write_kv(buffer, 1, slots, value[:n], False)  # V is never packed
 
@@ -57,9 +60,12 @@ class BundleLayoutAttention(CPUAttentionBackendImpl):
         buffer = bundle_view(kv_cache)
         starts = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
+        skip = self.neffbuild_skip
         for r, total in enumerate(seq_lens):
             a, b = starts[r], starts[r + 1]
-            if b > a:
+            if b > a and skip is not None and bool(skip[a]):
+                output[a:b] = 0  # the artifact ran this row; its eager output is never read (zeros, not garbage)
+            elif b > a:
                 output[a:b] = self._attend(query[a:b], buffer, attn_metadata.block_table[r], total).view_as(
                     output[a:b])
         return output

@@ -7,7 +7,8 @@ own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, b
 
   neffbuild_vllm_artifact_steps_total{label}    decode forwards run by each artifact (batch x context bucket)
   neffbuild_vllm_forwards_total{kind}           model forwards: decode (all requests in decode) | prefill | mixed
-  neffbuild_vllm_decode_rows_total{path}        decode rows: artifact (live rows) | eager (inside mixed forwards)
+                                                (prefill chunks beside one-token rows, which ran an artifact)
+  neffbuild_vllm_decode_rows_total{path}        decode rows by path: artifact (every one-token row, in every forward)
   neffbuild_decode_needed_seq                   histogram of each decode step's needed_seq (128-token buckets)
 
 ``snapshot()`` returns the same counts as a dict (in the plugin's report: neffbuild/vllm/model.py ``report``).
@@ -36,7 +37,7 @@ class PluginMetrics:
         self._prom = (
             prom.Counter("neffbuild_vllm_artifact_steps", "Decode forwards run by a bundle artifact.", ["label"]),
             prom.Counter("neffbuild_vllm_forwards", "Model forwards by kind (decode | prefill | mixed).", ["kind"]),
-            prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact | eager).", ["path"]),
+            prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact).", ["path"]),
             prom.Histogram(NeededSeqHistogram.METRIC, "needed_seq of each decode step (max computed + 1 + drafts).",
                            buckets=edges),
         )

@@ -8,8 +8,10 @@ Without ``additional_config["neffbuild"]`` it is vLLM's own GptOssForCausalLM, u
    error naming each vLLM flag and both values;
 2. vLLM's model is built as usual, and every attention layer's implementation reads the KV tensors in the
    bundle's layout (neffbuild/vllm/attention.py): prefill, chunks and mixed batches stay vLLM's eager model;
-3. ``forward`` runs a forward whose requests are all in decode through one artifact (neffbuild/vllm/decode.py)
-   and ``compute_logits`` hands vLLM's sampler the artifact's logits.
+3. ``forward`` runs a forward whose requests are all in decode through one artifact, and the one-token rows
+   of a forward that mixes them with prefill chunks through the artifact of their own batch bucket while
+   vLLM's eager model runs the chunks (neffbuild/vllm/decode.py); ``compute_logits`` hands vLLM's sampler the
+   artifact's logits for those rows.
 
 Why a model class and not a model-runner or platform plugin: the model is the one place vLLM hands both the
 step's inputs (ids, positions) and, in its forward context, every layer's metadata (block tables per KV group,
@@ -53,7 +55,8 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
 
     def compute_logits(self, hidden_states):
         if self.neffbuild is not None:
-            logits = self.neffbuild.take_logits(hidden_states)
+            logits = self.neffbuild.take_logits(hidden_states, lambda: super(
+                NeffbuildGptOssForCausalLM, self).compute_logits(hidden_states))
             if logits is not None:
                 return logits
         return super().compute_logits(hidden_states)

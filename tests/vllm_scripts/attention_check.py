@@ -41,7 +41,8 @@ def check() -> dict:
         ops.cpu_attention_with_kv_cache(q, kc, vc, ref, qsl, seq_lens, 0.125, True, None, window, table, 0.0, meta,
                                         sinks)
         ours = torch.zeros(nb, kv, bs, 2 * d)
-        impl = types.SimpleNamespace(num_heads=H, head_size=d, sliding_window=window, scale=0.125, sinks=sinks)
+        impl = types.SimpleNamespace(num_heads=H, head_size=d, sliding_window=window, scale=0.125, sinks=sinks,
+                                     neffbuild_packed=False, neffbuild_skip=None)
         impl._attend = lambda *a, impl=impl: BundleLayoutAttention._attend(impl, *a)
         BundleLayoutAttention.do_kv_cache_update(impl, None, keys, values, ours, slots)
         got = torch.zeros(91, H, d)
