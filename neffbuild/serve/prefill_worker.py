@@ -2,7 +2,7 @@
 
 ``PrefillGroup(bundle, tp=P)`` spawns the ranks. Each runs the model's eager per-layer
 prefill on its own TP shard (the bundle's weights joined and re-split for P, so P need not be
-the bundle's tp), with its own KV cache and NIXL agent (``runtime.kv_ingest.KVProducer``) and
+the bundle's tp), with its own KV cache and NIXL agent (``runtime.di.ingest.KVProducer``) and
 its own side channel. Rank 0 leads: it owns the block manager and answers ``prefill`` and
 ``release``; it hands each request (tokens and block rows) to the other ranks over their gloo
 group, and all P ranks run the prefill together (the TP all-reduces). A ``prefill`` call
