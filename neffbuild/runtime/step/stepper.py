@@ -79,6 +79,7 @@ class Stepper:
         self.kv_caches = (kv_cache.check_kv_buffers(kv_caches, artifacts.kv_layout, device)
                           if kv_caches is not None else allocate(self.kv_layout, device))
         self.draft_cache = allocate_draft(self.kv_layout, device)  # EAGLE3 bundles: the draft's own KV group
+        self.kv_guard = kv_cache.KVGuard(self.kv_caches)  # re-checked at every step (runtime/kv/cache.py)
 
     def plan(self, batch: StepBatch, *, more: bool = False) -> StepPlan:
         """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike.
@@ -112,6 +113,7 @@ class Stepper:
     def run(self, plan: StepPlan, batch: StepBatch) -> StepOutput:
         """Run a plan from ``self.plan(batch)`` (a loop may look at it first, e.g. ``plan.any_work``)."""
         R, q = len(batch.tokens), plan.query_len
+        self.kv_guard.check()
         tokens = torch.tensor([list(t)[:q] for t in batch.tokens], dtype=torch.long).reshape(R, q)
         empty = torch.zeros((R, 1), dtype=torch.long)
         full = batch.block_tables.get(FULL_GROUP, empty)
