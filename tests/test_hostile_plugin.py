@@ -83,6 +83,7 @@ def test_random_sections_through_vllms_config_builder_refuse_what_the_rules_refu
     assert {o.split(":")[0] for o in got} >= {"ok", "InvalidInput"}  # the seed reaches both kinds of outcome
 
 
+@pytest.mark.slow  # starts `vllm serve` (its API server only: the refusal comes before any engine process)
 @pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON)
 def test_vllm_serve_with_a_bad_section_stops_with_one_line_and_no_traceback(tmp_path):
     checkpoint = save_checkpoint(tmp_path / "ckpt")
