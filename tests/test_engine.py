@@ -128,7 +128,7 @@ def test_look_ahead_changes_tables_less_often_within_each_requests_budget(built)
     ('{"id": "x", "prompt_ids": [1], "max_new_tokens": 0}', ":2: field 'max_new_tokens'"),
     ('{"id": "x", "prompt_ids": [1], "arrival": -1}', ":2: field 'arrival'"),
     ('{"id": "x", "prompt_ids": [1], "colour": 1}', ":2: unknown field 'colour'"),
-    ('{"id": "a", "prompt_ids": [1]}', ":2: field 'id': 'a' repeats line 1"),
+    ('{"id": "a", "prompt_ids": [1]}', ":2: field 'id': 'a' repeats line 1's id"),
 ])
 def test_bad_request_line_exits_2_naming_line_and_field(tmp_path, line, needle):
     path = tmp_path / "reqs.jsonl"

@@ -115,8 +115,9 @@ def test_cache_clear_removes_only_its_own_tree_and_counts_truly(tmp_path):
     from neffbuild.compiler.cache import CACHE_VERSION, Cache
 
     c = Cache(tmp_path).ensure()
-    for key in ("a", "b", "c"):
+    for key in ("a" * 64, "b" * 64, "c" * 64):  # entries as publish writes them (clear deletes nothing else)
         (c.entries_dir / key).mkdir()
+        (c.entries_dir / key / "meta.json").write_text("{}")
     (tmp_path / "mine.txt").write_text("keep")
     code, out, err, _ = run_cli("cache", "clear", "--yes", "--cache-dir", str(tmp_path))
     assert code == 0 and "removed 3 entries" in out, err

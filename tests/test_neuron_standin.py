@@ -71,6 +71,11 @@ def test_standin_catches_a_wrongly_traced_neff(fault, tmp_path, small_checkpoint
     out = _cli(env, "generate", bundle, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "4", "--check")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "--check: tokens differ from the eager reference" in out.stderr
+    assert "a real difference" in out.stderr and "margin" in out.stderr  # the rule's verdict, with the margin
+    doc = json.loads(_cli(env, "generate", bundle, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "4", "--check",
+                          "--json").stdout)  # one document: a second after it would not parse
+    assert doc["ok"] is False and doc["error"]["exit_code"] == 1 and doc["check"]["differences"], doc
+    assert "tokens" in doc and not doc["check"]["differences"][0]["near_tie"]
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -28,7 +28,7 @@ from neffbuild.runtime.kv.cache import KVLayout
 from neffbuild.runtime.step.dispatch import Grid
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests import engine_runs
-from tests.helpers import TINY, build_bundle, write_recipe
+from tests.helpers import TINY, build_bundle, cli, write_recipe
 from tests.mxfp4_checkpoint import write_mxfp4_checkpoint
 
 PROMPTS = [list(range(3, 48)), [7, 1, 9, 200, 13], [(i * 37) % 256 for i in range(70)]]
@@ -293,7 +293,7 @@ def test_neuron_standin_bundle_carries_bf16_and_mxfp4(tmp_path, tiny_cfg):
     import subprocess
     import sys
 
-    from tests.helpers import cli, neuron_recipe, standin_env
+    from tests.helpers import neuron_recipe, standin_env
 
     hf = dict(tiny_cfg.to_hf_dict(), num_hidden_layers=2)
     hf.pop("layer_types")
@@ -354,3 +354,35 @@ def test_packed_experts_shard_over_ep_and_join_back(tiny_cfg):
         tiny_cfg, par, form)
     assert set(sharding.shard_layout(par, tuple(stacked))) == set(sharding.TP_SPLIT) | {
         "gate_up_w_blocks", "gate_up_w_scales", "down_w_blocks", "down_w_scales", "gate_up_b", "down_b"}
+
+
+@pytest.mark.slow
+def test_generate_check_accepts_the_bf16_mxfp4_bundle_by_the_near_tie_rule(mxfp4_bundle):
+    """`generate --check` on a correct bf16 + MXFP4 bundle: identical tokens, or a first difference the reference
+    itself ranks within the reduced-precision tolerance (serve/check.py); the margin is in the verdict."""
+    from neffbuild.serve.check import REL
+
+    _, built = mxfp4_bundle
+    args = [a for p in PROMPTS[:2] + [PROMPTS[2][:60]] for a in ("--prompt-ids", ",".join(map(str, p)))]
+    gen = cli("generate", str(built.bundle), *args, "--max-new-tokens", str(STEPS), "--check", "--json")
+    assert gen.returncode == 0, gen.stdout + gen.stderr
+    verdict = json.loads(gen.stdout)["check"]
+    assert verdict["ok"] and verdict["precision"] == "reduced" and verdict["relative_tolerance"] == REL["reduced"]
+    for v in verdict["differences"]:
+        print(v)
+        assert v["near_tie"] and v["margin"] <= v["tolerance"]
+
+
+@pytest.mark.slow
+def test_bench_compiles_its_variants_in_the_bundles_weight_form(mxfp4_bundle):
+    """`bench` on a bf16 + MXFP4 bundle: the dynamic-width variant binds the packed experts (it was compiled with
+    dense expert names and failed after its compile)."""
+    from neffbuild.bench.steps import stored_form
+    from neffbuild.runtime.bundle.reader import open_bundle
+
+    _, built = mxfp4_bundle
+    assert stored_form(open_bundle(built.bundle)) == {"weights_dtype": "bfloat16", "experts": "mxfp4"}
+    res = cli("bench", str(built.bundle), "--json", "--repeat", "3", "--no-startup", "--no-dp", process=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)["steps"]["rows"]
+    assert all(r["dynamic"]["median_ms"] > 0 and r["bucketed"]["median_ms"] > 0 for r in rows)

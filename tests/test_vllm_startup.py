@@ -75,5 +75,6 @@ def test_a_mismatch_fails_vllm_start_up_naming_the_flag(fitting, arg, value, mes
     assert elapsed < 60, f"start-up failed after {elapsed:.0f} s"
     assert message in text, text[-3000:]
     assert "does not fit this vLLM configuration (nothing will serve)" in text
+    assert "Traceback" not in text and proc.returncode == 1, text[-3000:]  # the refusal alone (startup.py)
     # it stopped while vLLM built its configuration, in the API server: no engine or worker process had started
     assert set(re.findall(r"^\((\w+) pid=\d+\)", text, re.M)) <= {"APIServer"}, text[-3000:]

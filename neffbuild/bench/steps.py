@@ -14,6 +14,7 @@ import dataclasses
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,11 +33,26 @@ VARIANTS = ("bucketed", "fallback", "dynamic", "eager")
 
 
 def graph_spec(bundle, *, batch: int, ctx: int) -> TargetGraph:
-    """The bundle's decode graph at (batch, ctx), from its GraphInputs (an unsharded graph: one process)."""
+    """The bundle's decode graph at (batch, ctx), from its GraphInputs (an unsharded graph: one process), in the
+    form of the weights it stores (bfloat16, MXFP4 experts): the variants compiled here bind those weights."""
     gi, one = bundle.graph_inputs, ParallelLayout()
     kv = memory.kv_layout(gi.config(), gi.draft(gi.config()), gi.num_blocks, gi.block_size, gi.fp8_packed_kv, one,
                           gi.kv_layout.kv_dtype)
-    return target_graph_from(dataclasses.replace(gi, parallel=one, kv_layout=kv), DECODE, batch, ctx, 1)
+    graph = target_graph_from(dataclasses.replace(gi, parallel=one, kv_layout=kv), DECODE, batch, ctx, 1)
+    return dataclasses.replace(graph, **stored_form(bundle))
+
+
+def stored_form(bundle) -> dict:
+    """``weights_dtype`` and ``experts`` of the bundle's stored weights: the experts' form from the stored names
+    (the architecture's rule), the dtype that holds most of the floating-point elements."""
+    weights = bundle.weights
+    experts = registry.arch(bundle.graph_inputs.arch).get("experts_of")(weights)
+    elements = Counter()
+    for t in weights.values():
+        if t.is_floating_point():
+            elements[t.dtype] += t.numel()
+    dtype = str(elements.most_common(1)[0][0]).removeprefix("torch.") if elements else "float32"
+    return {"weights_dtype": dtype, "experts": experts}
 
 
 def contexts(max_model_len: int) -> list[int]:

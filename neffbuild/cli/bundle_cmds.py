@@ -176,7 +176,7 @@ def verify(ctx, bundle_path, trust, as_json):
     signed = ship_cmds.check_signature(bundle_path, trust)
     problems = [Problem(path, message) for path, message in signed] or reader.check(Path(bundle_path), full=True)
     problems = problems or recipe_check.problems(Path(bundle_path), reader.read_manifest(Path(bundle_path)))  # + yaml
-    problems = problems or _nonfinite_weights(Path(bundle_path), reader)
+    problems = problems or nonfinite_weights(Path(bundle_path), reader)
     if as_json:
         echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})
         ctx.meta["json_printed"] = True
@@ -186,7 +186,7 @@ def verify(ctx, bundle_path, trust, as_json):
         click.echo(f"{bundle_path}: ok")
 
 
-def _nonfinite_weights(root: Path, reader) -> list:
+def nonfinite_weights(root: Path, reader) -> list:
     """A NaN or an infinity in any stored weight (digests recomputed to match would pass every other check, and
     generate would print zeros): one pass over every weights file, after the digests held."""
     from neffbuild.runtime.bundle import weights_file

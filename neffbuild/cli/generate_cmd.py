@@ -14,9 +14,9 @@ import re
 import click
 
 from neffbuild.bundle.recipe_check import verify_fully
-from neffbuild.cli import ship_cmds
-from neffbuild.cli.output import dumps, json_option, shorten
-from neffbuild.errors import InvalidInput, NeffbuildError
+from neffbuild.cli import bundle_cmds, ship_cmds
+from neffbuild.cli.output import dumps, error_doc, json_option, shorten
+from neffbuild.errors import BundleError, InvalidInput, NeffbuildError
 from neffbuild.fsutil import output_problem, write_output
 from neffbuild.runtime.step.histogram import NeededSeqHistogram
 
@@ -74,14 +74,15 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, pre
     """
     ship_cmds.require_signature(bundle_path, trust)  # before any file of the bundle is read
     from neffbuild.serve import requests as reqs_mod
+    from neffbuild.serve.result import check_against_reference
     from neffbuild.serve.result import generate as run
-    from neffbuild.serve.result import reference_tokens
     from neffbuild.serve.run import Options
 
     if histogram_path and output_problem(histogram_path, "--histogram"):  # refused before any work, exit 2
         raise InvalidInput(output_problem(histogram_path, "--histogram"))
     if check:  # --check accepts a bundle: every sha256 and recipe.yaml first, not the size-only open
         verify_fully(bundle_path)
+    _refuse_nonfinite(bundle_path)
 
     if bool(prompt_ids) == bool(requests_path):
         raise InvalidInput("give the prompts as --prompt-ids ... or as --requests FILE.jsonl (one of them)")
@@ -97,17 +98,54 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, pre
     if histogram_path:
         _write_histogram(histogram_path, res.histogram)
     if check:
-        ref = reference_tokens(bundle_path, requests)
-        res.check = {"ok": ref == res.tokens, "reference": ref}
-    if as_json:
-        click.echo(dumps(res.to_json()))
+        res.check = check_against_reference(bundle_path, requests, res.tokens)
+    failed = _check_failure(res.check) if check else None
+    if as_json:  # one document, the failure's error in it (main.py then prints no second one)
+        click.echo(dumps(res.to_json() | (error_doc(failed, failed.exit_code) if failed else {})))
+        click.get_current_context().meta["json_printed"] = failed is not None
     else:
         _print(res, requests, spec)
-    if check and not res.check["ok"]:
-        bad = [r.id for r, a, b in zip(requests, res.tokens, res.check["reference"], strict=True) if a != b]
-        raise NeffbuildError(f"--check: tokens differ from the eager reference for requests {bad}")
-    if check and not as_json:
-        click.echo("check: tokens equal the eager reference", err=True)
+        if check:
+            _print_check(res.check, failed)
+    if failed:
+        raise failed
+
+
+def _refuse_nonfinite(bundle_path: str) -> None:
+    """NaN or infinite weights: refused as ``verify`` refuses them (its check, one pass over the weights), not
+    served as a run of token 0. A bundle that is broken otherwise is left to the open, which names the problem."""
+    from pathlib import Path
+
+    from neffbuild.runtime.bundle import reader
+    from neffbuild.serve.rank import read_valid
+
+    if read_valid(bundle_path, strict=False) is None:
+        return
+    bad = bundle_cmds.nonfinite_weights(Path(bundle_path), reader)
+    if bad:
+        raise BundleError(f"{bundle_path}: " + "; ".join(map(str, bad)) + " (`neffbuild verify` refuses it too)")
+
+
+def _check_failure(verdict: dict) -> NeffbuildError | None:
+    from neffbuild.serve.check import describe
+
+    if verdict["ok"]:
+        return None
+    lines = [describe(v) for v in verdict["differences"] if not v["near_tie"]]
+    return NeffbuildError("--check: tokens differ from the eager reference (" + verdict["precision"] +
+                          " rule, serve/check.py): " + "; ".join(lines))
+
+
+def _print_check(verdict: dict, failed) -> None:
+    from neffbuild.serve.check import describe
+
+    for v in verdict["differences"]:
+        if v["near_tie"]:
+            click.echo(f"check: {describe(v)}", err=True)
+    if not failed:
+        ties = sum(v["near_tie"] for v in verdict["differences"])
+        click.echo("check: tokens equal the eager reference" + (f" (up to {ties} near-tie(s) within the "
+                   f"{verdict['precision']} tolerance)" if ties else ""), err=True)
 
 
 def _print(res, requests, spec: bool) -> None:

@@ -11,6 +11,7 @@ build with any failure publishes no bundle: its logs are kept in
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -228,10 +229,23 @@ def _placement(runner, results: list[JobResult]) -> dict:
     return dict(record, built_on=dict(sorted(nodes.items()))) if nodes else record
 
 
+LOGS_MARKER = ".neffbuild-failed-logs"  # in every failed-logs folder neffbuild writes: only those are replaced
+
+
 def _keep_logs(writer: BundleWriter, out_dir) -> Path:
-    dest = Path(out_dir) / f"{writer.final.name}.failed-logs"
-    if dest.is_symlink() or dest.is_file():  # the name is ours; a link there is removed, never followed
-        dest.unlink()
-    shutil.rmtree(dest, ignore_errors=True)
+    """The failed build's logs at ``<out>/<name>-<version>.failed-logs``. A previous folder there is replaced
+    only when neffbuild wrote it (its marker file); anything else there (a folder without the marker, a file, a
+    link) is kept, and the logs go to the first free ``.failed-logs.N``, with a warning naming both."""
+    wanted = dest = Path(out_dir) / f"{writer.final.name}.failed-logs"
+    n = 1
+    while dest.exists() or dest.is_symlink():
+        if dest.is_dir() and not dest.is_symlink() and (dest / LOGS_MARKER).is_file():
+            shutil.rmtree(dest)
+            break
+        dest, n = wanted.with_name(f"{wanted.name}.{n}"), n + 1
+    if dest != wanted:
+        logging.getLogger(__name__).warning("%s is not a failed-logs folder neffbuild wrote (no %s): kept; this "
+                                            "build's logs are in %s", wanted, LOGS_MARKER, dest)
     shutil.copytree(writer.path(paths.LOGS_DIR), dest)
+    (dest / LOGS_MARKER).write_text("neffbuild: the logs of a failed build (replaced by the next failed build)\n")
     return dest

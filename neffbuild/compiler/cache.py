@@ -107,20 +107,40 @@ class Entry:
     meta: dict
 
 
-MARKER = "CACHEDIR.TAG"  # the cache-directory tag backup tools know; clear() needs it (or only cache folders)
+MARKER = "CACHEDIR.TAG"  # the cache-directory tag backup tools know; clear and prune need neffbuild's own
 MARKER_TEXT = "Signature: 8a477f597d28d172789f06886806bc55\n# neffbuild compile cache (neffbuild cache clear)\n"
-OWN = {"entries", "tmp", "locks", "prekeys", MARKER}
+MARKER_OWN = MARKER_TEXT.split(" (")[0]  # the standard first line, then neffbuild's: another tool's tag is not ours
+KEY_RE = re.compile(r"[0-9a-f]{64}")
+TMP_RE = re.compile(r"trash\.[0-9a-f]{64}\.[0-9a-f]{8}|[0-9a-f]{64}\.\d+\.[0-9a-f]{8}")  # new_tmp, _discard
+LOCK_RE = re.compile(r"[0-9a-f]{64}\.lock")
+PRE_RE = re.compile(r"[0-9a-f]{64}\.json|[0-9a-f]{64}\.\d+\.[0-9a-f]{8}\.part")
 
 
 def not_a_cache(base: Path) -> str | None:
-    """Why ``base`` (``root/v{N}``) is not a neffbuild cache tree, or None."""
+    """Why ``base`` (``root/v{N}``) is not a tree neffbuild created, or None.
+
+    Only neffbuild's own ``CACHEDIR.TAG`` (the standard signature line, then ``# neffbuild compile cache``) makes
+    a cache: folders named like the cache's, or another tool's tag, are someone else's."""
     marker = base / MARKER
     if marker.is_file() and not marker.is_symlink():
-        with contextlib.suppress(OSError):
-            if marker.read_text()[:200].startswith(MARKER_TEXT.splitlines()[0]):
+        with contextlib.suppress(OSError, UnicodeDecodeError), open(marker, encoding="utf-8") as fh:
+            if fh.read(200).startswith(MARKER_OWN):
                 return None
-    strangers = sorted(p.name for p in base.iterdir() if p.name not in OWN)[:3]
-    return f"{base} holds no {MARKER} and files a cache never writes ({strangers})" if strangers else None
+    return (f"{base} holds no {MARKER} written by neffbuild (the signature line, then '{MARKER_OWN.splitlines()[1]}'"
+            f"): a folder neffbuild did not create is never cleared or pruned")
+
+
+def looks_like_entry(folder: Path) -> bool:
+    """A folder ``publish`` wrote: named by a key, a real folder holding meta.json and regular files only (the
+    artifact, ``used``). Anything else under ``entries/`` is not neffbuild's to delete."""
+    if not KEY_RE.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
+        return False
+    try:
+        files = list(folder.iterdir())
+    except OSError:
+        return False
+    return (len(files) <= 3 and any(f.name == META for f in files)
+            and all(f.is_file() and not f.is_symlink() for f in files))
 
 
 class Cache:
@@ -133,9 +153,17 @@ class Cache:
         self.prekeys_dir = self.base / "prekeys"
 
     def ensure(self) -> Cache:
+        """The cache's folders; its marker only in a tree this call creates (or an empty one): a folder that
+        already holds someone's files is used but never marked, so clear and prune keep refusing it."""
+        try:
+            fresh = not any(self.base.iterdir())
+        except FileNotFoundError:
+            fresh = True
+        except OSError:
+            fresh = False
         for d in (self.entries_dir, self.tmp_dir, self.locks_dir, self.prekeys_dir):
             d.mkdir(parents=True, exist_ok=True)
-        if not (self.base / MARKER).exists():
+        if fresh and not (self.base / MARKER).exists():
             with contextlib.suppress(OSError):
                 (self.base / MARKER).write_text(MARKER_TEXT)
         return self
@@ -289,6 +317,8 @@ class Cache:
         if not self.tmp_dir.is_dir():
             return 0
         for d in self.tmp_dir.iterdir():
+            if not TMP_RE.fullmatch(d.name) or d.is_symlink():
+                continue  # not a work folder this cache made
             parts = d.name.split(".")
             pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
             if pid is not None and pid_alive(pid):
@@ -298,24 +328,31 @@ class Cache:
         return removed
 
     def clear(self) -> int:
-        """Remove this cache's own versioned tree (nothing else under root); the number of entries removed.
+        """Remove this cache's entries and work files, then its tree if nothing else is left; the number of entries
+        removed.
 
-        Refuses (InvalidInput, nothing removed) when ``v{CACHE_VERSION}/`` does not look like a cache:
-        ``NEFFBUILD_CACHE_DIR=$HOME`` must never cost the home folder.
-        """
+        Refuses (InvalidInput, nothing removed) unless ``v{CACHE_VERSION}/`` holds neffbuild's own marker
+        (``NEFFBUILD_CACHE_DIR=$HOME`` must never cost the home folder), and even then deletes only what neffbuild
+        writes: key-named entry folders (``looks_like_entry``), its work folders, locks and pre-key records."""
         if not self.base.is_dir() or self.base.is_symlink():
             return 0
         why = not_a_cache(self.base)
         if why:
             raise InvalidInput(f"{self.root}: {why}; nothing removed (is --cache-dir / NEFFBUILD_CACHE_DIR right?)")
-        n = sum(1 for d in self.entries_dir.iterdir() if d.is_dir()) if self.entries_dir.is_dir() else 0
-        for d in (self.entries_dir, self.tmp_dir, self.locks_dir, self.prekeys_dir):
-            if d.is_dir() and not d.is_symlink():
-                shutil.rmtree(d, ignore_errors=True)
+        n = 0
+        for d, own in ((self.entries_dir, None), (self.tmp_dir, TMP_RE), (self.locks_dir, LOCK_RE),
+                       (self.prekeys_dir, PRE_RE)):
+            if not d.is_dir() or d.is_symlink():
+                continue
+            for item in d.iterdir():
+                if looks_like_entry(item) if own is None else (own.fullmatch(item.name) and not item.is_symlink()):
+                    shutil.rmtree(item, ignore_errors=True) if item.is_dir() else item.unlink(missing_ok=True)
+                    n += own is None
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when nothing of someone else's is left in it
         with contextlib.suppress(OSError):
             (self.base / "hold.lock").unlink(missing_ok=True)  # a build's hold (prune); flock'd files may go
-            (self.base / MARKER).unlink(missing_ok=True)
-            self.base.rmdir()
+            if [p.name for p in self.base.iterdir()] == [MARKER]:
+                (self.base / MARKER).unlink()
+                self.base.rmdir()
         return n
-
-

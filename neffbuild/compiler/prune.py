@@ -5,9 +5,10 @@ else its creation time. ``max_bytes``: remove the least recently used entries un
 fit. ``unused_for_s``: remove every entry not used for that long. Both may be given. Pruning
 takes the cache's hold lock exclusively and without waiting, so it refuses while a build
 holds the cache (a build's hits are never removed under it). Corrupt entries are removed too
-(they are misses anyway), but only folders named like a key (64 hex digits), never a link. A
-folder that is not a cache (no ``CACHEDIR.TAG`` and files a cache never writes) is refused, and
-``--dry-run`` writes nothing at all (no lock, no marker). The remote tier is never touched.
+(they are misses anyway), but only folders shaped like an entry (named by a key, meta.json and
+regular files only: ``looks_like_entry``), never a link. A folder without neffbuild's own
+``CACHEDIR.TAG`` is refused before anything is written (so prune never marks a foreign tree),
+and ``--dry-run`` writes nothing at all (no lock, no marker). The remote tier is never touched.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import contextlib
 import re
 import time
 
-from neffbuild.compiler.cache import Cache, not_a_cache
+from neffbuild.compiler.cache import Cache, looks_like_entry, not_a_cache
 from neffbuild.errors import InvalidInput, NeffbuildError
 
-_KEY = re.compile(r"[0-9a-f]{64}")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
@@ -38,7 +38,7 @@ def entries(cache: Cache) -> list[dict]:
     if not cache.entries_dir.is_dir() or cache.entries_dir.is_symlink():
         return out
     for folder in cache.entries_dir.iterdir():
-        if not _KEY.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
+        if not looks_like_entry(folder):
             continue  # not an entry this cache wrote: never pruned
         entry = cache.get(folder.name, discard=False)
         out.append({"key": folder.name, "label": entry.meta.get("label", "?") if entry else "?",

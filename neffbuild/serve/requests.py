@@ -2,7 +2,9 @@
 
 One JSON object per line: ``{"id": str, "prompt_ids": [int], "max_new_tokens": int,
 "arrival": int}`` (``arrival``: the decode step at which the request may join, default 0;
-``max_new_tokens`` defaults to the command's ``--max-new-tokens``). Blank lines are skipped.
+``max_new_tokens`` defaults to the command's ``--max-new-tokens``; ``id`` defaults to the request's
+index among the file's requests, and a default id that equals another line's id is refused naming
+both lines). Blank lines are skipped and not counted: at most ``MAX_REQUESTS`` requests.
 Every problem is an ``InvalidInput`` naming the file, the line number and the field, raised
 before anything runs. ``check_requests`` then checks them against the bundle (vocabulary,
 ``max_model_len``); the engine applies the same rules to requests handed to it directly
@@ -25,7 +27,7 @@ from neffbuild.fsutil import no_duplicate_keys, read_regular
 from neffbuild.serve.parts import Request
 
 FIELDS = ("id", "prompt_ids", "max_new_tokens", "arrival")
-MAX_LINES = 100_000
+MAX_REQUESTS = 100_000  # records: blank lines and the final newline are not requests
 MAX_BYTES = 256 * 1024 * 1024  # 100,000 requests of ~300 token ids each, with room
 MAX_ID = 200
 MAX_ARRIVAL = 10**6
@@ -99,16 +101,17 @@ def load_requests(path: str | Path, default_new: int) -> list[Request]:
         lines = read_regular(p, "--requests", MAX_BYTES).decode("utf-8").split("\n")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"--requests {p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    lines = [line.removesuffix("\r") for line in lines]
-    if len(lines) > MAX_LINES:
-        raise InvalidInput(f"--requests {p}: {len(lines)} lines, at most {MAX_LINES}")
+    records = [(n, text) for n, text in enumerate((line.removesuffix("\r") for line in lines), start=1)
+               if text.strip()]
+    if len(records) > MAX_REQUESTS:
+        raise InvalidInput(f"--requests {p}: {len(records)} requests, at most {MAX_REQUESTS} (one per line; "
+                           "split the file)")
     reqs, seen = [], {}
-    for n, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
+    for n, text in records:
         r = parse_line(text, f"--requests {p}:{n}", default_new, len(reqs))
         if r.id in seen:
-            raise InvalidInput(f"--requests {p}:{n}: field 'id': {r.id!r} repeats line {seen[r.id]}")
+            how = "" if "id" in json.loads(text) else " (its default: the request's index; give the line an 'id')"
+            raise InvalidInput(f"--requests {p}:{n}: field 'id': {r.id!r}{how} repeats line {seen[r.id]}'s id")
         seen[r.id] = n
         reqs.append(r)
     if not reqs:

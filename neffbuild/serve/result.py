@@ -114,6 +114,24 @@ def generate(bundle_path: str, requests: list[Request], opts: Options) -> Genera
         return merge(run_ranks(bundle_path, requests, opts, group), len(requests), world, dp)
 
 
+def check_against_reference(bundle_path: str, requests: list[Request], tokens: list[list[int]]) -> dict:
+    """``--check``: the reference's tokens and, per request that differs, the verdict of serve/check.py's rule
+    (a near-tie within the dtype's tolerance passes; a wider margin fails). JSON-able."""
+    from neffbuild.serve import check
+
+    ref = open_rank(bundle_path, decode=EAGER)
+    recorder = check.Recorder(tokens)
+    fresh = [Request(r.id, list(r.prompt), r.max_new_tokens, index=r.index) for r in requests]
+    source = check.RecordingPrefill(recorder, ref.prefill, ref.kv_caches)
+    check.RecordingEngine(recorder, ref.stepper, ref.block_manager(), source).run(fresh)
+    dtype = check.precision(ref.weights, ref.kv_layout.dtype_name)
+    reference = [r.result()["tokens"] for r in fresh]
+    verdicts = [check.judge(r.id, t, want, recorder.positions.get(r.index, []), dtype)
+                for r, t, want in zip(fresh, tokens, reference, strict=True)]
+    return {"ok": all(v["ok"] for v in verdicts), "reference": reference, "precision": dtype,
+            "relative_tolerance": check.REL[dtype], "differences": [v for v in verdicts if "margin" in v]}
+
+
 def reference_tokens(bundle_path: str, requests: list[Request]) -> list[list[int]]:
     """Greedy tokens of the UNSHARDED eager model on the bundle's weights, per request (file order)."""
     ref = open_rank(bundle_path, decode=EAGER)

@@ -28,3 +28,32 @@ def register() -> None:
 
     ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     startup.install(ARCHITECTURE)  # the bundle check when vLLM builds its configuration (neffbuild/vllm/startup.py)
+    _check_the_section_for_every_model()
+
+
+def _check_the_section_for_every_model() -> None:
+    """Check ``additional_config`` whatever model vLLM serves (idempotent).
+
+    The GPT-OSS hook above runs for GPT-OSS checkpoints only, so a ``neffbuild`` section given with another model,
+    or a misspelled key, would leave vLLM serving natively while the operator believes the bundle serves. vLLM
+    has no per-configuration plugin hook for every architecture, so the one method every ``VllmConfig`` runs at the
+    end of its set-up (``try_verify_and_update_config``, which looks the per-architecture hooks up) checks the
+    section first; refusals print as one line under vLLM's CLI (startup.one_line_refusals)."""
+    from vllm.config import VllmConfig
+
+    from neffbuild.vllm import startup
+    from neffbuild.vllm.config import for_architecture
+
+    original = VllmConfig.try_verify_and_update_config
+    if getattr(original, "neffbuild_section_check", False):
+        return
+
+    def try_verify_and_update_config(self) -> None:
+        model = self.model_config
+        if model is not None and not getattr(model, "config_updated", False):
+            with startup.one_line_refusals():
+                for_architecture(self.additional_config, model.architecture, ARCHITECTURE)
+        original(self)
+
+    try_verify_and_update_config.neffbuild_section_check = True
+    VllmConfig.try_verify_and_update_config = try_verify_and_update_config

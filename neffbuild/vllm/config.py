@@ -25,14 +25,23 @@ class PluginConfig:
 
 
 def from_additional_config(additional: dict | None) -> PluginConfig | None:
-    """The plugin's settings, or None when vLLM was not given a bundle (the plugin then stays out of the way)."""
-    section = (additional or {}).get(KEY)
-    if section is None:
+    """The plugin's settings, or None when vLLM was not given a bundle (the plugin then stays out of the way).
+
+    Present but unusable is an error, never "absent": ``{"neffbuild": null}`` and a top-level key one typo away
+    from ``neffbuild`` would otherwise let vLLM serve natively while the operator believes the bundle serves."""
+    additional = additional or {}
+    for other in additional:
+        hint = did_you_mean(other, (KEY,)) if other != KEY else ""
+        if hint:
+            raise InvalidInput(f"--additional-config {other}: not a key the neffbuild plugin reads{hint} "
+                               f"(as written, no bundle would serve)")
+    if KEY not in additional:
         return None
+    section = additional[KEY]
     where = f"--additional-config {KEY}"
     if not isinstance(section, dict):
         raise InvalidInput(f"{where}: must be an object like {{\"bundle\": \"artifacts/NAME-VERSION\"}}, "
-                           f"got {section!r}")
+                           f"got {'null' if section is None else repr(section)} (remove the key to serve natively)")
     unknown = sorted(set(section) - set(FIELDS))
     if unknown:
         raise InvalidInput(f"{where}.{unknown[0]}: unknown key{did_you_mean(unknown[0], FIELDS)} "
@@ -48,3 +57,14 @@ def from_additional_config(additional: dict | None) -> PluginConfig | None:
     if verify not in ("sizes", "full"):
         raise InvalidInput(f"{where}.verify: 'sizes' or 'full' (got {verify!r})")
     return PluginConfig(bundle, tuple(keys) if keys is not None else None, verify)
+
+
+def for_architecture(additional: dict | None, architecture: str | None, served: str) -> PluginConfig | None:
+    """The settings when vLLM serves ``architecture``; a section on a model the plugin does not serve is an error
+    (vLLM would serve that model natively while the operator believes the bundle serves)."""
+    settings = from_additional_config(additional)
+    if settings is not None and architecture != served:
+        raise InvalidInput(f"--additional-config {KEY}: the plugin serves {served} checkpoints only; vLLM is "
+                           f"serving {architecture} (serve the checkpoint bundle {settings.bundle} was compiled "
+                           f"from, or remove the {KEY} key)")
+    return settings

@@ -19,7 +19,11 @@ bundle only when ``additional_config`` names one.
 
 from __future__ import annotations
 
-from neffbuild.errors import IncompatibleBundle
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from neffbuild.errors import IncompatibleBundle, NeffbuildError
 from neffbuild.vllm import checks
 from neffbuild.vllm.config import from_additional_config
 
@@ -94,6 +98,32 @@ def install(architecture: str) -> None:
         @staticmethod
         def verify_and_update_config(vllm_config) -> None:
             base.verify_and_update_config(vllm_config)  # vLLM's own GPT-OSS settings first
-            check(vllm_config, final=False)
+            with one_line_refusals():
+                check(vllm_config, final=False)
 
     MODELS_CONFIG_MAP[architecture] = BundleFitsConfig
+
+
+@contextmanager
+def one_line_refusals() -> Iterator[None]:
+    """A refusal while vLLM builds its configuration, as the operator of ``vllm serve`` should see it.
+
+    vLLM's CLI catches nothing around ``create_engine_config``: a raised error reaches the terminal as the last
+    line of a 50-line traceback through vLLM's start-up. Under vLLM's own entry points the refusal is therefore
+    printed alone on stderr and the process exits with the error's status (2 for invalid input), like
+    ``neffbuild``'s CLI. A program that builds ``vllm.LLM`` itself gets the exception, so it can catch it."""
+    try:
+        yield
+    except NeffbuildError as err:
+        if not _under_vllm_cli():
+            raise
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None
+
+
+def _under_vllm_cli() -> bool:
+    """Is this process one of vLLM's command-line entry points (``vllm serve``, ``python -m vllm.entrypoints...``)?"""
+    main = sys.modules.get("__main__")
+    names = (getattr(getattr(main, "__spec__", None), "name", None) or "",
+             getattr(getattr(main, "main", None), "__module__", None) or "")
+    return any(name.startswith("vllm.entrypoints") for name in names)

@@ -98,6 +98,7 @@ class Stepper:
         self.draft_cache = (kv_cache.check_kv_buffers([draft_kv_cache], self.kv_layout, device, draft=True)[0]
                             if draft_kv_cache is not None else allocate_draft(self.kv_layout, device))
         self.collectives = 0  # DP all-reduces this Stepper issued
+        self.kv_guard = kv_cache.KVGuard(self.kv_caches)  # re-checked at every step (runtime/kv/cache.py)
 
     def plan(self, batch: StepBatch, *, more: bool = False) -> StepPlan:
         """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike.
@@ -136,6 +137,7 @@ class Stepper:
     def run(self, plan: StepPlan, batch: StepBatch) -> StepOutput:
         """Run a plan from ``self.plan(batch)`` (a loop may look at it first, e.g. ``plan.any_work``)."""
         R, q = len(batch.tokens), plan.query_len
+        self.kv_guard.check()
         rows = [list(t)[:q] for t in batch.tokens]
         short = [len(r) for r in rows if len(r) < q]  # rows with fewer than k drafts in a with-spec step
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long) if short else None
