@@ -99,6 +99,7 @@ class Stepper:
                             if draft_kv_cache is not None else allocate_draft(self.kv_layout, device))
         self.collectives = 0  # DP all-reduces this Stepper issued
         self.kv_guard = kv_cache.KVGuard(self.kv_caches)  # re-checked at every step (runtime/kv/cache.py)
+        self.draft_guard = kv_cache.KVGuard([self.draft_cache] if self.draft_cache is not None else [])
 
     def plan(self, batch: StepBatch, *, more: bool = False) -> StepPlan:
         """The synced plan every DP rank runs; ShapeNotCovered / StepInputError on all ranks alike.
@@ -170,6 +171,7 @@ class Stepper:
             max_model_len=self.grid.max_model_len, max_computed=max_computed)
         if problem:
             raise StepInputError(problem)
+        self.draft_guard.check()
         plan = plan_draft(self.grid, num_reqs=len(rows), max_computed=max_computed)
         inputs = draft_inputs.build_draft(rows, full_table, batch=plan.batch, ctx=plan.ctx, query_len=plan.query_len,
                                          block_size=self.kv_layout.block_size, hidden_size=self.aux_hidden_size)
