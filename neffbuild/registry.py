@@ -80,6 +80,7 @@ AUTO_FLAG_RULES = "inductor"  # with backend: auto, flags must pass the embedded
 ARCHITECTURES = {
     "gpt_oss": Entry("gpt_oss", {
         "config": "neffbuild.models.gpt_oss.config:GptOssConfig",
+        "hf_config": "neffbuild.models.gpt_oss.config:hf_config",  # config, dtype -> the bundle's config.json
         "field_limits": "neffbuild.models.gpt_oss.rules:field_limits",
         "unknown_keys": "neffbuild.models.gpt_oss.rules:unknown_keys",
         "build_config": "neffbuild.models.gpt_oss.rules:build_config",

@@ -5,6 +5,7 @@ import torch
 
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.decode import GptOssDecode
+from neffbuild.runtime import StepBatch
 from neffbuild.runtime.kv.cache import KVLayout
 from neffbuild.runtime.step import attn_metadata
 from neffbuild.runtime.step.dispatch import Grid
@@ -77,6 +78,36 @@ def test_prefill_returns_the_logits_asked_for(tiny_recipe, stacked):
         assert all(torch.equal(a, b) for a, b in zip(got[mode][1], got["all"][1], strict=True))
     with pytest.raises(ValueError, match="logits='first'"):
         session.prefill(prompt, session.stepper.kv_caches, rows, logits="first")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32-kv", "packed-fp8-kv"])
+def test_a_prompt_in_chunks_equals_the_whole_prompt(tiny_recipe, stacked, fp8):
+    """A host engine's chunked prefill (``start`` > 0: each chunk attends over the KV the earlier chunks left in
+    the cache, sliding window included): the last logits and every decode step after it equal the whole
+    prompt's, and the KV the chunks wrote equals the whole prompt's (float32: to summation order)."""
+    prompt = PROMPTS[2] + PROMPTS[0]  # 115 tokens: past the sliding window (the tiny model's) and 7 blocks
+    results = []
+    for cuts in ((len(prompt),), (50, 97, len(prompt)), (1, 2, 70, len(prompt))):
+        session, N = eager_rank(tiny_recipe, stacked, fp8=fp8, packed=fp8), len(prompt)
+        # every block live in both groups (an engine that chunks keeps a sliding block until its window passed)
+        rows = {"full": torch.arange(1, 9), "sliding": torch.arange(9, 17)}
+        caches, begin = session.stepper.kv_caches, 0
+        for end in cuts:
+            last = session.prefill(prompt[begin:end], caches, rows, start=begin, logits="last")
+            begin = end
+        toks = [int(last.argmax())]
+        for _ in range(8):  # decode steps over the chunks' KV
+            full = {g: r[None] for g, r in rows.items()}
+            out = session.stepper.step(StepBatch([[toks[-1]]], [N + len(toks) - 1], full))
+            toks.append(int(out.logits[0, 0].argmax()))
+        results.append((last, toks, [c.clone() for c in caches]))
+    (whole, whole_toks, whole_kv), *chunked = results
+    for last, toks, kv in chunked:
+        torch.testing.assert_close(last, whole, atol=1e-3 if fp8 else 1e-4, rtol=0)
+        assert toks == whole_toks
+        if not fp8:
+            for a, b in zip(kv, whole_kv, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
 def _one_step(tiny_recipe, module, stacked, prompt, ctx, packed=False, fp8=False, trim_swa=True):

@@ -60,8 +60,7 @@ def vllm_setup(tmp_path_factory, build_cache, compile_pool):
 def native(vllm_setup):
     """vLLM's own GPT-OSS through vllm.LLM, no plugin loaded (VLLM_PLUGINS="")."""
     folder, checkpoint, _, _ = vllm_setup
-    res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json"),
-                                   "--attention-check"],  # the attention test's check, in the same vLLM process
+    res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json")],
                           VLLM_PLUGINS="", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one process: no engine-core spawn
     assert res.returncode == 0, res.stderr[-4000:]
     return python_json(res.stdout)
@@ -76,11 +75,11 @@ def oracle(vllm_setup):
 @pytest.fixture(scope="module")
 def served(vllm_setup):
     """The module's one `vllm serve` with the plugin: every request at once, then /metrics and the report."""
-    folder, checkpoint, bundle, requests = vllm_setup
+    folder, _checkpoint, bundle, requests = vllm_setup
     doc = json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
     multiproc = folder / "prom"
     multiproc.mkdir()
-    argv = [*serve_argv(checkpoint, doc["engine_args"], doc["additional_config"], free_port()),
+    argv = [*serve_argv(doc["model"], doc["engine_args"], doc["additional_config"], free_port()),
             "--worker-extension-cls", "neffbuild.vllm.model.WorkerReport"]
     server = Server(argv, folder / "serve.log", vllm_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc),
                                                          VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None))
@@ -95,16 +94,6 @@ def served(vllm_setup):
 
 def test_vllm_native_matches_transformers(native, oracle):
     assert native["tokens"] == oracle  # the two references agree on this checkpoint (fp32, greedy)
-
-
-def test_plugin_attention_matches_vllms_cpu_kernel_on_the_bundle_layout(native):
-    """The plugin's eager attention on the bundle's KV layout equals vLLM's CPU kernel (tests/vllm_scripts/
-    attention_check.py, run in the native vLLM process): prefill, decode and chunk rows, full and sliding-window
-    layers, sinks; K and V land plain where the artifacts read them, while vLLM's own kernel keeps K transposed
-    (why the plugin has an attention of its own, docs/architecture.md)."""
-    doc = native["attention"]
-    assert doc["plain_k"] and doc["vllm_k_transposed"]
-    assert max(doc["diff"].values()) < 1e-5, doc
 
 
 def test_the_servers_artifacts_ran_on_vllms_own_kv_tensors(served, vllm_setup):
@@ -142,5 +131,5 @@ def test_every_decode_forward_of_the_server_ran_an_artifact_across_buckets(serve
     assert buckets == {"decode_b2": sum(v for k, v in steps.items() if "_b2_" in k),
                        "decode_b4": sum(v for k, v in steps.items() if "_b4_" in k)}
     count = prom_samples(metrics, "neffbuild_decode_needed_seq_count")
-    assert sum(count.values()) == forwards["decode"]
+    assert sum(count.values()) == sum(steps.values())  # one needed_seq observation per artifact step
     assert "vllm:" in metrics  # vLLM's own metrics are still there, beside the plugin's

@@ -52,9 +52,9 @@ def fitting(tmp_path_factory, build_cache, compile_pool):
 
 @pytest.mark.parametrize(("arg", "value", "message"), CASES, ids=[c[0] for c in CASES])
 def test_a_mismatch_fails_vllm_start_up_naming_the_flag(fitting, arg, value, message):
-    folder, checkpoint, doc = fitting
+    folder, _checkpoint, doc = fitting
     port = free_port()
-    argv = serve_argv(checkpoint, {**doc["engine_args"], arg: value}, doc["additional_config"], port)
+    argv = serve_argv(doc["model"], {**doc["engine_args"], arg: value}, doc["additional_config"], port)
     log = folder / f"{arg}.log"
     start = time.monotonic()
     with open(log, "w") as out:

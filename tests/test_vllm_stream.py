@@ -51,7 +51,7 @@ def stream(tmp_path_factory, build_cache, compile_pool):
     bundle = build_bundle(folder, build_cache, recipe, executor=compile_pool).bundle
     doc = json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
     assert doc["engine_args"]["kv_cache_memory_bytes"] > 0 and "VLLM_CPU_KVCACHE_SPACE" not in doc["env"]
-    argv = [*serve_argv(checkpoint, doc["engine_args"], doc["additional_config"], free_port()),
+    argv = [*serve_argv(doc["model"], doc["engine_args"], doc["additional_config"], free_port()),
             "--max-num-batched-tokens", str(CHUNK), "--worker-extension-cls", "neffbuild.vllm.model.WorkerReport"]
     server = Server(argv, folder / "serve.log", vllm_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None))
     requests = _requests()

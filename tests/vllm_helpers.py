@@ -57,7 +57,7 @@ def save_checkpoint(folder: Path) -> Path:
 
 def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", num_blocks: int = NUM_BLOCKS,
                  num_seqs_buckets=tuple(BATCH_BUCKETS), ctx_buckets=tuple(CTX_BUCKETS),
-                 max_model_len: int = MAX_MODEL_LEN, **serving) -> Path:
+                 max_model_len: int = MAX_MODEL_LEN, neuron: dict | None = None, **serving) -> Path:
     raw = {
         "name": name, "version": "0.1.0",
         "model": {"arch": "gpt_oss", "checkpoint": str(checkpoint)},
@@ -65,7 +65,7 @@ def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", 
                     "num_blocks": num_blocks, **serving},
         "neuron_config": {"num_seqs_buckets": list(num_seqs_buckets),
                           "decode_context_length_buckets": list(ctx_buckets), "gk_decode": True,
-                          "fp8_packed_kv": False, "lnc": 1},
+                          "fp8_packed_kv": False, "lnc": 1, **(neuron or {})},
         "parallel": {"tp": 1, "dp": 1, "ep": 1},
         "compiler": {"backend": "inductor", "target": "trn2", "optlevel": 2, "flags": []},
         "build": {"jobs": 2},
@@ -130,16 +130,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_argv(checkpoint: Path, engine_args: dict, additional: dict | None, port: int) -> list[str]:
-    """``vllm serve`` with ``inspect --vllm-config``'s engine arguments (and its --additional-config)."""
-    argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(checkpoint)]
+def serve_argv(model: Path | str, engine_args: dict, additional: dict | None, port: int) -> list[str]:
+    """``vllm serve MODEL`` with ``inspect --vllm-config``'s engine arguments (and its --additional-config): MODEL
+    is the bundle folder it prints (or a checkpoint, for vLLM native)."""
+    argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(model)]
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
     if additional is not None:
         argv += ["--additional-config", json.dumps(additional)]
-    return [*argv, "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--served-model-name", "m",
-            "--seed", "0"]
+    if not engine_args.get("skip_tokenizer_init"):
+        argv.append("--skip-tokenizer-init")
+    return [*argv, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m", "--seed", "0"]
 
 
 class Server:

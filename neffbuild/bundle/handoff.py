@@ -76,7 +76,6 @@ def vllm_flags(config: dict) -> str:
 # -- the neffbuild vLLM plugin (neffbuild/vllm, docs/vllm.md): vLLM on CPU serving an inductor bundle
 
 PLUGIN_KEY = "neffbuild"  # the plugin's section of vLLM's --additional-config (neffbuild/vllm/config.py)
-CHECKPOINT_PLACEHOLDER = "CHECKPOINT"
 
 
 def kv_pool_bytes(facts) -> int:
@@ -86,31 +85,33 @@ def kv_pool_bytes(facts) -> int:
 
 
 def plugin_config(root, manifest: dict, recipe: dict) -> dict:
-    """{command, env, engine_args, additional_config, warnings}: ``vllm serve`` with the plugin, for this bundle.
+    """{command, env, engine_args, additional_config, model, warnings}: ``vllm serve`` with the plugin, for this
+    bundle, started on the bundle folder itself.
 
-    vLLM loads the model's weights from the checkpoint itself (the artifacts use the bundle's copy), so the
-    command names the recipe's checkpoint; a bundle of random weights has none, which a warning says.
+    The bundle is all the host needs: vLLM reads the model's config from the bundle's ``config.json``, loads no
+    weights (``--load-format dummy``: the plugin computes with the bundle's own memory-mapped weights, one copy)
+    and takes its KV memory from the bundle's pool, so the line starts on a host that is not otherwise idle.
     """
     from pathlib import Path
 
     from neffbuild.runtime.bundle.facts import facts_of
 
     facts = facts_of(manifest)
-    checkpoint = (recipe.get("model") or {}).get("checkpoint")
     dtype, kv_cache_dtype = facts.engine_dtypes()  # the plugin's start-up check compares the same two
-    args = {"dtype": dtype, "enforce_eager": True, **engine_args(manifest)}
+    args = {"dtype": dtype, "enforce_eager": True, "load_format": "dummy", "skip_tokenizer_init": True,
+            **engine_args(manifest)}
     if kv_cache_dtype != "auto":
         args["kv_cache_dtype"] = kv_cache_dtype
     # vLLM CPU sizes its KV memory from a fraction of the host (0.92 by default) and refuses to start on a host
     # where less than that is free; the bundle fixes the pool, so the memory it needs is known: its bytes.
     args["kv_cache_memory_bytes"] = kv_pool_bytes(facts)
-    extra = {PLUGIN_KEY: {"bundle": str(Path(root).resolve())}}
-    warn = [] if checkpoint else [
-        f"the bundle's weights are random (model.random_seed), so no checkpoint holds them for vLLM to load; "
-        f"compile from a checkpoint (model.checkpoint) and serve that folder in place of {CHECKPOINT_PLACEHOLDER}"]
+    model = str(Path(root).resolve())
+    extra = {PLUGIN_KEY: {"bundle": model}}
+    warn = ["the bundle carries no tokenizer: prompts must be token ids (--skip-tokenizer-init); for text "
+            "prompts replace it with --tokenizer and the model's tokenizer"]
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}" for k, v in args.items()]
     flags.append(f"--additional-config {shlex.quote(json.dumps(extra))}")
     env = {"PROMETHEUS_MULTIPROC_DIR": "$(mktemp -d)"}  # the engine core's counters on vLLM's /metrics
-    line = " ".join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve",
-                     shlex.quote(str(checkpoint or CHECKPOINT_PLACEHOLDER)), *flags])
-    return {"command": line, "env": env, "engine_args": args, "additional_config": extra, "warnings": warn}
+    line = " ".join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", shlex.quote(model), *flags])
+    return {"command": line, "env": env, "engine_args": args, "additional_config": extra, "model": model,
+            "warnings": warn}

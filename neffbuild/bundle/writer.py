@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from neffbuild import registry
 from neffbuild.bundle import manifest, paths, provenance, signing
 from neffbuild.errors import InvalidInput
 from neffbuild.fsutil import pid_alive, sha256_file
@@ -83,6 +84,8 @@ class BundleWriter:
         """Write the manifest and its digest, then the per-build records (provenance included); with
         ``sign_key`` sign every file (bundle/signing.py); publish with a rename."""
         self.write_text(paths.RECIPE_PATH, recipe.to_yaml())
+        hf = registry.arch(recipe.model.arch).get("hf_config")(recipe.model.config, recipe.model.weights_dtype)
+        self.write_text(paths.HF_CONFIG_PATH, json.dumps(hf, indent=1, sort_keys=True) + "\n")
         m = manifest.build(recipe, toolchain=toolchain, kv_layout=kv_layout, artifacts=artifacts, weights=weights,
                            files=self.checksums(), parallel=parallel)
         text = manifest.dumps(m)

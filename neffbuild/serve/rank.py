@@ -14,25 +14,21 @@ The architecture's parts come from ``neffbuild/registry.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from neffbuild import registry
 from neffbuild.runtime.bundle import reader
+from neffbuild.runtime.bundle.eager import Prefill, prefill_on
 from neffbuild.runtime.bundle.facts import BundleFacts
 from neffbuild.runtime.bundle.graph_inputs import GraphInputs
-from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager, kv_groups
+from neffbuild.runtime.kv.blocks import BlockManager, kv_groups
 from neffbuild.runtime.kv.cache import KVLayout, allocate
 from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.runtime.step.dispatch import Grid, StepPlan
 from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve.eager import EagerArtifacts
-
-# prompt, KV buffers, {group: block row [W]} -> logits [N, vocab] for every prompt position
-Prefill = Callable[[Sequence[int], list, dict], torch.Tensor]
 
 COMPILED, EAGER, PREFILL_ONLY = "compiled", "eager", "prefill"  # what runs a decode step (open_rank's ``decode``)
 
@@ -84,14 +80,7 @@ def eager_artifacts(cfg, weights: dict, grid: Grid, layout: KVLayout, num_swa: i
 
 
 def _prefill_on(cfg, weights: dict, packed_k: bool, parallel: ParallelLayout, rank: int) -> Prefill:
-    prefill = registry.arch_of(cfg).get("prefill")
-    shard = {"parallel": parallel, "rank": rank} if parallel.sharded else {}
-
-    def run_prefill(prompt, kv_caches, rows, pad_to: int = 0, aux_layers: tuple[int, ...] = (), logits: str = "all"):
-        return prefill(cfg, weights, prompt, kv_caches, rows[FULL_GROUP], rows.get(SLIDING_GROUP, rows[FULL_GROUP]),
-                       packed_k=packed_k, pad_to=pad_to, aux_layers=aux_layers, logits=logits, **shard)
-
-    return run_prefill
+    return prefill_on(cfg, weights, packed_k, parallel, rank)
 
 
 def serving_rank(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable[[StepPlan], None] | None = None,

@@ -101,8 +101,8 @@ def problems(bundle: Compiled, engine: Engine, *, unresolved: tuple[str, ...] = 
 
 # What the plugin's eager attention and decode path serve today (docs/vllm.md); a bundle outside these fails
 # start-up naming the flag, so it never serves silently wrong. One place: widen it when the plugin does.
-SERVED_DTYPES = ("float32",)
-SERVED_KV_CACHE_DTYPES = ("auto",)
+SERVED_DTYPES = ("float32", "bfloat16")
+SERVED_KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _unserved(bundle: Compiled) -> list[str]:
@@ -112,7 +112,7 @@ def _unserved(bundle: Compiled) -> list[str]:
                    "bundles only (docs/vllm.md)")
     if bundle.kv_cache_dtype not in SERVED_KV_CACHE_DTYPES:
         out.append(f"--kv-cache-dtype: the bundle's KV is {bundle.kv_cache_dtype}; the plugin serves KV in the "
-                   "model dtype only, not packed FP8 (docs/vllm.md)")
+                   "model dtype or packed FP8 only (docs/vllm.md)")
     return out
 
 

@@ -27,6 +27,7 @@ class PluginMetrics:
         self.forwards: Counter[str] = Counter()
         self.rows: Counter[str] = Counter()
         self.needed: Counter[int] = Counter()
+        self.prefilled = 0  # prompt tokens through the bundle's eager prefill
         self.time: Counter[str] = Counter()  # seconds spent, for the benchmark's split (not exported)
         try:
             import prometheus_client as prom
@@ -59,6 +60,10 @@ class PluginMetrics:
         if self._prom is not None:
             self._child(2, path).inc(n)
 
+    def prefill_tokens(self, n: int) -> None:
+        """Prompt tokens the bundle's eager prefill ran (prompts and chunks of them)."""
+        self.prefilled += n
+
     def artifact(self, label: str, needed_seq: int) -> None:
         self.steps[label] += 1
         self.needed[needed_seq] += 1
@@ -71,5 +76,6 @@ class PluginMetrics:
 
     def snapshot(self) -> dict:
         return {"steps": dict(self.steps), "forwards": dict(self.forwards), "rows": dict(self.rows),
+                "prefill_tokens": self.prefilled,
                 "needed_seq": {str(k): v for k, v in sorted(self.needed.items())},
                 "seconds": dict(self.time)}

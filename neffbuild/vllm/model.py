@@ -2,31 +2,36 @@
 
 Without ``additional_config["neffbuild"]`` it is vLLM's own GptOssForCausalLM, untouched. With a bundle:
 
-1. before any layer is built, the bundle is opened (its signature verified when trusted keys are given) and
-   checked against vLLM's final configuration (neffbuild/vllm/startup.py; the same check already ran when vLLM
-   built its configuration, before any engine process started): any mismatch fails vLLM's start-up with one
-   error naming each vLLM flag and both values;
-2. vLLM's model is built as usual, and every attention layer's implementation reads the KV tensors in the
-   bundle's layout (neffbuild/vllm/attention.py): prefill, chunks and mixed batches stay vLLM's eager model;
-3. ``forward`` runs a forward whose requests are all in decode through one artifact, and the one-token rows
-   of a forward that mixes them with prefill chunks through the artifact of their own batch bucket while
-   vLLM's eager model runs the chunks (neffbuild/vllm/decode.py); ``compute_logits`` hands vLLM's sampler the
-   artifact's logits for those rows.
+1. before anything is built, the bundle is opened by the runtime's one judge (its signature verified when
+   trusted keys are given) and checked against vLLM's final configuration (neffbuild/vllm/startup.py; the same
+   check already ran when vLLM built its configuration, before any engine process started): any mismatch
+   fails vLLM's start-up naming each vLLM flag and both values;
+2. none of vLLM's GPT-OSS layers is built: only one vLLM ``Attention`` per decoder layer, so vLLM's KV cache
+   manager allocates and groups the KV tensors (sliding and full layers, one tensor per layer pair) and
+   hands each forward its block tables. vLLM is started on the bundle folder itself (its ``config.json``) with
+   ``--load-format dummy``: there is no checkpoint to read, and no weight but the bundle's memory-mapped
+   copy, which the artifacts and the eager prefill share;
+3. ``forward`` sends every one-token row through one artifact and every longer row (a prompt, a chunk) through
+   the bundle's own eager prefill (neffbuild/vllm/decode.py), both on vLLM's KV tensors in the bundle's layout
+   (neffbuild/vllm/kv.py); ``compute_logits`` hands vLLM's sampler their logits.
 
-Why a model class and not a model-runner or platform plugin: the model is the one place vLLM hands both the
-step's inputs (ids, positions) and, in its forward context, every layer's metadata (block tables per KV group,
-sequence lengths) and KV tensors, and whose outputs (logits) its sampler consumes. Scheduling, batching,
-preemption, abort and the block manager stay vLLM's (docs/vllm.md).
+Why the bundle's eager prefill and not vLLM's eager model on views of the bundle's weights: vLLM's CPU MXFP4
+experts need AMX (on other CPUs it cannot serve an MXFP4 checkpoint at all); the bundle's prefill is the one
+implementation of its KV layout for every KV dtype (packed FP8 included) that the artifacts read; and a
+prompt then gives the tokens ``neffbuild generate`` gives on the same bundle (docs/architecture.md).
+Scheduling, batching, preemption, abort, sampling and the block manager stay vLLM's (docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+from vllm.v1.attention.backend import AttentionType
 
 from neffbuild.vllm import startup
-from neffbuild.vllm.attention import adopt
 from neffbuild.vllm.config import from_additional_config
 from neffbuild.vllm.decode import BundleDecoder
 
@@ -35,31 +40,33 @@ logger = init_logger(__name__)
 
 class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
-        settings = from_additional_config(vllm_config.additional_config)
-        bundle = startup.check(vllm_config) if settings is not None else None
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.neffbuild: BundleDecoder | None = None
-        if bundle is None:
+        settings = from_additional_config(vllm_config.additional_config)
+        if settings is None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
             return
-        layers = [m for m in self.modules() if isinstance(m, Attention)]
-        adopt(layers, bundle.facts.fp8_packed_kv)
-        self.neffbuild = BundleDecoder(bundle, layers, self.config.hidden_size)
-        logger.info("neffbuild: serving decode steps from %s (%d artifacts)", settings.bundle, len(bundle.labels))
+        bundle = startup.check(vllm_config)
+        nn.Module.__init__(self)  # not GptOssForCausalLM's: no layer of vLLM's, no weight but the bundle's
+        self.vllm_config, self.config = vllm_config, vllm_config.model_config.hf_config
+        self.attention = nn.ModuleList(_attention_layers(bundle.facts, vllm_config, prefix))
+        self.neffbuild = BundleDecoder(bundle, list(self.attention), bundle.facts.hidden_size)
+        logger.info("neffbuild: serving from %s (%d artifacts; weights %s, experts %s, KV %s)", settings.bundle,
+                    len(bundle.labels), bundle.facts.weights_dtype, bundle.facts.experts, bundle.facts.kv_dtype)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        if self.neffbuild is not None and inputs_embeds is None:
-            hidden = self.neffbuild.try_decode(input_ids, positions)
-            if hidden is not None:
-                return hidden
+        if self.neffbuild is not None:
+            return self.neffbuild.forward(input_ids, positions)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states):
         if self.neffbuild is not None:
-            logits = self.neffbuild.take_logits(hidden_states, lambda: super(
-                NeffbuildGptOssForCausalLM, self).compute_logits(hidden_states))
-            if logits is not None:
-                return logits
+            return self.neffbuild.take_logits(hidden_states)
         return super().compute_logits(hidden_states)
+
+    def load_weights(self, weights):
+        if self.neffbuild is not None:
+            return set()  # the bundle's weights are bound already (vLLM runs with --load-format dummy)
+        return super().load_weights(weights)
 
     def neffbuild_report(self) -> dict:
         """The plugin's counts and KV storage (``report`` below; the tests and the benchmark read it)."""
@@ -72,6 +79,20 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
                                  else layer.kv_cache[0].data_ptr() for layer in dec.layers],
                 "stepper_kv_ptrs": [b.data_ptr() for b in stepper.kv_caches] if stepper is not None else [],
                 "kv_shapes": [list(b.shape) for b in stepper.kv_caches] if stepper is not None else []}
+
+
+def _attention_layers(facts, vllm_config, prefix: str) -> list[Attention]:
+    """One vLLM Attention per decoder layer, named as vLLM's GPT-OSS names them, sliding where the bundle's layer
+    is: what vLLM's KV cache manager allocates and groups by. Their forward never runs."""
+    cfg, tp = facts.config, facts.parallel.tp
+    heads, kv_heads = cfg.num_attention_heads // tp, len(facts.kv_heads)
+    base = f"{prefix}.model" if prefix else "model"
+    return [Attention(heads, cfg.head_dim, cfg.head_dim ** -0.5, num_kv_heads=kv_heads,
+                      cache_config=vllm_config.cache_config, quant_config=None,
+                      per_layer_sliding_window=cfg.sliding_window if kind == cfg.SLIDING else None,
+                      attn_type=AttentionType.DECODER, prefix=f"{base}.layers.{i}.attn.attn",
+                      sinks=torch.zeros(heads))
+            for i, kind in enumerate(cfg.layer_types)]
 
 
 def report(model) -> dict | None:

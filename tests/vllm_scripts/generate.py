@@ -4,8 +4,8 @@
     R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
 
 Prints one JSON line: every request's tokens, in order, and the plugin's report (None when no bundle; with one,
-VLLM_ALLOW_INSECURE_SERIALIZATION=1: neffbuild.vllm.model.worker_report); with ``--attention-check``, also
-attention_check.py's result, from the same process.
+VLLM_ALLOW_INSECURE_SERIALIZATION=1: neffbuild.vllm.model.worker_report). With a bundle, vLLM starts on the
+bundle folder itself (``--model`` is ignored): the settings ``neffbuild inspect --vllm-config`` prints.
 """
 
 import argparse
@@ -23,16 +23,18 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--attention-check", action="store_true", help="then attention_check.check() (its doc: 'attention')")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = {"model": a.model, "dtype": "float32", "skip_tokenizer_init": True, "enforce_eager": True,
+    kw = {"model": a.model, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "skip_tokenizer_init": True,
+          "enforce_eager": True,
           "max_model_len": a.max_model_len, "block_size": a.block_size, "num_gpu_blocks_override": a.num_blocks,
           "max_num_seqs": a.max_num_seqs, "seed": 0}
     if a.bundle:
-        kw["additional_config"] = {"neffbuild": {"bundle": a.bundle}}
+        kw.update(model=a.bundle, load_format="dummy", additional_config={"neffbuild": {"bundle": a.bundle}})
     start = time.perf_counter()
     llm = LLM(**kw)
     loaded = time.perf_counter() - start
@@ -53,10 +55,6 @@ def main() -> None:
         report = worker_report(llm)
     doc = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report, "load_s": loaded,
            "generate_s": times}
-    if a.attention_check:
-        import attention_check  # beside this script (its folder is sys.path[0])
-
-        doc["attention"] = attention_check.check()
     print(json.dumps(doc), flush=True)
 
 

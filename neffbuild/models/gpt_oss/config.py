@@ -97,6 +97,15 @@ class GptOssConfig:
         return 1.0 / math.sqrt(self.head_dim)
 
 
+HF_ARCHITECTURE = "GptOssForCausalLM"  # transformers' and vLLM's class name for the architecture
+
+
+def hf_config(cfg: GptOssConfig, dtype: str) -> dict:
+    """The ``config.json`` a bundle carries for engines that read model folders (vLLM): the config's keys, the
+    architecture's class name and the dtype the weights are stored in."""
+    return dict(cfg.to_hf_dict(), architectures=[HF_ARCHITECTURE], torch_dtype=dtype)
+
+
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
     """GPT-OSS alternation: even layers sliding-window, odd layers full attention."""
     return tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers))

@@ -3,7 +3,9 @@
 It runs one prompt at a time with dense causal attention over the prompt itself (an
 implementation independent of the paged decode kernels), and writes every position's K
 and V into the per-buffer paged cache through the request's full and sliding-window
-block tables, in the same layout the decode graph reads.
+block tables, in the same layout the decode graph reads. A later chunk of a prompt
+(``start`` > 0: a host engine's chunked prefill) attends over the KV its earlier chunks
+left in the cache, read through the same paged kernel the decode graph uses.
 
 On a sharded rank it runs that rank's shard with the same collectives as the decode graph,
 eagerly; ranks whose MoE gathers tokens across DP groups must call it in lockstep with the
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from neffbuild.kernels import rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
+from neffbuild.kernels import paged_attention, rope_cos_sin, sdpa_with_sinks, write_kv, yarn_inv_freq
 from neffbuild.models.gpt_oss.config import SLIDING, GptOssConfig
 from neffbuild.models.gpt_oss.decode import (
     SINGLE,
@@ -69,9 +71,13 @@ def prefill(
     pad_to: int = 0,
     aux_layers: tuple[int, ...] = (),
     logits: str = "all",
+    start: int = 0,
 ):
     """Fill the KV cache for one prompt; return logits [N, vocab] for every prompt position
     (and, with ``aux_layers``, those layers' outputs concatenated: [N, len(aux_layers) * H]).
+
+    ``start``: the prompt is positions ``start .. start + N - 1`` of a sequence whose first ``start`` positions'
+    KV the cache already holds (through the same block rows); 0: a whole prompt (dense attention).
 
     ``logits="last"``: only the last position's row ([1, vocab]; what a sampler needs), ``"none"``: None (a KV
     producer): at a 201k vocabulary the unembedding of every position costs more than the layers."""
@@ -80,13 +86,14 @@ def prefill(
     prompt = torch.as_tensor(prompt, dtype=torch.long)
     N = prompt.shape[0]
     ids = torch.cat([prompt, prompt.new_zeros(max(0, pad_to - N))])[None]  # [1, max(N, pad_to)]
-    pos = torch.arange(ids.shape[1])
+    pos = start + torch.arange(ids.shape[1])
     inv_freq, scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
     cos, sin = rope_cos_sin(pos[None], inv_freq, scale)
     bs = kv_caches[0].shape[3]
-    real = pos < N
-    slots = {True: torch.where(real, slots_for(block_row_swa, pos.clamp(max=N - 1), bs), -1),
-             False: torch.where(real, slots_for(block_row, pos.clamp(max=N - 1), bs), -1)}
+    real = pos < start + N
+    slots = {True: torch.where(real, slots_for(block_row_swa, pos.clamp(max=start + N - 1), bs), -1),
+             False: torch.where(real, slots_for(block_row, pos.clamp(max=start + N - 1), bs), -1)}
+    width = -(-(start + N) // bs)  # the table columns a later chunk's attention reads
     local, rank_t = local_config(cfg, parallel), rank_tensor(rank)
     x = embed(stacked, ids, parallel, rank_t)
     hidden = []
@@ -96,9 +103,15 @@ def prefill(
         q, k, v = attention_inputs(local, stacked, i, x, cos, sin)
         write_kv(cache, 0, slots[sliding], k[0], packed_k)
         write_kv(cache, 1, slots[sliding], v[0], False)
-        k, v = _as_stored(k, cache), _as_stored(v, cache)
         window = cfg.sliding_window if sliding else None
-        attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
+        if start:  # over the cache: the earlier chunks' KV and this chunk's, as stored
+            first = max(0, start - window + 1) // bs if window else 0  # a sliding row's older blocks are null
+            row = (block_row_swa if sliding else block_row)[first:width].long()[None]
+            attn = paged_attention(q, cache, row, pos[None], pos.new_full((1,), first * bs), stacked["sinks"][i],
+                                   cfg.attention_scale, window, packed_k)
+        else:
+            k, v = _as_stored(k, cache), _as_stored(v, cache)
+            attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
         hidden.append(x[0, :N])
     if logits == "none":

@@ -18,6 +18,9 @@ MANIFEST_PATH = "manifest.json"
 MANIFEST_DIGEST_PATH = "manifest.sha256"  # "<sha256 of manifest.json>  manifest.json\n" (sha256sum -c format)
 BUILD_INFO_PATH = "build-info.json"
 RECIPE_PATH = "recipe.yaml"
+# The model's Hugging Face config (the architecture's keys, architectures, model_type, dtype): a host engine
+# that starts from a model folder (vLLM) starts from the bundle folder; listed and checksummed like every file.
+HF_CONFIG_PATH = "config.json"
 WEIGHTS_DIR = "weights"
 WEIGHTS_PATH = "weights/model.safetensors"
 ARTIFACTS_DIR = "artifacts"

@@ -18,7 +18,7 @@ import torch
 from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
 from neffbuild.fsutil import no_duplicate_keys, sha256_file
 from neffbuild.runtime import parallel, world
-from neffbuild.runtime.bundle import aoti_package, loaders, paths, weights_file
+from neffbuild.runtime.bundle import aoti_package, eager, loaders, paths, weights_file
 from neffbuild.runtime.bundle import facts as bundle_facts
 from neffbuild.runtime.bundle import gate as bundle_gate
 from neffbuild.runtime.bundle import model_sig as signature
@@ -249,6 +249,7 @@ class Bundle:
         self.facts = bundle_facts.facts_of(manifest, rank.rank if rank is not None else 0)
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
+        self._prefill = None
 
     @property
     def vocab_size(self) -> int:
@@ -259,6 +260,17 @@ class Bundle:
     def aux_hidden_size(self) -> int:
         """Width of the EAGLE3 draft's hidden input (3 x the target's hidden size)."""
         return 3 * self.facts.hidden_size
+
+    def prefill(self, prompt, kv_caches: list, rows: dict, *, start: int = 0, logits: str = "last",
+                aux_layers: tuple[int, ...] = ()):
+        """The bundle's eager forward over ``prompt`` (positions ``start`` onwards; the KV of the positions before
+        it already in ``kv_caches``) on the bundle's own weights, writing the KV through ``rows`` ({group: block
+        row}): a host engine's prefill and chunks (runtime/bundle/eager.py). Logits of the last position by
+        default ([1, vocab])."""
+        if self._prefill is None:
+            self._prefill = eager.prefill_on(self.facts.config, self.weights, self.facts.fp8_packed_kv,
+                                             self.facts.parallel, self.facts.rank)
+        return self._prefill(prompt, kv_caches, rows, start=start, logits=logits, aux_layers=aux_layers)
 
     @property
     def labels(self) -> list[str]:
