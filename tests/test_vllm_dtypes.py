@@ -41,14 +41,14 @@ def _prompts():
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory, build_cache, compile_pool):
-    """Two bundles of one MXFP4 checkpoint (batch buckets 2 and 4, the fallback context only), then the
-    checkpoint folder moved away: the serving host has the bundles only."""
+    """Two bundles of one MXFP4 checkpoint (batch buckets 2 and 4, the fallback context only: a bucket of
+    max_model_len folds into it), then the checkpoint folder moved away: the serving host has the bundles."""
     folder = tmp_path_factory.mktemp("vllm-dtypes")
     cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
     checkpoint = write_mxfp4_checkpoint(folder / "ckpt", cfg)
     out = {}
     for name, neuron in FORMS.items():
-        recipe = write_recipe(folder, checkpoint, name=f"mxfp4-{name}", ctx_buckets=(), neuron=neuron)
+        recipe = write_recipe(folder, checkpoint, name=f"mxfp4-{name}", ctx_buckets=(512,), neuron=neuron)
         out[name] = build_bundle(folder, build_cache, recipe, executor=compile_pool).bundle
     checkpoint.rename(folder / "moved-away")
     return folder, out
