@@ -56,7 +56,7 @@ def test_every_mismatch_is_reported_at_once():
     ("artifacts/x", "--additional-config neffbuild: must be an object"),
     ({}, "--additional-config neffbuild.bundle: required"),
     ({"bundel": "x"}, "--additional-config neffbuild.bundel: unknown key; did you mean 'bundle'?"),
-    ({"bundle": "x", "trusted_keys": "k.pub"}, "neffbuild.trusted_keys: a list of PEM public key paths"),
+    ({"bundle": "x", "trusted_keys": "k.pub"}, "neffbuild.trusted_keys: a non-empty list of PEM public key paths"),
     ({"bundle": "x", "verify": "none"}, "neffbuild.verify: 'sizes' or 'full'"),
 ])
 def test_settings_are_checked_with_the_key_path(section, message):

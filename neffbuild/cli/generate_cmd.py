@@ -117,9 +117,8 @@ def _refuse_nonfinite(bundle_path: str) -> None:
     from pathlib import Path
 
     from neffbuild.runtime.bundle import reader
-    from neffbuild.serve.rank import read_valid
 
-    if read_valid(bundle_path, strict=False) is None:
+    if reader.read_facts(bundle_path, strict=False) is None:
         return
     bad = bundle_cmds.nonfinite_weights(Path(bundle_path), reader)
     if bad:
