@@ -37,7 +37,7 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x.float().unflatten(-1, (-1, 32))
     amax = blocks.abs().amax(-1)
     finite = blocks.isfinite().all(-1)
-    inv = torch.where(finite & (amax > 0), 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(finite & (amax > 0), torch.full_like(amax, 127.0) / amax, 0.0)  # (127 / t is 127 * (1 / t))
     q = torch.where(finite[..., None], torch.round(blocks * inv[..., None]), 0.0).to(torch.int8)
     d = torch.where(finite, amax / 127.0, torch.nan)
     return q.flatten(-2), d
