@@ -10,6 +10,8 @@ each naming the key to change.
 
 from __future__ import annotations
 
+from neffbuild import registry
+
 WEIGHTS_DTYPES = ("float32", "bfloat16")
 EXPERT_FORMS = ("dense", "mxfp4")
 KV_DTYPES = ("float32", "bfloat16")
@@ -54,9 +56,11 @@ def check_kernels(err, model, backend: str) -> None:
             continue
         if not ok:
             err(f"model.{key}", value, f"int8 needs {needs}; use {key}: exact")
-        if backend == "neuron":
-            err(f"model.{key}", value, "int8 is a native CPU op of inductor graphs; the neuron backend runs the exact "
-                f"form only: use {key}: exact or compiler.backend: inductor")
+        entry = registry.BACKENDS.get(registry.AUTO_FLAG_RULES if backend == registry.AUTO else backend)
+        if entry is not None and "native_cpu_ops" not in entry.parts:
+            with_ops = [name for name, e in registry.BACKENDS.items() if "native_cpu_ops" in e.parts]
+            err(f"model.{key}", value, f"int8 is a native CPU op, which compiler.backend {backend} does not call; "
+                f"use {key}: exact or compiler.backend: {' or '.join(with_ops)}")
 
 
 def kv_dtype(v, nc: dict, fp8) -> str:
