@@ -57,12 +57,15 @@ BACKENDS = {
         "available": "neffbuild.compiler.backends.inductor:available",
         "flag_problem": "neffbuild.compiler.backends.flag_rules:inductor_problem",
         "vllm_plugin": "neffbuild.bundle.handoff:plugin_config",
+        "native_cpu_ops": "neffbuild.kernels.moe:native_cpu_ops",
     }),
 }
 AUTO = "auto"  # the first available backend, in the order above
 # flag_problem (torch-free: one compiler flag -> why a recipe may not set it, or None): recipes are data.
 # vllm_plugin (optional): the backend's bundles serve in vLLM through neffbuild's plugin (neffbuild/vllm); the
 # command line for one bundle. Without it (neuron) vLLM Neuron takes the compiled grid as its neuron_config.
+# native_cpu_ops (optional): its CPU graphs call the runtime's native ops, which the int8 kernel forms
+# (model.expert_kernel / head_kernel) are; a backend without it is refused those forms.
 AUTO_FLAG_RULES = "inductor"  # with backend: auto, flags must pass the embedded backend's allow-list
 
 # Architecture parts: config (dataclass with from_hf_dict), weights (config, checkpoint,

@@ -26,6 +26,8 @@ class TargetGraph:
     weights_dtype: str = "float32"  # model.weights_dtype: the placeholders' (and so the artifact's) dtype
     experts: str = "dense"  # model.experts: dense | mxfp4 (packed blocks and scales as graph constants)
     draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
+    expert_kernel: str = "exact"  # model.expert_kernel: exact | int8 (a different op in the graph)
+    head_kernel: str = "exact"  # model.head_kernel: exact | int8
 
     # the cell
     family = property(lambda self: self.target.family)
@@ -67,7 +69,13 @@ class TargetGraph:
                "experts": self.experts, "draft_own_embed": self.draft_own_embed}
         if i.parallel.sharded:
             out["parallel"] = i.parallel.to_json()
+        out.update(self.kernel_forms())
         return out
+
+    def kernel_forms(self) -> dict:
+        """The opt-in int8 forms this graph computes with (none: the exact forms, whose keys stay as before)."""
+        return {k: v for k, v in (("expert_kernel", self.expert_kernel), ("head_kernel", self.head_kernel))
+                if v != "exact"}
 
 
 def target_graph_from(gi: GraphInputs, family: str, batch: int, ctx: int, query_len: int) -> TargetGraph:
@@ -79,7 +87,8 @@ def target_graph_from(gi: GraphInputs, family: str, batch: int, ctx: int, query_
 def target_graph(recipe, target: Target) -> TargetGraph:
     return TargetGraph(target, GraphInputs.from_recipe(recipe, memory.recipe_kv_layout(recipe)),
                        weights_dtype=recipe.model.weights_dtype, experts=recipe.model.experts,
-                       draft_own_embed=recipe.draft_own_embed)
+                       draft_own_embed=recipe.draft_own_embed, expert_kernel=recipe.model.expert_kernel,
+                       head_kernel=recipe.model.head_kernel)
 
 
 def graph_summary(graph: TargetGraph) -> dict:
@@ -92,4 +101,5 @@ def graph_summary(graph: TargetGraph) -> dict:
     for name, default in (("weights_dtype", "float32"), ("experts", "dense"), ("kv_dtype", "float32")):
         if forms[name] != default:  # a default-dtype graph summarises as before
             out[name] = forms[name]
+    out.update(graph.kernel_forms())
     return out

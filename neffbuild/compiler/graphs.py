@@ -117,7 +117,8 @@ def build_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None = No
     aux = None
     if graph.family in (TARGET_SPEC, TARGET_NOSPEC):  # without a draft config: the architecture's default layers
         aux = graph.draft_config.aux_layers if graph.draft_config else arch.get("aux_layers")(cfg.num_hidden_layers)
-    module = arch.get("decode")(cfg, weights, packed_k=graph.fp8_packed_kv, aux_layers=aux, parallel=par).eval()
+    module = arch.get("decode")(cfg, weights, packed_k=graph.fp8_packed_kv, aux_layers=aux, parallel=par,
+                                **graph.kernel_forms()).eval()
     return module, example_inputs(graph)
 
 

@@ -1,4 +1,5 @@
-"""Rules for the serving dtypes: ``model.weights_dtype``, ``model.experts`` and ``neuron_config.kv_dtype``.
+"""Rules for the serving dtypes: ``model.weights_dtype``, ``model.experts`` and ``neuron_config.kv_dtype``, and
+the kernels' numeric forms ``model.expert_kernel`` / ``model.head_kernel``.
 
 Defaults keep every recipe that names none of them as it was: float32 weights and KV, dense
 experts, except that a checkpoint names its own defaults (its ``config.json`` ``torch_dtype``
@@ -9,9 +10,12 @@ each naming the key to change.
 
 from __future__ import annotations
 
+from neffbuild import registry
+
 WEIGHTS_DTYPES = ("float32", "bfloat16")
 EXPERT_FORMS = ("dense", "mxfp4")
 KV_DTYPES = ("float32", "bfloat16")
+KERNEL_FORMS = ("exact", "int8")  # exact: the float forms (default); int8: runtime/native_q8.py (opt-in)
 MXFP4_GROUP = 32  # values sharing one scale: the reduction axis of every expert weight must hold whole groups
 
 
@@ -30,6 +34,33 @@ def model_form(v, m: dict, hf: dict | None, has_checkpoint: bool) -> tuple[str, 
     dtype, experts = checkpoint_defaults(hf, has_checkpoint)
     return (v.choice(m, "weights_dtype", "model.weights_dtype", WEIGHTS_DTYPES, dtype),
             v.choice(m, "experts", "model.experts", EXPERT_FORMS, experts))
+
+
+def kernel_forms(v, m: dict) -> tuple[str, str]:
+    """(model.expert_kernel, model.head_kernel): ``exact`` (default) or ``int8``. The int8 forms change the numbers
+    (MXFP4 experts times int8-quantized activations; the LM head read as int8, greedy-exact by re-scoring the rows
+    near the maximum: runtime/native_q8.py), so they are opt-in."""
+    return (v.choice(m, "expert_kernel", "model.expert_kernel", KERNEL_FORMS, "exact"),
+            v.choice(m, "head_kernel", "model.head_kernel", KERNEL_FORMS, "exact"))
+
+
+def check_kernels(err, model, backend: str) -> None:
+    """The int8 forms are native CPU ops of AOTInductor graphs, over the weights they read: MXFP4 experts for the
+    expert kernel, a bfloat16 head for the head kernel."""
+    for key, value, needs, ok in (
+            ("expert_kernel", model.expert_kernel, "model.experts: mxfp4 (it multiplies the packed experts)",
+             model.experts == "mxfp4"),
+            ("head_kernel", model.head_kernel, "model.weights_dtype: bfloat16 (it re-scores in the bf16 head)",
+             model.weights_dtype == "bfloat16")):
+        if value == "exact":
+            continue
+        if not ok:
+            err(f"model.{key}", value, f"int8 needs {needs}; use {key}: exact")
+        entry = registry.BACKENDS.get(registry.AUTO_FLAG_RULES if backend == registry.AUTO else backend)
+        if entry is not None and "native_cpu_ops" not in entry.parts:
+            with_ops = [name for name, e in registry.BACKENDS.items() if "native_cpu_ops" in e.parts]
+            err(f"model.{key}", value, f"int8 is a native CPU op, which compiler.backend {backend} does not call; "
+                f"use {key}: exact or compiler.backend: {' or '.join(with_ops)}")
 
 
 def kv_dtype(v, nc: dict, fp8) -> str:

@@ -24,6 +24,8 @@ class ModelSpec:
     random_seed: int | None
     weights_dtype: str = "float32"  # float tensors as stored and computed: float32 | bfloat16
     experts: str = "dense"  # dense | mxfp4 (kept packed, decoded in the graph)
+    expert_kernel: str = "exact"  # exact | int8 (MXFP4 times int8-quantized activations: runtime/native_q8.py)
+    head_kernel: str = "exact"  # exact | int8 (the LM head read as int8, greedy-exact: runtime/native_q8.py)
 
     @property
     def config(self):
@@ -119,6 +121,9 @@ class Recipe:
                                          ("experts", self.model.experts, "dense", implied[1])):
             if value != default or value != own:
                 model[key] = value
+        for key in ("expert_kernel", "head_kernel"):  # only the opt-in forms: exact recipes hash as before
+            if getattr(self.model, key) != "exact":
+                model[key] = getattr(self.model, key)
         out = {
             "name": self.name,
             "version": self.version,

@@ -53,6 +53,7 @@ class Validator(Checks):
             memory.check_recipe(self.err, cfg, serving, parallel, fp8, spec, compiler, kv_dtype)  # backend KV rule
             if model is not None:
                 dtype_rules.check(self.err, cfg, model.experts)
+                dtype_rules.check_kernels(self.err, model, compiler["backend"])
         gate_rules.check(self, cfg, serving, fp8, spec, model, num_seqs, ctx)
         if self.problems:
             return None

@@ -48,6 +48,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.neffbuild_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_bf16_native.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.neffbuild_mxfp4_q8_dot.restype = ctypes.c_int
+    lib.neffbuild_mxfp4_q8_dot.argtypes = lib.neffbuild_mxfp4_dot.argtypes
+    lib.neffbuild_q8_quantize.restype = None
+    lib.neffbuild_q8_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.neffbuild_q8_rows.restype = None
+    lib.neffbuild_q8_rows.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.neffbuild_q8_linear.restype = ctypes.c_int
+    lib.neffbuild_q8_linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.neffbuild_bf16_linear_at.restype = ctypes.c_int
+    lib.neffbuild_bf16_linear_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.q8_path = int(lib.neffbuild_q8_path())  # 2: VNNI dpbusd, 1: AVX2 maddubs, 0: plain (native_q8.py)
     lib.bf16_path = int(lib.neffbuild_bf16_native())  # 2: AVX-512 BF16, 1: AVX2 + FMA, 0: plain (the matmul runs)
     return lib
 
@@ -249,3 +261,6 @@ def bf16_native(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Ten
 def _(x, w):
     _check_linear(x, w)
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+from neffbuild.runtime import native_q8  # noqa: E402, F401 - registers the integer forms' ops (opt-in recipe options)

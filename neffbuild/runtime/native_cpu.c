@@ -305,3 +305,296 @@ int neffbuild_bf16_linear(const uint16_t *x, int64_t m, const uint16_t *w, int64
 #endif
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+   Integer forms (opt-in recipe options, runtime/native.py: ``mxfp4_q8_dot`` and ``q8_head``): they change the
+   numbers, so the float forms above stay the default.
+
+   Activations quantized per 32-value block to int8 with one float scale (d = max|x| / 127, q = x / d rounded to
+   nearest even); within a block q is stored as its 16 even-position values then its 16 odd ones, the order in which
+   one 16-byte MXFP4 group decodes with no unpack (low nibbles = even positions, high nibbles = odd). A block's dot
+   product is an exact int32 sum of q times twice the E2M1 value (|sum| <= 32 * 127 * 12), then one float FMA with
+   d * 2^(s - 127) / 2. A block with a non-finite value has d NaN and q 0: its output is NaN, as in the float form. */
+
+static void q8_quantize_block(const float *x, int8_t *q, float *d) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < 32; i++) {
+        const float a = fabsf(x[i]);
+        finite &= isfinite(a) != 0;
+        amax = a > amax ? a : amax;
+    }
+    if (!finite) {
+        memset(q, 0, 32);
+        *d = NAN;
+        return;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *d = amax / 127.0f;
+    for (int i = 0; i < 32; i++) q[(i & 1) * 16 + (i >> 1)] = (int8_t)nearbyintf(x[i] * inv);
+}
+
+/* x float32 [rows, groups * 32] -> q int8 [rows, groups * 32] (each block even values, then odd), d [rows, groups]. */
+void neffbuild_q8_quantize(const float *x, int64_t rows, int64_t groups, int8_t *q, float *d) {
+    for (int64_t b = 0; b < rows * groups; b++) q8_quantize_block(x + b * 32, q + b * 32, d + b);
+}
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define Q8_PATH 2
+#elif defined(__AVX2__)
+#define Q8_PATH 1
+#else
+#define Q8_PATH 0
+#endif
+
+/* 2: AVX512-VNNI (or AVX-VNNI) dpbusd, 1: AVX2 maddubs + madd, 0: the plain loop. */
+int neffbuild_q8_path(void) { return Q8_PATH; }
+
+#define Q8_CHUNK 8 /* picks of one expert sharing each decoded block */
+
+#if Q8_PATH >= 1
+/* One group's 16 bytes -> its 32 codes as twice-E2M1 int8: the 16 low nibbles (even positions), then the 16 high
+   ones. The bytes are broadcast to both 128-bit lanes, the upper lane shifted by 4 (a 32-bit shift: the bits from
+   the next byte are masked off), and one in-lane shuffle looks all 32 up. */
+static inline __m256i q8_decode(const uint8_t *bytes, __m256i table, __m256i shifts, __m256i low4) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes));
+    return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srlv_epi32(b, shifts), low4));
+}
+
+/* sum over 32 of |c| * (q signed by c), as 8 int32 partial sums (the unsigned x signed product has |c| unsigned). */
+static inline __m256i q8_dot(__m256i absc, __m256i c, __m256i q) {
+    const __m256i sq = _mm256_sign_epi8(q, c);
+#if Q8_PATH == 2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), absc, sq);
+#elif Q8_PATH == 2
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), absc, sq);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(absc, sq), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float q8_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One weight row (its groups' bytes and scales) against ``cnt`` (<= Q8_CHUNK) quantized x rows: each group decoded
+   once for all of them. */
+static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const float *scale_of, const int8_t *const *q,
+                   const float *const *d, int cnt, float *out) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
+    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[Q8_CHUNK];
+    for (int t = 0; t < cnt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256i c = q8_decode(w + g * 16, table, shifts, low4), absc = _mm256_abs_epi8(c);
+        const float hs = scale_of[sc[g]];
+        for (int t = 0; t < cnt; t++) {
+            const __m256i dot = q8_dot(absc, c, _mm256_loadu_si256((const __m256i *)(q[t] + g * 32)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(hs * d[t][g]), acc[t]);
+        }
+    }
+    for (int t = 0; t < cnt; t++) out[t] = q8_hsum(acc[t]);
+}
+#else
+static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const float *scale_of, const int8_t *const *q,
+                   const float *const *d, int cnt, float *out) {
+    float acc[Q8_CHUNK] = {0};
+    for (int64_t g = 0; g < groups; g++) {
+        int8_t c[32];
+        for (int i = 0; i < 16; i++) {
+            c[i] = TWICE_E2M1[w[g * 16 + i] & 0x0F];
+            c[16 + i] = TWICE_E2M1[w[g * 16 + i] >> 4];
+        }
+        const float hs = scale_of[sc[g]];
+        for (int t = 0; t < cnt; t++) {
+            int32_t s = 0;
+            for (int i = 0; i < 32; i++) s += (int32_t)c[i] * q[t][g * 32 + i];
+            acc[t] += (float)s * (hs * d[t][g]);
+        }
+    }
+    for (int t = 0; t < cnt; t++) out[t] = acc[t];
+}
+#endif
+
+static int q8_by_expert(const void *a, const void *b) {  /* (expert, pick) pairs, ascending */
+    const int64_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
+/* The integer form of neffbuild_mxfp4_dot (same arguments and layout): x quantized once, the picks sorted by expert,
+   and each (expert, output row) pair a unit of work that decodes each group once for every pick routed to that
+   expert (in chunks of Q8_CHUNK). 0, or 1 when the scratch could not be allocated (nothing written then). */
+int neffbuild_mxfp4_q8_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
+                           const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
+                           int threads) {
+    const int64_t in = groups * 32, xrows = n * kx, picks = n * k;
+    int8_t *q = malloc((size_t)(xrows * in) + 1);
+    float *d = malloc((size_t)(xrows * groups + 1) * sizeof(float));
+    int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t)), *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
+    if (!q || !d || !pairs || !starts) { free(q); free(d); free(pairs); free(starts); return 1; }
+    float scale_of[256];
+    for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
+    neffbuild_q8_quantize(x, xrows, groups, q, d);
+    for (int64_t p = 0; p < picks; p++) { pairs[2 * p] = idx[p]; pairs[2 * p + 1] = p; }
+    qsort(pairs, (size_t)picks, 2 * sizeof(int64_t), q8_by_expert);
+    int64_t runs = 0;  /* runs of one expert, cut into chunks of at most Q8_CHUNK picks */
+    for (int64_t p = 0; p < picks; p++)
+        if (p == 0 || pairs[2 * p] != pairs[2 * p - 2] || p - starts[runs - 1] == Q8_CHUNK) starts[runs++] = p;
+    starts[runs] = picks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t u = 0; u < runs * out; u++) {
+        const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
+        const int cnt = (int)(starts[r + 1] - starts[r]);
+        const int8_t *qs[Q8_CHUNK];
+        const float *ds[Q8_CHUNK];
+        float res[Q8_CHUNK];
+        for (int t = 0; t < cnt; t++) {
+            const int64_t p = pairs[2 * (starts[r] + t) + 1], xr = (p / k) * kx + (kx == 1 ? 0 : p % k);
+            qs[t] = q + xr * in;
+            ds[t] = d + xr * groups;
+        }
+        q8_row(blocks + (e * out + o) * groups * 16, scales + (e * out + o) * groups, groups, scale_of, qs, ds, cnt,
+               res);
+        for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
+    }
+    free(q); free(d); free(pairs); free(starts);
+    return 0;
+}
+
+/* ---- The int8 LM head: per-row scales (s = max|w| / 127, q = w / s rounded to nearest even), x as float. ---- */
+
+/* w bf16 [rows, in] -> q int8 [rows, in], s [rows]; a row with a non-finite weight gets s NaN (the caller then runs
+   the exact head). */
+void neffbuild_q8_rows(const uint16_t *w, int64_t rows, int64_t in, int8_t *q, float *s, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *wr = w + r * in;
+        float amax = 0.0f;
+        int finite = 1;
+        for (int64_t t = 0; t < in; t++) {
+            const float a = fabsf(bf16_to_float(wr[t]));
+            finite &= isfinite(a) != 0;
+            amax = a > amax ? a : amax;
+        }
+        const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+        s[r] = finite ? amax / 127.0f : NAN;
+        for (int64_t t = 0; t < in; t++) q[r * in + t] = (int8_t)nearbyintf(bf16_to_float(wr[t]) * inv);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q8_HEAD_PATH 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8_HEAD_PATH 1
+#else
+#define Q8_HEAD_PATH 0
+#endif
+
+int neffbuild_q8_head_path(void) { return Q8_HEAD_PATH; }
+
+/* m (1..4) float rows of x against one int8 weight row: y[i * ystride] = sum_t q[t] x[i, t] (every product exact in
+   float32: 7 by 8 significant bits). */
+static inline __attribute__((always_inline)) void q8_head_rows(const float *x, const int m, const int8_t *q,
+                                                                 int64_t in, float *y, int64_t ystride) {
+    int64_t t = 0;
+    float sums[4] = {0, 0, 0, 0};
+#if Q8_HEAD_PATH == 2
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+    for (; t + 16 <= in; t += 16) {
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + t))));
+#pragma GCC unroll 4
+        for (int i = 0; i < m; i++) acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i * in + t), acc[i]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < m; i++) sums[i] = _mm512_reduce_add_ps(acc[i]);
+#elif Q8_HEAD_PATH == 1
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
+    for (; t + 8 <= in; t += 8) {
+        const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + t))));
+#pragma GCC unroll 4
+        for (int i = 0; i < m; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * in + t), acc[i]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < m; i++) sums[i] = q8_hsum(acc[i]);
+#endif
+    for (int i = 0; i < m; i++) {
+        float s = sums[i];
+        for (int64_t r = t; r < in; r++) s += (float)q[r] * x[i * in + r];
+        y[i * ystride] = s;
+    }
+}
+
+/* y[i, o] = s[o] * sum_t q[o, t] x[i, t]: x bf16 [m, in] (widened once), q int8 [out, in]. 0, or 1 when the widened
+   copy of x could not be allocated. */
+int neffbuild_q8_linear(const uint16_t *x, int64_t m, const int8_t *q, const float *s, int64_t out, int64_t in,
+                        float *y, int threads) {
+    float *xs = malloc((size_t)(m * in + 1) * sizeof(float));
+    if (xs == NULL) return 1;
+    for (int64_t t = 0; t < m * in; t++) xs[t] = bf16_to_float(x[t]);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t i0 = 0; i0 < m; i0 += 4) {
+            float *yo = y + i0 * out + o;
+            switch (m - i0 < 4 ? m - i0 : 4) {
+                case 1: q8_head_rows(xs + i0 * in, 1, q + o * in, in, yo, out); break;
+                case 2: q8_head_rows(xs + i0 * in, 2, q + o * in, in, yo, out); break;
+                case 3: q8_head_rows(xs + i0 * in, 3, q + o * in, in, yo, out); break;
+                default: q8_head_rows(xs + i0 * in, 4, q + o * in, in, yo, out); break;
+            }
+            for (int64_t i = 0; i < (m - i0 < 4 ? m - i0 : 4); i++) yo[i * out] *= s[o];
+        }
+    free(xs);
+    return 0;
+}
+
+/* The values neffbuild_bf16_linear gives at (row[p], col[p]) of its [m, out] output, for p < picks: the same call of
+   the same loop (x's chunk of up to 4 rows, the weight row's pair on the AVX2 path, the zero-padded copy for an odd
+   last row), so the values are bit for bit the full linear's. 0, or 1 when the scratch could not be allocated. */
+int neffbuild_bf16_linear_at(const uint16_t *x, int64_t m, const uint16_t *w, int64_t out, int64_t in,
+                             const int64_t *row, const int64_t *col, int64_t picks, float *y) {
+#if BF16_PATH == 0
+    (void)x; (void)m; (void)w; (void)out; (void)in; (void)row; (void)col; (void)picks; (void)y;
+    return 1;  /* the plain path's exact head is the matmul (runtime/native.py): not reproduced here */
+#else
+#if BF16_PATH == 2
+    const x_t *xs = x;
+    (void)out;
+#else
+    float *xs = malloc((size_t)(m * in + 1) * sizeof(float));
+    if (xs == NULL) return 1;
+    for (int64_t t = 0; t < m * in; t++) xs[t] = bf16_to_float(x[t]);
+#endif
+    float tmp[8];
+    int status = 0;
+    for (int64_t p = 0; p < picks && !status; p++) {
+        const int64_t i0 = row[p] / 4 * 4, mc = m - i0 < 4 ? m - i0 : 4, o = col[p];
+#if BF16_PATH == 2
+        rows_dot_bf16(xs + i0 * in, mc, w + o * in, in, tmp, 1);
+        y[p] = tmp[row[p] - i0];
+#else
+        const uint16_t *pair = w + (o / 2) * 2 * in;
+        uint16_t *last = NULL;
+        if (out % 2 && o == out - 1) {
+            last = calloc((size_t)(2 * in), sizeof(uint16_t));
+            if (last == NULL) { status = 1; break; }
+            memcpy(last, w + o * in, (size_t)in * sizeof(uint16_t));
+            pair = last;
+        }
+        rows_dot_bf16(xs + i0 * in, mc, pair, in, tmp, 2);
+        y[p] = tmp[(row[p] - i0) * 2 + (last ? 0 : o % 2)];
+        free(last);
+#endif
+    }
+#if BF16_PATH == 1
+    free(xs);
+#endif
+    return status;
+#endif
+}

@@ -40,7 +40,7 @@ from neffbuild.kernels.collectives import (
     vocab_parallel_embed,
     vocab_parallel_gather,
 )
-from neffbuild.kernels.moe import native_on  # also registers the native ops (runtime/native.py)
+from neffbuild.kernels.moe import kernel_forms, native_form, native_on  # also registers the native ops
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.models.gpt_oss.weights import BLOCKS, SCALES, experts_of, stacked_names
@@ -56,6 +56,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if native_on() and x.dtype == weight.dtype == torch.bfloat16:
         return torch.ops.neffbuild.bf16_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
     return x @ weight.t()
+
+
+def head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head: ``linear``, or with ``model.head_kernel: int8`` (a bf16 CPU graph) ``neffbuild::q8_head``, whose
+    argmax (and the values near it) are the exact form's bit for bit and the other logits approximate
+    (runtime/native_q8.py): for greedy serving."""
+    if native_form("head_kernel") == "int8" and x.dtype == weight.dtype == torch.bfloat16:
+        return torch.ops.neffbuild.q8_head(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+    return linear(x, weight)
 
 
 def attention_inputs(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, cos, sin):
@@ -118,7 +127,7 @@ def unembed(cfg: GptOssConfig, w: dict, x: torch.Tensor, par: ParallelLayout = S
 
     With tp > 1 each rank computes the logits of its vocab / tp rows and the TP group all-gathers them
     along the vocabulary, so every rank returns the full logits."""
-    logits = linear(rms_norm(x, w["norm"], cfg.rms_norm_eps), w["lm_head"]).float()  # the vocabulary's GEMV
+    logits = head(rms_norm(x, w["norm"], cfg.rms_norm_eps), w["lm_head"]).float()  # the vocabulary's GEMV
     return logits if par.tp == 1 else vocab_parallel_gather(logits, par.tp, TP_GROUP)
 
 
@@ -126,9 +135,11 @@ class GptOssDecode(nn.Module):
     """One decode step over all layers; KV written in place into ``kv_caches``."""
 
     def __init__(self, cfg: GptOssConfig, stacked: dict[str, torch.Tensor], *, packed_k: bool = False,
-                 aux_layers: tuple[int, ...] | None = None, parallel: ParallelLayout = SINGLE):
+                 aux_layers: tuple[int, ...] | None = None, parallel: ParallelLayout = SINGLE,
+                 expert_kernel: str = "exact", head_kernel: str = "exact"):
         super().__init__()
         self.par = parallel
+        self.forms = {"expert_kernel": expert_kernel, "head_kernel": head_kernel}  # native ops' numeric forms
         self.cfg = local_config(cfg, parallel)  # this rank's heads; the stacked weights are its shard
         self.packed_k = packed_k
         self.aux_layers = tuple(aux_layers) if aux_layers else ()
@@ -154,6 +165,12 @@ class GptOssDecode(nn.Module):
         kv_caches: tuple[torch.Tensor, ...],  # G x [2, num_blocks, kv_heads, block_size, head_dim]
         rank: torch.Tensor | None = None,  # [1] this rank's id; sharded graphs only (picks its experts)
     ):
+        with kernel_forms(self.forms):
+            return self._step(input_ids, positions, block_table, block_table_swa, swa_kv_pos_offset, slot_mapping,
+                              slot_mapping_swa, kv_caches, rank)
+
+    def _step(self, input_ids, positions, block_table, block_table_swa, swa_kv_pos_offset, slot_mapping,
+              slot_mapping_swa, kv_caches, rank):
         cfg, w = self.cfg, self.weights()
         B, S = input_ids.shape
         x = embed(w, input_ids, self.par, rank)  # [B, q, H]

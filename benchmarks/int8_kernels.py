@@ -1,0 +1,105 @@
+"""The native ops alone at GPT-OSS-20B's width: exact (float) forms against the int8 forms, per ISA path.
+
+    nice -n -5 .venv/bin/python benchmarks/int8_kernels.py [--isas native,avx2,plain] [--vocab 201088] [--repeat 20]
+
+Experts: gate_up (5,760 x 2,880) and down (2,880 x 2,880) of 32 MXFP4 experts, top 4, batch 1 and 4 (random
+routing, the same for both forms); ``neffbuild::mxfp4_dot`` against ``mxfp4_q8_dot``. Head: the vocabulary's
+bf16 GEMV (``bf16_linear``) against ``q8_head`` (int8 rows, the exact re-scoring included), batch 1 and 4. Bytes
+are what each form reads of its weights in its own encoding (MXFP4: 17 bytes a 32-value group of each picked
+expert once; bf16 head 2 bytes a weight, int8 head 1 plus 4 a row), over the median time, beside the copy
+bandwidth (a 256 MiB ``copy_`` into a buffer allocated once: bytes read / s). One thread. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from neffbuild.runtime import native, native_q8  # noqa: E402
+
+ISAS = {"native": ("-march=native",), "vnni": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+        "avx2": ("-march=x86-64-v3",), "plain": ("-march=x86-64",)}
+H, INTER, E, TOP_K = 2880, 2880, 32, 4
+
+
+def median_s(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(repeat: int) -> float:
+    src = torch.ones(256 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)  # allocated once: the copy, not the page faults of a new buffer
+    return src.numel() / median_s(lambda: dst.copy_(src), repeat)
+
+
+def expert_rows(lib, batch: int, repeat: int) -> list[tuple]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for name, n_out, n_in in (("gate_up", 2 * INTER, H), ("down", H, INTER)):
+        G = n_in // 32
+        blocks = torch.randint(0, 256, (E, n_out, G, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 130, (E, n_out, G), dtype=torch.uint8, generator=g)
+        idx = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(batch)])
+        x = torch.randn(batch, 1 if name == "gate_up" else TOP_K, n_in, generator=g)
+        nbytes = len(set(idx.flatten().tolist())) * n_out * G * 17
+        exact = median_s(lambda: native.mxfp4_native(lib, x, blocks, scales, idx), repeat)  # noqa: B023
+        int8 = median_s(lambda: native_q8.mxfp4_q8_native(lib, x, blocks, scales, idx), repeat)  # noqa: B023
+        out.append((f"{name} b{batch}", nbytes, exact, nbytes, int8))
+    return out
+
+
+def head_rows(lib, vocab: int, batch: int, repeat: int) -> list[tuple]:
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(vocab, H, generator=g) * 0.02).bfloat16()
+    x = torch.randn(batch, H, generator=g).bfloat16()
+    torch.ops.neffbuild.q8_head(x, w)  # quantizes the head once (kept)
+    exact = median_s(lambda: native.bf16_native(lib, x, w), repeat)
+    int8 = median_s(lambda: torch.ops.neffbuild.q8_head(x, w), repeat)
+    return [(f"head V{vocab} b{batch}", vocab * H * 2, exact, vocab * (H + 4), int8)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--isas", default="native,avx2,plain", help=f"comma-separated, of: {', '.join(ISAS)}")
+    ap.add_argument("--vocab", type=int, default=201088)
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--no-head", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    copy = copy_bandwidth(args.repeat)
+    print(f"copy bandwidth (copy_, one thread): {copy / 1e9:.1f} GB/s read\n")
+    print("| ISA path | op | exact ms | exact GB/s (% copy) | int8 ms | int8 GB/s (% copy) | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for isa in args.isas.split(","):
+        lib = native.library(ISAS[isa])
+        if lib is None:
+            print(f"| {isa} | (no library) | | | | | |")
+            continue
+        label = f"{isa} (q8 {lib.q8_path}, bf16 {lib.bf16_path})"
+        for b in (int(s) for s in args.batches.split(",")):
+            rows = expert_rows(lib, b, args.repeat)
+            if not args.no_head and lib.bf16_path:
+                rows += head_rows(lib, args.vocab, b, args.repeat)
+            for name, eb, es, ib, is_ in rows:
+                print(f"| {label} | {name} | {es * 1e3:.2f} | {eb / es / 1e9:.1f} ({100 * eb / es / copy:.0f}%) | "
+                      f"{is_ * 1e3:.2f} | {ib / is_ / 1e9:.1f} ({100 * ib / is_ / copy:.0f}%) | x{es / is_:.2f} |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
