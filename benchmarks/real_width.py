@@ -14,7 +14,10 @@ peak RSS is reported per engine), with ``--rounds`` interleaved rounds:
   bundle-fp32   float32 everywhere (reference; ~4.5x the weight bytes)
   llama-mxfp4   llama.cpp on the GGUF its converter makes of the MXFP4 checkpoint, f16 KV, flash attention
   llama-bf16    llama.cpp on the dense checkpoint's GGUF (bf16), f16 KV, flash attention off
-  vllm-bf16     vLLM CPU, bf16, eager (needs the vLLM venv: tools/vllm_venv.sh)
+  vllm-bf16     vLLM CPU, bf16, eager (needs the vLLM venv: tools/vllm_venv.sh); vLLM CPU cannot serve the
+                MXFP4 checkpoint without AMX, so this is what a vLLM user on such a host runs
+  vllm-plugin-mxfp4  vLLM CPU with neffbuild's plugin serving bundle-mxfp4's bundle from the bundle folder alone,
+                started with the settings ``neffbuild inspect --vllm-config --json`` prints
   hf-bf16       transformers eager ``generate``, bf16
 
 Batch 1 and 4, one thread each, the same ``--prompt``-token prompts, ``--new`` greedy tokens;
@@ -57,6 +60,7 @@ ENGINES = {
     "llama-mxfp4": ("mxfp4", "llama", (17 / 32, 2, 2)),
     "llama-bf16": ("bf16", "llama", (2, 2, 2)),
     "vllm-bf16": ("bf16", "vllm", (2, 2, 2)),
+    "vllm-plugin-mxfp4": ("mxfp4", "vllm-plugin", (17 / 32, 2, 2)),
     "hf-bf16": ("bf16", "hf", (2, 2, 2)),
 }
 DEFAULT = "bundle-mxfp4,bundle-bf16,llama-mxfp4,llama-bf16,vllm-bf16,hf-bf16"
@@ -66,16 +70,22 @@ def load() -> str:
     return f"load average {os.getloadavg()[0]:.2f}"
 
 
-def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
-                VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING",
-                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="")
+def env(plugin: bool = False) -> dict:
+    """One thread, offline, vLLM in one process; vLLM native loads no plugin at all, the plugin side takes its KV
+    memory from the printed settings (no VLLM_CPU_KVCACHE_SPACE)."""
+    out = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if not plugin:
+        out.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="")
+    else:
+        out.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return out
 
 
-def last_json(argv: list[str], log: Path) -> dict:
+def last_json(argv: list[str], log: Path, *, plugin: bool = False) -> dict:
     t0 = time.perf_counter()
     with open(log, "a") as err:
-        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env(), check=False)
+        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env(plugin), check=False)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
         raise RuntimeError(f"{argv[:3]} exited {p.returncode}: see {log}")
@@ -90,8 +100,9 @@ def recipe_for(name: str, ckpt: Path, work: Path, batches: list[int], ctx: int) 
             "bundle-fp32": ("float32", "dense", "float32")}[name]
     raw = {"name": f"real-width-{name}", "version": "0.1.0",
            "model": {"arch": "gpt_oss", "checkpoint": str(ckpt), "weights_dtype": form[0], "experts": form[1]},
-           "serving": {"max_model_len": ctx, "max_num_seqs": max(batches), "block_size": 16,
-                       "num_blocks": max(batches) * ctx // 16 + 1},
+           # block 32: vLLM's CPU backend allocates KV in multiples of 32 (the plugin serves this bundle too)
+           "serving": {"max_model_len": ctx, "max_num_seqs": max(batches), "block_size": 32,
+                       "num_blocks": max(batches) * ctx // 32 + 1},
            "neuron_config": {"num_seqs_buckets": batches, "decode_context_length_buckets": [ctx],
                              "gk_decode": True, "fp8_packed_kv": False, "kv_dtype": form[2]},
            "parallel": {"tp": 1, "dp": 1, "ep": 1}, "compiler": {"backend": "inductor"}, "build": {"jobs": 1}}
@@ -244,9 +255,20 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict, bw: float) ->
         if not VLLM_PY.is_file():
             return f"skipped: {VLLM_PY} is absent; install it with tools/vllm_venv.sh (" + \
                 INSTALL.format(what="uses it") + ")"
-        argv = [str(VLLM_PY), str(HERE / "real_width_peers.py"), "vllm", "--model", str(ckpt), *common]
+        model, extra = str(ckpt), []
+        if runner == "vllm-plugin":  # the bundle-mxfp4 bundle, started as `inspect --vllm-config` says
+            path, _ = build_bundle("bundle-mxfp4", ckpt, work, a)
+            printed = subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "inspect", str(path),
+                                      "--vllm-config", "--json"], capture_output=True, text=True, env=env(),
+                                     check=True).stdout
+            doc = json.loads(printed)
+            engine_args = dict(doc["engine_args"], max_num_seqs=max(a.batches))
+            model = doc["model"]
+            extra = ["--engine-args", json.dumps({"engine_args": engine_args,
+                                                  "additional_config": doc["additional_config"]})]
+        argv = [str(VLLM_PY), str(HERE / "real_width_peers.py"), "vllm", "--model", model, *common, *extra]
     before = os.getloadavg()[0]
-    doc = last_json(argv, work / f"{name}.log")
+    doc = last_json(argv, work / f"{name}.log", plugin=runner == "vllm-plugin")
     doc["load"] = f"{before:.1f}-{os.getloadavg()[0]:.1f}"
     doc["copy_bandwidth"] = bw  # this run's figure, kept with the round (a later --report divides by it)
     with open(work / f"{name}.jsonl", "a") as f:  # each round as it lands: a run cut short keeps what it measured

@@ -3,13 +3,16 @@
     PY real_width_peers.py convert  --converter VENDOR/convert_hf_to_gguf.py CKPT OUT.gguf --outtype auto
     PY real_width_peers.py llama    --model X.gguf --prompts P.json --batches 1,4 --new 200 [--flash] [--kv f16]
     PY real_width_peers.py vllm     --model CKPT   --prompts P.json --batches 1,4 --new 200 [--dtype bfloat16]
+    PY real_width_peers.py vllm     --model BUNDLE --engine-args JSON --prompts P.json ...   (the neffbuild plugin)
 
 ``convert`` runs llama.cpp's own converter; a checkpoint without tokenizer files takes its
 "no vocab" path (tokenizer model ``none``) plus the ``vocab_size`` key, so the GGUF knows the
 unembedding's width. ``llama`` drives llama.cpp's C API through llama-cpp-python's bindings: the
 high-level ``Llama`` object runs one sequence, so batch B is B sequences of one context
 (``n_seq_max = B``), one ``llama_decode`` of B tokens a step, greedy argmax over each row of logits.
-``vllm`` runs ``vllm.LLM`` in-process (V1 multiprocessing off, so peak RSS is the engine's).
+``vllm`` runs ``vllm.LLM`` in-process (V1 multiprocessing off, so peak RSS is the engine's); with
+``--engine-args`` (what ``neffbuild inspect BUNDLE --vllm-config --json`` prints: the bundle folder as the
+model, the plugin's section) it serves a bundle through the neffbuild plugin.
 
 Per batch size: a warm-up, then ``--rounds`` times a 1-token and a full generation of the same
 prompts; decode seconds = the difference. Prints one JSON line: decode seconds, tokens, peak RSS.
@@ -125,8 +128,13 @@ def vllm(a, prompts) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=a.model, skip_tokenizer_init=True, seed=0, dtype=a.dtype, enforce_eager=True,
-              max_model_len=1024, max_num_seqs=max(a.batches), max_num_batched_tokens=2048)
+    if a.engine_args:  # the plugin: exactly the printed settings, plus the batch size and the prompt budget
+        doc = json.loads(a.engine_args)
+        kw = dict(doc["engine_args"], additional_config=doc["additional_config"], max_num_batched_tokens=2048)
+        llm = LLM(model=a.model, seed=0, **kw)
+    else:
+        llm = LLM(model=a.model, skip_tokenizer_init=True, seed=0, dtype=a.dtype, enforce_eager=True,
+                  max_model_len=1024, max_num_seqs=max(a.batches), max_num_batched_tokens=2048)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def run(b, new):
@@ -157,6 +165,8 @@ def main() -> None:
         p.add_argument("--flash", action="store_true")
         p.add_argument("--kv", default="f16", choices=["f16", "f32"])
         p.add_argument("--dtype", default="bfloat16")
+        p.add_argument("--engine-args", help="vllm: the plugin's printed settings as JSON (engine_args, "
+                                             "additional_config)")
     a = ap.parse_args()
     if a.cmd == "convert":
         return convert(a)

@@ -230,8 +230,10 @@ def test_the_plugin_imports_only_the_runtimes_public_names():
     assert private_runtime_imports(ROOT) == []
 
 
-# Engines read a bundle through the runtime's typed facts (runtime/bundle/facts.py), never the manifest's dicts.
-ENGINES = ("serve", "vllm")
+# Engines (and neffbuild's engine benchmarks) read a bundle through the runtime's typed facts
+# (runtime/bundle/facts.py), never the manifest's dicts. The bundle's writer side (bundle/) and the CLI's display
+# commands (inspect, diff) read the manifest as the document it is.
+ENGINES = ("serve", "vllm", "bench")
 MANIFEST_READS = ("manifest", "read_manifest", "graph_inputs_json", "of_manifest")
 
 

@@ -54,10 +54,12 @@ def bundles(tmp_path_factory, build_cache, compile_pool):
     return folder, out
 
 
-def _generate(bundle) -> list[list[int]]:
-    args = [a for (n, m), p in zip(SHAPES, _prompts(), strict=True)
-            for a in ("--prompt-ids", ",".join(map(str, p)), "--max-new-tokens", str(m))]
-    res = cli("generate", str(bundle), *args, "--json")
+def _generate(bundle, folder) -> list[list[int]]:
+    """``neffbuild generate`` on the same requests (a request file: each its own max_new_tokens)."""
+    path = folder / "requests.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": m}) + "\n"
+                            for p, (_, m) in zip(_prompts(), SHAPES, strict=True)))
+    res = cli("generate", str(bundle), "--requests", str(path), "--json")
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)["tokens"]
 
@@ -81,7 +83,7 @@ def test_vllm_serves_the_bundle_alone_with_generates_tokens(bundles, form):
         report = server.rpc("neffbuild_report")[0]
     finally:
         server.stop()
-    assert tokens == _generate(bundle)
+    assert tokens == _generate(bundle, folder)
     assert report["rows"] == {"artifact": sum(m - 1 for _, m in SHAPES)}
     assert report["prefill_tokens"] == sum(n for n, _ in SHAPES)
     assert report["kv_shapes"] == [[2, 128, 2, 32, 64]]

@@ -61,7 +61,7 @@ def contexts(max_model_len: int) -> list[int]:
 
 def compile_graph(bundle, *, batch: int, ctx: int, dynamic: bool, workdir: Path):
     """(seconds, loaded artifact) for the decode graph at (batch, ctx); a dynamic table width if asked."""
-    backend = registry.backend(bundle.manifest["toolchain"]["backend"]).get("compile_side")()  # the bundle's
+    backend = registry.backend(bundle.facts.backend).get("compile_side")()  # the bundle's
 
     module, inputs = build_graph(graph_spec(bundle, batch=batch, ctx=ctx))
     t0 = time.perf_counter()

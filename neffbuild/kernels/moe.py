@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from neffbuild.runtime import native_q8  # noqa: F401 - registers the opt-in integer ops the traced graph may call
 from neffbuild.runtime.native import e2m1, e8m0, eager_dtype, packed_dot
 
 # On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): the graph then calls the runtime's

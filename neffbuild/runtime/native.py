@@ -263,4 +263,3 @@ def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-from neffbuild.runtime import native_q8  # noqa: E402, F401 - registers the integer forms' ops (opt-in recipe options)

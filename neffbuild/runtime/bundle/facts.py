@@ -34,6 +34,7 @@ class BundleFacts:
     num_speculative_tokens: int
     speculative_method: str | None
     graph_inputs: GraphInputs  # the grid, the KV layout and num_swa every step is planned from
+    backend: str = "inductor"  # the compiler backend the artifacts come from (the registry's name)
 
     @property
     def vocab_size(self) -> int:
@@ -82,7 +83,7 @@ def facts_of(manifest: dict, rank: int = 0) -> BundleFacts:
         layer_buffers=tuple(of_layer(i) for i in range(cfg.num_hidden_layers)),
         aux_layers=tuple(draft.aux_layers) if draft is not None else (),
         num_speculative_tokens=gi.grid.num_speculative_tokens, speculative_method=gi.speculative_method,
-        graph_inputs=gi)
+        graph_inputs=gi, backend=manifest["toolchain"]["backend"])
 
 
 def weight_table(manifest: dict, rank: int = 0) -> dict:
