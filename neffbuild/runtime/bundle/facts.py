@@ -34,7 +34,7 @@ class BundleFacts:
     num_speculative_tokens: int
     speculative_method: str | None
     graph_inputs: GraphInputs  # the grid, the KV layout and num_swa every step is planned from
-    backend: str = "inductor"  # the compiler backend the artifacts come from (the registry's name)
+    backend: str = ""  # the compiler backend the artifacts come from (the registry's name: the manifest's toolchain)
 
     @property
     def vocab_size(self) -> int:
