@@ -142,8 +142,11 @@ def layout_tag(bundle, regions) -> str:
             f"{regions.block_len}-byte blocks: {regions.describe()})")
 
 
-def peer_compat(host: str, port: int, rank: int, timeout_ms: int = 5000) -> str:
-    """The compatibility string a peer publishes on its NIXL side channel (what vLLM's handshake reads first)."""
+def peer_compat(host: str, port: int, rank: int, timeout_ms: int = 30000) -> str:
+    """The compatibility string a peer publishes on its NIXL side channel (what vLLM's handshake reads first).
+
+    30 s, not vLLM's 5: a prefill instance busy prefilling on a loaded host answered the first query late (one
+    of six requests failed in a test run under load, 2 cores, load average 5)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     try:
