@@ -45,5 +45,8 @@ for banned in ("torchvision", "torchaudio", "torchcodec"):
     except md.PackageNotFoundError:
         continue
     raise SystemExit(f"{banned} is installed in the vLLM venv: it does not load beside the CPU torch")
+# vLLM's NIXL connector (the plugin's disaggregated serving, docs/vllm.md) imports NIXL as `nixl`: the meta
+# package, which picks nixl_cu12 when torch has no CUDA (nixl-cu13, which it also pins, is left out of the lock)
+import nixl._api  # noqa: F401
 PY
 echo "vLLM venv ready at $venv in $(( $(date +%s) - start )) s" >&2

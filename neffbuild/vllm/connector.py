@@ -1,0 +1,171 @@
+"""The plugin's KV connector for disaggregated serving: vLLM's NIXL connector over the bundle's KV layout.
+
+A prefill instance (vLLM + the plugin, ``kv_role: kv_producer``) and a decode instance (``kv_consumer``) serve
+the same bundle; vLLM's NIXL connector moves a prompt's KV blocks from the first to the second. Two things of
+vLLM's connector do not fit the plugin as they are, and this module changes exactly those:
+
+1. **Regions.** vLLM registers each layer's KV tensor as one region of block-major pages (``block_id *
+   page``). The plugin keeps vLLM's allocation but lays the bytes out as the bundle's buffer ``[2, num_blocks,
+   kv_heads, block_size, head_dim]`` (neffbuild/vllm/kv.py): a page holds no block. The worker here registers the
+   bundle's per-buffer K and V regions instead (the runtime's ``regions_for``: block_len ``kv_heads *
+   block_size * head_dim * itemsize``, one K and one V region per buffer, de-duplicated by base), by handing
+   vLLM's registration each layer's buffer viewed as ``[2 * num_blocks, kv_heads, block_size, head_dim]``:
+   vLLM then splits it into its two segments, K and V, each a region of ``num_blocks`` blocks. After
+   registering, the regions vLLM built are compared with ``regions_for``'s; any difference stops start-up.
+2. **Compatibility.** vLLM's handshake hash covers the model, dtypes and attention backend, not the bytes inside
+   a block: a plain-vLLM peer, or a plugin peer on another bundle, would pass it and a transfer would move the
+   wrong bytes silently. The worker appends its layout (``layout_tag``: the bundle's manifest digest and the
+   regions' geometry) to the hash it publishes, and before vLLM's own handshake the decode side reads the
+   peer's published hash and refuses a peer whose layout differs with one line naming both layouts.
+
+And the sliding-window rule of the seeds (runtime/di/prompt.py: both sides at prompt length N - 1): vLLM's
+connector already has the mechanism, ``_prefill_backoff`` (the prefill side drops the prompt's last token and
+answers with one token, the decode side pulls N - 1 tokens of KV and runs token N - 1 itself as its first,
+one-token step). The scheduler here sets it to one token for a model with sliding-window layers, so the prefill
+side's window manager keeps what a query at position N - 1 reads (docs/vllm.md, "Disaggregated serving").
+
+Start both instances with ``--kv-transfer-config '{"kv_connector": "NeffbuildNixlConnector",
+"kv_connector_module_path": "neffbuild.vllm.connector", "kv_role": ..., "kv_buffer_device": "cpu"}'`` (the
+launcher, neffbuild/vllm/di.py, does).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+import torch
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlConnector,
+    NixlHandshakePayload,
+    NixlPullConnectorScheduler,
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+from vllm.logger import init_logger
+from vllm.utils.network_utils import make_zmq_path
+
+from neffbuild.errors import IncompatibleBundle, KVLayoutMismatch
+from neffbuild.runtime import regions_for
+from neffbuild.vllm import startup
+from neffbuild.vllm.config import from_additional_config
+from neffbuild.vllm.kv import bundle_view
+
+logger = init_logger(__name__)
+
+TAG = "|neffbuild-layout "  # what separates vLLM's hash from the layout in the published compatibility string
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+class NeffbuildNixlConnector(NixlConnector):
+    """vLLM's pull-mode NIXL connector with the plugin's scheduler (N - 1) and worker (regions, layout check)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = BundleScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        else:
+            self.connector_scheduler = None
+            self.connector_worker = BundleWorker(vllm_config, self.engine_id, kv_cache_config)
+
+
+class BundleScheduler(NixlPullConnectorScheduler):
+    def _prefill_backoff(self) -> int:
+        """One token with sliding-window layers (the seeds' N - 1 rule), else vLLM's own (0 for GPT-OSS)."""
+        return max(super()._prefill_backoff(), 1 if any(self.blocks_per_sw) else 0)
+
+
+class BundleWorker(NixlPullConnectorWorker):
+    def __init__(self, vllm_config, engine_id, kv_cache_config):
+        settings = from_additional_config(vllm_config.additional_config)
+        if settings is None:
+            raise IncompatibleBundle("neffbuild: NeffbuildNixlConnector moves a bundle's KV layout; this vLLM serves "
+                                     "no bundle (give --additional-config '{\"neffbuild\": {\"bundle\": ...}}', or "
+                                     "use vLLM's own NixlConnector for vLLM's own layout)")
+        self.bundle = startup.open_configured(settings)
+        self.layout: str | None = None
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        views, buffers = split_views(kv_caches, self.bundle.facts.layer_buffers)
+        super().register_kv_caches(views)
+        regions = regions_for(self.bundle.facts, buffers)
+        got = (list(self.kv_caches_base_addr[self.engine_id][self.tp_rank]), set(self.block_len_per_layer))
+        if got != (list(regions.bases), {regions.block_len}):
+            raise KVLayoutMismatch(f"neffbuild: vLLM registered regions at {got[0]} with block lengths {got[1]}; the "
+                                   f"bundle's are {list(regions.bases)} of {regions.block_len} bytes "
+                                   f"({regions.describe()})")
+        self.layout = layout_tag(self.bundle, regions)
+        self.compat_hash = f"{self.compat_hash}{TAG}{self.layout}"
+        self.xfer_handshake_metadata = NixlHandshakePayload(
+            compatibility_hash=self.compat_hash,
+            agent_metadata_bytes=self.xfer_handshake_metadata.agent_metadata_bytes)
+        logger.info("neffbuild: NIXL regions are the bundle's per-buffer K and V regions (%s)", self.layout)
+
+    def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, remote_dcp_size=1, remote_pp_size=1,
+                        notif_agents_only=False):
+        """vLLM's handshake, after the peer's published layout is checked against this one's (one line if not)."""
+        rank = self.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)[0]
+        refusal = layout_refusal(self.layout, peer_compat(host, port, rank), f"{host}:{port}")
+        if refusal:
+            raise KVLayoutMismatch(refusal)
+        return super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id, remote_dcp_size,
+                                       remote_pp_size, notif_agents_only)
+
+
+def split_views(kv_caches: dict[str, torch.Tensor], layer_buffers) -> tuple[dict, list[torch.Tensor]]:
+    """({layer: its buffer as [2 * num_blocks, kv, bs, d]}, [buffer j as the bundle's [2, nb, kv, bs, d]]).
+
+    The first is what vLLM's registration splits into a K and a V region per distinct tensor; the second is
+    what ``regions_for`` reads. Buffer j is the tensor of the first layer the bundle maps to j."""
+    views, buffers = {}, {}
+    for name, cache in kv_caches.items():
+        match = _LAYER.search(name)
+        if match is None:
+            raise IncompatibleBundle(f"neffbuild: vLLM's KV layer {name!r} is not one of the plugin's layers")
+        buf = bundle_view(cache[0] if isinstance(cache, (list, tuple)) else cache)
+        buffers.setdefault(layer_buffers[int(match.group(1))], buf)
+        views[name] = buf.flatten(0, 1)
+    return views, [buffers[j] for j in sorted(buffers)]
+
+
+def layout_tag(bundle, regions) -> str:
+    """The layout both sides must share: the bundle (name and manifest digest) and the regions' geometry."""
+    digest_line = (Path(bundle.root) / "manifest.sha256").read_text().split()
+    digest = digest_line[0][:16] if digest_line else "none"
+    return (f"bundle {Path(bundle.root).name} sha256:{digest} ({len(regions.bases)} regions of "
+            f"{regions.block_len}-byte blocks: {regions.describe()})")
+
+
+def peer_compat(host: str, port: int, rank: int, timeout_ms: int = 30000) -> str:
+    """The compatibility string a peer publishes on its NIXL side channel (what vLLM's handshake reads first).
+
+    30 s, not vLLM's 5: a prefill instance busy prefilling on a loaded host answered the first query late (one
+    of six requests failed in a test run under load, 2 cores, load average 5)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    try:
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(make_zmq_path("tcp", host, port))
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, rank)))
+        payload = sock.recv_multipart()[0]
+    finally:
+        sock.close()
+        ctx.term()
+    return msgspec.msgpack.Decoder(NixlHandshakePayload).decode(payload).compatibility_hash
+
+
+def layout_refusal(ours: str | None, peer_hash: str, where: str) -> str | None:
+    """One line when the peer's KV layout is not ours, else None (vLLM's own hash check follows)."""
+    theirs = peer_hash.split(TAG, 1)[1] if TAG in peer_hash else None
+    if theirs == ours:
+        return None
+    there = "vLLM's own KV layout (one block-major region per layer, no bundle)" if theirs is None else theirs
+    return (f"neffbuild: refusing KV transfer with the vLLM instance at {where}: it serves {there}; this instance "
+            f"serves {ours}. Serve the same bundle with the plugin and NeffbuildNixlConnector on both sides")
