@@ -40,9 +40,9 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory, build_cache, compile_pool):
+def vllm_dtype_bundles(tmp_path_factory, build_cache, compile_pool):
     """Two bundles of one MXFP4 checkpoint (batch buckets 2 and 4, the fallback context only: a bucket of
-    max_model_len folds into it), then the checkpoint folder moved away: the serving host has the bundles."""
+    max_model_len folds into it), then the checkpoint folder moved away: the serving host has the vllm_dtype_bundles."""
     folder = tmp_path_factory.mktemp("vllm-dtypes")
     cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
     checkpoint = write_mxfp4_checkpoint(folder / "ckpt", cfg)
@@ -65,8 +65,8 @@ def _generate(bundle, folder) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-def test_vllm_serves_the_bundle_alone_with_generates_tokens(bundles, form):
-    folder, built = bundles
+def test_vllm_serves_the_bundle_alone_with_generates_tokens(vllm_dtype_bundles, form):
+    folder, built = vllm_dtype_bundles
     bundle = built[form]
     doc = json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
     args = doc["engine_args"]
@@ -94,8 +94,8 @@ def test_vllm_serves_the_bundle_alone_with_generates_tokens(bundles, form):
                                          "for 'fp8'"),
     ("bf16-kv", "dtype", "float32", "--dtype: vLLM has dtype 'float32', the bundle was compiled for 'bfloat16'"),
 ])
-def test_a_dtype_flag_that_disagrees_stops_start_up_in_one_line(bundles, form, flag, value, needle):
-    _, built = bundles
+def test_a_dtype_flag_that_disagrees_stops_start_up_in_one_line(vllm_dtype_bundles, form, flag, value, needle):
+    _, built = vllm_dtype_bundles
     doc = json.loads(cli("inspect", str(built[form]), "--vllm-config", "--json").stdout)
     argv = serve_argv(doc["model"], {**doc["engine_args"], flag: value}, doc["additional_config"], free_port())
     res = subprocess.run(argv, env=vllm_env(VLLM_CPU_KVCACHE_SPACE=None), capture_output=True, text=True,

@@ -43,7 +43,7 @@ def _requests() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def stream(tmp_path_factory, build_cache, compile_pool):
+def vllm_stream(tmp_path_factory, build_cache, compile_pool):
     folder = tmp_path_factory.mktemp("vllm-stream")
     checkpoint = save_checkpoint(folder / "ckpt")
     recipe = write_recipe(folder, checkpoint, name="gpt-oss-stream", num_blocks=640, num_seqs_buckets=BATCHES,
@@ -71,8 +71,8 @@ def stream(tmp_path_factory, build_cache, compile_pool):
         server.stop()
 
 
-def test_every_decode_row_of_a_streaming_load_runs_an_artifact(stream):
-    requests, _, report, _ = stream
+def test_every_decode_row_of_a_streaming_load_runs_an_artifact(vllm_stream):
+    requests, _, report, _ = vllm_stream
     decode_rows = sum(r["max_tokens"] - 1 for r in requests)
     assert set(report["rows"]) == {"artifact"}, report["rows"]  # no decode row ran eagerly
     # one-token rows: every decode row, plus any one-token last chunk of a prompt (the same computation)
@@ -82,7 +82,7 @@ def test_every_decode_row_of_a_streaming_load_runs_an_artifact(stream):
     assert {"decode_b8_ctx1024", "decode_b4_ctx1024"} & labels and any(label.endswith("ctx2304") for label in labels)
 
 
-def test_streamed_tokens_equal_the_same_requests_served_alone(stream):
-    requests, streamed, _, alone = stream
+def test_streamed_tokens_equal_the_same_requests_served_alone(vllm_stream):
+    requests, streamed, _, alone = vllm_stream
     assert [len(t) for t in streamed] == [r["max_tokens"] for r in requests]
     assert streamed[: len(alone)] == alone
