@@ -4,7 +4,6 @@ rule (serve/check.py), one JSON document per ``generate`` and request files coun
 Each case ends in a clean error (or a stated verdict), never a crash or a silent wrong answer."""
 
 import json
-import shutil
 import struct
 import time
 
@@ -18,7 +17,7 @@ from neffbuild.runtime.kv.cache import KVGuard
 from neffbuild.serve import check
 from neffbuild.serve.parts import Request
 from neffbuild.serve.requests import MAX_REQUESTS, load_requests
-from tests.helpers import cli, strict_json
+from tests.helpers import cli, strict_json, tampered
 
 # -- KV buffers released after the Stepper took them ------------------------------------------------------------
 
@@ -80,16 +79,19 @@ def test_the_guard_passes_buffers_written_in_place():
 # -- NaN weights: generate refuses them as verify does ----------------------------------------------------------
 
 def _poison(src, dest, name="embed"):
-    """A copy of bundle ``src`` whose tensor ``name`` starts with a NaN (same size: the size-only open passes)."""
-    shutil.copytree(src, dest)
-    path = dest / "weights.safetensors"
-    raw = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    meta = json.loads(raw[8:8 + n])[name]
-    at = 8 + n + meta["data_offsets"][0]
-    raw[at:at + 4] = struct.pack("<f", float("nan")) if meta["dtype"] == "F32" else b"\xc0\x7f\xc0\x7f"
-    path.write_bytes(bytes(raw))
-    return dest
+    """A copy of bundle ``src`` whose tensor ``name`` starts with a NaN, its checksums rewritten to match (what only
+    the finiteness check can catch)."""
+    def edit(root, m):
+        path = root / m["weights"]["file"]
+        raw = bytearray(path.read_bytes())
+        (n,) = struct.unpack("<Q", raw[:8])
+        meta = json.loads(raw[8:8 + n])[name]
+        at = 8 + n + meta["data_offsets"][0]
+        raw[at:at + 4] = struct.pack("<f", float("nan")) if meta["dtype"] == "F32" else b"\xc0\x7f\xc0\x7f"
+        path.write_bytes(bytes(raw))
+        return [m["weights"]["file"]]
+
+    return tampered(src, dest, edit)
 
 
 def test_generate_refuses_nan_weights_as_verify_does(built, tmp_path):

@@ -53,23 +53,25 @@ def test_random_draft_keeps_the_model_key_and_says_what_vllm_lacks():
 
 
 def test_vllm_config_of_a_cpu_bundle_is_the_whole_vllm_serve_line_for_the_plugin(built):
+    """The line starts vLLM on the bundle folder alone: its config.json, no weights to load (the plugin computes
+    with the bundle's), the bundle's dtypes, grid and pool, and KV memory sized from the pool (no host fraction)."""
     out = cli("inspect", str(built.bundle), "--vllm-config")
     assert out.returncode == 0, out.stderr
     [line] = out.stdout.strip().splitlines()
     root = str(built.bundle.resolve())
-    assert line.startswith("PROMETHEUS_MULTIPROC_DIR=$(mktemp -d) vllm serve ")
-    assert (f"--dtype float32 --enforce-eager --max-model-len 512 --max-num-seqs 4 --block-size 16 "
-            f"--num-gpu-blocks-override {POOL} --tensor-parallel-size 1 --data-parallel-size 1 "
+    pool_bytes = -(-2 * POOL * 2 * 16 * 16 * 4 // 2**20) * 2**20  # one buffer: K and V x pool x heads x bs x d x 4
+    assert line.startswith(f"PROMETHEUS_MULTIPROC_DIR=$(mktemp -d) vllm serve {root} ")
+    assert (f"--dtype float32 --enforce-eager --load-format dummy --skip-tokenizer-init --max-model-len 512 "
+            f"--max-num-seqs 4 --block-size 16 --num-gpu-blocks-override {POOL} --tensor-parallel-size 1 "
+            f"--data-parallel-size 1 --kv-cache-memory-bytes {pool_bytes} "
             f"--additional-config '{{\"neffbuild\": {{\"bundle\": \"{root}\"}}}}'") in line
     doc = json.loads(cli("inspect", str(built.bundle), "--vllm-config", "--json").stdout)
     assert doc["additional_config"] == {"neffbuild": {"bundle": root}} and doc["command"] == line
-    assert doc["engine_args"]["num_gpu_blocks_override"] == POOL and doc["warnings"] == []
-
-
-def test_a_random_weight_cpu_bundle_says_vllm_has_no_checkpoint_to_load(built):
-    from neffbuild.runtime.bundle.reader import read_manifest
-
-    config = handoff.plugin_config("/b", read_manifest(built.bundle), {"model": {"random_seed": 0}})
-    assert " vllm serve CHECKPOINT --dtype float32" in config["command"]
-    [warning] = config["warnings"]
-    assert "model.random_seed" in warning and "model.checkpoint" in warning
+    assert doc["model"] == root and doc["engine_args"]["num_gpu_blocks_override"] == POOL
+    [warning] = doc["warnings"]
+    assert "no tokenizer" in warning and "--tokenizer" in warning
+    hf = json.loads((built.bundle / "config.json").read_text())  # what vLLM reads of the model: the bundle's own
+    manifest = json.loads((built.bundle / "manifest.json").read_text())
+    assert hf["architectures"] == ["GptOssForCausalLM"] and hf["torch_dtype"] == "float32"
+    assert {k: hf[k] for k in manifest["graph_inputs"]["model_config"]} == manifest["graph_inputs"]["model_config"]
+    assert "config.json" in manifest["files"]  # listed and checksummed like every file

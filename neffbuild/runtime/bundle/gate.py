@@ -77,6 +77,12 @@ def _model_config(gi: dict) -> list[Problem]:
             for k in ("vocab_size", "hidden_size", "num_key_value_heads", "head_dim") if not is_int(mc.get(k), 1)]
 
 
+def parallel_presence(m: dict) -> list[Problem]:
+    """A ``parallel`` section exactly on a sharded bundle, with graph_inputs' degrees (before the section itself
+    is read: a section on an unsharded bundle is named as that, not as a malformed section)."""
+    return _parallel_presence(m, m["graph_inputs"])
+
+
 def _parallel_presence(m: dict, gi: dict) -> list[Problem]:
     sharded = gi["tp"] > 1 or gi["ep"] > 1
     if ("parallel" in m) != sharded:

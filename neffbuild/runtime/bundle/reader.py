@@ -131,6 +131,7 @@ def manifest_problems(m: dict) -> list[Problem]:
     """The manifest's own part of the judgement (``check`` adds the digest and the files): schema, the parallel
     section, then the gate (the model config under the recipe's rules, the weights' shapes it implies, ...)."""
     problems = manifest_schema.problems(m)
+    problems += bundle_gate.parallel_presence(m) if not problems else []  # a section on the wrong kind of bundle
     problems += _parallel_problems(m) if not problems else []
     return problems or bundle_gate.problems(m)  # the gate reads the sections the schema and parallel checks passed
 
