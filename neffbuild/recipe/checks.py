@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from neffbuild.errors import NO_VALUE, Problem, did_you_mean
-from neffbuild.runtime.bundle.config_rules import int_rule
+from neffbuild.runtime.bundle.config_rules import check_int
 
 # Upper bounds of the serving sizes: what fits in memory and in int64 index math.
 LIMITS = {"max_model_len": 2**24, "max_num_seqs": 4096, "block_size": 4096, "num_blocks": 2**24, "tp": 1024,
@@ -79,11 +79,7 @@ class Checks:
         return self.check_int(value, path, minimum, maximum=LIMITS.get(key, 2**31 - 1))
 
     def check_int(self, value, path: str, minimum: int | None = 1, *, maximum: int = 2**31 - 1):
-        why = int_rule(value, minimum, maximum)
-        if why:
-            self.err(path, value, why)
-            return None
-        return value
+        return check_int(self, value, path, minimum, maximum=maximum)
 
     def boolean(self, mapping: dict, key: str, path: str, default: bool):
         value = mapping.get(key, default)

@@ -103,6 +103,15 @@ def int_rule(value, minimum: int | None = 1, maximum: int = 2**31 - 1) -> str | 
     return None
 
 
+def check_int(v, value, path: str, minimum: int | None = 1, *, maximum: int = 2**31 - 1):
+    """``value`` when it is an int in range, else None with the problem reported through ``v.err``."""
+    why = int_rule(value, minimum, maximum)
+    if why:
+        v.err(path, value, why)
+        return None
+    return value
+
+
 class Findings:
     """The ``err`` / ``check_int`` pair the rules report through, collecting Problems (the recipe's ``Checks``
     is the other implementation)."""
@@ -114,11 +123,7 @@ class Findings:
         self.problems.append(Problem(path, message, value))
 
     def check_int(self, value, path: str, minimum: int | None = 1, *, maximum: int = 2**31 - 1):
-        why = int_rule(value, minimum, maximum)
-        if why:
-            self.err(path, value, why)
-            return None
-        return value
+        return check_int(self, value, path, minimum, maximum=maximum)
 
 
 def arch_config(v, hf: dict, path: str, arch: str):
