@@ -26,6 +26,10 @@ _NATIVE = contextvars.ContextVar("neffbuild_native_cpu_ops", default=False)
 # while it runs, read only where ``native_on``; exact unless a recipe opts in to int8 (runtime/native_q8.py).
 _FORMS = contextvars.ContextVar("neffbuild_kernel_forms", default=())
 DENSE_TOKENS = 64  # from this many tokens on (prefill): expert by expert over its tokens (see moe)
+# Eager, below DENSE_TOKENS: the indexed product materialises N x k x out x in values (MXFP4: as int32 codes and
+# floats); above this many, expert by expert instead. A chunk of 16 tokens at GPT-OSS-20B's width would be 1.1e9
+# values (over 10 GB: a host engine's prefill chunk after a prefix-cache hit); the tiny test models stay far below.
+EAGER_INDEXED_VALUES = 1 << 26
 
 
 class Mxfp4(NamedTuple):
@@ -136,7 +140,7 @@ def moe(
     logits = x @ router_w.t() + router_b  # [N, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [N, k]
     weights = torch.softmax(top_val, dim=-1)  # [N, k]
-    if x.shape[0] >= DENSE_TOKENS:
+    if x.shape[0] >= DENSE_TOKENS or (_indexed_values(x, gate_up_w, top_k) > EAGER_INDEXED_VALUES and not _traced(x)):
         if _traced(x):
             return _dense(x, router_w.shape[0], top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit,
                           first_expert)
@@ -155,6 +159,12 @@ def moe(
     h = swiglu(h, alpha, limit)  # [N, k, I]
     out = _dot(h, down_w, top_idx) + down_b[top_idx]  # [N, k, H]
     return (out * weights.unsqueeze(-1)).sum(1)
+
+
+def _indexed_values(x: torch.Tensor, gate_up_w, top_k: int) -> int:
+    """How many values the indexed product of the gate/up projection materialises when run eagerly."""
+    out, n_in = gate_up_w.shape[1], x.shape[-1]
+    return x.shape[0] * top_k * out * n_in
 
 
 def _traced(x: torch.Tensor) -> bool:
