@@ -64,7 +64,10 @@ def side(checkpoint: Path, args: dict, bundle: Path | None, rounds: int) -> dict
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(ROOT),
                VLLM_LOGGING_LEVEL="WARNING")
-    argv = [str(VLLM_PYTHON), str(WORKER), "--model", str(checkpoint), "--engine-args", json.dumps(args),
+    if bundle is None:  # vLLM native reads the checkpoint: not the plugin's bundle-only settings
+        args = {k: v for k, v in args.items() if k not in ("load_format", "kv_cache_memory_bytes")}
+    argv = [str(VLLM_PYTHON), str(WORKER), "--model", str(checkpoint if bundle is None else bundle),
+            "--engine-args", json.dumps(args),
             "--prompt-len", str(PROMPT), "--new", str(NEW), "--batches", ",".join(map(str, BATCHES)),
             "--rounds", str(rounds)]
     if bundle is None:

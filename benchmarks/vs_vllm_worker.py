@@ -26,7 +26,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = {"model": a.model, "skip_tokenizer_init": True, "seed": 0, **json.loads(a.engine_args)}
+    kw = {"model": a.model, "skip_tokenizer_init": True, "seed": 0, **json.loads(a.engine_args)}  # the bundle
+    # folder as the model when serving one (the printed settings: --load-format dummy), else the checkpoint
     if a.bundle:
         kw["additional_config"] = {"neffbuild": {"bundle": a.bundle}}
     llm = LLM(**kw)
