@@ -340,7 +340,10 @@ def test_an_endless_remote_object_is_refused_within_its_limit(endless, monkeypat
         assert cache.get(KA) is None and not list(cache.tmp_dir.iterdir())
     limit = len(art) if what == "artifact" else LIMIT
     assert f"limit of {limit} bytes" in message or f"over {limit} bytes" in message, message
-    assert peak < 3 * LIMIT, f"peak {peak} bytes while refusing a {LIMIT}-byte-limited object"
+    # The index case measures a whole pull beside a baseline pull (botocore's lazily loaded models differ between
+    # the two by a few MB in a loaded suite: 13.7 MB seen once): a bound of 8x still fails any unbounded read.
+    bound = (8 if what == "index" else 3) * LIMIT
+    assert peak < bound, f"peak {peak} bytes while refusing a {LIMIT}-byte-limited object"
 
 
 def test_an_oversize_object_with_an_honest_length_is_refused_unread(monkeypatch, s3_server):
