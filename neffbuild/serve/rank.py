@@ -79,10 +79,6 @@ def eager_artifacts(cfg, weights: dict, grid: Grid, layout: KVLayout, num_swa: i
     return EagerArtifacts(grid, layout, num_swa, decode)
 
 
-def _prefill_on(cfg, weights: dict, packed_k: bool, parallel: ParallelLayout, rank: int) -> Prefill:
-    return prefill_on(cfg, weights, packed_k, parallel, rank)
-
-
 def serving_rank(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable[[StepPlan], None] | None = None,
                  parallel: ParallelLayout | None = None, rank: int = 0) -> ServingRank:
     """A ServingRank over any artifacts (a Bundle, or eager_artifacts) with the model's prefill on ``weights``.
@@ -93,7 +89,7 @@ def serving_rank(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable
     par = parallel or ParallelLayout()
     stepper = Stepper(artifacts, group=group, on_plan=on_plan)
     return ServingRank(cfg, weights, artifacts.kv_layout, stepper.kv_caches,
-                       _prefill_on(cfg, weights, artifacts.kv_layout.packed_k, par, rank), stepper, par, rank,
+                       prefill_on(cfg, weights, artifacts.kv_layout.packed_k, par, rank), stepper, par, rank,
                        group if par.ep_gathers else None)
 
 
@@ -123,7 +119,7 @@ def _open_joined(root: Path, decode: str, tp: int, rank: int) -> ServingRank:
         weights = registry.arch(gi.arch).get("shard")(cfg, weights, par, rank)
     # Every KV head, then this rank's share; no draft group: no proposer runs on joined weights.
     layout = replace(gi.kv_layout, kv_heads=cfg.num_key_value_heads, draft_kv_heads=0, draft_head_dim=0)
-    out = ServingRank(cfg, weights, layout, [], _prefill_on(cfg, weights, layout.packed_k, par, rank),
+    out = ServingRank(cfg, weights, layout, [], prefill_on(cfg, weights, layout.packed_k, par, rank),
                       parallel=par, rank=rank, graph_inputs=gi, facts=facts)
     out.kv_layout = replace(layout, kv_heads=len(out.kv_heads))
     if decode == EAGER:

@@ -10,6 +10,7 @@ re-validates; a second engine that needs a fact adds it here, once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from neffbuild import registry
@@ -55,14 +56,6 @@ class BundleFacts:
         kv = "fp8" if self.fp8_packed_kv else ("auto" if self.kv_dtype == self.weights_dtype else self.kv_dtype)
         return self.weights_dtype, kv
 
-    def to_json(self) -> dict:
-        """The facts as plain JSON (``inspect``, the plugin's start-up log)."""
-        return {"arch": self.arch, "weights_dtype": self.weights_dtype, "experts": self.experts,
-                "kv_dtype": self.kv_dtype, "fp8_packed_kv": self.fp8_packed_kv, **self.parallel.to_json(),
-                "rank": self.rank, "kv_heads": [self.kv_heads.start, self.kv_heads.stop],
-                "layer_buffers": list(self.layer_buffers), "aux_layers": list(self.aux_layers),
-                "num_speculative_tokens": self.num_speculative_tokens,
-                "speculative_method": self.speculative_method}
 
 
 def facts_of(manifest: dict, rank: int = 0) -> BundleFacts:
@@ -103,8 +96,5 @@ def _float_dtype(table: dict) -> str:
     for entry in table.values():
         dtype = entry["dtype"]
         if dtype in ("float32", "bfloat16", "float16"):
-            n = 1
-            for d in entry["shape"]:
-                n *= d
-            sizes[dtype] = sizes.get(dtype, 0) + n
+            sizes[dtype] = sizes.get(dtype, 0) + math.prod(entry["shape"])
     return max(sizes, key=sizes.get) if sizes else "float32"

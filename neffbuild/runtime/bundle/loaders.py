@@ -28,9 +28,8 @@ NEURON_WEIGHT_PREFIX = "model."  # the traced wrapper holds the decode module as
 
 def load_inductor(path: Path, weights: dict[str, torch.Tensor], toolchain: dict, device: str = "cpu"):
     """An AOTInductor package with the shared weights bound as user-managed constants (never copied)."""
-    from neffbuild.runtime import native, native_q8  # noqa: F401 - register the ops CPU graphs call (mxfp4_dot,
-
-    # bf16_linear, and the opt-in integer forms)
+    # native, native_q8: they register the ops CPU graphs call (mxfp4_dot, bf16_linear, the opt-in integer forms)
+    from neffbuild.runtime import native, native_q8  # noqa: F401
     from neffbuild.runtime.bundle.aoti_package import load_package
 
     runner = load_package(path)  # extracts into a temp folder of ours, removed if loading fails

@@ -121,7 +121,7 @@ def check(root: str | Path, *, full: bool = True) -> list[Problem]:
     if full and not problems and loaders.reads_package_signature(m["toolchain"]):
         for i, entry in enumerate(m["artifacts"]):
             try:
-                check_artifact(safe_path(root, entry["file"]), entry, rank_table(m), f"artifacts[{i}]")
+                check_artifact(safe_path(root, entry["file"]), entry, bundle_facts.weight_table(m), f"artifacts[{i}]")
             except BundleError as exc:
                 problems.append(Problem(entry["file"], str(exc)))
     return problems
@@ -215,11 +215,6 @@ def weight_pieces(root: str | Path) -> tuple[dict, dict]:
     return weights, pieces
 
 
-def rank_table(m: dict, rank: int = 0) -> dict:
-    """The constants one rank's artifacts bind: ``weights.tensors`` plus its pieces' (same shapes on all ranks)."""
-    return bundle_facts.weight_table(m, rank)
-
-
 def check_artifact(path: Path, entry: dict, weights_table: dict, where: str) -> None:
     """Before any native code: sha256, then the package's own input checks and constants vs the manifest."""
     if sha256_file(path) != entry["sha256"]:
@@ -308,7 +303,7 @@ class Bundle:
     def _load(self, entry: dict):
         path = safe_path(self.root, entry["file"])
         if loaders.reads_package_signature(self.manifest["toolchain"]):
-            check_artifact(path, entry, rank_table(self.manifest), f"artifacts[{entry['label']}]")
+            check_artifact(path, entry, bundle_facts.weight_table(self.manifest), f"artifacts[{entry['label']}]")
         elif sha256_file(path) != entry["sha256"]:  # other backends: at least the bytes the manifest names
             raise BundleError(f"{path}: sha256 mismatch (corrupt or modified)")
         return loaders.load(self.manifest["toolchain"], path, self.weights, self.device)
@@ -377,7 +372,8 @@ def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu",
         # The fallback artifact pins what the runtime allocates from before any artifact loads (KV buffers,
         # block-table widths): check it against its own package now, so a lie there fails here, not in memory.
         top = max(manifest["artifacts"], key=lambda a: (a["ctx"], a["batch"], a["label"]))
-        check_artifact(safe_path(root, top["file"]), top, rank_table(manifest), f"artifacts[{top['label']}]")
+        check_artifact(safe_path(root, top["file"]), top, bundle_facts.weight_table(manifest),
+                       f"artifacts[{top['label']}]")
     aoti_package.sweep_temp()
     rank = None
     if "parallel" in manifest:  # every rank of the world opens the bundle (collective unless on the host's groups)
