@@ -164,7 +164,9 @@ CASES = [  # (case, what the one stderr line says, whether the next run finds a 
 
 @pytest.mark.parametrize(("case", "needle", "recovers"), CASES, ids=[c[0] for c in CASES])
 def test_a_bad_cache_gives_the_torch_forms_numbers_and_one_line(case, needle, recovers, tmp_path, monkeypatch):
-    mark, private = tmp_path / "constructor-ran", set(Path(tempfile.gettempdir()).glob("neffbuild-kernels-*"))
+    mark, scratch = tmp_path / "constructor-ran", tmp_path / "tmpdir"  # this test's own TMPDIR: other tests'
+    scratch.mkdir()  # private builds (the suite runs in parallel) never land in the folder it checks
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     if case == "unwritable":
         cache = _unwritable(tmp_path)
     else:
@@ -178,8 +180,8 @@ def test_a_bad_cache_gives_the_torch_forms_numbers_and_one_line(case, needle, re
         else:  # a planted library with a matching record, in a folder the group may write
             mark = _plant(entry, tmp_path, record=True)
             os.chmod(entry.parent, 0o770)
-    res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=_env(cache),
-                         cwd=tmp_path, timeout=300)
+    res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
+                         env=_env(cache, TMPDIR=str(scratch)), cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert out["native"] and out["mx"] < 1e-5 and out["lin"] < 1e-2, out  # a private build or the rebuilt entry
@@ -189,7 +191,7 @@ def test_a_bad_cache_gives_the_torch_forms_numbers_and_one_line(case, needle, re
     monkeypatch.setenv("NEFFBUILD_CACHE_DIR", str(cache))
     lib, note = native_build.obtain()  # the next run
     assert lib is not None and (note is None) == recovers, note
-    assert set(Path(tempfile.gettempdir()).glob("neffbuild-kernels-*")) <= private  # private builds leave nothing
+    assert not list(scratch.glob("neffbuild-kernels-*"))  # private builds leave nothing
 
 
 def test_a_hanging_compiler_is_stopped_and_said(tmp_path, monkeypatch, capsys):
