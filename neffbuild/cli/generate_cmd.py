@@ -82,7 +82,7 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, pre
         raise InvalidInput(output_problem(histogram_path, "--histogram"))
     if check:  # --check accepts a bundle: every sha256 and recipe.yaml first, not the size-only open
         verify_fully(bundle_path)
-    _refuse_nonfinite(bundle_path)
+    facts = _refuse_nonfinite(bundle_path)  # the bundle's facts, read once for the run below
 
     if bool(prompt_ids) == bool(requests_path):
         raise InvalidInput("give the prompts as --prompt-ids ... or as --requests FILE.jsonl (one of them)")
@@ -94,7 +94,7 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, pre
     if prefill_tp is not None and not di:
         raise InvalidInput("--prefill-tp sizes the DI prefill worker; add --di or drop it")
     opts = Options(spec=spec, di=di, dp=dp, metrics=metrics, prefill_tp=prefill_tp, requests_flag=what)
-    res = run(bundle_path, requests, opts)
+    res = run(bundle_path, requests, opts, facts)
     if histogram_path:
         _write_histogram(histogram_path, res.histogram)
     if check:
@@ -111,18 +111,21 @@ def generate(bundle_path, prompt_ids, requests_path, max_new_tokens, dp, di, pre
         raise failed
 
 
-def _refuse_nonfinite(bundle_path: str) -> None:
+def _refuse_nonfinite(bundle_path: str):
     """NaN or infinite weights: refused as ``verify`` refuses them (its check, one pass over the weights), not
-    served as a run of token 0. A bundle that is broken otherwise is left to the open, which names the problem."""
+    served as a run of token 0. A bundle that is broken otherwise is left to the open, which names the problem.
+    Returns the bundle's facts (None: broken)."""
     from pathlib import Path
 
     from neffbuild.runtime.bundle import reader
 
-    if reader.read_facts(bundle_path, strict=False) is None:
-        return
+    facts = reader.read_facts(bundle_path, strict=False)
+    if facts is None:
+        return None
     bad = bundle_cmds.nonfinite_weights(Path(bundle_path), reader)
     if bad:
         raise BundleError(f"{bundle_path}: " + "; ".join(map(str, bad)) + " (`neffbuild verify` refuses it too)")
+    return facts
 
 
 def _check_failure(verdict: dict) -> NeffbuildError | None:

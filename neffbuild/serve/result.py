@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neffbuild.errors import NeffbuildError
-from neffbuild.runtime.bundle.reader import read_facts
+from neffbuild.runtime.bundle.facts import BundleFacts
 from neffbuild.runtime.di.ingest import load_nixl
 from neffbuild.serve.engine import Engine
 from neffbuild.serve.parts import LocalPrefill, Request
@@ -92,26 +92,26 @@ def merge(ranks: list[dict], n_requests: int, world: int, dp: int) -> GenerateRe
     return res
 
 
-def _check_early(bundle_path: str, requests: list[Request], what: str) -> None:
+def _check_early(facts: BundleFacts | None, requests: list[Request], what: str) -> None:
     """The requests are the user's: refuse them before any rank or worker starts (a valid manifest only)."""
-    facts = read_facts(bundle_path, strict=False)
     if facts is not None:
         check_requests(requests, facts.vocab_size, facts.graph_inputs.grid.max_model_len, what)
 
 
-def generate(bundle_path: str, requests: list[Request], opts: Options) -> GenerateResult:
-    """Serve ``requests`` on the bundle with the parts ``opts`` names; one merged result."""
+def generate(bundle_path: str, requests: list[Request], opts: Options, facts: BundleFacts | None) -> GenerateResult:
+    """Serve ``requests`` on the bundle with the parts ``opts`` names; one merged result. ``facts``: the bundle's
+    (``read_facts(bundle_path, strict=False)``, read once by the caller; None: broken, and the open says why)."""
     if opts.di:
         if opts.prefill_tp is not None:
             check_group_tp(bundle_path, opts.prefill_tp)  # the user's flag: exit 2 naming it, before anything starts
         load_nixl()  # no NIXL: exit 1 naming the extra, before anything is loaded
-    world, dp = world_for(bundle_path, opts.dp)
+    world, dp = world_for(facts, opts.dp)
     if world > 1 or opts.di:  # one process checks them after open_rank (a broken bundle is exit 1 first)
-        _check_early(bundle_path, requests, opts.requests_flag)
+        _check_early(facts, requests, opts.requests_flag)
     if not opts.di:
-        return merge(run_ranks(bundle_path, requests, opts), len(requests), world, dp)
+        return merge(run_ranks(bundle_path, requests, opts, world=(world, dp)), len(requests), world, dp)
     with PrefillGroup(bundle_path, opts.prefill_tp) as group:
-        return merge(run_ranks(bundle_path, requests, opts, group), len(requests), world, dp)
+        return merge(run_ranks(bundle_path, requests, opts, group, (world, dp)), len(requests), world, dp)
 
 
 def check_against_reference(bundle_path: str, requests: list[Request], tokens: list[list[int]]) -> dict:

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from neffbuild.errors import InvalidInput, NeffbuildError
+from neffbuild.runtime.bundle.facts import BundleFacts
 from neffbuild.runtime.bundle.reader import read_facts
 from neffbuild.serve.parts import Request
 from neffbuild.serve.run import Options, serve_rank
@@ -21,9 +22,9 @@ from neffbuild.serve.run import Options, serve_rank
 MAX_LOCAL_WORLD = 16
 
 
-def world_for(bundle_path: str, dp_flag: int | None) -> tuple[int, int]:
-    """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default: the recipe's dp)."""
-    facts = read_facts(bundle_path, strict=False)
+def world_for(facts: BundleFacts | None, dp_flag: int | None) -> tuple[int, int]:
+    """(world size, dp) to run: a sharded bundle's own tp x dp; else --dp (default: the recipe's dp). ``facts``:
+    the bundle's, read once by the caller (None: broken)."""
     if facts is None:  # broken: the ranks' open_bundle names what is wrong (exit 1)
         return dp_flag or 1, dp_flag or 1
     if not facts.sharded:  # unsharded: the same graph serves any number of DP ranks
@@ -83,9 +84,11 @@ def run_world(bundle_path: str, requests: list[Request], opts: Options, world: i
     return ranks
 
 
-def run_ranks(bundle_path: str, requests: list[Request], opts: Options, prefill_group=None) -> list[dict]:
-    """This bundle's world for ``opts``: one process (in this one) or spawned ranks; ``prefill_group``: DI's."""
-    world, dp = world_for(bundle_path, opts.dp)
+def run_ranks(bundle_path: str, requests: list[Request], opts: Options, prefill_group=None,
+              world: tuple[int, int] | None = None) -> list[dict]:
+    """This bundle's world for ``opts``: one process (in this one) or spawned ranks; ``prefill_group``: DI's;
+    ``world``: (size, dp) as ``world_for`` gave the caller (else read here)."""
+    world, dp = world or world_for(read_facts(bundle_path, strict=False), opts.dp)
     addresses = prefill_group.addresses if prefill_group is not None else None
     if world == 1:
         prefill = (addresses, prefill_group.alive) if prefill_group is not None else None
