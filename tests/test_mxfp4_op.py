@@ -122,6 +122,19 @@ def test_the_kernel_is_built_once_into_the_cache_folder():
     assert built and not list((settings.cache_dir() / "kernels").glob(ours))  # renamed into place
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kx", [1, 3])
+def test_picks_sharing_an_expert_change_no_bit(kx, dtype):
+    """At batch > 1 the picks routed to one expert share each decoded group (in chunks of 4): every row's values
+    are bit for bit those of the row computed alone."""
+    blocks, scales = _weights(E=3, out=40, groups=5, seed=2)
+    x = torch.randn(7, kx, 5 * 32).to(dtype)
+    idx = torch.tensor([[0, 1, 2], [0, 2, 1], [2, 0, 1], [1, 0, 0], [0, 1, 2], [2, 2, 0], [0, 1, 2]])
+    together = torch.ops.neffbuild.mxfp4_dot(x, blocks, scales, idx)
+    alone = torch.cat([torch.ops.neffbuild.mxfp4_dot(x[i:i + 1], blocks, scales, idx[i:i + 1]) for i in range(7)])
+    assert torch.equal(together, alone)
+
+
 def test_threads_split_the_rows_and_change_no_value():
     """The C loop runs on torch's thread count (OpenMP): each output is one row's dot product either way."""
     blocks, scales = _weights(E=4, out=64, groups=3)

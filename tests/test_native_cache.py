@@ -61,6 +61,12 @@ def test_each_isa_path_equals_the_torch_forms(name, flags, needs, isa):
         assert torch.equal(got.isnan(), want.isnan()) and bool(got[1, 0, 4].isnan())
         torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5,
                                    atol=1e-5 * float(want.nan_to_num().abs().max()))
+        xb = x.bfloat16()  # bf16 x: the AVX-512 BF16 loop where built, else widened; the same products either way
+        got = native.mxfp4_native(lib, xb, blocks, scales, idx)
+        want = native.packed_dot(xb.float(), (blocks, scales), idx)
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5,
+                                   atol=1e-5 * float(want.nan_to_num().abs().max()))
     for m, k, n in ((1, 67, 33), (5, 131, 9), (3, 7, 1)):  # tails past every vector loop, odd weight rows
         x, w = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.1).bfloat16()
         got = native.bf16_native(lib, x, w)

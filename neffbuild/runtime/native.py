@@ -39,10 +39,12 @@ _LOCK = threading.Lock()
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.neffbuild_mxfp4_dot.restype = None
+    lib.neffbuild_mxfp4_dot.restype = ctypes.c_int
     lib.neffbuild_mxfp4_dot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.neffbuild_mxfp4_dot_bf16.restype = ctypes.c_int
+    lib.neffbuild_mxfp4_dot_bf16.argtypes = lib.neffbuild_mxfp4_dot.argtypes
     lib.neffbuild_mxfp4_vectorised.restype = ctypes.c_int
     lib.neffbuild_bf16_linear.restype = ctypes.c_int
     lib.neffbuild_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -201,19 +203,25 @@ def mxfp4_dot(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, idx: 
 
 def mxfp4_native(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                  idx: torch.Tensor) -> torch.Tensor:
-    """The C loop of ``lib`` on checked inputs (``check``): float32 [N, k, out]."""
-    xf = x.to(torch.float32).contiguous()
+    """The C loop of ``lib`` on checked inputs (``check``): float32 [N, k, out]. bf16 x on a build with AVX-512 BF16
+    runs the bf16 loop (x as it is, one dot-product instruction a group); any other x is widened to float32. The
+    torch form when the C side could not allocate its scratch."""
     blocks, scales = blocks.contiguous(), scales.contiguous()
     ids = idx.to(torch.int64).contiguous()
     (n, k), (E, out, groups, _) = ids.shape, blocks.shape
     y = torch.empty(n, k, out, dtype=torch.float32, device="cpu")
     op = "mxfp4_dot"
-    lib.neffbuild_mxfp4_dot(_pointer(op, "x", xf, torch.float32, x.shape), xf.shape[1],
-                            _pointer(op, "blocks", blocks, torch.uint8, (E, out, groups, 16)),
-                            _pointer(op, "scales", scales, torch.uint8, (E, out, groups)),
-                            _pointer(op, "idx", ids, torch.int64, (n, k)), n, k, out, groups,
-                            _pointer(op, "out", y, torch.float32, (n, k, out)), torch.get_num_threads())
-    return y
+    rest = (_pointer(op, "blocks", blocks, torch.uint8, (E, out, groups, 16)),
+            _pointer(op, "scales", scales, torch.uint8, (E, out, groups)),
+            _pointer(op, "idx", ids, torch.int64, (n, k)), n, k, out, groups,
+            _pointer(op, "out", y, torch.float32, (n, k, out)), torch.get_num_threads())
+    if x.dtype == torch.bfloat16 and lib.bf16_path == 2:
+        xb = x.contiguous()
+        status = lib.neffbuild_mxfp4_dot_bf16(_pointer(op, "x", xb, torch.bfloat16, x.shape), xb.shape[1], *rest)
+    else:
+        xf = x.to(torch.float32).contiguous()
+        status = lib.neffbuild_mxfp4_dot(_pointer(op, "x", xf, torch.float32, x.shape), xf.shape[1], *rest)
+    return y if status == 0 else packed_dot(x, (blocks, scales), idx).float()
 
 
 @mxfp4_dot.register_fake

@@ -15,9 +15,9 @@ import json
 import math
 import sys
 
-SYMBOLS = ("neffbuild_mxfp4_dot", "neffbuild_mxfp4_vectorised", "neffbuild_bf16_linear", "neffbuild_bf16_native",
-           "neffbuild_mxfp4_q8_dot", "neffbuild_q8_path", "neffbuild_q8_quantize", "neffbuild_q8_rows",
-           "neffbuild_q8_linear", "neffbuild_q8_head_path", "neffbuild_bf16_linear_at")
+SYMBOLS = ("neffbuild_mxfp4_dot", "neffbuild_mxfp4_dot_bf16", "neffbuild_mxfp4_vectorised", "neffbuild_bf16_linear",
+           "neffbuild_bf16_native", "neffbuild_mxfp4_q8_dot", "neffbuild_q8_path", "neffbuild_q8_quantize",
+           "neffbuild_q8_rows", "neffbuild_q8_linear", "neffbuild_q8_head_path", "neffbuild_bf16_linear_at")
 TWICE_E2M1 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
@@ -45,12 +45,22 @@ def _mxfp4_case(lib) -> str | None:
                            for i, b in enumerate(row))
                 total += part * _scale(scales[(e * out + o) * G + g])
             want.append(total)
+    rest = ((ctypes.c_uint8 * len(blocks))(*blocks), (ctypes.c_uint8 * len(scales))(*scales),
+            (ctypes.c_int64 * len(idx))(*idx), ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int64(out),
+            ctypes.c_int64(G))
     y = (ctypes.c_float * len(want))()
-    lib.neffbuild_mxfp4_dot((ctypes.c_float * len(x))(*x), ctypes.c_int64(k), (ctypes.c_uint8 * len(blocks))(*blocks),
-                            (ctypes.c_uint8 * len(scales))(*scales), (ctypes.c_int64 * len(idx))(*idx),
-                            ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int64(out), ctypes.c_int64(G), y,
-                            ctypes.c_int(1))
-    return _compare("neffbuild_mxfp4_dot", list(y), want)
+    status = lib.neffbuild_mxfp4_dot((ctypes.c_float * len(x))(*x), ctypes.c_int64(k), *rest, y, ctypes.c_int(1))
+    why = f"neffbuild_mxfp4_dot returned {status}" if status else _compare("neffbuild_mxfp4_dot", list(y), want)
+    yb = (ctypes.c_float * len(want))()  # x in bf16 (small integers: exact), on a build with AVX-512 BF16
+    status = lib.neffbuild_mxfp4_dot_bf16((ctypes.c_uint16 * len(x))(*map(_bf16, x)), ctypes.c_int64(k), *rest, yb,
+                                          ctypes.c_int(1))
+    if status not in (0, 2):
+        return why or f"neffbuild_mxfp4_dot_bf16 returned {status}"
+    return why or (None if status == 2 else _compare("neffbuild_mxfp4_dot_bf16", list(yb), want))
+
+
+def _bf16(v: float) -> int:  # small integers: bfloat16 is float32's upper half, exactly
+    return int.from_bytes(ctypes.c_float(v), "little") >> 16
 
 
 def _bf16_case(lib) -> str | None:
@@ -59,13 +69,10 @@ def _bf16_case(lib) -> str | None:
     x = [float((i * 3) % 5 - 2) for i in range(m * n_in)]
     w = [float((i * 7) % 9 - 4) for i in range(out * n_in)]
 
-    def bf16(v: float) -> int:  # small integers: bfloat16 is float32's upper half, exactly
-        return int.from_bytes(ctypes.c_float(v), "little") >> 16
-
     want = [sum(x[r * n_in + t] * w[o * n_in + t] for t in range(n_in)) for r in range(m) for o in range(out)]
     y = (ctypes.c_float * (m * out))()
-    status = lib.neffbuild_bf16_linear((ctypes.c_uint16 * len(x))(*map(bf16, x)), ctypes.c_int64(m),
-                                       (ctypes.c_uint16 * len(w))(*map(bf16, w)), ctypes.c_int64(out),
+    status = lib.neffbuild_bf16_linear((ctypes.c_uint16 * len(x))(*map(_bf16, x)), ctypes.c_int64(m),
+                                       (ctypes.c_uint16 * len(w))(*map(_bf16, w)), ctypes.c_int64(out),
                                        ctypes.c_int64(n_in), y, ctypes.c_int(1))
     return f"neffbuild_bf16_linear returned {status}" if status else _compare("neffbuild_bf16_linear", list(y), want)
 
@@ -83,7 +90,8 @@ def check(path: str) -> dict:
     for name in SYMBOLS:
         if not hasattr(lib, name):
             raise ValueError(f"exports no {name}")
-    lib.neffbuild_mxfp4_dot.restype = None
+    lib.neffbuild_mxfp4_dot.restype = ctypes.c_int
+    lib.neffbuild_mxfp4_dot_bf16.restype = ctypes.c_int
     lib.neffbuild_bf16_linear.restype = ctypes.c_int
     isa = {"mxfp4": int(lib.neffbuild_mxfp4_vectorised()), "bf16": int(lib.neffbuild_bf16_native())}
     if not set(isa.values()) <= {0, 1, 2}:

@@ -38,60 +38,107 @@ static inline void decode_group(const uint8_t *bytes, __m128i *first, __m128i *s
 }
 #endif
 
+#define MX_CHUNK 4 /* picks of one expert sharing each decoded group (their accumulators stay in registers) */
+
+/* One weight row against ``cnt`` (1..MX_CHUNK) x rows, each group decoded once for all of them; every x row's sum is
+   formed exactly as a row alone would form it (same operations, same order), so sharing changes no bit. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* 16 lanes: a group's 32 values are two vectors, each one widen of 16 decoded int8 and one FMA. */
-static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
-                     const float *scale_of) {
-    __m512 acc = _mm512_setzero_ps();
+static inline __attribute__((always_inline)) void rows_dot(const float *const *x, const int cnt, const uint8_t *row,
+                                                             const uint8_t *scales, int64_t groups,
+                                                             const float *scale_of, float *out) {
+    __m512 acc[MX_CHUNK];
+#pragma GCC unroll 4
+    for (int t = 0; t < MX_CHUNK; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m128i c0, c1;
         decode_group(row + g * 16, &c0, &c1);
         const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0));  /* values 0..15 */
         const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1));  /* 16..31 */
-        __m512 part = _mm512_mul_ps(v0, _mm512_loadu_ps(x + g * 32));
-        part = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + g * 32 + 16), part);
-        acc = _mm512_fmadd_ps(part, _mm512_set1_ps(scale_of[scales[g]]), acc);
+        const __m512 sg = _mm512_set1_ps(scale_of[scales[g]]);
+#pragma GCC unroll 4
+        for (int t = 0; t < cnt; t++) {
+            __m512 part = _mm512_mul_ps(v0, _mm512_loadu_ps(x[t] + g * 32));
+            part = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x[t] + g * 32 + 16), part);
+            acc[t] = _mm512_fmadd_ps(part, sg, acc[t]);
+        }
     }
-    return _mm512_reduce_add_ps(acc);
+#pragma GCC unroll 4
+    for (int t = 0; t < cnt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 static inline __m256 widen(__m128i bytes8) {  /* the low 8 int8 of a register -> 8 float32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8));
 }
 
-static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
-                     const float *scale_of) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m128i v0, v1;
-        decode_group(row + g * 16, &v0, &v1);  /* values 0..15 and 16..31 of the group */
-        const float *xg = x + g * 32;
-        __m256 part = _mm256_mul_ps(widen(v0), _mm256_loadu_ps(xg));
-        part = _mm256_fmadd_ps(widen(_mm_srli_si128(v0, 8)), _mm256_loadu_ps(xg + 8), part);
-        part = _mm256_fmadd_ps(widen(v1), _mm256_loadu_ps(xg + 16), part);
-        part = _mm256_fmadd_ps(widen(_mm_srli_si128(v1, 8)), _mm256_loadu_ps(xg + 24), part);
-        acc = _mm256_fmadd_ps(part, _mm256_set1_ps(scale_of[scales[g]]), acc);
-    }
+static inline float hsum256(__m256 acc) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-#else
-static float row_dot(const float *x, const uint8_t *row, const uint8_t *scales, int64_t groups,
-                     const float *scale_of) {
-    float acc = 0.0f;
+
+static inline __attribute__((always_inline)) void rows_dot(const float *const *x, const int cnt, const uint8_t *row,
+                                                             const uint8_t *scales, int64_t groups,
+                                                             const float *scale_of, float *out) {
+    __m256 acc[MX_CHUNK];
+#pragma GCC unroll 4
+    for (int t = 0; t < MX_CHUNK; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        float part = 0.0f;
-        for (int i = 0; i < 16; i++) {
-            const uint8_t b = row[g * 16 + i];
-            part += TWICE_E2M1[b & 0x0F] * x[g * 32 + 2 * i] + TWICE_E2M1[b >> 4] * x[g * 32 + 2 * i + 1];
+        __m128i v0, v1;
+        decode_group(row + g * 16, &v0, &v1);  /* values 0..15 and 16..31 of the group */
+        const __m256 w0 = widen(v0), w1 = widen(_mm_srli_si128(v0, 8)), w2 = widen(v1), w3 = widen(_mm_srli_si128(v1, 8));
+        const __m256 sg = _mm256_set1_ps(scale_of[scales[g]]);
+#pragma GCC unroll 4
+        for (int t = 0; t < cnt; t++) {
+            const float *xg = x[t] + g * 32;
+            __m256 part = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+            part = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), part);
+            part = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), part);
+            part = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), part);
+            acc[t] = _mm256_fmadd_ps(part, sg, acc[t]);
         }
-        acc += part * scale_of[scales[g]];
     }
-    return acc;
+#pragma GCC unroll 4
+    for (int t = 0; t < cnt; t++) out[t] = hsum256(acc[t]);
+}
+#else
+static void rows_dot(const float *const *x, const int cnt, const uint8_t *row, const uint8_t *scales, int64_t groups,
+                     const float *scale_of, float *out) {
+    for (int t = 0; t < cnt; t++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            float part = 0.0f;
+            for (int i = 0; i < 16; i++) {
+                const uint8_t b = row[g * 16 + i];
+                part += TWICE_E2M1[b & 0x0F] * x[t][g * 32 + 2 * i] + TWICE_E2M1[b >> 4] * x[t][g * 32 + 2 * i + 1];
+            }
+            acc += part * scale_of[scales[g]];
+        }
+        out[t] = acc;
+    }
 }
 #endif
+
+/* The picks (n * k of them) as runs of one expert, each cut at ``chunk`` picks: pairs[2p] the expert and pairs[2p+1]
+   the pick, sorted; run r is picks starts[r] .. starts[r + 1] - 1 of that order. The number of runs. */
+static int by_expert(const void *a, const void *b) {  /* (expert, pick) pairs, ascending */
+    const int64_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
+static int64_t expert_runs(const int64_t *idx, int64_t picks, int chunk, int64_t *pairs, int64_t *starts) {
+    for (int64_t p = 0; p < picks; p++) { pairs[2 * p] = idx[p]; pairs[2 * p + 1] = p; }
+    qsort(pairs, (size_t)picks, 2 * sizeof(int64_t), by_expert);
+    int64_t runs = 0;
+    for (int64_t p = 0; p < picks; p++)
+        if (p == 0 || pairs[2 * p] != pairs[2 * p - 2] || p - starts[runs - 1] == chunk) starts[runs++] = p;
+    starts[runs] = picks;
+    return runs;
+}
+
+/* The x row a pick reads: row n (kx 1) or its own (kx k). */
+static inline int64_t x_row(int64_t pick, int64_t k, int64_t kx) { return (pick / k) * kx + (kx == 1 ? 0 : pick % k); }
 
 /* 2: the AVX-512 path, 1: AVX2, 0: the plain loop (the caller reports it). */
 int neffbuild_mxfp4_vectorised(void) {
@@ -104,21 +151,35 @@ int neffbuild_mxfp4_vectorised(void) {
 #endif
 }
 
-void neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
-                         const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
-                         int threads) {
+/* Work units are (run, output row): each decodes the row's groups once for every pick of the run. 0, or 1 when the
+   scratch could not be allocated (nothing written then). */
+int neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
+                        const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
+                        int threads) {
+    const int64_t in = groups * 32, picks = n * k;
+    int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t)), *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
+    if (!pairs || !starts) { free(pairs); free(starts); return 1; }
     float scale_of[256];
     for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
-    const int64_t in = groups * 32, rows = n * k * out;
-    /* One output value per iteration: x row and weight row both contiguous; threads split the rows. */
+    const int64_t runs = expert_runs(idx, picks, MX_CHUNK, pairs, starts);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t pick = r / out, o = r % out, i = pick / k, j = pick % k;
-        const int64_t e = idx[pick];
-        const float *xr = x + (i * kx + (kx == 1 ? 0 : j)) * in;
-        const uint8_t *w = blocks + (e * out + o) * groups * 16;
-        y[r] = row_dot(xr, w, scales + (e * out + o) * groups, groups, scale_of);
+    for (int64_t u = 0; u < runs * out; u++) {
+        const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
+        const int cnt = (int)(starts[r + 1] - starts[r]);
+        const float *xs[MX_CHUNK];
+        float res[MX_CHUNK];
+        for (int t = 0; t < cnt; t++) xs[t] = x + x_row(pairs[2 * (starts[r] + t) + 1], k, kx) * in;
+        const uint8_t *w = blocks + (e * out + o) * groups * 16, *sc = scales + (e * out + o) * groups;
+        switch (cnt) {  /* a constant count where it is inlined: the accumulators stay in registers */
+            case 1: rows_dot(xs, 1, w, sc, groups, scale_of, res); break;
+            case 2: rows_dot(xs, 2, w, sc, groups, scale_of, res); break;
+            case 3: rows_dot(xs, 3, w, sc, groups, scale_of, res); break;
+            default: rows_dot(xs, 4, w, sc, groups, scale_of, res); break;
+        }
+        for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
     }
+    free(pairs); free(starts);
+    return 0;
 }
 
 /* bf16 linear without bias, y[m, o] = sum_k x[m, k] w[o, k] (the LM head over the vocabulary): bf16 inputs, float32
@@ -419,11 +480,6 @@ static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const fl
 }
 #endif
 
-static int q8_by_expert(const void *a, const void *b) {  /* (expert, pick) pairs, ascending */
-    const int64_t *x = a, *y = b;
-    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
-}
-
 /* The integer form of neffbuild_mxfp4_dot (same arguments and layout): x quantized once, the picks sorted by expert,
    and each (expert, output row) pair a unit of work that decodes each group once for every pick routed to that
    expert (in chunks of Q8_CHUNK). 0, or 1 when the scratch could not be allocated (nothing written then). */
@@ -438,12 +494,7 @@ int neffbuild_mxfp4_q8_dot(const float *x, int64_t kx, const uint8_t *blocks, co
     float scale_of[256];
     for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
     neffbuild_q8_quantize(x, xrows, groups, q, d);
-    for (int64_t p = 0; p < picks; p++) { pairs[2 * p] = idx[p]; pairs[2 * p + 1] = p; }
-    qsort(pairs, (size_t)picks, 2 * sizeof(int64_t), q8_by_expert);
-    int64_t runs = 0;  /* runs of one expert, cut into chunks of at most Q8_CHUNK picks */
-    for (int64_t p = 0; p < picks; p++)
-        if (p == 0 || pairs[2 * p] != pairs[2 * p - 2] || p - starts[runs - 1] == Q8_CHUNK) starts[runs++] = p;
-    starts[runs] = picks;
+    const int64_t runs = expert_runs(idx, picks, Q8_CHUNK, pairs, starts);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t u = 0; u < runs * out; u++) {
         const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
@@ -452,7 +503,7 @@ int neffbuild_mxfp4_q8_dot(const float *x, int64_t kx, const uint8_t *blocks, co
         const float *ds[Q8_CHUNK];
         float res[Q8_CHUNK];
         for (int t = 0; t < cnt; t++) {
-            const int64_t p = pairs[2 * (starts[r] + t) + 1], xr = (p / k) * kx + (kx == 1 ? 0 : p % k);
+            const int64_t xr = x_row(pairs[2 * (starts[r] + t) + 1], k, kx);
             qs[t] = q + xr * in;
             ds[t] = d + xr * groups;
         }
@@ -596,5 +647,97 @@ int neffbuild_bf16_linear_at(const uint16_t *x, int64_t m, const uint16_t *w, in
     free(xs);
 #endif
     return status;
+#endif
+}
+
+/* ---- The MXFP4 product with x in bfloat16 (a bf16 bundle's activations), on AVX-512 BF16: each group's 32 codes
+   decoded once into bf16 words (twice E2M1: exact in bf16), and one dot-product instruction a group and x row (the
+   products are exact in float32; the pair sums round as the instruction rounds, and bf16 subnormals in x count as
+   zero), then the group's scale as in the float form. The same products as neffbuild_mxfp4_dot on x widened, summed
+   in another order. */
+#if BF16_PATH == 2
+static const uint16_t TWICE_E2M1_BF16[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
+                                             0x8000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
+
+/* 16 bytes -> 32 bf16 words in value order: byte i zero-extended to a dword whose low word holds its low nibble
+   (value 2i) and whose high word its high nibble (value 2i + 1), then one word permute looks all 32 up. */
+static inline __m512i decode_bf16(const uint8_t *bytes, __m512i table) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    const __m512i nib = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0x0F)),
+                                        _mm512_and_si512(_mm512_slli_epi32(d, 12), _mm512_set1_epi32(0xF0000)));
+    return _mm512_permutexvar_epi16(nib, table);
+}
+
+static inline __attribute__((always_inline)) void rows_dot_bx(const uint16_t *const *x, const int cnt,
+                                                                const uint8_t *row, const uint8_t *scales,
+                                                                int64_t groups, const float *scale_of, float *out) {
+    const __m512i table = _mm512_loadu_si512((const void *)TWICE_E2M1_BF16);
+    __m512 acc[MX_CHUNK], acc2[MX_CHUNK];  /* even and odd groups: two chains a row hide the FMA's latency */
+#pragma GCC unroll 4
+    for (int t = 0; t < MX_CHUNK; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        const __m512bh w0 = (__m512bh)decode_bf16(row + g * 16, table);
+        const __m512bh w1 = (__m512bh)decode_bf16(row + g * 16 + 16, table);
+        const __m512 s0 = _mm512_set1_ps(scale_of[scales[g]]), s1 = _mm512_set1_ps(scale_of[scales[g + 1]]);
+#pragma GCC unroll 4
+        for (int t = 0; t < cnt; t++) {
+            const __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0,
+                                               (__m512bh)_mm512_loadu_si512((const void *)(x[t] + g * 32)));
+            const __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1,
+                                               (__m512bh)_mm512_loadu_si512((const void *)(x[t] + g * 32 + 32)));
+            acc[t] = _mm512_fmadd_ps(p0, s0, acc[t]);
+            acc2[t] = _mm512_fmadd_ps(p1, s1, acc2[t]);
+        }
+    }
+    if (g < groups) {
+        const __m512bh w0 = (__m512bh)decode_bf16(row + g * 16, table);
+        const __m512 s0 = _mm512_set1_ps(scale_of[scales[g]]);
+#pragma GCC unroll 4
+        for (int t = 0; t < cnt; t++) {
+            const __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0,
+                                               (__m512bh)_mm512_loadu_si512((const void *)(x[t] + g * 32)));
+            acc[t] = _mm512_fmadd_ps(p0, s0, acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < cnt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
+}
+#endif
+
+/* neffbuild_mxfp4_dot's arguments with x bf16 [N, kx, G * 32]. 0; 1 when the scratch could not be allocated; 2 when
+   this build has no AVX-512 BF16 (the caller widens x and runs neffbuild_mxfp4_dot). Nothing written unless 0. */
+int neffbuild_mxfp4_dot_bf16(const uint16_t *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
+                             const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
+                             int threads) {
+#if BF16_PATH != 2
+    (void)x; (void)kx; (void)blocks; (void)scales; (void)idx; (void)n; (void)k; (void)out; (void)groups; (void)y;
+    (void)threads;
+    return 2;
+#else
+    const int64_t in = groups * 32, picks = n * k;
+    int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t)), *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
+    if (!pairs || !starts) { free(pairs); free(starts); return 1; }
+    float scale_of[256];
+    for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
+    const int64_t runs = expert_runs(idx, picks, MX_CHUNK, pairs, starts);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t u = 0; u < runs * out; u++) {
+        const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
+        const int cnt = (int)(starts[r + 1] - starts[r]);
+        const uint16_t *xs[MX_CHUNK];
+        float res[MX_CHUNK];
+        for (int t = 0; t < cnt; t++) xs[t] = x + x_row(pairs[2 * (starts[r] + t) + 1], k, kx) * in;
+        const uint8_t *w = blocks + (e * out + o) * groups * 16, *sc = scales + (e * out + o) * groups;
+        switch (cnt) {
+            case 1: rows_dot_bx(xs, 1, w, sc, groups, scale_of, res); break;
+            case 2: rows_dot_bx(xs, 2, w, sc, groups, scale_of, res); break;
+            case 3: rows_dot_bx(xs, 3, w, sc, groups, scale_of, res); break;
+            default: rows_dot_bx(xs, 4, w, sc, groups, scale_of, res); break;
+        }
+        for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
+    }
+    free(pairs); free(starts);
+    return 0;
 #endif
 }
