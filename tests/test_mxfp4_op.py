@@ -135,6 +135,21 @@ def test_picks_sharing_an_expert_change_no_bit(kx, dtype):
     assert torch.equal(together, alone)
 
 
+def test_the_eager_decode_gives_the_torch_decodes_bits():
+    """``native.decode_bf16`` (eager prefill decodes each routed expert with it): every byte under every scale byte,
+    the NaN scale included, bit for bit the torch table decode's bfloat16 values; refused inputs give None."""
+    from neffbuild.kernels.moe import _pair_words
+
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(256, 16, 16)  # row r: scale byte r
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 16).contiguous()
+    got = native.decode_bf16(blocks, scales)
+    want = (_pair_words()[blocks.int()].view(torch.bfloat16) * native.e8m0(scales).to(torch.bfloat16)[..., None])
+    want = want.flatten(-2)
+    assert got is not None and got.shape == want.shape == (256, 512) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16)[:255], want.view(torch.int16)[:255]) and bool(got[255].isnan().all())
+    assert native.decode_bf16(blocks.int(), scales) is None and native.decode_bf16(blocks, scales[:, :3]) is None
+
+
 def test_threads_split_the_rows_and_change_no_value():
     """The C loop runs on torch's thread count (OpenMP): each output is one row's dot product either way."""
     blocks, scales = _weights(E=4, out=64, groups=3)

@@ -16,7 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from neffbuild.runtime import native_q8  # noqa: F401 - registers the opt-in integer ops the traced graph may call
+from neffbuild.runtime import (
+    native,
+    native_q8,  # noqa: F401 - registers the opt-in integer ops the traced graph may call
+)
 from neffbuild.runtime.native import e2m1, e8m0, eager_dtype, packed_dot
 
 # On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): the graph then calls the runtime's
@@ -201,6 +204,9 @@ def decode_eager(w: Mxfp4, dtype: torch.dtype) -> torch.Tensor:
     256-entry table, so decoding is one gather and one scale multiply (exact: a power of two), about 23x
     ``dequantize``'s arithmetic on a 2,880 x 5,760 expert. Graphs keep the arithmetic (a bit cast does not trace
     into every backend, and inductor vectorises the arithmetic)."""
+    fast = native.decode_bf16(w.blocks, w.scales)  # the C loop, where built: the same values
+    if fast is not None:
+        return fast.to(dtype)
     values = _pair_words()[w.blocks.int()].view(torch.bfloat16)  # [..., G, 32]
     values = values.mul_(e8m0(w.scales).to(torch.bfloat16)[..., None])
     return values.flatten(-2).to(dtype)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 import threading
 
@@ -45,6 +46,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_mxfp4_dot_bf16.restype = ctypes.c_int
     lib.neffbuild_mxfp4_dot_bf16.argtypes = lib.neffbuild_mxfp4_dot.argtypes
+    lib.neffbuild_mxfp4_decode_bf16.restype = None
+    lib.neffbuild_mxfp4_decode_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                ctypes.c_void_p, ctypes.c_int]
     lib.neffbuild_mxfp4_vectorised.restype = ctypes.c_int
     lib.neffbuild_bf16_linear.restype = ctypes.c_int
     lib.neffbuild_bf16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -222,6 +226,27 @@ def mxfp4_native(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, scales
         xf = x.to(torch.float32).contiguous()
         status = lib.neffbuild_mxfp4_dot(_pointer(op, "x", xf, torch.float32, x.shape), xf.shape[1], *rest)
     return y if status == 0 else packed_dot(x, (blocks, scales), idx).float()
+
+
+def decode_bf16(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """MXFP4 rows (blocks uint8 [..., G, 16], scales uint8 [..., G]) decoded to bfloat16 [..., G * 32] by the C
+    loop: the values ``e2m1`` times ``e8m0`` rounded to bfloat16 give, about 10x the torch gather's speed (eager
+    prefill decodes each routed expert once). None where the kernels are not built or the tensors are not plain
+    CPU uint8 of matching shapes (the caller decodes in torch then)."""
+    lib = library() if blocks.device.type == "cpu" and scales.device.type == "cpu" else None
+    if lib is None or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 2 \
+            or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        return None
+    *lead, groups, _ = blocks.shape
+    rows = math.prod(lead)
+    b, s = blocks.contiguous(), scales.contiguous()
+    out = torch.empty(*lead, groups * 32, dtype=torch.bfloat16)
+    op = "mxfp4_decode"
+    lib.neffbuild_mxfp4_decode_bf16(_pointer(op, "blocks", b, torch.uint8, tuple(blocks.shape)),
+                                    _pointer(op, "scales", s, torch.uint8, tuple(scales.shape)), rows, groups,
+                                    _pointer(op, "out", out, torch.bfloat16, tuple(out.shape)),
+                                    torch.get_num_threads())
+    return out
 
 
 @mxfp4_dot.register_fake

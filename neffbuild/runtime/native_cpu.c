@@ -741,3 +741,61 @@ int neffbuild_mxfp4_dot_bf16(const uint16_t *x, int64_t kx, const uint8_t *block
     return 0;
 #endif
 }
+
+/* ---- An expert's MXFP4 rows decoded to bfloat16 (eager prefill: one expert at a time, then a bf16 matmul): each
+   value E2M1 x 2^(s - 127) formed in float32 (exact) and rounded to bf16 to nearest even, NaN for scale byte 255;
+   the values runtime/native.py's torch decode gives. blocks [rows, G, 16], scales [rows, G] -> out [rows, G * 32]. */
+static const float E2M1_F32[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    if (isnan(f)) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512i bf16_bits(__m512 v) {  /* 16 float32 -> their bf16 in the low words of 16 dwords (RNE) */
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                         _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                          _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+static void decode_row_bf16(const uint8_t *row, const uint8_t *sc, int64_t groups, const float *scale_of,
+                            uint16_t *out) {
+    const __m512 table = _mm512_loadu_ps(E2M1_F32);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g * 16)));
+        const __m512 s = _mm512_set1_ps(scale_of[sc[g]]);
+        const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)), table), s);
+        const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table), s);
+        /* dword i = (value 2i + 1) << 16 | value 2i: the 32 words in value order */
+        const __m512i words = _mm512_or_si512(bf16_bits(lo), _mm512_slli_epi32(bf16_bits(hi), 16));
+        _mm512_storeu_si512((void *)(out + g * 32), words);
+    }
+}
+#else
+static void decode_row_bf16(const uint8_t *row, const uint8_t *sc, int64_t groups, const float *scale_of,
+                            uint16_t *out) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float s = scale_of[sc[g]];
+        for (int i = 0; i < 16; i++) {
+            const uint8_t b = row[g * 16 + i];
+            out[g * 32 + 2 * i] = float_to_bf16(E2M1_F32[b & 0x0F] * s);
+            out[g * 32 + 2 * i + 1] = float_to_bf16(E2M1_F32[b >> 4] * s);
+        }
+    }
+}
+#endif
+
+void neffbuild_mxfp4_decode_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t rows, int64_t groups,
+                                 uint16_t *out, int threads) {
+    float scale_of[256];
+    for (int s = 0; s < 256; s++) scale_of[s] = s == 255 ? NAN : ldexpf(1.0f, s - 127);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++)
+        decode_row_bf16(blocks + r * groups * 16, scales + r * groups, groups, scale_of, out + r * groups * 32);
+}
