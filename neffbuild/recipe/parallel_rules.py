@@ -42,10 +42,9 @@ def _draft(err, cfg, spec, tp: int) -> None:
         return
     method = registry.speculative(spec.method)
     try:
-        dcfg = method.get("config").from_hf_dict(spec.draft_hf_config, cfg)
-    except InvalidInput:
-        return  # reported by the speculative section
-    why = method.get("layout_problem")(dcfg, tp)
+        why = method.get("layout_problem")(method.get("config").from_hf_dict(spec.draft_hf_config, cfg), tp)
+    except (InvalidInput, TypeError, ValueError, AttributeError, KeyError, ArithmeticError):
+        return  # an unreadable draft config: reported by the speculative section (gate_rules.draft_config)
     if why:
         err("parallel.tp", tp, why)
 
