@@ -4,10 +4,10 @@ Pure arithmetic on a recipe (no torch, no tracing), by the project's one formula
 
 - weights: the pieces the rank maps, as the bundle stores them (architecture part
   ``rank_weight_bytes``: the shared piece + the rank's tp and ep pieces, the embedding and
-  unembedding as vocab / tp rows), plus the EAGLE3 draft's tensors (every rank holds the
-  whole draft layer; ``models/eagle3/shapes.py``);
+  unembedding as vocab / tp rows), plus the EAGLE3 draft's tensors (its TP slice, in the weights'
+  dtype: ``models/eagle3/shapes.py``);
 - KV: ``runtime/kv/layout.py`` (``num_blocks x bytes_per_block``: target buffers, and the
-  draft's buffer separately);
+  draft's buffer, its TP slice of the draft's KV heads, separately);
 - the pool a device fits, the way vLLM sizes its pool from free memory:
 
       usable     = device_memory - reserve            reserve = RESERVE_PERCENT % of device_memory
@@ -45,13 +45,15 @@ def fmt_bytes(n: int | None) -> str:
 
 def kv_layout(cfg, draft_cfg, num_blocks: int, block_size: int, fp8_packed_kv: bool,
               par, kv_dtype: str = "float32") -> KVLayout:
-    """One rank's KV layout: its KV heads (architecture part ``local_config``); the draft's group is not sharded."""
+    """One rank's KV layout: its KV heads (architecture part ``local_config``), and its draft KV heads (the
+    speculative method's ``local_config``: the draft is split over TP like the target)."""
     # The recipe's one FP8 switch turns on both the FP8 dtype and the packed K layout (the draft's group too);
     # without it the buffers are kv_dtype (neuron_config.kv_dtype).
     local = registry.arch_of(cfg).get("local_config")(cfg, par)
+    draft_local = registry.speculative_of(draft_cfg).get("local_config")(draft_cfg, par) if draft_cfg else None
     return KVLayout(cfg.num_kv_buffers, num_blocks, local.num_key_value_heads, block_size, cfg.head_dim,
                     fp8=fp8_packed_kv, packed_k=fp8_packed_kv,
-                    draft_kv_heads=draft_cfg.num_key_value_heads if draft_cfg else 0,
+                    draft_kv_heads=draft_local.num_key_value_heads if draft_cfg else 0,
                     draft_head_dim=draft_cfg.head_dim if draft_cfg else 0, kv_dtype=kv_dtype)
 
 
@@ -64,15 +66,15 @@ def recipe_kv_layout(recipe, num_blocks: int | None = None) -> KVLayout:
 
 def weight_parts(recipe) -> dict[str, int]:
     """Bytes one rank maps per part (the architecture's ``rank_weight_parts``: embedding, attention, router,
-    experts) plus ``draft``, from the dtypes the bundle stores (model.weights_dtype, model.experts)."""
+    experts) plus ``draft`` (its TP slice), from the dtypes the bundle stores (model.weights_dtype, model.experts)."""
     cfg, par = recipe.model.config, recipe.parallel
     arch = registry.arch(recipe.model.arch)
     form = arch.get("weight_form")(recipe.model.weights_dtype, recipe.model.experts)
     parts = dict(arch.get("rank_weight_parts")(cfg, par, form), draft=0)
     dcfg = recipe.draft_config
     if dcfg is not None:
-        parts["draft"] = registry.speculative(recipe.speculative.method).get("weight_bytes")(dcfg,
-                                                                                             recipe.draft_own_embed)
+        parts["draft"] = registry.speculative(recipe.speculative.method).get("weight_bytes")(
+            dcfg, recipe.draft_own_embed, par, recipe.model.weights_dtype)
     return parts
 
 
@@ -120,25 +122,15 @@ def device_fit(device_bytes: int, weights: int, layout: KVLayout, *, cap: int | 
             "max_num_blocks_by_memory": by_memory}
 
 
-def sharding_outlook(recipe, parts: dict, layout: KVLayout, device_bytes: int | None) -> dict:
-    """What one rank would hold if the bundle also split the EAGLE3 draft's layer (its tensors and KV heads) over
-    the TP ranks, and without the draft: arithmetic only, a forecast for what the bundle does not build (the
-    vocabulary, embedding and unembedding, is split over TP already: ``parts`` has the rank's share)."""
-    tp = recipe.tp
-    split_heads = max(1, layout.draft_kv_heads // tp) if layout.has_draft else 0
-    target = sum(parts.values()) - parts["draft"]
-    rows = {
-        "draft_split": (target + parts["draft"] // tp,
-                        dataclasses.replace(layout, draft_kv_heads=split_heads,
-                                            draft_head_dim=layout.draft_head_dim if split_heads else 0)),
-        "no_draft": (target, dataclasses.replace(layout, draft_kv_heads=0, draft_head_dim=0)),
-    }
-    out = {}
-    for name, (weights, lay) in rows.items():
-        out[name] = {"weight_bytes": weights, "kv_bytes_per_block": lay.bytes_per_block}
-        if device_bytes is not None:
-            out[name]["max_num_blocks"] = device_fit(device_bytes, weights, lay)["max_num_blocks_by_memory"]
-    return out
+def sharding_outlook(parts: dict, layout: KVLayout, device_bytes: int | None) -> dict:
+    """What one rank would hold without the EAGLE3 draft (its weights and KV group): arithmetic only, a forecast
+    for a bundle built without ``speculative`` (the draft is split over TP already: ``parts`` has its share)."""
+    weights = sum(parts.values()) - parts["draft"]
+    lay = dataclasses.replace(layout, draft_kv_heads=0, draft_head_dim=0)
+    out = {"weight_bytes": weights, "kv_bytes_per_block": lay.bytes_per_block}
+    if device_bytes is not None:
+        out["max_num_blocks"] = device_fit(device_bytes, weights, lay)["max_num_blocks_by_memory"]
+    return {"no_draft": out}
 
 
 def per_rank(recipe, device_bytes: int | None = None, artifact: dict | None = None) -> dict:
@@ -157,7 +149,7 @@ def per_rank(recipe, device_bytes: int | None = None, artifact: dict | None = No
                        + (f" + draft 2 x {layout.num_blocks} x {layout.draft_kv_heads} x {layout.block_size} x "
                           f"{layout.draft_head_dim} x {layout.itemsize} B" if layout.has_draft else "")),
         "largest_artifact": artifact or {"label": None, "bytes": None, "source": "unknown"},
-        "sharding_outlook": sharding_outlook(recipe, parts, layout, device_bytes),
+        "sharding_outlook": sharding_outlook(parts, layout, device_bytes),
     }
     out = {"per_rank": rank, "reserve_percent": RESERVE_PERCENT}
     cap = backend_kv_limit(recipe.backend, layout)
@@ -190,10 +182,10 @@ def describe(doc: dict) -> list[str]:
                                                                  " (no past compile of these targets in the cache)")]
     if "kv_offset_limit" in doc:
         lines.append(f"  32-bit KV offsets: num_blocks <= {doc['kv_offset_limit']}")
-    out = r["sharding_outlook"]["draft_split"]
+    out = r["sharding_outlook"]["no_draft"]
     if "max_num_blocks" in out and r["draft_weight_bytes"]:
-        lines.append(f"  not built: the draft's layer split over TP would leave weights "
-                     f"{fmt_bytes(out['weight_bytes'])} and {out['max_num_blocks']} blocks")
+        lines.append(f"  without the draft: weights {fmt_bytes(out['weight_bytes'])} and "
+                     f"{out['max_num_blocks']} blocks")
     d = doc.get("device")
     if d:
         verdict = "fits" if d["fits"] else "does NOT fit"

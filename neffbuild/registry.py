@@ -115,11 +115,14 @@ ARCHITECTURES = {
 
 
 # Speculative-decoding methods (a recipe's speculative.method): config (dataclass with
-# from_hf_dict(hf, target_config), torch-free), weights (config, checkpoint, seed -> the bundle's
-# draft_* tensors), placeholders (config -> traceable placeholder weights), has_own_embed (checkpoint
-# -> bool, headers only, torch-free), weight_bytes (config, own embedding? -> stored bytes, torch-free),
-# embed_name (own embedding? -> the bundle name of the embedding the draft reads),
-# draft (the draft graph module), prefill (eager draft prefill; serve/ uses it).
+# from_hf_dict(hf, target_config), torch-free), weights (config, checkpoint, seed, dtype -> the bundle's
+# draft_* tensors, whole), placeholders (config, layout, dtype, own embedding? -> one rank's traceable
+# placeholder weights), has_own_embed (checkpoint -> bool, headers only, torch-free), weight_bytes (config,
+# own embedding?, layout, dtype -> the bytes one rank maps, torch-free), embed_name (own embedding? -> the bundle
+# name of the embedding the draft reads), draft (the draft graph module), prefill (eager draft prefill; serve/
+# uses it). Sharding over TP, as the target's: local_config (a rank's heads) and layout_problem (config, tp ->
+# why it cannot split, or None), both torch-free; piece (config, draft tensors, layout, piece name -> the
+# draft's tensors in that bundle piece), shard_layout, shard (a rank's draft), unshard (pieces -> the draft).
 SPECULATIVE = {
     "eagle3": Entry("eagle3", {
         "config": "neffbuild.models.eagle3.config:Eagle3Config",
@@ -130,6 +133,14 @@ SPECULATIVE = {
         "embed_name": "neffbuild.models.eagle3.weights:embed_name",
         "draft": "neffbuild.models.eagle3.draft:Eagle3Draft",
         "prefill": "neffbuild.models.eagle3.draft:prefill",
+        "local_config": "neffbuild.models.eagle3.shapes:local_config",
+        "rank_specs": "neffbuild.models.eagle3.shapes:rank_specs",  # config, layout, dtype, own? -> {name: spec}
+        "kv_heads_of": "neffbuild.models.eagle3.sharding:kv_heads_of",  # config, layout, tp rank -> its draft KV heads
+        "layout_problem": "neffbuild.models.eagle3.shapes:layout_problem",
+        "piece": "neffbuild.models.eagle3.sharding:piece",
+        "shard_layout": "neffbuild.models.eagle3.sharding:shard_layout",
+        "shard": "neffbuild.models.eagle3.sharding:shard",
+        "unshard": "neffbuild.models.eagle3.sharding:unshard",
     }),
 }
 
@@ -158,6 +169,14 @@ def arch_of(config) -> Entry:
         if isinstance(config, entry.get("config")):
             return entry
     raise InvalidInput(f"no registered architecture has the config class {type(config).__name__}")
+
+
+def speculative_of(config) -> Entry:
+    """The speculative method whose draft config class ``config`` is an instance of."""
+    for entry in SPECULATIVE.values():
+        if isinstance(config, entry.get("config")):
+            return entry
+    raise InvalidInput(f"no registered speculative method has the config class {type(config).__name__}")
 
 
 def backend_choices() -> tuple[str, ...]:

@@ -130,3 +130,65 @@ def test_proposals_match_dense_oracle(draft, dcfg, tiny_cfg):
                         cache)
         n = n0 + n_valid
         assert got[0].tolist() == dense_proposals(draft, toks[:n], aux[:n], K), n_valid
+
+
+# ----------------------------------------------------------------------------- sharded over TP, in the weights' dtype
+
+@pytest.mark.parametrize("hf, own_embed", [({}, False), ({"num_key_value_heads": 1}, True)])  # split / replicated
+def test_draft_pieces_split_like_the_target_and_join_back(tiny_cfg, hf, own_embed):
+    """bf16 draft at tp 2: each piece holds the tensors of the rule (split ones in tp{r}, the rest shared), a rank's
+    shard has the shapes and dtypes plan and the tracer use (rank_specs), and the pieces join back to the draft."""
+    from neffbuild.models.eagle3 import sharding
+    from neffbuild.models.eagle3.shapes import TP_SPLIT, rank_specs
+    from neffbuild.runtime.parallel import ParallelLayout
+
+    dcfg = Eagle3Config.from_hf_dict(hf, tiny_cfg)
+    sd = dw.random_state_dict(dcfg, 2)
+    if own_embed:
+        sd[dw.EMBED] = torch.randn(dcfg.vocab_size, dcfg.hidden_size)
+    whole = dw.to_bundle(dcfg, sd, dtype="bfloat16")
+    assert {str(t.dtype) for n, t in whole.items() if n != "draft_d2t"} == {"torch.bfloat16"}
+    par = ParallelLayout(tp=2, dp=2, ep=4)
+    parts = {n: sharding.piece(dcfg, whole, par, n) for n in ("shared", "tp0", "tp1", "ep3")}
+    assert set(parts["tp0"]) == set(TP_SPLIT) - ({"draft_embed"} if not own_embed else set())
+    assert not set(parts["shared"]) & set(TP_SPLIT) and parts["ep3"] == {}
+    for rank in range(par.world_size):
+        mine = sharding.shard(dcfg, whole, par, rank)
+        assert {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in mine.items()} == rank_specs(
+            dcfg, par, "bfloat16", own_embed)
+    heads = [list(sharding.kv_heads_of(dcfg, par, r)) for r in range(2)]
+    assert heads == ([[0], [1]] if not hf else [[0], [0]])
+    back = sharding.unshard(dcfg, parts, par)
+    assert set(back) == set(whole) and all(torch.equal(back[n], whole[n]) for n in whole)
+    assert set(sharding.shard_layout(par, tuple(whole))) == set(parts["tp0"])
+
+
+def test_sharded_bf16_draft_graph_traces_with_its_collectives():
+    """The draft graph of a bf16 tp 2 recipe: its constants are the rank's draft shard in bf16 (d2t int64), its KV
+    input holds the rank's one draft KV head, and each of its k layer passes all-reduces the embedding lookup and
+    the o-proj and all-gathers each rank's best (value, id) once."""
+    import yaml
+
+    from neffbuild import grid
+    from neffbuild import recipe as R
+    from neffbuild.compiler.backends import get_backend
+    from neffbuild.compiler.graphs import build_graph, target_graph
+    from neffbuild.compiler.worker import key_for
+    from tests.helpers import EAGLE3_TINY
+
+    raw = yaml.safe_load(EAGLE3_TINY.read_text())
+    raw["model"]["weights_dtype"] = "bfloat16"
+    raw["parallel"] = {"tp": 2, "dp": 1, "ep": 2}
+    r = R.from_dict(raw)
+    target = next(t for t in grid.targets(r) if t.family == grid.DRAFT)
+    graph = target_graph(r, target)
+    module, _ = build_graph(graph)
+    dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in module.named_buffers() if n != "draft_inv_freq"}
+    assert dtypes == dict.fromkeys(set(dtypes) - {"draft_d2t"}, "bfloat16") | {"draft_d2t": "int64"}
+    H, d, V = r.model.config.hidden_size, r.model.config.head_dim, r.model.config.vocab_size
+    assert tuple(module.draft_lm_head.shape) == (V // 2, H) and tuple(module.draft_o_w.shape) == (H, 2 * d)
+    _, _, sig, text = key_for(graph, get_backend("inductor"))
+    assert [s["shape"] for s in sig if s["name"] == "kv_cache"] == [[2, r.num_blocks, 1, r.block_size, d]]
+    k = r.num_speculative_tokens
+    assert text.count("_c10d_functional.all_reduce.default(") == 2 * k
+    assert text.count("_c10d_functional.all_gather_into_tensor.default(") == k

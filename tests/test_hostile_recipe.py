@@ -145,6 +145,12 @@ GATE_CASES = [  # (id, recipe from tmp_path, field path in the JSON errors, need
     ("+ aux-layer-ids-strings", lambda t: _patched(EAGLE3_RAW, (
         ("speculative", "draft", "config"), {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ["a", "b", "c"]}})),
      "speculative.draft.config.eagle_config.eagle_aux_hidden_state_layer_ids", "list of layer indices"),
+    ("+ draft-kv-heads-tp-cannot-split", lambda t: _patched(EAGLE3_RAW, (("parallel", "tp"), 2), (
+        ("speculative", "draft", "config"), {"num_attention_heads": 6, "num_key_value_heads": 3})),
+     "parallel.tp", "the draft's 6 attention heads"),
+    ("+ draft-vocab-tp-cannot-split", lambda t: _patched(EAGLE3_RAW, (("parallel", "tp"), 2), (
+        ("speculative", "draft", "config"), {"draft_vocab_size": 255})),
+     "parallel.tp", "the draft's vocabulary of 255"),
     ("garbage-draft-checkpoint", lambda t: _patched(EAGLE3_RAW, (("speculative", "draft"), {
         "checkpoint": _garbage_checkpoint(t)})), "speculative.draft.checkpoint", "unreadable safetensors"),
     ("+ garbage-target-checkpoint", lambda t: _patched(TINY_RAW, (("model",), {

@@ -53,12 +53,12 @@ def test_120b_kv_bytes_are_the_seeds_profile(tmp_path):
 
 
 def test_eagle3_draft_kv_is_counted_apart(tmp_path):
-    """The draft's buffer is unsharded (all its KV heads on every rank), beside the 18 target buffers."""
+    """The draft's buffer, beside the 18 target buffers, holds the rank's TP slice of its 8 KV heads: one at tp 8."""
     raw = yaml.safe_load(BIG.read_text())
     rank = _plan_memory(_write(tmp_path, raw))["per_rank"]
     nb = raw["serving"]["num_blocks"]
     assert rank["kv_target_bytes"] == 18 * 2 * nb * 1 * 128 * 64
-    assert rank["kv_draft_bytes"] == 2 * nb * 8 * 128 * 64
+    assert rank["kv_draft_bytes"] == 2 * nb * 1 * 128 * 64
     assert rank["kv_bytes"] == rank["kv_target_bytes"] + rank["kv_draft_bytes"] and rank["draft_weight_bytes"] > 0
 
 
@@ -76,7 +76,7 @@ def test_kv_bytes_equal_what_the_runtime_allocates():
 
 
 def _manifest_bytes(bundle: Path, pieces: list[str]) -> int:
-    size = {"float32": 4, "int64": 8, "bool": 1}
+    size = {"float32": 4, "bfloat16": 2, "int64": 8, "uint8": 1, "bool": 1}
     m = json.loads((bundle / "manifest.json").read_text())
     entries = [m["weights"]] + [m["parallel"]["pieces"][p] for p in pieces]
     return sum(math.prod(t["shape"]) * size[t["dtype"]] for e in entries for t in e["tensors"].values())
@@ -246,13 +246,13 @@ def test_120b_recipe_num_blocks_is_the_formulas_12gib_value():
     mem = _plan_memory(BIG, "--device-memory", "12GiB")
     dev = mem["device"]
     assert dev["device_memory_bytes"] == 12 * GIB
-    assert dev["fits"] and dev["max_num_blocks"] == raw["serving"]["num_blocks"] == 18502
+    assert dev["fits"] and dev["max_num_blocks"] == raw["serving"]["num_blocks"] == 33113
 
 
 def test_120b_weights_per_rank_from_the_stored_dtypes(tmp_path):
     """The production layout (tp 8, ep 128) by hand: one expert per layer as MXFP4 (17 bytes per 32 weights), an
     eighth of attention in bf16, the router, an eighth of the embedding and unembedding (split by vocabulary) in
-    bf16; the draft float32."""
+    bf16; the draft bf16 too, its TP slice."""
     rank = _plan_memory(BIG)["per_rank"]
     parts = rank["weight_parts_bytes"]
     L, H, I, V, E = 36, 2880, 2880, 201088, 128
@@ -270,6 +270,19 @@ def test_120b_weights_per_rank_from_the_stored_dtypes(tmp_path):
     assert round(ratio, 2) == 7.53  # 32 / 4.25
     target = sum(parts.values()) - parts["draft"]  # about 1 GiB a rank: the arithmetic the recipe's comment quotes
     assert round(target / GIB, 2) == 0.96 and round(parts["embedding"] / GIB, 2) == 0.27
-    out = rank["sharding_outlook"]  # forecasts: the draft's layer split over TP, or no draft
-    assert out["no_draft"]["weight_bytes"] == target
-    assert out["draft_split"]["weight_bytes"] == target + parts["draft"] // 8
+    assert rank["sharding_outlook"] == {"no_draft": {"weight_bytes": target, "kv_bytes_per_block": 18 * 2 * 128 * 64}}
+    # the draft, bf16 and split over TP like the target: an eighth of its heads and of its LM head's vocabulary
+    Hq, d = 64, 64
+    draft = (H * 3 * H + 4 * H + (Hq // 8 + 2) * d * 2 * H + H * (Hq // 8) * d + 3 * I * H + (V // 8) * H) * 2 + V * 8
+    assert parts["draft"] == draft and round(draft / 2**20, 2) == 244.4  # + d2t int64, whole
+
+
+def test_120b_plan_acceptance_draft_sharded_like_the_target():
+    """Issue 52: per rank at lnc 1 (12 GiB), the target's weights at most 1.5 GiB, the draft's at most 1 GiB
+    (bf16, its TP slice), and at least 30,000 KV blocks (its draft KV: 1 of its 8 KV heads a rank)."""
+    mem = _plan_memory(BIG, "--device-memory", "12GiB")
+    rank = mem["per_rank"]
+    target, draft = rank["weight_bytes"] - rank["draft_weight_bytes"], rank["draft_weight_bytes"]
+    assert target <= 1.5 * GIB and 0 < draft <= 1 * GIB
+    assert rank["kv_bytes_per_block"] == 2 * (18 + 1) * 128 * 64  # FP8: 18 target buffers + the draft's, 1 head
+    assert mem["device"]["max_num_blocks"] >= 30_000

@@ -147,8 +147,9 @@ def test_eager_collectives_run_over_the_twin_group_not_the_graphs():
     assert got[1] == ([[3.0, 4.0]], [[2.0, 2.0]], [[1.0, 2.0], [2.0, 2.0]], [[6.0, 9.0]], True)
 
 
-def _rank_prefill_and_draft(rank, world, cfg, stacked, dweights, layout, prompt, draft_ins):
+def _rank_prefill_and_draft(rank, world, cfg, stacked, dweights, layout, prompt, draft_ins, draft_kv_heads):
     """Rank ``rank``'s eager prefill (its heads, its vocabulary rows, its experts) and EAGLE3 draft call."""
+    from neffbuild.models.eagle3 import sharding as draft_sharding
     from neffbuild.models.eagle3.config import Eagle3Config
     from neffbuild.models.eagle3.draft import Eagle3Draft
     from neffbuild.models.gpt_oss.prefill import prefill
@@ -161,18 +162,23 @@ def _rank_prefill_and_draft(rank, world, cfg, stacked, dweights, layout, prompt,
     kv = [torch.zeros(2, NB, len(heads), BS, cfg.head_dim) for _ in range(cfg.num_kv_buffers)]
     row = torch.arange(1, 9)
     logits = prefill(cfg, mine, prompt, kv, row, row, parallel=layout, rank=rank)
-    dcfg = Eagle3Config.from_hf_dict({}, cfg)
-    draft = Eagle3Draft(dcfg, dict(dweights, embed=mine["embed"]), num_speculative_tokens=3, parallel=layout).eval()
-    cache = torch.zeros(2, NB, dcfg.num_key_value_heads, BS, dcfg.head_dim)
+    dcfg = Eagle3Config.from_hf_dict({"num_key_value_heads": draft_kv_heads}, cfg)
+    dmine = draft_sharding.shard(dcfg, dweights, layout, rank)  # its heads and LM-head rows of the draft
+    dheads = draft_sharding.kv_heads_of(dcfg, layout, layout.tp_rank(rank))
+    draft = Eagle3Draft(dcfg, dict(dmine, embed=mine["embed"]), num_speculative_tokens=3, parallel=layout).eval()
+    cache = torch.zeros(2, NB, len(dheads), BS, dcfg.head_dim)
     with torch.no_grad():
         tokens = draft(*draft_ins, cache, rank_tensor(rank))
-    return logits, kv, list(heads), tuple(mine["embed"].shape), tokens, cache
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in dmine.items()}
+    return logits, kv, list(heads), tuple(mine["embed"].shape), tokens, cache, list(dheads), shapes
 
 
-def test_vocab_parallel_prefill_and_draft_equal_unsharded(tiny_cfg):
+@pytest.mark.parametrize("draft_kv_heads", [2, 1])  # split over the 2 ranks, or one head both ranks replicate
+def test_vocab_parallel_prefill_and_draft_equal_unsharded(tiny_cfg, draft_kv_heads):
     """tp 2: each rank holds vocab / 2 rows of the embedding and the LM head; its eager prefill gives the
-    unsharded prefill's full logits and its KV slice, and the EAGLE3 draft (which shares the embedding,
-    looked up the same way) proposes the unsharded draft's tokens."""
+    unsharded prefill's full logits and its KV slice, and the EAGLE3 draft, sharded like the target (its heads,
+    its KV heads, vocab / 2 rows of its LM head; the embedding shared and looked up the same way), proposes the
+    unsharded draft's tokens and writes its heads' slice of the unsharded draft's KV."""
     from neffbuild.models.eagle3 import weights as dw
     from neffbuild.models.eagle3.config import Eagle3Config
     from neffbuild.models.eagle3.draft import Eagle3Draft
@@ -181,7 +187,7 @@ def test_vocab_parallel_prefill_and_draft_equal_unsharded(tiny_cfg):
     layout = ParallelLayout(tp=2, ep=2)
     cfg = tiny_cfg
     stacked = W.stack(cfg, W.random_state_dict(cfg, 4))
-    dcfg = Eagle3Config.from_hf_dict({}, cfg)
+    dcfg = Eagle3Config.from_hf_dict({"num_key_value_heads": draft_kv_heads}, cfg)
     dweights = dw.draft_weights(dcfg, None, 5)
     g = torch.Generator().manual_seed(6)
     V, q = cfg.vocab_size, 4
@@ -191,7 +197,8 @@ def test_vocab_parallel_prefill_and_draft_equal_unsharded(tiny_cfg):
     slots = (table.gather(1, pos // BS) * BS + pos % BS).reshape(-1)
     ids = torch.tensor([[0, V // 2 - 1, V // 2, V - 1], [V - 1, 1, V // 2 + 1, 7]])  # both halves' edges
     draft_ins = (ids, pos, torch.randn(2, q, 3 * cfg.hidden_size, generator=g), torch.tensor([4, 2]), table, slots)
-    results = run_ranks(_rank_prefill_and_draft, layout.world_size, cfg, stacked, dweights, layout, prompt, draft_ins)
+    results = run_ranks(_rank_prefill_and_draft, layout.world_size, cfg, stacked, dweights, layout, prompt, draft_ins,
+                        draft_kv_heads)
 
     kv = [torch.zeros(2, NB, cfg.num_key_value_heads, BS, cfg.head_dim) for _ in range(cfg.num_kv_buffers)]
     row = torch.arange(1, 9)
@@ -200,11 +207,17 @@ def test_vocab_parallel_prefill_and_draft_equal_unsharded(tiny_cfg):
     want_cache = torch.zeros(2, NB, dcfg.num_key_value_heads, BS, dcfg.head_dim)
     with torch.no_grad():
         want_tokens = draft(*draft_ins, want_cache)
-    for logits, got_kv, heads, embed_shape, tokens, cache in results:
+    H, d, Hq = cfg.hidden_size, dcfg.head_dim, dcfg.num_attention_heads
+    want_shapes = {"draft_qkv_w": ((Hq // 2 + 2 * max(1, draft_kv_heads // 2)) * d, 2 * H),
+                   "draft_o_w": (H, Hq // 2 * d), "draft_lm_head": (V // 2, H), "draft_fc": (H, 3 * H)}
+    for rank, (logits, got_kv, heads, embed_shape, tokens, cache, dheads, shapes) in enumerate(results):
+        assert dheads == ([rank] if draft_kv_heads == 2 else [0])
+        assert {n: shapes[n] for n in want_shapes} == {n: (s, torch.float32) for n, s in want_shapes.items()}
+        assert shapes["draft_d2t"] == ((V,), torch.int64)
         assert embed_shape == (V // 2, cfg.hidden_size)
         assert logits.shape == want.shape == (len(prompt), V)
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
         for got, ref in zip(got_kv, kv, strict=True):
             torch.testing.assert_close(got, ref[:, :, heads], atol=1e-5, rtol=0)
         assert torch.equal(tokens, want_tokens)
-        torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache, want_cache[:, :, dheads], atol=1e-5, rtol=0)

@@ -246,3 +246,68 @@ def test_compiled_draft_matches_eager(eagle3_built):
     got = bundle.artifact("draft_b2_ctx128")(*inputs.as_args(caches[1]))
     assert got.tolist() == want.tolist()
     torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
+
+
+def _draft_inputs(hidden: int, ctx: int):
+    """Two requests' verified rows (2 and 4 of them) over 16-block tables: the draft call's inputs."""
+    from neffbuild.runtime.step.draft_inputs import build_draft
+
+    g = torch.Generator().manual_seed(0)
+    rows = [([7, 8], torch.randn(2, 3 * hidden, generator=g), 40),
+            ([1, 2, 3, 4], torch.randn(4, 3 * hidden, generator=g), 100)]
+    table = torch.stack([torch.arange(1, 17), torch.arange(17, 33)])
+    return build_draft(rows, table, batch=2, ctx=ctx, query_len=1 + K, block_size=16, hidden_size=3 * hidden)
+
+
+def _random_draft_kv(shape, dtype) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 0.5).to(dtype)
+
+
+def _rank_draft_call(rank, world, bundle_path, full_shape):
+    """One rank of the sharded bundle: its draft artifact on the common inputs, its slice of a common KV buffer."""
+    from neffbuild.runtime.bundle.reader import open_bundle
+
+    bundle = open_bundle(bundle_path)
+    heads = bundle.facts.draft_kv_heads
+    cache = _random_draft_kv(full_shape, bundle.kv_layout.dtype)[:, :, heads.start:heads.stop].contiguous()
+    label = next(a for a in bundle.labels if a.startswith("draft_"))
+    inputs = _draft_inputs(bundle.facts.hidden_size, bundle.entries[label]["ctx"])
+    tokens = bundle.artifact(label)(*inputs.as_args(cache))
+    drafts = {n: (tuple(t.shape), str(t.dtype)) for n, t in bundle.weights.items() if n.startswith("draft_")}
+    return tokens, cache.float(), list(heads), drafts
+
+
+@pytest.mark.slow
+def test_sharded_draft_artifact_proposes_the_unsharded_drafts(production_built):
+    """tp 2 x dp 2 (the production case, tiny): every rank holds its TP slice of the draft (its heads, its KV head,
+    half its LM head's vocabulary) and its draft artifact proposes the unsharded eager draft's tokens, writing its
+    KV head's slice of the unsharded draft's KV (packed FP8: within one FP8 step)."""
+    from neffbuild import registry
+    from neffbuild.runtime.bundle import reader
+    from neffbuild.runtime.parallel import ParallelLayout
+    from tests.dist_util import run_ranks
+
+    facts = reader.read_facts(production_built)
+    cfg, dcfg, par = facts.config, facts.draft_config, facts.parallel
+    assert (par.tp, par.dp) == (2, 2) and facts.kv_dtype == "float8_e4m3fn"
+    layout = facts.graph_inputs.kv_layout
+    full_shape = (2, layout.num_blocks, dcfg.num_key_value_heads, layout.block_size, dcfg.head_dim)
+    assert layout.draft_buffer_shape == (*full_shape[:2], 1, *full_shape[3:])  # one of the draft's 2 KV heads
+    results = run_ranks(_rank_draft_call, par.world_size, production_built, full_shape)
+
+    weights, pieces = reader.weight_pieces(production_built)
+    parts = dict(pieces, shared=weights)
+    joined = dict(registry.arch(facts.arch).get("unshard")(cfg, parts, par),
+                  **registry.speculative(facts.speculative_method).get("unshard")(dcfg, parts, par))
+    eager = Eagle3Draft(dcfg, joined, num_speculative_tokens=K, packed_k=True, parallel=ParallelLayout()).eval()
+    want_cache = _random_draft_kv(full_shape, layout.dtype)
+    ctx = next(a["ctx"] for a in reader.read_manifest(production_built)["artifacts"] if a["family"] == "draft")
+    with torch.no_grad():
+        want = eager(*_draft_inputs(cfg.hidden_size, ctx).as_args(want_cache))
+    H, d, V = cfg.hidden_size, dcfg.head_dim, dcfg.draft_vocab_size
+    for rank, (tokens, cache, heads, drafts) in enumerate(results):
+        assert heads == [par.tp_rank(rank)]
+        assert drafts["draft_lm_head"] == ((V // 2, H), "torch.float32") and drafts["draft_o_w"][0] == (H, 2 * d)
+        assert drafts["draft_qkv_w"][0] == ((2 + 2) * d, 2 * H)  # 2 query heads + its KV head's K and V
+        assert tokens.tolist() == want.tolist()
+        torch.testing.assert_close(cache, want_cache[:, :, heads].float(), atol=1e-2, rtol=0.13)

@@ -111,12 +111,13 @@ def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, ti
     try:
         progress.stage("loading weights")
         weights = _load_weights(recipe)
-        if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
+        draft = None
+        if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names), in its dtype
             s = recipe.speculative
-            draft_weights = registry.speculative(s.method).get("weights")
-            weights.update(draft_weights(recipe.draft_config, s.draft_checkpoint, s.draft_random_seed))
-        weights_entry, parallel = _write_weights(writer, recipe, weights)
-        del weights
+            draft = registry.speculative(s.method).get("weights")(recipe.draft_config, s.draft_checkpoint,
+                                                                  s.draft_random_seed, recipe.model.weights_dtype)
+        weights_entry, parallel = _write_weights(writer, recipe, weights, draft or {})
+        del weights, draft
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).
         weights_path = None if parallel else str(writer.path(paths.WEIGHTS_PATH))
         jobs_list = [Job(t.label, target_graph(recipe, t), dict(bk, flags=recipe.flags_for(t.label)), str(cache.root),
@@ -178,23 +179,29 @@ def _run(jobs_list: list[Job], executor, progress: Progress, tier=None, cache=No
         yield from executor.run(rest, on_start=lambda j: progress.running(j.label))
 
 
-def _write_weights(writer: BundleWriter, recipe, weights: dict) -> tuple[dict, ParallelSection | None]:
+def _write_weights(writer: BundleWriter, recipe, weights: dict, draft: dict) -> tuple[dict, ParallelSection | None]:
     """Unsharded: one file. Sharded: the replicated piece plus one file per TP and per EP rank,
-    each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps."""
+    each tensor stored once; the manifest's ``parallel`` field says which pieces a rank maps. The draft's
+    tensors (``draft``) go into the same pieces by its own rule (its split tensors into the TP pieces)."""
     par = recipe.parallel
     if not par.sharded:
-        return writer.write_weights(weights), None
+        return writer.write_weights(dict(weights, **draft)), None
     cfg, entries, shared = recipe.model.config, {}, None
     arch = registry.arch(recipe.model.arch)
+    method = registry.speculative(recipe.speculative.method) if draft else None
     for name, tensors in arch.get("iter_pieces")(cfg, weights, par):
+        if method is not None:
+            tensors = dict(tensors, **method.get("piece")(recipe.draft_config, draft, par, name))
         if name == "shared":
             shared = writer.write_weights(tensors)
         else:
             entries[name] = writer.write_weights(tensors, paths.weights_piece_path(name))
+    layout = arch.get("shard_layout")(par, tuple(weights))
+    if method is not None:
+        layout.update(method.get("shard_layout")(par, tuple(draft)))
     info = ParallelSection(par, entries, tuple(tuple(n for n in arch.get("piece_names")(par, r) if n != "shared")
                                                for r in range(par.world_size)),
-                           arch.get("shard_layout")(par, tuple(weights)),
-                           {f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
+                           layout, {f"tp{r}": list(arch.get("kv_heads_of")(cfg, par, r)) for r in range(par.tp)})
     return shared, info
 
 

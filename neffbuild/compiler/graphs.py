@@ -124,15 +124,11 @@ def build_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None = No
 
 def _draft_graph(graph: TargetGraph, weights: dict[str, torch.Tensor] | None):
     dcfg, method = graph.draft_config, registry.speculative(graph.speculative_method)
-    if weights is None:
-        weights = method.get("placeholders")(dcfg)
-        arch = registry.arch(graph.arch)
-        if graph.draft_own_embed:  # its own: whole on every rank
-            shape = arch.get("placeholder_shapes")(graph.config)["embed"]
-        else:  # the target's, shared: the rank's vocabulary slice under tp > 1
-            shape = arch.get("rank_specs")(graph.config, graph.parallel)["embed"][0]
-        embed = torch.empty(shape, dtype=getattr(torch, graph.weights_dtype))
-        weights[method.get("embed_name")(graph.draft_own_embed)] = embed
+    if weights is None:  # one rank's draft shard in the stored dtype (its own embedding too, when it has one)
+        weights = method.get("placeholders")(dcfg, graph.parallel, graph.weights_dtype, graph.draft_own_embed)
+        if not graph.draft_own_embed:  # the target's, shared: the rank's vocabulary slice under tp > 1
+            shape = registry.arch(graph.arch).get("rank_specs")(graph.config, graph.parallel)["embed"][0]
+            weights["embed"] = torch.empty(shape, dtype=getattr(torch, graph.weights_dtype))
     module = method.get("draft")(dcfg, weights, num_speculative_tokens=graph.num_speculative_tokens,
                                  packed_k=graph.fp8_packed_kv, parallel=graph.parallel).eval()
     return module, draft_example_inputs(graph)

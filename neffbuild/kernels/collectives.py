@@ -79,3 +79,19 @@ def vocab_parallel_gather(local: torch.Tensor, group_size: int, group: str) -> t
     (slices in group-rank order, as ``vocab_parallel_embed`` splits the table)."""
     every = all_gather_rows(local, group_size, group)  # [tp*B, ..., V/tp]
     return every.unflatten(0, (group_size, local.shape[0])).movedim(0, -2).flatten(-2)
+
+
+def vocab_parallel_argmax(local: torch.Tensor, group_size: int, group: str) -> torch.Tensor:
+    """The argmax over the whole vocabulary from each rank's logits over its slice [..., V/tp] (float32), in
+    group-rank order as ``vocab_parallel_embed`` splits it: [...] int64 global ids, the same on every rank.
+
+    One all-gather of each rank's best (value, id) pair, not of the logits; ties go to the lowest id, as
+    ``argmax`` over the gathered logits would (a rank's first best, then the first rank with the best value).
+    The ids travel as float32, exact below 2^24."""
+    n = local.shape[-1]
+    idx = local.argmax(-1, keepdim=True)  # [..., 1]
+    pair = torch.cat([local.gather(-1, idx), idx.to(local.dtype)], dim=-1).reshape(1, -1, 2)  # [1, M, 2]
+    every = all_gather_rows(pair, group_size, group)  # [tp, M, 2]
+    win = every[..., 0].argmax(0, keepdim=True)  # [1, M]: the first rank holding the best value
+    ids = every[..., 1].long() + torch.arange(group_size, device=local.device)[:, None] * n  # [tp, M] global ids
+    return ids.gather(0, win).reshape(local.shape[:-1])

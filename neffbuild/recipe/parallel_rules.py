@@ -2,17 +2,19 @@
 
 World = tp x dp ranks; attention heads split over TP (KV heads split, or replicated when
 there are fewer than tp), the embedding and the LM head by vocabulary over TP, experts over EP
-groups of ``ep`` ranks taken from the world. A backend's own limits are its ``layout_rule``
+groups of ``ep`` ranks taken from the world; an EAGLE3 draft splits over TP by the same rules (its heads,
+its LM head's vocabulary). A backend's own limits are its ``layout_rule``
 registry part (compiler/backends/neuron_rules.py).
 """
 
 from __future__ import annotations
 
 from neffbuild import registry
+from neffbuild.errors import InvalidInput
 from neffbuild.runtime.parallel import ParallelLayout
 
 
-def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
+def check(err, cfg, par: dict, compiler: dict, lnc: int, spec=None) -> None:
     """Report every parallel-layout problem through ``err(path, value, rule)``."""
     tp, dp, ep = par["tp"], par["dp"], par["ep"]
     if not (tp and dp and ep):
@@ -30,7 +32,21 @@ def check(err, cfg, par: dict, compiler: dict, lnc: int) -> None:
         err("parallel.ep", ep, f"must divide model.config.num_local_experts ({E})")
     if (tp * dp) % ep:
         err("parallel.ep", ep, f"must divide the world tp x dp = {tp * dp} (EP groups are made of the world's ranks)")
+    _draft(err, cfg, spec, tp)
     _backend_limits(err, tp, compiler, lnc)
+
+
+def _draft(err, cfg, spec, tp: int) -> None:
+    """The speculative draft splits over TP like the target (its heads, its LM head's vocabulary): its rule."""
+    if spec is None or tp == 1:
+        return
+    method = registry.speculative(spec.method)
+    try:
+        why = method.get("layout_problem")(method.get("config").from_hf_dict(spec.draft_hf_config, cfg), tp)
+    except (InvalidInput, TypeError, ValueError, AttributeError, KeyError, ArithmeticError):
+        return  # an unreadable draft config: reported by the speculative section (gate_rules.draft_config)
+    if why:
+        err("parallel.tp", tp, why)
 
 
 def _backend_limits(err, tp: int, compiler: dict, lnc: int) -> None:

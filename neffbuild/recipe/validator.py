@@ -49,7 +49,7 @@ class Validator(Checks):
         build = compiler_rules.build(self, self.section(raw, "build", "build"))
         if cfg is not None:
             serving_rules.cross_checks(self, cfg, serving, ctx, gk, spec)
-            parallel_rules.check(self.err, cfg, parallel, compiler, lnc)
+            parallel_rules.check(self.err, cfg, parallel, compiler, lnc, spec)
             memory.check_recipe(self.err, cfg, serving, parallel, fp8, spec, compiler, kv_dtype)  # backend KV rule
             if model is not None:
                 dtype_rules.check(self.err, cfg, model.experts)

@@ -23,7 +23,7 @@ The engine (serve/engine.py) is one loop per rank; a mode is a choice of parts, 
   prefill; ``propose(reqs, rows)`` gives ``req.drafts`` (k tokens) to every request that has
   verified rows and room; ``after_step(req, emitted, aux)`` keeps the verified rows for the
   next draft call. ``Eagle3Proposer`` (serve/spec.py) runs the bundle's draft artifacts; the
-  draft is replicated on every rank (see that module).
+  draft is sharded over TP like the target (see that module).
 
 * World (serve/world.py): one process, or the bundle's tp x dp ranks (``--dp N`` for an
   unsharded bundle) as gloo processes; each DP group owns ``requests[g::dp]``.

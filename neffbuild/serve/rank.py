@@ -94,11 +94,17 @@ def serving_rank(cfg, weights: dict, artifacts, *, group=None, on_plan: Callable
 
 
 def _joined_weights(root: Path, facts: BundleFacts) -> dict:
-    """Every tensor of the model, unsharded: a sharded bundle's pieces joined by the architecture's rule."""
+    """Every tensor of the model, unsharded: a sharded bundle's pieces joined by the architecture's rule (and the
+    EAGLE3 draft's by its method's)."""
     weights, pieces = reader.weight_pieces(root)
     if not pieces:
         return weights
-    return registry.arch(facts.arch).get("unshard")(facts.config, dict(pieces, shared=weights), facts.parallel)
+    parts = dict(pieces, shared=weights)
+    out = registry.arch(facts.arch).get("unshard")(facts.config, parts, facts.parallel)
+    if facts.draft_config is not None:
+        out.update(registry.speculative(facts.speculative_method).get("unshard")(facts.draft_config, parts,
+                                                                                  facts.parallel))
+    return out
 
 
 def _open_compiled(bundle: reader.Bundle, group, on_plan) -> ServingRank:

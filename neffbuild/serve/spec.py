@@ -11,13 +11,13 @@ one MAX all-reduce, so all DP ranks run the same target artifact. A request with
 verified rows (right after a DI transfer: no aux hidden states yet) or no room gets no
 drafts, so that step runs ``target_nospec``; its aux output then feeds the next draft call.
 
-**The draft's layer is replicated on every rank**, not sharded: its weights are stored in the
-bundle's ``shared`` piece and its KV group keeps every draft KV head on every rank. Every TP
-rank already holds the same aux states (the target's outputs are all-reduced), so every TP
-rank proposes the same drafts. The one collective in its graph is the token embedding it
-shares with the target, which tp > 1 splits by vocabulary (a lookup, then an all-reduce over
-the TP group, as in the target); docs/benchmarks.md "Vocabulary and draft sharding" gives
-the memory sharding the layer itself would save.
+**The draft is sharded like the target** (models/eagle3/sharding.py): a TP rank holds its heads of
+the draft's attention, its KV heads in its draft KV buffer, and vocab / tp rows of its LM head, all
+in the bundle's weights dtype, in the same ``tp{r}`` weight pieces as its slice of the target. Every
+TP rank holds the same aux states (the target's outputs are all-reduced) and its draft graph
+all-reduces the o-proj and gathers each rank's best (value, id) from the LM head, so every TP rank
+proposes the same drafts; the token embedding is looked up as the target's (its rows, then an
+all-reduce over the TP group).
 
 KV for rejected tokens needs no work: ``computed`` advances by the emitted count only; the
 slots past it hold rejected drafts, which the causal mask hides and the next step

@@ -16,9 +16,13 @@ norm(state)] (2H) -> q/k/v; residual on the state; o-proj; post-norm; SiLU-gated
 final norm; LM head over the draft vocabulary; ``d2t`` maps the argmax to a target id.
 No attention sinks (a -inf sink column is an exact no-op) and no sliding window.
 
-Under tp > 1 the draft's own layer is replicated on every TP rank, but the target's embedding it
-shares is split by vocabulary: the draft then looks tokens up as the target does (its rows, then
-an all-reduce over the TP group), so its graph takes the rank id as its last input.
+Weights: the recipe's ``model.weights_dtype``; the layer computes in it (the aux states are cast on the
+way in) and its logits in float32, as the target's. Under tp > 1 the draft is sharded like the target
+(``models/eagle3/sharding.py``): a rank holds its query and KV heads (its KV buffer holds those KV
+heads only) and all-reduces the o-proj's partial sums over the TP group; it holds vocab / tp rows of
+the LM head and picks the greedy token with one all-gather of each rank's best (value, id); it looks
+tokens up in the vocabulary-split embedding (the target's, or its own) as the target does (its rows,
+then an all-reduce), so its graph takes the rank id as its last input.
 """
 
 from __future__ import annotations
@@ -35,28 +39,36 @@ from neffbuild.kernels import (
     write_kv,
     yarn_inv_freq,
 )
-from neffbuild.kernels.collectives import vocab_parallel_embed
+from neffbuild.kernels.collectives import all_reduce_sum, vocab_parallel_argmax, vocab_parallel_embed
 from neffbuild.models.eagle3.config import Eagle3Config
+from neffbuild.models.eagle3.shapes import local_config
 from neffbuild.models.eagle3.weights import DRAFT_EMBED, DRAFT_NAMES
+from neffbuild.models.gpt_oss.decode import linear
 from neffbuild.runtime.parallel import TP_GROUP, ParallelLayout
 
 
-def draft_layer(cfg: Eagle3Config, w: dict, emb: torch.Tensor, state: torch.Tensor, cos, sin, attend) -> torch.Tensor:
-    """emb, state [B, S, H] -> new state [B, S, H]; ``attend(q, k, v) -> [B, S, Hq*d]`` owns the KV."""
+def draft_layer(cfg: Eagle3Config, w: dict, emb: torch.Tensor, state: torch.Tensor, cos, sin, attend,
+                tp: int = 1) -> torch.Tensor:
+    """emb, state [B, S, H] -> new state [B, S, H]; ``attend(q, k, v) -> [B, S, Hq*d]`` owns the KV.
+
+    ``cfg``: this rank's heads (``local_config``); with tp > 1 the o-proj's partial sums are all-reduced."""
     B, S, _ = state.shape
     d, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    x = torch.cat([rms_norm(emb, w["draft_ln_embed"], cfg.rms_norm_eps),
+    x = torch.cat([rms_norm(emb.to(state.dtype), w["draft_ln_embed"], cfg.rms_norm_eps),
                    rms_norm(state, w["draft_ln_hidden"], cfg.rms_norm_eps)], dim=-1)  # [B, S, 2H]
-    q, k, v = (x @ w["draft_qkv_w"].t()).split([Hq * d, Hk * d, Hk * d], dim=-1)
+    q, k, v = linear(x, w["draft_qkv_w"]).split([Hq * d, Hk * d, Hk * d], dim=-1)
     q, k, v = q.view(B, S, Hq, d), k.view(B, S, Hk, d), v.view(B, S, Hk, d)
-    state = state + attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v) @ w["draft_o_w"].t()
+    y = linear(attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), w["draft_o_w"])
+    state = state + (all_reduce_sum(y, TP_GROUP) if tp > 1 else y)
     m = rms_norm(state, w["draft_ln_mlp"], cfg.rms_norm_eps)
-    return state + (nn.functional.silu(m @ w["draft_gate_w"].t()) * (m @ w["draft_up_w"].t())) @ w["draft_down_w"].t()
+    return state + linear(nn.functional.silu(linear(m, w["draft_gate_w"])) * linear(m, w["draft_up_w"]),
+                          w["draft_down_w"])
 
 
-def propose(cfg: Eagle3Config, w: dict, state: torch.Tensor) -> torch.Tensor:
-    """Greedy draft token as a target id. state [..., H] -> [...] int64."""
-    best = (rms_norm(state, w["draft_norm"], cfg.rms_norm_eps) @ w["draft_lm_head"].t()).argmax(-1)
+def propose(cfg: Eagle3Config, w: dict, state: torch.Tensor, tp: int = 1) -> torch.Tensor:
+    """Greedy draft token as a target id. state [..., H] -> [...] int64 (the same on every TP rank)."""
+    logits = linear(rms_norm(state, w["draft_norm"], cfg.rms_norm_eps), w["draft_lm_head"]).float()
+    best = logits.argmax(-1) if tp == 1 else vocab_parallel_argmax(logits, tp, TP_GROUP)
     return best + w["draft_d2t"][best]
 
 
@@ -70,11 +82,12 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: Eagle3Config, weights: dict[str, torch.Tensor], *, num_speculative_tokens: int,
                  packed_k: bool = False, parallel: ParallelLayout | None = None):
         super().__init__()
-        self.cfg, self.k, self.packed_k = cfg, num_speculative_tokens, packed_k
+        par = parallel or ParallelLayout()
+        # ``weights`` are this rank's shard (models/eagle3/sharding.py): its heads, its LM head rows.
+        self.cfg, self.tp, self.k, self.packed_k = local_config(cfg, par), par.tp, num_speculative_tokens, packed_k
         # The draft shares the target's token embedding (bundle name "embed") unless it brought its own;
-        # the shared one is the rank's vocabulary slice under tp > 1 (its own stays whole on every rank).
+        # either is the rank's vocabulary slice under tp > 1.
         self.embed_name = DRAFT_EMBED if DRAFT_EMBED in weights else "embed"
-        self.tp = (parallel or ParallelLayout()).tp if self.embed_name == "embed" else 1
         for name in DRAFT_NAMES + (self.embed_name,):
             self.register_buffer(name, weights[name], persistent=True)
         inv_freq, self.rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
@@ -110,21 +123,21 @@ class Eagle3Draft(nn.Module):
         num_valid: torch.Tensor,  # [B] rows verified this step (1..1+k); 0 = padding row
         block_table: torch.Tensor,  # [B, W] head-trimmed (the full-attention group's block ids)
         slot_mapping: torch.Tensor,  # [B*(1+k)] catch-up write slots (-1 = not written)
-        kv_cache: torch.Tensor,  # [2, num_blocks, kv_heads, block_size, head_dim] the draft's own KV group
+        kv_cache: torch.Tensor,  # [2, num_blocks, kv_heads, block_size, head_dim] the draft's KV group (its heads)
         rank: torch.Tensor | None = None,  # [1] this rank's id; sharded bundles only (its embedding rows)
     ) -> torch.Tensor:  # [B, k] proposed target token ids
         cfg, w = self.cfg, self.weights()
         B = input_ids.shape[0]
         bs, W = kv_cache.shape[3], block_table.shape[1]
-        sinks = no_sinks(cfg, hidden)
+        state = linear(hidden.to(w["draft_fc"].dtype), w["draft_fc"])  # [B, 1+k, H] in the weights' dtype
+        sinks = no_sinks(cfg, state)
         cos, sin = rope_cos_sin(positions, self.draft_inv_freq, self.rope_scale)
-        state = hidden @ w["draft_fc"].t()  # [B, 1+k, H]
         state = draft_layer(cfg, w, self.lookup(w, input_ids, rank), state, cos, sin,
-                            self.paged_attend(kv_cache, block_table, positions, slot_mapping, sinks))
+                            self.paged_attend(kv_cache, block_table, positions, slot_mapping, sinks), self.tp)
         last = (num_valid - 1).clamp(min=0)[:, None]  # [B, 1]
         state = state.gather(1, last[..., None].expand(B, 1, state.shape[-1]))  # [B, 1, H]
         pos = positions.gather(1, last)  # [B, 1]
-        tokens = [propose(cfg, w, state)]  # k x [B, 1]
+        tokens = [propose(cfg, w, state, self.tp)]  # k x [B, 1]
         live = (num_valid > 0)[:, None]
         for _ in range(self.k - 1):
             pos = pos + 1
@@ -132,8 +145,8 @@ class Eagle3Draft(nn.Module):
             slots = torch.where(live, block_table.gather(1, col) * bs + pos % bs, -1).reshape(B)
             cos, sin = rope_cos_sin(pos, self.draft_inv_freq, self.rope_scale)
             state = draft_layer(cfg, w, self.lookup(w, tokens[-1], rank), state, cos, sin,
-                                self.paged_attend(kv_cache, block_table, pos, slots, sinks))
-            tokens.append(propose(cfg, w, state))
+                                self.paged_attend(kv_cache, block_table, pos, slots, sinks), self.tp)
+            tokens.append(propose(cfg, w, state, self.tp))
         return torch.cat(tokens, dim=1)
 
 
@@ -160,4 +173,5 @@ def prefill(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, kv_cach
         write_kv(kv_cache, 1, slots, v[0], False)
         return sdpa_with_sinks(q, k, v, no_sinks(cfg, q), cfg.attention_scale, None)
 
-    draft_layer(cfg, w, draft.lookup(w, tokens[None], rank), aux[None].float() @ w["draft_fc"].t(), cos, sin, attend)
+    state = linear(aux[None].to(w["draft_fc"].dtype), w["draft_fc"])
+    draft_layer(cfg, w, draft.lookup(w, tokens[None], rank), state, cos, sin, attend, draft.tp)

@@ -8,8 +8,9 @@ accepted): ``fc.weight [H, 3H]``; ``midlayer.input_layernorm.weight`` (token emb
 ``d2t [Vd]`` (target id = draft id + d2t[draft id]); ``t2d [V]`` (bool: target id is in
 the draft vocabulary); optionally ``embed_tokens.weight`` (else the target's is shared).
 
-In the bundle the draft's tensors sit beside the target's in the one weights file, under
-``draft_*`` names (``DRAFT_NAMES``); the shared embedding is the target's ``embed``.
+In the bundle the draft's tensors sit beside the target's, under ``draft_*`` names (``DRAFT_NAMES``),
+in the recipe's ``model.weights_dtype`` (``d2t`` int64), split over TP like the target's
+(``models/eagle3/sharding.py``); the shared embedding is the target's ``embed``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from safetensors.torch import save_file
 
 from neffbuild.errors import InvalidInput
 from neffbuild.models.eagle3.config import Eagle3Config
-from neffbuild.models.eagle3.shapes import EMBED, has_own_embed, shapes  # noqa: F401  (torch-free; re-exported)
+from neffbuild.models.eagle3.shapes import EMBED, has_own_embed, rank_specs, shapes  # noqa: F401  (torch-free)
+from neffbuild.runtime.parallel import ParallelLayout
 
 # bundle name -> checkpoint name (q/k/v are concatenated into draft_qkv_w)
 CHECKPOINT_KEYS = {
@@ -50,9 +52,11 @@ def embed_name(own_embed: bool) -> str:
     return DRAFT_EMBED if own_embed else "embed"
 
 
-def placeholders(cfg: Eagle3Config) -> dict[str, torch.Tensor]:
-    """Uninitialised tensors of the right shapes and dtypes (for tracing in a worker)."""
-    return {n: torch.empty(s, dtype=torch.long if n == "draft_d2t" else torch.float32) for n, s in shapes(cfg).items()}
+def placeholders(cfg: Eagle3Config, par: ParallelLayout | None = None, dtype: str = "float32",
+                 own_embed: bool = False) -> dict[str, torch.Tensor]:
+    """One rank's uninitialised draft tensors in the shapes and dtypes the bundle stores (for tracing)."""
+    specs = rank_specs(cfg, par or ParallelLayout(), dtype, own_embed)
+    return {n: torch.empty(s, dtype=getattr(torch, t)) for n, (s, t) in specs.items()}
 
 
 def random_state_dict(cfg: Eagle3Config, seed: int, std: float = 0.2) -> dict[str, torch.Tensor]:
@@ -105,9 +109,12 @@ def load_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_bundle(cfg: Eagle3Config, sd: dict[str, torch.Tensor],
-              source: str = "draft checkpoint") -> dict[str, torch.Tensor]:
-    """Common-layout state dict -> the bundle's ``draft_*`` tensors, checked against ``cfg``."""
+def to_bundle(cfg: Eagle3Config, sd: dict[str, torch.Tensor], source: str = "draft checkpoint",
+              dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """Common-layout state dict -> the bundle's ``draft_*`` tensors in ``dtype`` (``d2t`` int64), checked
+    against ``cfg``."""
+    floats = getattr(torch, dtype)
+
     def get(name: str) -> torch.Tensor:
         if name not in sd:
             raise InvalidInput(f"{source}: missing tensor {name!r} (common EAGLE3 layout: fc, midlayer.*, norm, "
@@ -120,10 +127,10 @@ def to_bundle(cfg: Eagle3Config, sd: dict[str, torch.Tensor],
         if tuple(out[name].shape) != shape:
             raise InvalidInput(f"{source}: {CHECKPOINT_KEYS.get(name, 'q/k/v_proj')} has shape "
                                f"{list(out[name].shape)}, the draft config needs {list(shape)}")
-    out = {n: (t.long() if n == "draft_d2t" else t.float()).contiguous() for n, t in out.items()}
+    out = {n: (t.long() if n == "draft_d2t" else t.to(floats)).contiguous() for n, t in out.items()}
     _check_vocab_map(cfg, out["draft_d2t"], sd.get(T2D), source)
     if EMBED in sd:
-        out[DRAFT_EMBED] = sd[EMBED].float().contiguous()
+        out[DRAFT_EMBED] = sd[EMBED].to(floats).contiguous()
     return out
 
 
@@ -138,8 +145,10 @@ def _check_vocab_map(cfg: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor | N
             raise InvalidInput(f"{source}: t2d and d2t disagree about which target ids are in the draft vocabulary")
 
 
-def draft_weights(cfg: Eagle3Config, checkpoint: Path | None, random_seed: int | None) -> dict[str, torch.Tensor]:
-    """The bundle's draft tensors from a checkpoint folder or a random seed."""
+def draft_weights(cfg: Eagle3Config, checkpoint: Path | None, random_seed: int | None,
+                  dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """The bundle's draft tensors, whole, in ``dtype`` (the recipe's weights_dtype), from a checkpoint folder or a
+    random seed (a random draft is drawn in float32, then stored in ``dtype``: the same draft in either)."""
     if checkpoint is not None:
-        return to_bundle(cfg, load_checkpoint(checkpoint), str(checkpoint))
-    return to_bundle(cfg, random_state_dict(cfg, random_seed or 0), f"random draft (seed {random_seed})")
+        return to_bundle(cfg, load_checkpoint(checkpoint), str(checkpoint), dtype)
+    return to_bundle(cfg, random_state_dict(cfg, random_seed or 0), f"random draft (seed {random_seed})", dtype)

@@ -2,10 +2,10 @@
 
 Engines (neffbuild's own ``serve/``, the vLLM plugin) read these and never the manifest's dicts: the model
 and draft configs (dataclasses, built through the registry), the weights' stored form (float dtype, dense or
-MXFP4 experts), the KV buffers' dtype and packing, this rank's KV heads, which KV buffer each layer writes,
-the EAGLE3 aux layers and the parallel layout. Built only from a manifest ``reader.check`` passed
-(``graph_inputs.model_config`` under the recipe's rules, the weights' shapes against it), so nothing here
-re-validates; a second engine that needs a fact adds it here, once.
+MXFP4 experts), the KV buffers' dtype and packing, this rank's KV heads (the target's and the draft's), which
+KV buffer each layer writes, the EAGLE3 aux layers and the parallel layout. Built only from a manifest
+``reader.check`` passed (``graph_inputs.model_config`` under the recipe's rules, the weights' shapes against it),
+so nothing here re-validates; a second engine that needs a fact adds it here, once.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class BundleFacts:
     parallel: ParallelLayout  # the layout the artifacts were compiled for
     rank: int  # this rank in ``parallel``'s world (0 unsharded)
     kv_heads: range  # the model KV heads this rank's buffers hold
+    draft_kv_heads: range  # EAGLE3: the draft KV heads its draft buffer holds (its TP slice); empty without
     layer_buffers: tuple[int, ...]  # layer i writes KV buffer layer_buffers[i]
     aux_layers: tuple[int, ...]  # EAGLE3: target layers whose outputs the draft reads; () without drafts
     num_speculative_tokens: int
@@ -68,11 +69,15 @@ def facts_of(manifest: dict, rank: int = 0) -> BundleFacts:
     table = weight_table(manifest, rank)
     heads = range(cfg.num_key_value_heads) if par.tp == 1 else arch.get("kv_heads_of")(cfg, par, par.tp_rank(rank))
     draft = gi.draft(cfg)
+    draft_heads = range(0)
+    if draft is not None:
+        draft_heads = range(draft.num_key_value_heads) if par.tp == 1 else \
+            registry.speculative(gi.speculative_method).get("kv_heads_of")(draft, par, par.tp_rank(rank))
     of_layer = arch.get("kv_buffer_of_layer")
     return BundleFacts(
         arch=gi.arch, config=cfg, draft_config=draft, weights_dtype=_float_dtype(table),
         experts=arch.get("experts_of")(table), kv_dtype=gi.kv_layout.dtype_name, fp8_packed_kv=gi.fp8_packed_kv,
-        parallel=par, rank=rank, kv_heads=heads,
+        parallel=par, rank=rank, kv_heads=heads, draft_kv_heads=draft_heads,
         layer_buffers=tuple(of_layer(i) for i in range(cfg.num_hidden_layers)),
         aux_layers=tuple(draft.aux_layers) if draft is not None else (),
         num_speculative_tokens=gi.grid.num_speculative_tokens, speculative_method=gi.speculative_method,

@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 
 from neffbuild import registry
+from neffbuild.errors import InvalidInput
 from neffbuild.runtime.bundle import config_rules, facts
 from neffbuild.runtime.bundle.schema import Problem, is_int, short
 from neffbuild.runtime.parallel import ParallelLayout
@@ -45,7 +46,10 @@ def problems(m: dict) -> list[Problem]:
     if not out:
         cfg, out = config_rules.model_problems(gi["arch"], gi["model_config"])
         out += _weights_fit(m, gi, cfg) if cfg is not None else []
-    return out + _parallel_presence(m, gi) + _speculative_method(gi) + (_draft_layout(m, gi) if not out else [])
+    if out:
+        return out + _parallel_presence(m, gi) + _speculative_method(gi)
+    spec = _speculative_method(gi)
+    return _parallel_presence(m, gi) + spec + (_draft_layout(m, gi, cfg) if not spec and cfg is not None else [])
 
 
 def _weights_fit(m: dict, gi: dict, cfg) -> list[Problem]:
@@ -95,7 +99,20 @@ def _parallel_presence(m: dict, gi: dict) -> list[Problem]:
     return []
 
 
-def _draft_layout(m: dict, gi: dict) -> list[Problem]:
+def _draft_weights_fit(m: dict, method, dcfg, par: ParallelLayout) -> Problem | None:
+    """The draft config describes the draft tensors a rank binds (its TP slice; rank 0's table, as the target's)."""
+    table = facts.weight_table(m)
+    own = "draft_embed" in table
+    for name, (shape, _) in method.get("rank_specs")(dcfg, par, "float32", own).items():
+        entry = table.get(name)
+        have = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(have, list) or tuple(have) != tuple(shape):
+            return Problem("graph_inputs.draft_config", f"implies draft weight {name!r} of shape {list(shape)} on a "
+                           f"rank at tp {par.tp}, the bundle's weights hold {have if have is not None else 'none'}")
+    return None
+
+
+def _draft_layout(m: dict, gi: dict, cfg) -> list[Problem]:
     p = "graph_inputs.kv_layout.draft"
     kv, k = gi["kv_layout"], gi["num_speculative_tokens"]
     draft = kv.get("draft")
@@ -104,16 +121,27 @@ def _draft_layout(m: dict, gi: dict) -> list[Problem]:
                         "group exists exactly when the bundle has EAGLE3 drafts)")]
     if draft is None:
         return []
-    mc, dc = gi["model_config"], gi.get("draft_config") or {}
+    dc = gi.get("draft_config") or {}
     if not isinstance(dc, dict):
         return [Problem("graph_inputs.draft_config", "must be an object")]
-    heads = dc.get("num_key_value_heads") if dc.get("num_key_value_heads") is not None else mc["num_key_value_heads"]
-    head_dim = dc.get("head_dim") if dc.get("head_dim") is not None else mc["head_dim"]
-    want = [2, kv["buffer_shape"][1], heads, kv["buffer_shape"][3], head_dim]
+    method, par = registry.speculative(gi["speculative_method"]), ParallelLayout.from_json(gi)
+    try:
+        dcfg = method.get("config").from_hf_dict(dc, cfg)
+    except (InvalidInput, TypeError, ValueError) as exc:
+        return [Problem("graph_inputs.draft_config", f"cannot be read as the draft's config ({short(str(exc), 160)})")]
+    why = method.get("layout_problem")(dcfg, par.tp) if par.tp > 1 else None
+    if why:
+        return [Problem("graph_inputs.draft_config", f"tp {par.tp} {why}")]
+    heads = method.get("local_config")(dcfg, par).num_key_value_heads  # the rank's share of the draft's KV heads
+    want = [2, kv["buffer_shape"][1], heads, kv["buffer_shape"][3], dcfg.head_dim]
     if not isinstance(draft, dict) or draft.get("num_buffers") != 1 or draft.get("block_table") != "full" \
             or draft.get("buffer_shape") != want:
         return [Problem(p, f"got {short(draft, 160)}, must be {{num_buffers: 1, buffer_shape: {want}, block_table: "
-                        "'full'}} (num_blocks and block_size of the target, heads and head_dim of draft_config)")]
+                        "'full'}} (num_blocks and block_size of the target, a rank's share of the heads of "
+                        "draft_config over tp, and its head_dim)")]
+    problem = _draft_weights_fit(m, method, dcfg, par)
+    if problem:
+        return [problem]
     for a in m["artifacts"]:
         sig = a.get("input_signature") if a.get("family") == "draft" else None
         rec = [s for s in sig if isinstance(s, dict) and s.get("name") == "kv_cache"] if isinstance(sig, list) else []

@@ -6,7 +6,7 @@ validator size a pool by the same arithmetic the runtime allocates by (runtime/k
 G = ``num_buffers`` target buffers (layer pairs share one), each
 ``[2, num_blocks, kv_heads, block_size, head_dim]`` (K half then V half); with EAGLE3 one
 more buffer for the draft, ``[2, num_blocks, draft_kv_heads, block_size, draft_head_dim]``
-(the draft is not sharded: all its heads on every rank). Per rank:
+(the draft is split over TP like the target: a rank holds its share of the draft's KV heads). Per rank:
 
     block_len     = kv_heads x block_size x head_dim x itemsize    (one block of one half)
     half_bytes    = num_blocks x block_len        (the offset span of one K or V half)
