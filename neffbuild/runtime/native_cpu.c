@@ -151,13 +151,18 @@ int neffbuild_mxfp4_vectorised(void) {
 #endif
 }
 
-/* Work units are (run, output row): each decodes the row's groups once for every pick of the run. 0, or 1 when the
-   scratch could not be allocated (nothing written then). */
-int neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
-                        const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
-                        int threads) {
+/* One unit of work: one weight row against ``cnt`` x rows (float32 or bf16, by the loop). */
+typedef void (*rows_fn)(const void *const *x, int cnt, const uint8_t *row, const uint8_t *sc, int64_t groups,
+                        const float *scale_of, float *out);
+
+/* The expert products' driver: work units are (run, output row), each decoding the row's groups once for every pick
+   of the run (``fn``: one of the loops below). 0, or 1 when the scratch could not be allocated (nothing written). */
+static int mx_drive(const void *x, size_t xsize, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
+                    const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y, int threads,
+                    rows_fn fn) {
     const int64_t in = groups * 32, picks = n * k;
-    int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t)), *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
+    int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t));
+    int64_t *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
     if (!pairs || !starts) { free(pairs); free(starts); return 1; }
     float scale_of[256];
     for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
@@ -166,20 +171,33 @@ int neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const
     for (int64_t u = 0; u < runs * out; u++) {
         const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
         const int cnt = (int)(starts[r + 1] - starts[r]);
-        const float *xs[MX_CHUNK];
+        const void *xs[MX_CHUNK];
         float res[MX_CHUNK];
-        for (int t = 0; t < cnt; t++) xs[t] = x + x_row(pairs[2 * (starts[r] + t) + 1], k, kx) * in;
-        const uint8_t *w = blocks + (e * out + o) * groups * 16, *sc = scales + (e * out + o) * groups;
-        switch (cnt) {  /* a constant count where it is inlined: the accumulators stay in registers */
-            case 1: rows_dot(xs, 1, w, sc, groups, scale_of, res); break;
-            case 2: rows_dot(xs, 2, w, sc, groups, scale_of, res); break;
-            case 3: rows_dot(xs, 3, w, sc, groups, scale_of, res); break;
-            default: rows_dot(xs, 4, w, sc, groups, scale_of, res); break;
-        }
+        for (int t = 0; t < cnt; t++)
+            xs[t] = (const char *)x + (size_t)(x_row(pairs[2 * (starts[r] + t) + 1], k, kx) * in) * xsize;
+        fn(xs, cnt, blocks + (e * out + o) * groups * 16, scales + (e * out + o) * groups, groups, scale_of, res);
         for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
     }
     free(pairs); free(starts);
     return 0;
+}
+
+/* ``rows_dot`` with the count a constant where it is inlined: the accumulators stay in registers. */
+static void rows_f32(const void *const *x, int cnt, const uint8_t *row, const uint8_t *sc, int64_t groups,
+                     const float *scale_of, float *out) {
+    const float *const *xf = (const float *const *)x;
+    switch (cnt) {
+        case 1: rows_dot(xf, 1, row, sc, groups, scale_of, out); break;
+        case 2: rows_dot(xf, 2, row, sc, groups, scale_of, out); break;
+        case 3: rows_dot(xf, 3, row, sc, groups, scale_of, out); break;
+        default: rows_dot(xf, 4, row, sc, groups, scale_of, out); break;
+    }
+}
+
+int neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
+                        const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
+                        int threads) {
+    return mx_drive(x, sizeof(float), kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_f32);
 }
 
 /* bf16 linear without bias, y[m, o] = sum_k x[m, k] w[o, k] (the LM head over the vocabulary): bf16 inputs, float32
@@ -705,6 +723,19 @@ static inline __attribute__((always_inline)) void rows_dot_bx(const uint16_t *co
 }
 #endif
 
+#if BF16_PATH == 2
+static void rows_bf16x(const void *const *x, int cnt, const uint8_t *row, const uint8_t *sc, int64_t groups,
+                       const float *scale_of, float *out) {
+    const uint16_t *const *xb = (const uint16_t *const *)x;
+    switch (cnt) {
+        case 1: rows_dot_bx(xb, 1, row, sc, groups, scale_of, out); break;
+        case 2: rows_dot_bx(xb, 2, row, sc, groups, scale_of, out); break;
+        case 3: rows_dot_bx(xb, 3, row, sc, groups, scale_of, out); break;
+        default: rows_dot_bx(xb, 4, row, sc, groups, scale_of, out); break;
+    }
+}
+#endif
+
 /* neffbuild_mxfp4_dot's arguments with x bf16 [N, kx, G * 32]. 0; 1 when the scratch could not be allocated; 2 when
    this build has no AVX-512 BF16 (the caller widens x and runs neffbuild_mxfp4_dot). Nothing written unless 0. */
 int neffbuild_mxfp4_dot_bf16(const uint16_t *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
@@ -715,30 +746,7 @@ int neffbuild_mxfp4_dot_bf16(const uint16_t *x, int64_t kx, const uint8_t *block
     (void)threads;
     return 2;
 #else
-    const int64_t in = groups * 32, picks = n * k;
-    int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t)), *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
-    if (!pairs || !starts) { free(pairs); free(starts); return 1; }
-    float scale_of[256];
-    for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
-    const int64_t runs = expert_runs(idx, picks, MX_CHUNK, pairs, starts);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t u = 0; u < runs * out; u++) {
-        const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
-        const int cnt = (int)(starts[r + 1] - starts[r]);
-        const uint16_t *xs[MX_CHUNK];
-        float res[MX_CHUNK];
-        for (int t = 0; t < cnt; t++) xs[t] = x + x_row(pairs[2 * (starts[r] + t) + 1], k, kx) * in;
-        const uint8_t *w = blocks + (e * out + o) * groups * 16, *sc = scales + (e * out + o) * groups;
-        switch (cnt) {
-            case 1: rows_dot_bx(xs, 1, w, sc, groups, scale_of, res); break;
-            case 2: rows_dot_bx(xs, 2, w, sc, groups, scale_of, res); break;
-            case 3: rows_dot_bx(xs, 3, w, sc, groups, scale_of, res); break;
-            default: rows_dot_bx(xs, 4, w, sc, groups, scale_of, res); break;
-        }
-        for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
-    }
-    free(pairs); free(starts);
-    return 0;
+    return mx_drive(x, sizeof(uint16_t), kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_bf16x);
 #endif
 }
 
