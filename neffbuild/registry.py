@@ -119,7 +119,8 @@ ARCHITECTURES = {
 # draft_* tensors), placeholders (config -> traceable placeholder weights), has_own_embed (checkpoint
 # -> bool, headers only, torch-free), weight_bytes (config, own embedding? -> stored bytes, torch-free),
 # embed_name (own embedding? -> the bundle name of the embedding the draft reads),
-# draft (the draft graph module), prefill (eager draft prefill; serve/ uses it).
+# draft (the draft graph module), prefill (eager draft prefill; serve/ uses it), engine_folder (config, draft
+# tensors, folder -> the draft as a model folder a host engine loads: the bundle's draft/).
 SPECULATIVE = {
     "eagle3": Entry("eagle3", {
         "config": "neffbuild.models.eagle3.config:Eagle3Config",
@@ -130,6 +131,7 @@ SPECULATIVE = {
         "embed_name": "neffbuild.models.eagle3.weights:embed_name",
         "draft": "neffbuild.models.eagle3.draft:Eagle3Draft",
         "prefill": "neffbuild.models.eagle3.draft:prefill",
+        "engine_folder": "neffbuild.models.eagle3.weights:write_engine_folder",
     }),
 }
 

@@ -113,8 +113,12 @@ def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, ti
         weights = _load_weights(recipe)
         if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names)
             s = recipe.speculative
-            draft_weights = registry.speculative(s.method).get("weights")
-            weights.update(draft_weights(recipe.draft_config, s.draft_checkpoint, s.draft_random_seed))
+            method = registry.speculative(s.method)
+            draft = method.get("weights")(recipe.draft_config, s.draft_checkpoint, s.draft_random_seed)
+            method.get("engine_folder")(recipe.draft_config, draft, writer.path(paths.DRAFT_DIR),  # vLLM loads it
+                                        dtype=recipe.model.weights_dtype,
+                                        max_position_embeddings=recipe.model.config.max_position_embeddings)
+            weights.update(draft)
         weights_entry, parallel = _write_weights(writer, recipe, weights)
         del weights
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).

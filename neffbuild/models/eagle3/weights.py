@@ -138,6 +138,40 @@ def _check_vocab_map(cfg: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor | N
             raise InvalidInput(f"{source}: t2d and d2t disagree about which target ids are in the draft vocabulary")
 
 
+def to_checkpoint(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The bundle's ``draft_*`` tensors back in the common layout (``to_bundle``'s inverse), floats in ``dtype``."""
+    q, k = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sd = {key: tensors[name].to(dtype) for name, key in CHECKPOINT_KEYS.items() if name != "draft_d2t"}
+    sd.update(zip(QKV_KEYS, (t.to(dtype).contiguous() for t in tensors["draft_qkv_w"].split([q, k, k])), strict=True))
+    d2t = tensors["draft_d2t"].long()
+    sd["d2t"] = d2t
+    sd[T2D] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, torch.arange(cfg.draft_vocab_size) + d2t,
+                                                                       True)
+    if DRAFT_EMBED in tensors:
+        sd[EMBED] = tensors[DRAFT_EMBED].to(dtype)
+    return sd
+
+
+def write_engine_folder(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], folder: str | Path, *, dtype: str,
+                        max_position_embeddings: int) -> Path:
+    """The draft as a model folder a host engine loads (vLLM's EAGLE3 loader: ``--speculative-config``'s
+    ``model``), written from the bundle's own draft tensors, so a random draft or a converted one needs no second
+    download: ``model.safetensors`` in the common layout and a Llama ``config.json``.
+
+    vLLM numbers an aux layer by the residual stream *entering* it (id 0: the embeddings), neffbuild by the layer
+    whose output it is: the folder's ``eagle_aux_hidden_state_layer_ids`` are neffbuild's + 1, the same states."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sorted(to_checkpoint(cfg, tensors, getattr(torch, dtype)).items())},
+              str(folder / "model.safetensors"))
+    hf = dict(cfg.to_hf_dict(), model_type="llama", torch_dtype=dtype, tie_word_embeddings=False,
+              max_position_embeddings=max_position_embeddings,
+              eagle_config={"eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
+                            "use_aux_hidden_state": True})
+    (folder / "config.json").write_text(json.dumps(hf, indent=1, sort_keys=True) + "\n")
+    return folder
+
+
 def draft_weights(cfg: Eagle3Config, checkpoint: Path | None, random_seed: int | None) -> dict[str, torch.Tensor]:
     """The bundle's draft tensors from a checkpoint folder or a random seed."""
     if checkpoint is not None:
