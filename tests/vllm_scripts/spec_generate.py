@@ -1,11 +1,12 @@
 """Run in the vLLM venv (tests/vllm_helpers.py): greedy generation through ``vllm.LLM`` started with exactly the
 settings ``neffbuild inspect BUNDLE --vllm-config --json`` prints (EAGLE3: its ``--speculative-config``).
 
-    python spec_generate.py --settings S.json --requests R.json [--no-spec] [--num-speculative-tokens K]
+    python spec_generate.py --settings S.json --requests R.json [R2.json ...] [--no-spec] [--num-speculative-tokens K]
     R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
 
-Prints one JSON line: every request's tokens (all requests submitted at once), the plugin's report and vLLM's
-speculative-decoding counters (drafts, accepted drafts). ``--no-spec`` leaves ``speculative_config`` out (the same
+Prints one JSON line: per request file (each submitted at once, one file after the other on the same engine)
+every request's tokens and vLLM's speculative-decoding counters after it (drafts, accepted drafts: cumulative),
+then the plugin's report. ``--no-spec`` leaves ``speculative_config`` out (the same
 bundle without speculation); ``--num-speculative-tokens`` changes its k (a start-up refusal, on stderr).
 """
 
@@ -26,7 +27,7 @@ def spec_counters(llm) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--settings", required=True)
-    p.add_argument("--requests", required=True)
+    p.add_argument("--requests", required=True, nargs="+")
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int)
     a = p.parse_args()
@@ -42,16 +43,18 @@ def main() -> None:
     elif a.num_speculative_tokens is not None:
         kw["speculative_config"] = dict(kw["speculative_config"], num_speculative_tokens=a.num_speculative_tokens)
     llm = LLM(**kw)
-    with open(a.requests) as f:
-        reqs = json.load(f)
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
-              for r in reqs]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    runs = []
+    for path in a.requests:
+        with open(path) as f:
+            reqs = json.load(f)
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
+        params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+                  for r in reqs]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": spec_counters(llm)})
     from neffbuild.vllm.model import worker_report
 
-    doc = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": worker_report(llm),
-           "spec": spec_counters(llm)}
+    doc = {"runs": runs, "report": worker_report(llm)}
     print(json.dumps(doc), flush=True)
 
 
