@@ -114,6 +114,8 @@ def to_bundle(cfg: Eagle3Config, sd: dict[str, torch.Tensor],
                                f"lm_head, d2t, t2d)")
         return sd[name]
 
+    if "d2t" not in sd and cfg.draft_vocab_size == cfg.vocab_size:  # the whole vocabulary: identity (vLLM's form)
+        sd = dict(sd, d2t=torch.zeros(cfg.vocab_size, dtype=torch.long))
     out = {name: get(key) for name, key in CHECKPOINT_KEYS.items()}
     out["draft_qkv_w"] = torch.cat([get(k) for k in QKV_KEYS])
     for name, shape in shapes(cfg).items():
@@ -156,14 +158,17 @@ def write_engine_folder(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], fol
                         max_position_embeddings: int) -> Path:
     """The draft as a model folder a host engine loads (vLLM's EAGLE3 loader: ``--speculative-config``'s
     ``model``), written from the bundle's own draft tensors, so a random draft or a converted one needs no second
-    download: ``model.safetensors`` in the common layout and a Llama ``config.json``.
+    download: ``model.safetensors`` in the common layout (without ``d2t``/``t2d`` when the draft's vocabulary is
+    the target's: vLLM refuses a map it does not need) and a Llama ``config.json``.
 
     vLLM numbers an aux layer by the residual stream *entering* it (id 0: the embeddings), neffbuild by the layer
     whose output it is: the folder's ``eagle_aux_hidden_state_layer_ids`` are neffbuild's + 1, the same states."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sorted(to_checkpoint(cfg, tensors, getattr(torch, dtype)).items())},
-              str(folder / "model.safetensors"))
+    sd = to_checkpoint(cfg, tensors, getattr(torch, dtype))
+    if cfg.draft_vocab_size == cfg.vocab_size:  # no vocabulary map: vLLM refuses one its draft does not need
+        sd = {k: v for k, v in sd.items() if k not in ("d2t", T2D)}
+    save_file({k: v.contiguous() for k, v in sorted(sd.items())}, str(folder / "model.safetensors"))
     hf = dict(cfg.to_hf_dict(), model_type="llama", torch_dtype=dtype, tie_word_embeddings=False,
               max_position_embeddings=max_position_embeddings,
               eagle_config={"eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
