@@ -52,7 +52,8 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
         self.attention = nn.ModuleList(_attention_layers(bundle.facts, vllm_config, prefix))
         self.neffbuild = BundleDecoder(bundle, list(self.attention), bundle.facts.hidden_size)
         register(settings.bundle, self.neffbuild)  # the EAGLE3 draft model finds it (neffbuild/vllm/draft.py)
-        self.model = _NoEmbedding()  # vLLM's drafter looks for the target's embedding to share: there is none
+        if vllm_config.speculative_config is not None:  # vLLM's drafter looks for the target's embedding to share
+            self.model = _NoEmbedding()
         logger.info("neffbuild: serving from %s (%d artifacts; weights %s, experts %s, KV %s)", settings.bundle,
                     len(bundle.labels), bundle.facts.weights_dtype, bundle.facts.experts, bundle.facts.kv_dtype)
 
