@@ -123,6 +123,8 @@ ARCHITECTURES = {
 # uses it). Sharding over TP, as the target's: local_config (a rank's heads) and layout_problem (config, tp ->
 # why it cannot split, or None), both torch-free; piece (config, draft tensors, layout, piece name -> the
 # draft's tensors in that bundle piece), shard_layout, shard (a rank's draft), unshard (pieces -> the draft).
+# engine_folder (config, draft tensors, folder -> the draft as a model folder a host engine loads: the bundle's
+# draft/, whole).
 SPECULATIVE = {
     "eagle3": Entry("eagle3", {
         "config": "neffbuild.models.eagle3.config:Eagle3Config",
@@ -141,6 +143,7 @@ SPECULATIVE = {
         "shard_layout": "neffbuild.models.eagle3.sharding:shard_layout",
         "shard": "neffbuild.models.eagle3.sharding:shard",
         "unshard": "neffbuild.models.eagle3.sharding:unshard",
+        "engine_folder": "neffbuild.models.eagle3.weights:write_engine_folder",
     }),
 }
 

@@ -52,6 +52,36 @@ def test_every_mismatch_is_reported_at_once():
     assert [f.split(":")[0] for f in found] == ["--max-model-len", "--block-size"]
 
 
+DRAFT = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "intermediate_size": 256, "vocab_size": 512, "draft_vocab_size": 512}
+EAGLE3 = checks.Compiled(**{**BUNDLE.__dict__, "num_speculative_tokens": 3, "speculative_method": "eagle3",
+                            "draft_config": DRAFT, "aux_layers": (2, 2, 1)})
+SPECULATES = checks.Engine(**{**FITS.__dict__, "num_speculative_tokens": 3, "speculative_method": "eagle3",
+                              "draft_config": dict(DRAFT), "aux_layers": (2, 2, 1), "unpadded_drafts": True})
+
+
+def test_an_eagle3_bundle_serves_with_its_own_speculation_or_without_any():
+    assert checks.problems(EAGLE3, SPECULATES) == []
+    assert checks.problems(EAGLE3, FITS) == []  # no --speculative-config: its target_nospec graphs
+    assert checks.problems(EAGLE3, checks.Engine(**{**SPECULATES.__dict__, "aux_layers": ()})) == []  # defaults
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"num_speculative_tokens": 2}, "--speculative-config: vLLM has num_speculative_tokens 2, the bundle was "
+                                    "compiled for 3"),
+    ({"speculative_method": "eagle"}, "--speculative-config: vLLM has method 'eagle', the bundle was compiled for "
+                                      "'eagle3'"),
+    ({"draft_config": dict(DRAFT, head_dim=128)}, "--speculative-config: vLLM has a draft model with head_dim 128, "
+                                                  "the bundle was compiled for 64"),
+    ({"aux_layers": (1, 2, 3)}, "--speculative-config: vLLM has draft aux layer ids (eagle_aux_hidden_state_layer_ids,"
+                                " vLLM's numbering) [1, 2, 3], the bundle was compiled for [2, 2, 1]"),
+    ({"unpadded_drafts": False}, "--speculative-config: vLLM has disable_padded_drafter_batch False"),
+])
+def test_each_speculation_mismatch_names_the_flag_and_both_values(change, expected):
+    [line] = checks.problems(EAGLE3, checks.Engine(**{**SPECULATES.__dict__, **change}))
+    assert line.startswith(expected), line
+
+
 @pytest.mark.parametrize(("section", "message"), [
     ("artifacts/x", "--additional-config neffbuild: must be an object"),
     ({}, "--additional-config neffbuild.bundle: required"),

@@ -136,7 +136,7 @@ def serve_argv(model: Path | str, engine_args: dict, additional: dict | None, po
     argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(model)]
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
+        argv += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     if additional is not None:
         argv += ["--additional-config", json.dumps(additional)]
     if not engine_args.get("skip_tokenizer_init"):

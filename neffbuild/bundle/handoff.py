@@ -79,9 +79,29 @@ PLUGIN_KEY = "neffbuild"  # the plugin's section of vLLM's --additional-config (
 
 
 def kv_pool_bytes(facts) -> int:
-    """The bytes of the bundle's KV pool in vLLM's tensors (its target layers; rounded up to a MiB)."""
+    """The bytes of the bundle's KV pool in vLLM's tensors (its target layers; rounded up to a MiB). An EAGLE3
+    draft's layer adds none: vLLM's hybrid KV manager gives it a KV cache group of its own, whose blocks come from
+    the same pool and tensor (neffbuild/vllm/decode.py ``draft_buffer``)."""
     layout = facts.graph_inputs.kv_layout
     return -(-layout.target_bytes // 2**20) * 2**20
+
+
+# vLLM's drafter hands its model the rows each request verified (rejected drafts dropped) only in its unpadded
+# mode; the plugin's draft forward runs the bundle's draft graph on exactly those rows (docs/vllm.md).
+UNPADDED_DRAFTS = "disable_padded_drafter_batch"
+
+
+def plugin_speculative_config(root, facts) -> dict | None:
+    """vLLM's ``--speculative-config`` for an EAGLE3 bundle (None without drafts): the bundle's method and k, its
+    ``draft/`` folder as the draft model (written from the bundle's own draft tensors), the unpadded drafter."""
+    from pathlib import Path
+
+    from neffbuild.bundle import paths
+
+    if not facts.num_speculative_tokens:
+        return None
+    return {"method": facts.speculative_method, "model": str(Path(root).resolve() / paths.DRAFT_DIR),
+            "num_speculative_tokens": facts.num_speculative_tokens, UNPADDED_DRAFTS: True}
 
 
 def plugin_config(root, manifest: dict, recipe: dict) -> dict:
@@ -102,6 +122,9 @@ def plugin_config(root, manifest: dict, recipe: dict) -> dict:
             **engine_args(manifest)}
     if kv_cache_dtype != "auto":
         args["kv_cache_dtype"] = kv_cache_dtype
+    spec = plugin_speculative_config(root, facts)
+    if spec is not None:
+        args["speculative_config"] = spec
     # vLLM CPU sizes its KV memory from a fraction of the host (0.92 by default) and refuses to start on a host
     # where less than that is free; the bundle fixes the pool, so the memory it needs is known: its bytes.
     args["kv_cache_memory_bytes"] = kv_pool_bytes(facts)
@@ -109,9 +132,14 @@ def plugin_config(root, manifest: dict, recipe: dict) -> dict:
     extra = {PLUGIN_KEY: {"bundle": model}}
     warn = ["the bundle carries no tokenizer: prompts must be token ids (--skip-tokenizer-init); for text "
             "prompts replace it with --tokenizer and the model's tokenizer"]
-    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}" for k, v in args.items()]
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {_flag_value(v)}"
+             for k, v in args.items()]
     flags.append(f"--additional-config {shlex.quote(json.dumps(extra))}")
     env = {"PROMETHEUS_MULTIPROC_DIR": "$(mktemp -d)"}  # the engine core's counters on vLLM's /metrics
     line = " ".join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", shlex.quote(model), *flags])
     return {"command": line, "env": env, "engine_args": args, "additional_config": extra, "model": model,
             "warnings": warn}
+
+
+def _flag_value(value) -> str:
+    return shlex.quote(json.dumps(value, sort_keys=True)) if isinstance(value, dict) else str(value)

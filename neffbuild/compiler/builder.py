@@ -114,8 +114,12 @@ def _compile(recipe, out_dir, cache, bk, backend, progress, started, *, jobs, ti
         draft = None
         if recipe.speculative:  # the draft's tensors live beside the target's (draft_* names), in its dtype
             s = recipe.speculative
-            draft = registry.speculative(s.method).get("weights")(recipe.draft_config, s.draft_checkpoint,
-                                                                  s.draft_random_seed, recipe.model.weights_dtype)
+            method = registry.speculative(s.method)
+            draft = method.get("weights")(recipe.draft_config, s.draft_checkpoint, s.draft_random_seed,
+                                          recipe.model.weights_dtype)
+            method.get("engine_folder")(recipe.draft_config, draft, writer.path(paths.DRAFT_DIR),  # vLLM loads it
+                                        dtype=recipe.model.weights_dtype,
+                                        max_position_embeddings=recipe.model.config.max_position_embeddings)
         weights_entry, parallel = _write_weights(writer, recipe, weights, draft or {})
         del weights, draft
         # The smoke run needs the weights; a sharded graph is skipped (its collectives need live peers).

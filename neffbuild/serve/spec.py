@@ -31,14 +31,14 @@ from collections.abc import Callable
 import torch
 
 from neffbuild.models.eagle3.config import Eagle3Config
-from neffbuild.models.eagle3.draft import Eagle3Draft
-from neffbuild.models.eagle3.draft import prefill as draft_prefill
+from neffbuild.runtime.bundle.eager import draft_prefill_on
 from neffbuild.runtime.kv.blocks import FULL_GROUP, BlockManager
-from neffbuild.runtime.parallel import ParallelLayout, rank_tensor
+from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.runtime.step.dispatch import DRAFT, StepPlan, plan_draft
 from neffbuild.runtime.step.stepper import Stepper
 from neffbuild.serve.parts import Request, block_rows
 
+METHOD = "eagle3"
 # (draft plan, requests) -> proposed target ids [len(requests), k]: replaces the draft artifact (tests)
 DraftFn = Callable[[StepPlan, list], torch.Tensor]
 
@@ -50,11 +50,9 @@ class Eagle3Proposer:
                  parallel: ParallelLayout | None = None, rank: int = 0):
         self.stepper, self.dcfg, self.grid = stepper, dcfg, stepper.grid
         self.k = self.grid.num_speculative_tokens
-        self.eager_draft = Eagle3Draft(dcfg, weights, num_speculative_tokens=self.k,
-                                       packed_k=stepper.kv_layout.packed_k,
-                                       parallel=parallel).eval()  # the prompt's catch-up only
-        # a sharded rank's catch-up looks up its embedding rows like the graph (in step with its TP group)
-        self.rank = rank_tensor(rank) if parallel is not None and parallel.sharded else None
+        # the prompt's eager catch-up, the runtime's (the vLLM plugin's too); a sharded rank looks up its
+        # embedding rows like the graph (in step with its TP group)
+        self.catch_up = draft_prefill_on(METHOD, dcfg, weights, self.k, stepper.kv_layout.packed_k, parallel, rank)
         self.draft_fn = draft_fn
         self.plans: list[StepPlan] = []
 
@@ -64,8 +62,7 @@ class Eagle3Proposer:
 
     def on_prefill(self, req: Request, prompt: list[int], aux: torch.Tensor, full_row: torch.Tensor) -> None:
         """The draft's KV for prompt positions 0..N-2 (eager), and the first draft call's row."""
-        draft_prefill(self.eager_draft, torch.as_tensor(prompt[1:], dtype=torch.long), aux[:-1],
-                      self.stepper.draft_cache, full_row, self.rank)
+        self.catch_up(prompt[1:], aux[:-1], self.stepper.draft_cache, full_row)
         req.verified = ([req.next], aux[-1:], len(prompt) - 1)
 
     def after_step(self, req: Request, emitted: list[int], aux: torch.Tensor | None, first_pos: int) -> None:

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 ARCHITECTURE = "GptOssForCausalLM"
 MODEL_CLASS = "neffbuild.vllm.model:NeffbuildGptOssForCausalLM"
+# The EAGLE3 draft folder a bundle carries names this architecture (vLLM's Llama EAGLE3 head): with a bundle the
+# plugin's class runs the bundle's draft artifacts, without one it is vLLM's own (neffbuild/vllm/draft.py).
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+DRAFT_CLASS = "neffbuild.vllm.draft:NeffbuildEagle3ForCausalLM"
 
 
 def register() -> None:
@@ -27,6 +31,7 @@ def register() -> None:
     from neffbuild.vllm import startup
 
     ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    ModelRegistry.register_model(DRAFT_ARCHITECTURE, DRAFT_CLASS)
     startup.install(ARCHITECTURE)  # the bundle check when vLLM builds its configuration (neffbuild/vllm/startup.py)
     _check_the_section_for_every_model()
 

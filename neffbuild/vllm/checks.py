@@ -32,6 +32,10 @@ class Engine:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     num_speculative_tokens: int = 0
+    speculative_method: str | None = None
+    draft_config: dict = field(default_factory=dict)  # the draft model's config as vLLM loaded it (DRAFT_KEYS)
+    aux_layers: tuple[int, ...] = ()  # the target states vLLM's drafter reads, in vLLM's numbering
+    unpadded_drafts: bool = False  # speculative_config.disable_padded_drafter_batch
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,9 @@ class Compiled:
     tp: int = 1
     dp: int = 1
     num_speculative_tokens: int = 0
+    speculative_method: str | None = None
+    draft_config: dict = field(default_factory=dict)
+    aux_layers: tuple[int, ...] = ()  # in vLLM's numbering (the bundle's aux layer + 1: the stream entering it)
     extra: dict = field(default_factory=dict)
 
 
@@ -86,9 +93,7 @@ def problems(bundle: Compiled, engine: Engine, *, unresolved: tuple[str, ...] = 
     if engine.max_num_seqs > largest:
         out.append(_line("--max-num-seqs", "max_num_seqs", engine.max_num_seqs, largest,
                          f"the largest batch bucket; pass --max-num-seqs {largest} or fewer"))
-    if engine.num_speculative_tokens != bundle.num_speculative_tokens:
-        out.append(_line("--speculative-config", "num_speculative_tokens", engine.num_speculative_tokens,
-                         bundle.num_speculative_tokens, "the plugin serves bundles without speculation only"))
+    out += _speculation(bundle, engine)
     for flag, name, e, b in (("--tensor-parallel-size", "tensor_parallel_size", engine.tensor_parallel_size, bundle.tp),
                              ("--data-parallel-size", "data_parallel_size", engine.data_parallel_size, bundle.dp)):
         if e != b or b != 1:
@@ -96,6 +101,38 @@ def problems(bundle: Compiled, engine: Engine, *, unresolved: tuple[str, ...] = 
     if engine.pipeline_parallel_size != 1:
         out.append(_line("--pipeline-parallel-size", "pipeline_parallel_size", engine.pipeline_parallel_size, 1,
                          "the bundle's decode graph runs every layer"))
+    return out
+
+
+# The draft's dimensions the bundle's draft graph was compiled for, compared with the draft model vLLM loads.
+DRAFT_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "vocab_size", "draft_vocab_size")
+SPEC_FLAG = "--speculative-config"
+
+
+def _speculation(bundle: Compiled, engine: Engine) -> list[str]:
+    """EAGLE3: vLLM's speculation must be the bundle's (k, method, draft dims, aux layers, the unpadded drafter)."""
+    k, ek = bundle.num_speculative_tokens, engine.num_speculative_tokens
+    fix = "pass the --speculative-config `neffbuild inspect BUNDLE --vllm-config` prints"
+    if ek and ek != k:  # none: an EAGLE3 bundle serves without speculation too (its target_nospec graphs)
+        return [_line(SPEC_FLAG, "num_speculative_tokens", ek, k, fix if k else
+                      "the bundle has no draft graphs: remove --speculative-config")]
+    if not ek:
+        return []
+    if engine.speculative_method != bundle.speculative_method:
+        return [_line(SPEC_FLAG, "method", engine.speculative_method, bundle.speculative_method, fix)]
+    out = [_line(SPEC_FLAG, f"a draft model with {key}", engine.draft_config[key], bundle.draft_config[key],
+                 f"{fix}: its model is the bundle's draft/ folder")
+           for key in DRAFT_KEYS if key in engine.draft_config and key in bundle.draft_config
+           and engine.draft_config[key] != bundle.draft_config[key]]
+    if engine.aux_layers and tuple(engine.aux_layers) != tuple(bundle.aux_layers):
+        out.append(_line(SPEC_FLAG, "draft aux layer ids (eagle_aux_hidden_state_layer_ids, vLLM's numbering)",
+                         list(engine.aux_layers), list(bundle.aux_layers), f"{fix}: its model is the bundle's "
+                         "draft/ folder"))
+    if not engine.unpadded_drafts:
+        out.append(_line(SPEC_FLAG, "disable_padded_drafter_batch", False, True,
+                         "the plugin's draft graph runs the rows each request verified: pass "
+                         '"disable_padded_drafter_batch": true'))
     return out
 
 

@@ -1,5 +1,5 @@
-"""One vLLM forward -> the bundle: every one-token row through one artifact, every longer row (a prompt or a
-chunk of one) through the bundle's own eager prefill, on vLLM's KV tensors and tables.
+"""One vLLM forward -> the bundle: every short row through one artifact, every longer row (a prompt or a chunk
+of one) through the bundle's own eager prefill, on vLLM's KV tensors and tables.
 
 vLLM's model runner hands the model, per forward, the token ids and positions of the scheduled tokens and (in
 its forward context) each layer's attention metadata: ``query_start_loc``, ``seq_lens`` and the block table of
@@ -7,15 +7,20 @@ the layer's KV cache group (HMA: the sliding group's table for sliding layers, t
 layers). Request r's tokens are ``[starts[r], starts[r + 1])``, the first at position ``positions[starts[r]]``
 (its computed tokens).
 
-- **One-token rows** (every decode row, and a prompt's one-token last chunk, which is the same computation)
+- **Step rows** (one token; with vLLM speculating, up to 1 + k: a decode row's next token and its d <= k drafts)
   run together as one step of the runtime's Stepper: planned from their own computed counts (the seeds'
-  formula), the batch bucket from their count, vLLM's tables trimmed, the artifact writing K/V in place.
+  formula), the batch bucket from their count, vLLM's tables trimmed, the artifact writing K/V in place. With
+  drafts in the step that is the ``target_spec`` artifact (short rows padded, their padded writes masked), else
+  ``target_nospec`` (or ``decode`` for a bundle without drafts). A row with no room for k drafts before
+  ``max_model_len`` runs its tokens one step at a time through ``target_nospec`` (the seeds' rule), apart.
 - **Longer rows** run ``Bundle.prefill`` one at a time from their first position (the KV of the positions
   before it is already in the tensors), writing K/V through the request's rows of vLLM's tables.
 
-The logits of every request's last token (what vLLM's runner picks without drafts) wait here for
-``compute_logits``: the hidden states this returns carry each request's row id at its last token, and
-``take_logits`` maps vLLM's pick back. No vLLM layer computes anything, and nothing about a request is kept
+The logits vLLM's runner may sample (every position of a step row: the rejection sampler verifies each draft;
+the last position of a prefill row) wait here for ``compute_logits``: the hidden states this returns carry a row
+id at each of those tokens, and ``take_logits`` maps vLLM's pick back. With EAGLE3 the forward also returns the
+target's aux hidden states of every scheduled token (the artifacts' and the prefill's), which vLLM's drafter
+consumes (neffbuild/vllm/draft.py). No vLLM layer computes anything, and nothing about a request is kept
 between forwards.
 """
 
@@ -32,6 +37,23 @@ from neffbuild.runtime import FULL_GROUP, SLIDING_GROUP, StepBatch, Stepper
 from neffbuild.vllm.kv import bundle_view
 from neffbuild.vllm.metrics import PluginMetrics
 
+# The decoder serving each bundle in this process (vLLM's worker builds the target model first, then the drafter,
+# whose model finds the target's Stepper and KV here: neffbuild/vllm/draft.py).
+_SERVING: dict[str, BundleDecoder] = {}
+
+
+def serving(bundle: str) -> BundleDecoder:
+    """The target's decoder for ``bundle`` in this process (IncompatibleBundle when the target is not the plugin's)."""
+    found = _SERVING.get(bundle)
+    if found is None:
+        raise IncompatibleBundle(f"--speculative-config: the EAGLE3 draft of bundle {bundle} is served by the "
+                                 "neffbuild plugin only beside its target (serve the bundle folder itself)")
+    return found
+
+
+def register(bundle: str, decoder: BundleDecoder) -> None:
+    _SERVING[bundle] = decoder
+
 
 class BundleDecoder:
     """The plugin's per-forward dispatch; holds the bundle, the Stepper (built on vLLM's tensors) and counters."""
@@ -45,8 +67,16 @@ class BundleDecoder:
         self.sliding_name = sliding[0].layer_name if sliding else None
         self.metrics = PluginMetrics(bundle.grid.max_model_len)
         self.stepper: Stepper | None = None
+        self.draft_layer = None  # EAGLE3: the draft model's vLLM Attention (its KV tensor: the draft's buffer)
+        self.aux_layers: tuple[int, ...] = ()  # EAGLE3 with vLLM speculating: the forward returns their states
+        self.k = 0  # drafts per row vLLM schedules (0: vLLM does not speculate)
         self._buffers: list[torch.Tensor] | None = None
-        self._pending: torch.Tensor | None = None  # this forward's logits, one row per request [R, vocab]
+        self._pending: torch.Tensor | None = None  # this forward's logits, one row per id [P, vocab]
+
+    def speculate(self, num_speculative_tokens: int, draft_layer) -> None:
+        """vLLM speculates with the bundle's draft: step rows carry up to k drafts, the draft's KV is vLLM's tensor
+        for ``draft_layer`` (the forward returns aux states once vLLM asks: the model's set_aux_hidden_state_layers)."""
+        self.k, self.draft_layer = num_speculative_tokens, draft_layer
 
     # -- vLLM's KV tensors as the bundle's buffers (once: vLLM binds them after the model is built)
     def kv_buffers(self) -> list[torch.Tensor]:
@@ -65,74 +95,119 @@ class BundleDecoder:
             self._buffers = out
         return self._buffers
 
+    def draft_buffer(self) -> torch.Tensor | None:
+        """The draft's KV buffer: vLLM's tensor for the draft model's layer, in the bundle's layout.
+
+        vLLM's hybrid KV manager puts the draft's layer in a KV cache group of its own and lets every group share one
+        tensor (each group its own block ids from the one pool, as the sliding and full groups do): the draft's
+        buffer is then a view of the target's bytes, addressed by the draft group's block table only."""
+        if self.draft_layer is None:
+            return None
+        return bundle_view(_tensor(self.draft_layer.kv_cache), self.bundle.kv_layout.dtype)
+
     def _stepper(self) -> Stepper:
         if self.stepper is None:
-            self.stepper = Stepper(self.bundle, kv_caches=self.kv_buffers())
+            self.stepper = Stepper(self.bundle, kv_caches=self.kv_buffers(), draft_kv_cache=self.draft_buffer())
         return self.stepper
 
     # -- one forward
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states for vLLM's runner: zeros but each request's row id at its last token (``take_logits``)."""
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor):
+        """Hidden states for vLLM's runner: zeros but a row id at each token it may sample (``take_logits``);
+        with EAGLE3 ``(hidden, [aux])``, aux [T, 3H] the target's aux states of every scheduled token."""
         self._pending = None
         T = positions.shape[0]
         hidden = torch.zeros(T, self.hidden_size, dtype=torch.float32)
+        aux = torch.zeros(T, 3 * self.hidden_size, dtype=torch.float32) if self.aux_layers else None
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict) or self.full_name not in metadata or input_ids is None \
                 or not _bound(self.layers[0].kv_cache):
-            return hidden  # vLLM's profile and dummy runs: nothing to compute, nothing to write
+            return _out(hidden, aux)  # vLLM's profile and dummy runs: nothing to compute, nothing to write
         start = time.perf_counter()
         starts = metadata[self.full_name].query_start_loc.tolist()
         lengths = [b - a for a, b in itertools.pairwise(starts)]
-        ones = [r for r, n in enumerate(lengths) if n == 1]
-        longer = [r for r, n in enumerate(lengths) if n > 1]
-        self.metrics.forward("decode" if not longer else "mixed" if ones else "prefill")
-        logits: list[torch.Tensor | None] = [None] * len(lengths)
-        if ones:
-            for r, row in zip(ones, self._decode(metadata, input_ids, positions, ones, starts), strict=True):
-                logits[r] = row
+        steps = [r for r, n in enumerate(lengths) if 1 <= n <= 1 + self.k]
+        longer = [r for r, n in enumerate(lengths) if n > 1 + self.k]
+        self.metrics.forward("decode" if not longer else "mixed" if steps else "prefill")
+        logits: list[torch.Tensor | None] = [None] * len(lengths)  # per request: [n or 1, vocab]
+        if steps:
+            rows = self._step_rows(metadata, input_ids, positions, steps, starts, lengths)
+            for r, (row_logits, row_aux) in zip(steps, rows, strict=True):
+                logits[r] = row_logits
+                if aux is not None:
+                    aux[starts[r]:starts[r + 1]] = row_aux
         for r in longer:
-            logits[r] = self._prefill(metadata, input_ids, positions, r, starts)
-        live = [r for r, n in enumerate(lengths) if n > 0]
-        self._pending = torch.stack([logits[r] for r in live]).float() if live else None
-        for i, r in enumerate(live):
-            hidden[starts[r + 1] - 1, 0] = i  # row ids: compute_logits maps vLLM's picks back
+            logits[r] = self._prefill(metadata, input_ids, positions, r, starts, aux)
+        live = [r for r in range(len(lengths)) if logits[r] is not None]
+        self._pending = torch.cat([logits[r] for r in live]).float() if live else None
+        next_id = 0
+        for r in live:
+            n = logits[r].shape[0]  # ids at the request's last n tokens (every token of a step row)
+            hidden[starts[r + 1] - n:starts[r + 1], 0] = torch.arange(next_id, next_id + n, dtype=torch.float32)
+            next_id += n
         self.metrics.seconds("forward", time.perf_counter() - start)
-        return hidden
+        return _out(hidden, aux)
 
-    def _decode(self, metadata, input_ids, positions, rows: list[int], starts: list[int]) -> torch.Tensor:
-        """The artifact for requests ``rows`` (one token each, at token index ``starts[r]``): logits [len, vocab]."""
-        full = metadata[self.full_name]
-        at = torch.tensor([starts[r] for r in rows], dtype=torch.long)
+    def _step_rows(self, metadata, input_ids, positions, rows: list[int], starts: list[int], lengths: list[int]):
+        """Requests ``rows`` (1..1+k tokens each) through artifacts: per request (logits [n, V], aux [n, A])."""
+        computed = {r: int(positions[starts[r]]) for r in rows}
+        mml = self.bundle.grid.max_model_len
+        room = [r for r in rows if not self.k or computed[r] + 1 + self.k <= mml]
+        tight = [r for r in rows if r not in room]  # no room for k drafts: their tokens one step at a time
+        out: dict[int, tuple] = {}
+        if room:
+            tokens = [input_ids[starts[r]:starts[r + 1]].tolist() for r in room]
+            step = self._run(metadata, room, tokens, [computed[r] for r in room])
+            for i, r in enumerate(room):
+                n = lengths[r]
+                out[r] = (step.logits[i, :n], step.aux_hidden[i, :n] if step.aux_hidden is not None else None)
+        for t in range(max((lengths[r] for r in tight), default=0)):
+            now = [r for r in tight if lengths[r] > t]
+            step = self._run(metadata, now, [[int(input_ids[starts[r] + t])] for r in now],
+                             [computed[r] + t for r in now])
+            for i, r in enumerate(now):
+                parts = out.setdefault(r, ([], []))
+                parts[0].append(step.logits[i, :1])
+                parts[1].append(step.aux_hidden[i, :1] if step.aux_hidden is not None else None)
+        for r in tight:
+            lg, ax = out[r]
+            out[r] = (torch.cat(lg), torch.cat(ax) if ax[0] is not None else None)
+        return [out[r] for r in rows]
+
+    def _run(self, metadata, rows: list[int], tokens: list[list[int]], computed: list[int]):
+        """One Stepper step for requests ``rows`` of vLLM's batch: ``tokens`` from position ``computed`` each."""
         index = torch.tensor(rows, dtype=torch.long)
-        computed = positions.index_select(0, at).long()
-        live = computed // self.block_size + 1  # [R] each row's own blocks (columns [0, live))
-        width = int(computed.max()) // self.block_size + 1
+        last = torch.tensor([c + len(t) - 1 for c, t in zip(computed, tokens, strict=True)], dtype=torch.long)
+        live = last // self.block_size + 1  # [R] each row's own blocks (columns [0, live))
+        width = int(live.max())
         beyond = torch.arange(width) >= live[:, None]  # [R, width]: the columns past each row's blocks
-        tables = {FULL_GROUP: _table(full.block_table, index, width, beyond)}
+        tables = {FULL_GROUP: trimmed_table(metadata[self.full_name].block_table, index, width, beyond)}
         if self.sliding_name is not None:
-            tables[SLIDING_GROUP] = _table(metadata[self.sliding_name].block_table, index, width, beyond)
-        batch = StepBatch(tokens=[[t] for t in input_ids.index_select(0, at).tolist()],
-                          num_computed=computed.tolist(), block_tables=tables)
+            tables[SLIDING_GROUP] = trimmed_table(metadata[self.sliding_name].block_table, index, width, beyond)
+        batch = StepBatch(tokens=tokens, num_computed=computed, block_tables=tables)
         stepper = self._stepper()
         ran = time.perf_counter()
         out = stepper.run(stepper.plan(batch), batch)
         self.metrics.seconds("run", time.perf_counter() - ran)  # Stepper.run: inputs + the artifact
-        self.metrics.artifact(out.plan.label, out.plan.needed_seq)
+        self.metrics.artifact(out.plan.label, out.plan.needed_seq, out.plan.family)
         self.metrics.decode_rows("artifact", len(rows))
-        return out.logits[:, 0]  # [R, vocab]
+        return out
 
-    def _prefill(self, metadata, input_ids, positions, r: int, starts: list[int]) -> torch.Tensor:
-        """Request ``r``'s prompt tokens (or a chunk of them) through the bundle's eager prefill: [vocab]."""
+    def _prefill(self, metadata, input_ids, positions, r: int, starts: list[int], aux) -> torch.Tensor:
+        """Request ``r``'s prompt tokens (or a chunk of them) through the bundle's eager prefill: [1, vocab]; with
+        EAGLE3 their aux states into ``aux``."""
         a, b = starts[r], starts[r + 1]
         first = int(positions[a])
         rows = {FULL_GROUP: metadata[self.full_name].block_table[r].long()}
         if self.sliding_name is not None:
             rows[SLIDING_GROUP] = metadata[self.sliding_name].block_table[r].long()
         ran = time.perf_counter()
-        out = self.bundle.prefill(input_ids[a:b], self.kv_buffers(), rows, start=first, logits="last")
+        out = self.bundle.prefill(input_ids[a:b], self.kv_buffers(), rows, start=first, logits="last",
+                                  aux_layers=self.aux_layers)
+        if aux is not None:
+            out, aux[a:b] = out
         self.metrics.seconds("prefill", time.perf_counter() - ran)
         self.metrics.prefill_tokens(b - a)
-        return out[0]
+        return out[-1:]
 
     def take_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """This forward's logits for the rows vLLM's runner picked (``hidden_states[:, 0]``: the row ids), once."""
@@ -142,7 +217,12 @@ class BundleDecoder:
         return pending.index_select(0, hidden_states[:, 0].long())
 
 
-def _table(table: torch.Tensor, rows: torch.Tensor, width: int, beyond: torch.Tensor) -> torch.Tensor:
+def _out(hidden: torch.Tensor, aux: torch.Tensor | None):
+    """What vLLM's runner takes: the hidden states, and with EAGLE3 the aux states as its list of one tensor."""
+    return hidden if aux is None else (hidden, [aux])
+
+
+def trimmed_table(table: torch.Tensor, rows: torch.Tensor, width: int, beyond: torch.Tensor) -> torch.Tensor:
     """vLLM's rows cut to the columns this step can touch, columns past each row's live blocks nulled.
 
     vLLM's persistent block table keeps ids of earlier requests past a row's own blocks; the artifact reads

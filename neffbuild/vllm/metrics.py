@@ -5,7 +5,8 @@ vLLM's ``/metrics`` shows them when every vLLM process records into one multipro
 API server then collects every process's files, the engine core's included). The runtime's Stepper adds its
 own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, batch rows, padding).
 
-  neffbuild_vllm_artifact_steps_total{label}    decode forwards run by each artifact (batch x context bucket)
+  neffbuild_vllm_artifact_steps_total{label}    artifact steps by label (batch x context bucket; with EAGLE3 the
+                                                target_spec ``_s{1+k}``, target_nospec ``_s1`` and ``draft_`` ones)
   neffbuild_vllm_forwards_total{kind}           model forwards: decode (all requests in decode) | prefill | mixed
                                                 (prefill chunks beside one-token rows, which ran an artifact)
   neffbuild_vllm_decode_rows_total{path}        decode rows by path: artifact (every one-token row, in every forward)
@@ -24,6 +25,7 @@ from neffbuild.runtime import NeededSeqHistogram
 class PluginMetrics:
     def __init__(self, max_model_len: int):
         self.steps: Counter[str] = Counter()
+        self.families: Counter[str] = Counter()  # the same steps by family (decode | target_spec | ... | draft)
         self.forwards: Counter[str] = Counter()
         self.rows: Counter[str] = Counter()
         self.needed: Counter[int] = Counter()
@@ -64,18 +66,23 @@ class PluginMetrics:
         """Prompt tokens the bundle's eager prefill ran (prompts and chunks of them)."""
         self.prefilled += n
 
-    def artifact(self, label: str, needed_seq: int) -> None:
+    def artifact(self, label: str, needed_seq: int | None, family: str) -> None:
+        """One artifact step; ``needed_seq`` None for a draft step (the histogram is the target's decode steps)."""
         self.steps[label] += 1
-        self.needed[needed_seq] += 1
+        self.families[family] += 1
+        if needed_seq is not None:
+            self.needed[needed_seq] += 1
         if self._prom is not None:
             self._child(0, label).inc()
-            self._prom[3].observe(needed_seq)
+            if needed_seq is not None:
+                self._prom[3].observe(needed_seq)
 
     def seconds(self, what: str, s: float) -> None:
         self.time[what] += s
 
     def snapshot(self) -> dict:
-        return {"steps": dict(self.steps), "forwards": dict(self.forwards), "rows": dict(self.rows),
+        return {"steps": dict(self.steps), "families": dict(self.families), "forwards": dict(self.forwards),
+                "rows": dict(self.rows),
                 "prefill_tokens": self.prefilled,
                 "needed_seq": {str(k): v for k, v in sorted(self.needed.items())},
                 "seconds": dict(self.time)}

@@ -31,9 +31,10 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from vllm.v1.attention.backend import AttentionType
 
+from neffbuild.errors import IncompatibleBundle
 from neffbuild.vllm import startup
 from neffbuild.vllm.config import from_additional_config
-from neffbuild.vllm.decode import BundleDecoder
+from neffbuild.vllm.decode import BundleDecoder, register
 
 logger = init_logger(__name__)
 
@@ -50,6 +51,9 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
         self.vllm_config, self.config = vllm_config, vllm_config.model_config.hf_config
         self.attention = nn.ModuleList(_attention_layers(bundle.facts, vllm_config, prefix))
         self.neffbuild = BundleDecoder(bundle, list(self.attention), bundle.facts.hidden_size)
+        register(settings.bundle, self.neffbuild)  # the EAGLE3 draft model finds it (neffbuild/vllm/draft.py)
+        if vllm_config.speculative_config is not None:  # vLLM's drafter looks for the target's embedding to share
+            self.model = _NoEmbedding()
         logger.info("neffbuild: serving from %s (%d artifacts; weights %s, experts %s, KV %s)", settings.bundle,
                     len(bundle.labels), bundle.facts.weights_dtype, bundle.facts.experts, bundle.facts.kv_dtype)
 
@@ -62,6 +66,22 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
         if self.neffbuild is not None:
             return self.neffbuild.take_logits(hidden_states)
         return super().compute_logits(hidden_states)
+
+    # -- EAGLE3 (vLLM's SupportsEagle3): the aux states the forward returns are the bundle's aux layers
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        if self.neffbuild is not None:
+            return startup.vllm_aux_layers(self.neffbuild.bundle.facts)
+        return super().get_eagle3_default_aux_hidden_state_layers()
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        if self.neffbuild is None:
+            return super().set_aux_hidden_state_layers(layers)
+        compiled = startup.vllm_aux_layers(self.neffbuild.bundle.facts)
+        if tuple(layers) != compiled:
+            raise IncompatibleBundle(
+                f"--speculative-config: vLLM's EAGLE3 drafter reads aux layer ids {list(layers)}, the bundle's "
+                f"target graphs return {list(compiled)} (vLLM's numbering); serve the bundle's draft/ folder")
+        self.neffbuild.aux_layers = self.neffbuild.bundle.facts.aux_layers
 
     def load_weights(self, weights):
         if self.neffbuild is not None:
@@ -79,6 +99,15 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
                                  else layer.kv_cache[0].data_ptr() for layer in dec.layers],
                 "stepper_kv_ptrs": [b.data_ptr() for b in stepper.kv_caches] if stepper is not None else [],
                 "kv_shapes": [list(b.shape) for b in stepper.kv_caches] if stepper is not None else []}
+
+
+class _NoEmbedding(nn.Module):
+    """What vLLM's drafter finds as the target's embedding: no weight, so the draft keeps its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Module()
+        self.embedding.weight = None
 
 
 def _attention_layers(facts, vllm_config, prefix: str) -> list[Attention]:

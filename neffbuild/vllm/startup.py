@@ -70,7 +70,27 @@ def engine_view(vllm_config) -> checks.Engine:
         max_num_seqs=sc.max_num_seqs, kv_cache_dtype=str(cc.cache_dtype),
         tensor_parallel_size=pc.tensor_parallel_size, pipeline_parallel_size=pc.pipeline_parallel_size,
         data_parallel_size=pc.data_parallel_size,
-        num_speculative_tokens=(spec.num_speculative_tokens or 0) if spec is not None else 0)
+        **_speculation(spec))
+
+
+def _speculation(spec) -> dict:
+    """vLLM's speculative settings as ``checks.Engine`` fields (none without ``--speculative-config``)."""
+    if spec is None:
+        return {}
+    draft = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+    dims = {key: getattr(draft, key) for key in checks.DRAFT_KEYS if getattr(draft, key, None) is not None}
+    return {"num_speculative_tokens": spec.num_speculative_tokens or 0, "speculative_method": spec.method,
+            "draft_config": dims, "aux_layers": tuple(draft_aux_layers(draft) or ()),
+            "unpadded_drafts": bool(getattr(spec, "disable_padded_drafter_batch", False))}
+
+
+def draft_aux_layers(draft_hf_config) -> list[int] | None:
+    """The target states vLLM's EAGLE3 drafter reads, as its model runner finds them in the draft's config."""
+    ids = getattr(draft_hf_config, "eagle_aux_hidden_state_layer_ids", None)
+    eagle = getattr(draft_hf_config, "eagle_config", None)
+    if not ids and isinstance(eagle, dict):
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else None
 
 
 def compiled_view(bundle) -> checks.Compiled:
@@ -80,7 +100,15 @@ def compiled_view(bundle) -> checks.Compiled:
         model_config=facts.config.to_hf_dict(), max_model_len=grid.max_model_len, block_size=kv.block_size,
         num_blocks=kv.num_blocks, num_seqs_buckets=tuple(grid.num_seqs_buckets), dtype=dtype,
         kv_cache_dtype=kv_cache_dtype, tp=facts.parallel.tp, dp=facts.parallel.dp,
-        num_speculative_tokens=facts.num_speculative_tokens)
+        num_speculative_tokens=facts.num_speculative_tokens, speculative_method=facts.speculative_method,
+        draft_config=facts.draft_config.to_hf_dict() if facts.draft_config is not None else {},
+        aux_layers=vllm_aux_layers(facts))
+
+
+def vllm_aux_layers(facts) -> tuple[int, ...]:
+    """The bundle's aux layers in vLLM's numbering: vLLM's id i is the residual stream entering layer i (0: the
+    embeddings), the bundle's the layer whose output it is; the same states are one apart."""
+    return tuple(i + 1 for i in facts.aux_layers)
 
 
 def install(architecture: str) -> None:

@@ -90,8 +90,13 @@ class Eagle3Draft(nn.Module):
         self.embed_name = DRAFT_EMBED if DRAFT_EMBED in weights else "embed"
         for name in DRAFT_NAMES + (self.embed_name,):
             self.register_buffer(name, weights[name], persistent=True)
-        inv_freq, self.rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)
-        self.register_buffer("draft_inv_freq", inv_freq, persistent=False)
+        self.rope_scale = yarn_inv_freq(cfg.head_dim, cfg.rope)[1]
+
+    @property
+    def draft_inv_freq(self) -> torch.Tensor:
+        """Computed in the forward, as the target's graph does: a buffer would be a graph constant the bundle's
+        weights do not hold (the artifact then refuses to load)."""
+        return yarn_inv_freq(self.cfg.head_dim, self.cfg.rope)[0]
 
     def weights(self) -> dict[str, torch.Tensor]:
         w = {name: getattr(self, name) for name in DRAFT_NAMES}

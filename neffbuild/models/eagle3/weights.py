@@ -121,6 +121,8 @@ def to_bundle(cfg: Eagle3Config, sd: dict[str, torch.Tensor], source: str = "dra
                                f"lm_head, d2t, t2d)")
         return sd[name]
 
+    if "d2t" not in sd and cfg.draft_vocab_size == cfg.vocab_size:  # the whole vocabulary: identity (vLLM's form)
+        sd = dict(sd, d2t=torch.zeros(cfg.vocab_size, dtype=torch.long))
     out = {name: get(key) for name, key in CHECKPOINT_KEYS.items()}
     out["draft_qkv_w"] = torch.cat([get(k) for k in QKV_KEYS])
     for name, shape in shapes(cfg).items():
@@ -143,6 +145,43 @@ def _check_vocab_map(cfg: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor | N
             raise InvalidInput(f"{source}: t2d has shape {list(t2d.shape)}, expected [{cfg.vocab_size}]")
         if not bool(t2d.bool()[target_ids].all()) or int(t2d.bool().sum()) != cfg.draft_vocab_size:
             raise InvalidInput(f"{source}: t2d and d2t disagree about which target ids are in the draft vocabulary")
+
+
+def to_checkpoint(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The bundle's ``draft_*`` tensors back in the common layout (``to_bundle``'s inverse), floats in ``dtype``."""
+    q, k = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sd = {key: tensors[name].to(dtype) for name, key in CHECKPOINT_KEYS.items() if name != "draft_d2t"}
+    sd.update(zip(QKV_KEYS, (t.to(dtype).contiguous() for t in tensors["draft_qkv_w"].split([q, k, k])), strict=True))
+    d2t = tensors["draft_d2t"].long()
+    sd["d2t"] = d2t
+    sd[T2D] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, torch.arange(cfg.draft_vocab_size) + d2t,
+                                                                       True)
+    if DRAFT_EMBED in tensors:
+        sd[EMBED] = tensors[DRAFT_EMBED].to(dtype)
+    return sd
+
+
+def write_engine_folder(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], folder: str | Path, *, dtype: str,
+                        max_position_embeddings: int) -> Path:
+    """The draft as a model folder a host engine loads (vLLM's EAGLE3 loader: ``--speculative-config``'s
+    ``model``), written from the bundle's own draft tensors, so a random draft or a converted one needs no second
+    download: ``model.safetensors`` in the common layout (without ``d2t``/``t2d`` when the draft's vocabulary is
+    the target's: vLLM refuses a map it does not need) and a Llama ``config.json``.
+
+    vLLM numbers an aux layer by the residual stream *entering* it (id 0: the embeddings), neffbuild by the layer
+    whose output it is: the folder's ``eagle_aux_hidden_state_layer_ids`` are neffbuild's + 1, the same states."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = to_checkpoint(cfg, tensors, getattr(torch, dtype))
+    if cfg.draft_vocab_size == cfg.vocab_size:  # no vocabulary map: vLLM refuses one its draft does not need
+        sd = {k: v for k, v in sd.items() if k not in ("d2t", T2D)}
+    save_file({k: v.contiguous() for k, v in sorted(sd.items())}, str(folder / "model.safetensors"))
+    hf = dict(cfg.to_hf_dict(), model_type="llama", torch_dtype=dtype, tie_word_embeddings=False,
+              max_position_embeddings=max_position_embeddings,
+              eagle_config={"eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
+                            "use_aux_hidden_state": True})
+    (folder / "config.json").write_text(json.dumps(hf, indent=1, sort_keys=True) + "\n")
+    return folder
 
 
 def draft_weights(cfg: Eagle3Config, checkpoint: Path | None, random_seed: int | None,

@@ -21,6 +21,9 @@ RECIPE_PATH = "recipe.yaml"
 # The model's Hugging Face config (the architecture's keys, architectures, model_type, dtype): a host engine
 # that starts from a model folder (vLLM) starts from the bundle folder; listed and checksummed like every file.
 HF_CONFIG_PATH = "config.json"
+# EAGLE3 bundles: the draft as a model folder (config.json + model.safetensors, from the bundle's own draft tensors)
+# that a host engine's draft loader reads (vLLM's --speculative-config model); listed and checksummed like every file.
+DRAFT_DIR = "draft"
 WEIGHTS_DIR = "weights"
 WEIGHTS_PATH = "weights/model.safetensors"
 ARTIFACTS_DIR = "artifacts"

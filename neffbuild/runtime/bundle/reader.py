@@ -245,7 +245,7 @@ class Bundle:
         self.facts = bundle_facts.facts_of(manifest, rank.rank if rank is not None else 0)
         self._loaded: dict[str, object] = {}
         self._lock = threading.Lock()
-        self._prefill = None
+        self._prefill = self._draft_prefill = None
 
     @property
     def vocab_size(self) -> int:
@@ -267,6 +267,16 @@ class Bundle:
             self._prefill = eager.prefill_on(self.facts.config, self.weights, self.facts.fp8_packed_kv,
                                              self.facts.parallel, self.facts.rank)
         return self._prefill(prompt, kv_caches, rows, start=start, logits=logits, aux_layers=aux_layers)
+
+    def draft_prefill(self, tokens, aux, draft_kv_cache, block_row) -> None:
+        """EAGLE3: the draft's KV over prompt positions 0..n-1 (``tokens``: the token at each position + 1, ``aux``:
+        the target's aux states there), eager, on the bundle's draft weights (runtime/bundle/eager.py)."""
+        if self._draft_prefill is None:
+            f = self.facts
+            self._draft_prefill = eager.draft_prefill_on(f.speculative_method, f.draft_config, self.weights,
+                                                         f.num_speculative_tokens, f.fp8_packed_kv, f.parallel,
+                                                         f.rank)
+        self._draft_prefill(tokens, aux, draft_kv_cache, block_row)
 
     @property
     def labels(self) -> list[str]:

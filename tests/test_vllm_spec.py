@@ -1,0 +1,169 @@
+"""EAGLE3 inside vLLM: vLLM's drafter, rejection sampler and scheduler over the bundle's three families.
+
+One EAGLE3 bundle (k = 3, one context bucket, 128, crossed during the run), vLLM started with exactly the settings
+``neffbuild inspect --vllm-config --json`` prints (its ``--speculative-config``: the bundle's ``draft/`` folder).
+Six concurrent greedy requests of different lengths give the tokens of vLLM on the same bundle without
+speculation and of ``neffbuild generate --spec``; then a request that ends at ``max_model_len`` finishes through
+``target_nospec``. A k other than the bundle's stops vLLM's start-up naming the flag.
+
+The model is made so that drafts are sometimes right (a random draft over a random target accepts nothing, which
+would leave acceptance untested): the target's layers are damped and its LM head is its embedding with every
+token paired to its neighbour (id ^ 1), so greedy output alternates between a pair for a while and then leaves it;
+the draft copies the token two back (its fused state is the target's layer-0 output, its LM head the embedding).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import build_bundle, cli
+from tests.vllm_helpers import (
+    HF_CONFIG,
+    MAX_MODEL_LEN,
+    SKIP_REASON,
+    have_vllm,
+    python_json,
+    run_vllm_script,
+    write_recipe,
+)
+
+pytestmark = [pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON), pytest.mark.slow]
+
+SCRIPT = Path(__file__).parent / "vllm_scripts" / "spec_generate.py"
+K, DAMPING = 3, 0.15
+
+
+def save_alternating_checkpoint(folder: Path) -> Path:
+    """The vLLM tests' GPT-OSS with damped layers and an LM head that maps each token to its pair (id ^ 1)."""
+    import torch
+    import transformers
+
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+    from neffbuild.models.gpt_oss.weights import random_state_dict
+
+    cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
+    sd = random_state_dict(cfg, seed=0)
+    for name in sd:
+        if name.endswith(("o_proj.weight", "o_proj.bias", "down_proj", "down_proj_bias")):
+            sd[name] = sd[name] * DAMPING
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"][torch.arange(cfg.vocab_size) ^ 1].clone()
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg.to_hf_dict()))
+    model.load_state_dict(sd, strict=True)
+    model.save_pretrained(folder)
+    return folder
+
+
+def save_copying_draft(folder: Path, checkpoint: Path) -> Path:
+    """An EAGLE3 draft (common layout) that proposes the token two back: fc keeps the layer-0 aux state, the
+    layer adds nothing, the LM head is the target's embedding."""
+    import torch
+    from safetensors.torch import load_file
+
+    from neffbuild.models.eagle3 import weights as dw
+    from neffbuild.models.eagle3.config import Eagle3Config
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+
+    cfg = Eagle3Config.from_hf_dict({}, GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=[
+        "sliding_attention", "full_attention"])))
+    sd = dw.random_state_dict(cfg, seed=1)
+    H = cfg.hidden_size
+    sd["fc.weight"] = torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1)  # aux (1, 1, 0): layer 0's output
+    for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        sd[name] = torch.zeros_like(sd[name])
+    sd["norm.weight"] = torch.ones(H)
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    sd["lm_head.weight"] = next(t for n, t in tensors.items() if n.endswith("embed_tokens.weight")).clone()
+    return dw.save_checkpoint(sd, folder, cfg)
+
+
+def _requests() -> tuple[list[dict], list[dict]]:
+    rng = random.Random(5)
+    lengths, new = (100, 20, 110, 60, 95, 9), (40, 25, 30, 12, 20, 33)  # 110 + 1 + 3 < 128 < 110 + 30
+    six = [{"prompt": [rng.randrange(512) for _ in range(n)], "max_tokens": m}
+           for n, m in zip(lengths, new, strict=True)]
+    long = [{"prompt": [rng.randrange(512) for _ in range(MAX_MODEL_LEN - 12)], "max_tokens": 12}]
+    return six, long
+
+
+@pytest.fixture(scope="module")
+def vllm_spec(tmp_path_factory, build_cache, compile_pool):
+    folder = tmp_path_factory.mktemp("vllm-spec")
+    checkpoint = save_alternating_checkpoint(folder / "ckpt")
+    recipe = write_recipe(folder, checkpoint, name="gpt-oss-vllm-eagle3", num_seqs_buckets=(8,))
+    raw = yaml.safe_load(recipe.read_text())
+    raw["speculative"] = {"method": "eagle3", "num_speculative_tokens": K,
+                          "draft": {"checkpoint": str(save_copying_draft(folder / "draft", checkpoint))}}
+    recipe.write_text(yaml.safe_dump(raw))
+    bundle = build_bundle(folder, build_cache, recipe, executor=compile_pool).bundle
+    settings = folder / "settings.json"
+    settings.write_text(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
+    six, long = _requests()
+    files = []
+    for name, reqs in (("six", six), ("long", long)):
+        (folder / f"{name}.json").write_text(json.dumps(reqs))
+        files.append(str(folder / f"{name}.json"))
+    with open(folder / "six.jsonl", "w") as f:
+        for i, r in enumerate(six):
+            f.write(json.dumps({"id": str(i), "prompt_ids": r["prompt"], "max_new_tokens": r["max_tokens"]}) + "\n")
+    runs = {}
+    for name, extra in (("spec", []), ("plain", ["--no-spec"])):
+        out = run_vllm_script(SCRIPT, ["--settings", str(settings), "--requests", *files, *extra],
+                              VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[name] = python_json(out.stdout)
+    generated = json.loads(cli("generate", str(bundle), "--spec", "--requests", str(folder / "six.jsonl"),
+                               "--json").stdout)
+    refused = run_vllm_script(SCRIPT, ["--settings", str(settings), "--requests", files[0],
+                                       "--num-speculative-tokens", str(K - 1)])
+    yield {"settings": json.loads(settings.read_text()), "bundle": bundle, "runs": runs, "generated": generated,
+           "refused": refused}
+
+
+def test_inspect_prints_the_speculative_config_with_the_bundles_draft_folder(vllm_spec):
+    spec = vllm_spec["settings"]["engine_args"]["speculative_config"]
+    assert spec == {"method": "eagle3", "num_speculative_tokens": K, "disable_padded_drafter_batch": True,
+                    "model": str(Path(vllm_spec["bundle"]).resolve() / "draft")}
+    draft = json.loads((Path(spec["model"]) / "config.json").read_text())
+    assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["model_type"] == "llama"
+    assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]  # vLLM's numbering: (1, 1, 0) + 1
+    assert (Path(spec["model"]) / "model.safetensors").is_file()
+
+
+def test_speculation_gives_the_tokens_of_the_same_bundle_without_it_and_of_neffbuild_generate(vllm_spec):
+    spec, plain = vllm_spec["runs"]["spec"]["runs"], vllm_spec["runs"]["plain"]["runs"]
+    generated = [r["tokens"] for r in sorted(vllm_spec["generated"]["requests"], key=lambda r: int(r["id"]))]
+    six, _ = _requests()
+    assert [len(t) for t in spec[0]["tokens"]] == [r["max_tokens"] for r in six]
+    assert spec[0]["tokens"] == plain[0]["tokens"] == generated
+    assert spec[1]["tokens"] == plain[1]["tokens"]  # the request that ends at max_model_len
+
+
+def test_draft_and_target_spec_steps_run_and_drafts_are_accepted(vllm_spec):
+    report, counters = vllm_spec["runs"]["spec"]["report"], vllm_spec["runs"]["spec"]["runs"][0]["spec"]
+    families = report["families"]
+    assert families["draft"] > 0 and families["target_spec"] > 0
+    labels = set(report["steps"])
+    assert {"draft_b8_ctx128", "draft_b8_ctx512", "decode_b8_s4_ctx128", "decode_b8_s4_ctx512"} <= labels
+    assert 0 < counters["num_accepted_tokens"] < counters["num_draft_tokens"]  # some drafts right, some not
+    # the same drafts as neffbuild's own engine on the six requests: the same accepted count
+    assert counters["num_accepted_tokens"] == sum(s["accepted"] for s in vllm_spec["generated"]["steps"])
+    plain = vllm_spec["runs"]["plain"]["report"]["families"]
+    assert set(plain) == {"target_nospec"}  # the same bundle without speculation: its target_nospec graphs
+
+
+def test_a_request_ending_at_max_model_len_finishes_through_target_nospec(vllm_spec):
+    before = vllm_spec["runs"]["spec"]["runs"]
+    assert len(before[1]["tokens"][0]) == 12
+    assert vllm_spec["runs"]["spec"]["report"]["families"].get("target_nospec", 0) > 0
+
+
+def test_another_num_speculative_tokens_fails_start_up_naming_the_flag(vllm_spec):
+    refused = vllm_spec["refused"]
+    assert refused.returncode != 0
+    assert f"--speculative-config: vLLM has num_speculative_tokens {K - 1}, the bundle was compiled for {K}" \
+        in refused.stderr, refused.stderr[-3000:]

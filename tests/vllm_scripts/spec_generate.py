@@ -1,0 +1,62 @@
+"""Run in the vLLM venv (tests/vllm_helpers.py): greedy generation through ``vllm.LLM`` started with exactly the
+settings ``neffbuild inspect BUNDLE --vllm-config --json`` prints (EAGLE3: its ``--speculative-config``).
+
+    python spec_generate.py --settings S.json --requests R.json [R2.json ...] [--no-spec] [--num-speculative-tokens K]
+    R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
+
+Prints one JSON line: per request file (each submitted at once, one file after the other on the same engine)
+every request's tokens and vLLM's speculative-decoding counters after it (drafts, accepted drafts: cumulative),
+then the plugin's report. ``--no-spec`` leaves ``speculative_config`` out (the same
+bundle without speculation); ``--num-speculative-tokens`` changes its k (a start-up refusal, on stderr).
+"""
+
+import argparse
+import json
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens) from its metrics."""
+    out = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if metric.name.startswith("vllm:spec_decode_") and hasattr(metric, "value"):
+            out[name] = out.get(name, 0) + metric.value
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--settings", required=True)
+    p.add_argument("--requests", required=True, nargs="+")
+    p.add_argument("--no-spec", action="store_true")
+    p.add_argument("--num-speculative-tokens", type=int)
+    a = p.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(a.settings) as f:
+        settings = json.load(f)
+    kw = dict(settings["engine_args"], model=settings["model"], additional_config=settings["additional_config"],
+              seed=0, disable_log_stats=False)
+    if a.no_spec:
+        kw.pop("speculative_config", None)
+    elif a.num_speculative_tokens is not None:
+        kw["speculative_config"] = dict(kw["speculative_config"], num_speculative_tokens=a.num_speculative_tokens)
+    llm = LLM(**kw)
+    runs = []
+    for path in a.requests:
+        with open(path) as f:
+            reqs = json.load(f)
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
+        params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+                  for r in reqs]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": spec_counters(llm)})
+    from neffbuild.vllm.model import worker_report
+
+    doc = {"runs": runs, "report": worker_report(llm)}
+    print(json.dumps(doc), flush=True)
+
+
+if __name__ == "__main__":
+    main()
