@@ -73,8 +73,8 @@ def test_an_eagle3_bundle_serves_with_its_own_speculation_or_without_any():
                                       "'eagle3'"),
     ({"draft_config": dict(DRAFT, head_dim=128)}, "--speculative-config: vLLM has a draft model with head_dim 128, "
                                                   "the bundle was compiled for 64"),
-    ({"aux_layers": (1, 2, 3)}, "--speculative-config: vLLM has draft aux layer ids (eagle_aux_hidden_state_layer_ids,"
-                                " vLLM's numbering) [1, 2, 3], the bundle was compiled for [2, 2, 1]"),
+    ({"aux_layers": (1, 2, 3)}, "--speculative-config: vLLM has draft aux layer ids (eagle_aux_hidden_state_layer_ids)"
+                                " [1, 2, 3], the bundle was compiled for [2, 2, 1]"),
     ({"unpadded_drafts": False}, "--speculative-config: vLLM has disable_padded_drafter_batch False"),
 ])
 def test_each_speculation_mismatch_names_the_flag_and_both_values(change, expected):

@@ -130,7 +130,7 @@ def test_inspect_prints_the_speculative_config_with_the_bundles_draft_folder(vll
                     "model": str(Path(vllm_spec["bundle"]).resolve() / "draft")}
     draft = json.loads((Path(spec["model"]) / "config.json").read_text())
     assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["model_type"] == "llama"
-    assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]  # vLLM's numbering: (1, 1, 0) + 1
+    assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # the bundle's own: one numbering
     assert (Path(spec["model"]) / "model.safetensors").is_file()
 
 

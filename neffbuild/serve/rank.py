@@ -71,10 +71,12 @@ class ServingRank:
         return self.graph_inputs.draft(self.config) if self.graph_inputs is not None else None
 
 
-def eager_artifacts(cfg, weights: dict, grid: Grid, layout: KVLayout, num_swa: int) -> EagerArtifacts:
-    """The eager graph on ``weights`` for every label (with aux outputs when the grid has EAGLE3 families)."""
+def eager_artifacts(cfg, weights: dict, grid: Grid, layout: KVLayout, num_swa: int,
+                    aux_layers: tuple[int, ...] = ()) -> EagerArtifacts:
+    """The eager graph on ``weights`` for every label (with aux outputs when the grid has EAGLE3 families: the
+    draft's ``aux_layers``, the architecture's default ids when none are given)."""
     arch = registry.arch_of(cfg)
-    aux = arch.get("aux_layers")(cfg.num_hidden_layers) if grid.num_speculative_tokens else None
+    aux = (aux_layers or arch.get("aux_layers")(cfg.num_hidden_layers)) if grid.num_speculative_tokens else None
     decode = arch.get("decode")(cfg, weights, packed_k=layout.packed_k, aux_layers=aux).eval()
     return EagerArtifacts(grid, layout, num_swa, decode)
 
@@ -129,7 +131,7 @@ def _open_joined(root: Path, decode: str, tp: int, rank: int) -> ServingRank:
                       parallel=par, rank=rank, graph_inputs=gi, facts=facts)
     out.kv_layout = replace(layout, kv_heads=len(out.kv_heads))
     if decode == EAGER:
-        stepper = Stepper(eager_artifacts(cfg, weights, gi.grid, out.kv_layout, gi.num_swa))
+        stepper = Stepper(eager_artifacts(cfg, weights, gi.grid, out.kv_layout, gi.num_swa, facts.aux_layers))
         out.stepper, out.kv_caches = stepper, stepper.kv_caches
     else:
         out.kv_caches = allocate(out.kv_layout)

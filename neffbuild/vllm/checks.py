@@ -34,7 +34,7 @@ class Engine:
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
     draft_config: dict = field(default_factory=dict)  # the draft model's config as vLLM loaded it (DRAFT_KEYS)
-    aux_layers: tuple[int, ...] = ()  # the target states vLLM's drafter reads, in vLLM's numbering
+    aux_layers: tuple[int, ...] = ()  # the target states vLLM's drafter reads (id i: the stream entering layer i)
     unpadded_drafts: bool = False  # speculative_config.disable_padded_drafter_batch
 
 
@@ -54,7 +54,7 @@ class Compiled:
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
     draft_config: dict = field(default_factory=dict)
-    aux_layers: tuple[int, ...] = ()  # in vLLM's numbering (the bundle's aux layer + 1: the stream entering it)
+    aux_layers: tuple[int, ...] = ()  # id i: the residual stream entering layer i (vLLM's and the bundle's numbering)
     extra: dict = field(default_factory=dict)
 
 
@@ -126,7 +126,7 @@ def _speculation(bundle: Compiled, engine: Engine) -> list[str]:
            for key in DRAFT_KEYS if key in engine.draft_config and key in bundle.draft_config
            and engine.draft_config[key] != bundle.draft_config[key]]
     if engine.aux_layers and tuple(engine.aux_layers) != tuple(bundle.aux_layers):
-        out.append(_line(SPEC_FLAG, "draft aux layer ids (eagle_aux_hidden_state_layer_ids, vLLM's numbering)",
+        out.append(_line(SPEC_FLAG, "draft aux layer ids (eagle_aux_hidden_state_layer_ids)",
                          list(engine.aux_layers), list(bundle.aux_layers), f"{fix}: its model is the bundle's "
                          "draft/ folder"))
     if not engine.unpadded_drafts:

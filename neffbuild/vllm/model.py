@@ -80,7 +80,7 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
         if tuple(layers) != compiled:
             raise IncompatibleBundle(
                 f"--speculative-config: vLLM's EAGLE3 drafter reads aux layer ids {list(layers)}, the bundle's "
-                f"target graphs return {list(compiled)} (vLLM's numbering); serve the bundle's draft/ folder")
+                f"target graphs return {list(compiled)}; serve the bundle's draft/ folder")
         self.neffbuild.aux_layers = self.neffbuild.bundle.facts.aux_layers
 
     def load_weights(self, weights):

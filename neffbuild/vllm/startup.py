@@ -106,9 +106,9 @@ def compiled_view(bundle) -> checks.Compiled:
 
 
 def vllm_aux_layers(facts) -> tuple[int, ...]:
-    """The bundle's aux layers in vLLM's numbering: vLLM's id i is the residual stream entering layer i (0: the
-    embeddings), the bundle's the layer whose output it is; the same states are one apart."""
-    return tuple(i + 1 for i in facts.aux_layers)
+    """The bundle's aux layers as vLLM's drafter names them: one numbering on both sides (id i: the residual stream
+    entering target layer i, 0 the embeddings; EAGLE3 checkpoints' ``eagle_aux_hidden_state_layer_ids``)."""
+    return tuple(facts.aux_layers)
 
 
 def install(architecture: str) -> None:

@@ -27,7 +27,9 @@ class Eagle3Config:
     draft_vocab_size: int
     rms_norm_eps: float
     rope: dict
-    aux_layers: tuple[int, ...]  # target layers whose outputs are fused (low, middle, high)
+    # the target states fused (low, middle, high): id i is the residual stream entering target layer i (0: the
+    # embeddings), as EAGLE3 checkpoints' eagle_aux_hidden_state_layer_ids and vLLM number them
+    aux_layers: tuple[int, ...]
 
     @classmethod
     def from_hf_dict(cls, hf: dict | None, target: GptOssConfig) -> Eagle3Config:

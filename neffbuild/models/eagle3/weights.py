@@ -168,8 +168,8 @@ def write_engine_folder(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], fol
     download: ``model.safetensors`` in the common layout (without ``d2t``/``t2d`` when the draft's vocabulary is
     the target's: vLLM refuses a map it does not need) and a Llama ``config.json``.
 
-    vLLM numbers an aux layer by the residual stream *entering* it (id 0: the embeddings), neffbuild by the layer
-    whose output it is: the folder's ``eagle_aux_hidden_state_layer_ids`` are neffbuild's + 1, the same states."""
+    The folder's ``eagle_aux_hidden_state_layer_ids`` are the bundle's own: one numbering everywhere (id i: the
+    residual stream entering target layer i, 0 the embeddings, as EAGLE3 checkpoints and vLLM number them)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     sd = to_checkpoint(cfg, tensors, getattr(torch, dtype))
@@ -178,7 +178,7 @@ def write_engine_folder(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], fol
     save_file({k: v.contiguous() for k, v in sorted(sd.items())}, str(folder / "model.safetensors"))
     hf = dict(cfg.to_hf_dict(), model_type="llama", torch_dtype=dtype, tie_word_embeddings=False,
               max_position_embeddings=max_position_embeddings,
-              eagle_config={"eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
+              eagle_config={"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
                             "use_aux_hidden_state": True})
     (folder / "config.json").write_text(json.dumps(hf, indent=1, sort_keys=True) + "\n")
     return folder

@@ -112,5 +112,6 @@ def default_layer_types(num_layers: int) -> tuple[str, ...]:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """Layers whose outputs an EAGLE3 draft fuses: early, middle, late."""
+    """The aux ids an EAGLE3 draft fuses when its config names none: early, middle, late (id i: the residual stream
+    entering layer i; EAGLE3's and vLLM's defaults)."""
     return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))

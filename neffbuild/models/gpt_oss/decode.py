@@ -184,6 +184,7 @@ class GptOssDecode(nn.Module):
         }
         hidden = []
         for i, buf, kind in self.layer_plan:
+            hidden.append(x)  # the residual stream entering layer i: EAGLE3 aux id i (0: the embeddings)
             table, offset, slots, window = frames[kind]
             cache = kv_caches[buf]
             q, k, v = attention_inputs(cfg, w, i, x, cos, sin)
@@ -192,7 +193,6 @@ class GptOssDecode(nn.Module):
             attn = paged_attention(q, cache, table, positions, offset, w["sinks"][i],
                                    cfg.attention_scale, window, self.packed_k)
             x = attention_output_and_mlp(cfg, w, i, x, attn, self.par, rank)
-            hidden.append(x)
         logits = unembed(cfg, w, x, self.par)  # [B, q, V] float32, the whole vocabulary on every rank
         if self.aux_layers:  # aux [B, q, 3H], float32 as the draft takes it
             return logits, torch.cat([hidden[i] for i in self.aux_layers], dim=-1).float()

@@ -98,6 +98,7 @@ def prefill(
     x = embed(stacked, ids, parallel, rank_t)
     hidden = []
     for i, kind in enumerate(cfg.layer_types):
+        hidden.append(x[0, :N])  # the residual stream entering layer i: EAGLE3 aux id i (0: the embeddings)
         sliding = kind == SLIDING
         cache = kv_caches[i // 2]
         q, k, v = attention_inputs(local, stacked, i, x, cos, sin)
@@ -113,7 +114,6 @@ def prefill(
             k, v = _as_stored(k, cache), _as_stored(v, cache)
             attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
-        hidden.append(x[0, :N])
     if logits == "none":
         out = None
     elif logits == "last":  # one row; none for an empty prompt (a lockstep rank with no request: same collectives)

@@ -32,7 +32,7 @@ class BundleFacts:
     kv_heads: range  # the model KV heads this rank's buffers hold
     draft_kv_heads: range  # EAGLE3: the draft KV heads its draft buffer holds (its TP slice); empty without
     layer_buffers: tuple[int, ...]  # layer i writes KV buffer layer_buffers[i]
-    aux_layers: tuple[int, ...]  # EAGLE3: target layers whose outputs the draft reads; () without drafts
+    aux_layers: tuple[int, ...]  # EAGLE3: the target states the draft reads (id i: entering layer i); () without
     num_speculative_tokens: int
     speculative_method: str | None
     graph_inputs: GraphInputs  # the grid, the KV layout and num_swa every step is planned from
