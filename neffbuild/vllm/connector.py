@@ -32,6 +32,8 @@ launcher, neffbuild/vllm/di.py, does).
 from __future__ import annotations
 
 import re
+import socket
+import time
 from pathlib import Path
 
 import msgspec
@@ -49,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
 
-from neffbuild.errors import IncompatibleBundle, KVLayoutMismatch
+from neffbuild.errors import IncompatibleBundle, KVLayoutMismatch, KVTransferError
 from neffbuild.runtime import regions_for
 from neffbuild.vllm import startup
 from neffbuild.vllm.config import from_additional_config
@@ -142,23 +144,43 @@ def layout_tag(bundle, regions) -> str:
             f"{regions.block_len}-byte blocks: {regions.describe()})")
 
 
-def peer_compat(host: str, port: int, rank: int, timeout_ms: int = 30000) -> str:
+def peer_compat(host: str, port: int, rank: int, timeout_s: float = 30) -> str:
     """The compatibility string a peer publishes on its NIXL side channel (what vLLM's handshake reads first).
 
-    30 s, not vLLM's 5: a prefill instance busy prefilling on a loaded host answered the first query late (one
-    of six requests failed in a test run under load, 2 cores, load average 5)."""
+    Up to 30 s, not vLLM's 5: a prefill instance busy prefilling on a loaded host answered the first query late
+    (one of six requests failed in a test run under load, 2 cores, load average 5). But a peer that is gone (its
+    side channel refuses connections: the prefill instance was killed after answering) fails the query within a
+    second, so the request fails with it instead of waiting out the 30 s (ZeroMQ itself would only reconnect)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     try:
-        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(make_zmq_path("tcp", host, port))
         sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, rank)))
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(1000):
+            if not listening(host, port):
+                raise KVTransferError(f"neffbuild: the prefill instance's NIXL side channel {host}:{port} refuses "
+                                      "connections (the instance exited after answering); the request fails")
+            if time.monotonic() > deadline:
+                raise KVTransferError(f"neffbuild: the prefill instance's NIXL side channel {host}:{port} did not "
+                                      f"answer in {timeout_s:g} s; the request fails")
         payload = sock.recv_multipart()[0]
     finally:
         sock.close()
         ctx.term()
     return msgspec.msgpack.Decoder(NixlHandshakePayload).decode(payload).compatibility_hash
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port (a refused connect says the peer is gone)."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # a slow or filtered answer is not proof the peer is gone: keep waiting for it
+        return True
 
 
 def layout_refusal(ours: str | None, peer_hash: str, where: str) -> str | None:
