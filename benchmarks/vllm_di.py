@@ -14,10 +14,12 @@ prefill leg, the pull and the decode instance's first one-token step) and the sa
 NEW (decode tokens/s = (NEW - 1) / (its time - the 1-token time)); prompts differ per request (no prefix cache).
 
 The transfer: the decode instance's ``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred``
-(vLLM's NIXL telemetry, post to completion as the connector sees it) per pull, scaled to 1,000 tokens. The DRAM
-copy: the same bytes in the same descriptors (one K and one V run of blocks per KV buffer, the bundle's
-regions) copied by torch between two buffers of this process, median of 200. Ratio: copy time / transfer time
-(1.0 = DRAM speed). Prints one JSON object.
+(vLLM's NIXL telemetry, post to completion as the connector sees it: the engine loop notices a finished pull only
+between its steps) per pull, scaled to 1,000 tokens; and the same bytes in one raw NIXL READ between two
+processes with tight polling (benchmarks/vllm_di_nixl.py, in the vLLM venv): the transport alone. The DRAM
+copy: the same bytes copied by torch in this process, hot (gathered from scattered 16 KiB blocks of one
+source, which stays in the caches) and cold (a 512 MiB ring, over the last-level cache); medians of 200.
+Ratio: copy time / transfer time (1.0 = DRAM speed). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -143,8 +145,9 @@ def alone(settings: dict, logs: Path, rounds: int) -> dict:
 
 
 def dram_copy_ms(nbytes: int, block_bytes: int) -> dict:
-    """torch copies of ``nbytes`` in ``block_bytes`` blocks: one gather of scattered blocks (the regions' runs,
-    as NIXL's descriptors are) and one contiguous copy; medians of 200, in ms."""
+    """torch copies of ``nbytes`` in this process, medians of 200, in ms: the blocks gathered from scattered places
+    (as NIXL's descriptors are), hot (the same source each time: it stays in the caches, as a just-written
+    prompt's KV may) and cold (a ring of sources and destinations of 512 MiB, over the last-level cache)."""
     import torch
 
     torch.set_num_threads(1)
@@ -152,7 +155,13 @@ def dram_copy_ms(nbytes: int, block_bytes: int) -> dict:
     src = torch.randn(4 * blocks, block_bytes // 4)
     dst = torch.empty(blocks, block_bytes // 4)
     idx = torch.randperm(4 * blocks)[:blocks]
-    flat_src, flat_dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    ring = max(2, (256 << 20) // nbytes)
+    ring_src, ring_dst = torch.randn(ring, nbytes // 4), torch.empty(ring, nbytes // 4)
+    turn = [0]
+
+    def cold():
+        i = turn[0] = (turn[0] + 1) % ring
+        ring_dst[i].copy_(ring_src[i])
 
     def med(fn) -> float:
         for _ in range(20):
@@ -164,8 +173,19 @@ def dram_copy_ms(nbytes: int, block_bytes: int) -> dict:
             times.append(time.perf_counter() - t)
         return statistics.median(times) * 1e3
 
-    return {"gather_blocks_ms": round(med(lambda: torch.index_select(src, 0, idx, out=dst)), 4),
-            "contiguous_ms": round(med(lambda: flat_dst.copy_(flat_src)), 4)}
+    return {"hot_gather_ms": round(med(lambda: torch.index_select(src, 0, idx, out=dst)), 4),
+            "cold_copy_ms": round(med(cold), 4)}
+
+
+def raw_read(tls: str | None, nbytes: int, block: int) -> dict:
+    """benchmarks/vllm_di_nixl.py in the vLLM venv: one READ of the pull's bytes, tight polling."""
+    import subprocess
+
+    res = subprocess.run([str(VLLM.parent / "python"), str(ROOT / "benchmarks" / "vllm_di_nixl.py"), "--bytes",
+                          str(nbytes), "--block", str(block)], env=env(tls), capture_output=True, text=True,
+                         timeout=300)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": res.stderr.strip().splitlines()[-1:]}
 
 
 def main() -> int:
@@ -183,17 +203,27 @@ def main() -> int:
     bundle = build(workdir)
     from neffbuild.vllm import di
 
-    settings = di.plugin_settings(str(bundle), str(ROOT / ".venv" / "bin" / "neffbuild"))
+    settings = di.plugin_settings(str(bundle), str(Path(sys.executable).parent / "neffbuild"))
     load = [os.getloadavg()[0]]
     out = {"machine": machine(), "prompt": PROMPT, "new": NEW, "bundle": str(bundle), "pairs": {}}
     for tls in a.tls or ["tcp,sm,self", "tcp"]:
-        row = pair(settings, None if tls == "unset" else tls, workdir / f"logs-{tls}", a.rounds)
+        try:
+            row = pair(settings, None if tls == "unset" else tls, workdir / f"logs-{tls}", a.rounds)
+        except SystemExit as e:  # a transport set NIXL cannot start with (e.g. sm,self: NIXL_ERR_BACKEND)
+            out["pairs"][tls] = {"error": str(e.code)}
+            print(f"UCX_TLS={tls}: {e.code}", file=sys.stderr, flush=True)
+            continue
         tokens = PROMPT - 1  # the pull: N - 1 tokens' KV (the sliding-window rule)
         row["xfer_ms_per_1000_tokens"] = round(row["xfer_ms_per_pull"] * 1000 / tokens, 3)
-        copy = dram_copy_ms(row["bytes_per_pull"], 2 * 32 * 64 * 4)
+        block = 2 * 32 * 64 * 4  # the bundle's block_len: kv_heads * block_size * head_dim * 4 bytes
+        copy = dram_copy_ms(row["bytes_per_pull"], block)
         row["dram_copy_ms_per_pull"] = copy
-        row["ratio_vs_dram_copy"] = {k: round(v / row["xfer_ms_per_pull"], 3) for k, v in copy.items()}
+        row["raw_nixl_read"] = raw = raw_read(None if tls == "unset" else tls, row["bytes_per_pull"], block)
+        for name, ms in (("connector", row["xfer_ms_per_pull"]), ("raw_read", raw.get("median_ms"))):
+            if ms:
+                row[f"{name}_vs_dram_copy"] = {k: round(v / ms, 3) for k, v in copy.items()}
         out["pairs"][tls] = row
+        print(f"UCX_TLS={tls}: {json.dumps(row)}", file=sys.stderr, flush=True)
         load.append(os.getloadavg()[0])
     if not a.no_alone:
         out["alone"] = alone(settings, workdir, a.rounds)

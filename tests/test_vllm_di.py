@@ -256,6 +256,7 @@ def test_a_prefill_instance_killed_mid_run_fails_its_requests_and_the_decode_ins
             prefill.proc.wait(timeout=30)
             pulled = _outcome(t0, _decode_leg, decode.url, held, params)
             outcomes = [f.result(timeout=120) for f in running]
+        print("after the kill (kind, seconds):", [(o[0], round(o[2], 2)) for o in [pulled, *outcomes]])
         # the held request fails with an error, within 30 s, on the decode instance (nothing to pull from)
         assert pulled[0] == "error" and pulled[1].startswith("HTTP 500") and pulled[2] < 30, pulled
         for (kind, value, ended), ref in zip(outcomes, reference, strict=True):
