@@ -9,7 +9,10 @@ port and NIXL side-channel port; the prefill one is ``kv_producer``, the decode 
 ``kv_transfer_params: {"do_remote_decode": true}``, then the decode instance the original request with the
 ``kv_transfer_params`` the prefill answer carries; the decode instance's answer is the client's. The launcher
 prints the URL once both instances are healthy, and stops everything it started on Ctrl-C, SIGTERM, or when one
-instance dies (exit status 1, naming it and its log).
+instance dies (exit status 1, naming it and its log). Its pieces (``start_instance``, ``wait_healthy``,
+``Instance.restart``, ``make_proxy``) also start one part at a time, e.g. to restart a prefill instance that died
+while the decode instance serves on (docs/vllm.md, "Faults"). Both instances get ``UCX_TLS`` (below) unless the
+environment sets it.
 
 Standard library only here: vLLM runs in the instances, and the tests build the same command lines from this
 module in the project's own venv.
