@@ -95,10 +95,11 @@ class Instance:
     def healthy(self) -> bool:
         return healthy(self.url)
 
-    def restart(self) -> Instance:
-        """The same instance again (same command, ports and log) after this one stopped or died."""
+    def restart(self, side_port: int | None = None) -> Instance:
+        """The same instance again (same command, HTTP port and log) after this one stopped or died, on
+        ``side_port`` (default: the same NIXL side-channel port; the prefill answer tells the decode side which)."""
         self.stop()
-        return Instance(self.name, self.argv, self.port, self.side_port, self.log_path, self.env)
+        return Instance(self.name, self.argv, self.port, side_port or self.side_port, self.log_path, self.env)
 
     def stop(self, grace: float = 30) -> None:
         if self.proc.poll() is None:
