@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv lock clean bench bench-real-width
+.PHONY: demo test test-fast lint venv lock clean bench bench-real-width bench-vllm-di
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -90,6 +90,11 @@ bench-real-width: $(STAMP)
 	benchmarks/peers.sh
 	$(BIN)/python benchmarks/real_width.py --rounds 2 --engines bundle-mxfp4,llama-mxfp4,llama-bf16,vllm-bf16 \
 		--plot docs/img/real-width.png
+
+# Disaggregated serving in vLLM (issue 51): NIXL transfer vs a DRAM copy per UCX_TLS, TTFT and decode tok/s vs one
+# instance. Needs the vLLM venv (tools/vllm_venv.sh), so not part of `bench`; about 10 minutes on 2 cores.
+bench-vllm-di: $(STAMP)
+	$(BIN)/python benchmarks/vllm_di.py --tls tcp,sm,self --tls tcp
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) artifacts/*/ .pytest_cache

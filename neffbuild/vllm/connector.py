@@ -32,6 +32,8 @@ launcher, neffbuild/vllm/di.py, does).
 from __future__ import annotations
 
 import re
+import socket
+import time
 from pathlib import Path
 
 import msgspec
@@ -49,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
 
-from neffbuild.errors import IncompatibleBundle, KVLayoutMismatch
+from neffbuild.errors import IncompatibleBundle, KVLayoutMismatch, KVTransferError
 from neffbuild.runtime import regions_for
 from neffbuild.vllm import startup
 from neffbuild.vllm.config import from_additional_config
@@ -58,6 +60,7 @@ from neffbuild.vllm.kv import bundle_view
 logger = init_logger(__name__)
 
 TAG = "|neffbuild-layout "  # what separates vLLM's hash from the layout in the published compatibility string
+HANDSHAKE_TRIES = 3  # vLLM's handshake query (5 s each) while the peer's side channel still accepts connections
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -114,8 +117,16 @@ class BundleWorker(NixlPullConnectorWorker):
         refusal = layout_refusal(self.layout, peer_compat(host, port, rank), f"{host}:{port}")
         if refusal:
             raise KVLayoutMismatch(refusal)
-        return super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id, remote_dcp_size,
-                                       remote_pp_size, notif_agents_only)
+        args = (host, port, remote_tp_size, expected_engine_id, remote_dcp_size, remote_pp_size, notif_agents_only)
+        for _ in range(HANDSHAKE_TRIES - 1):  # vLLM's own query waits 5 s, once; the peer just answered ours
+            try:
+                return super()._nixl_handshake(*args)
+            except zmq.Again:
+                if not listening(host, port):
+                    raise
+                logger.warning("neffbuild: the NIXL handshake with %s:%s got no answer in 5 s; asking again",
+                               host, port)
+        return super()._nixl_handshake(*args)
 
 
 def split_views(kv_caches: dict[str, torch.Tensor], layer_buffers) -> tuple[dict, list[torch.Tensor]]:
@@ -142,23 +153,55 @@ def layout_tag(bundle, regions) -> str:
             f"{regions.block_len}-byte blocks: {regions.describe()})")
 
 
-def peer_compat(host: str, port: int, rank: int, timeout_ms: int = 30000) -> str:
+def peer_compat(host: str, port: int, rank: int, timeout_s: float = 30, attempt_s: float = 5) -> str:
     """The compatibility string a peer publishes on its NIXL side channel (what vLLM's handshake reads first).
 
-    30 s, not vLLM's 5: a prefill instance busy prefilling on a loaded host answered the first query late (one
-    of six requests failed in a test run under load, 2 cores, load average 5)."""
+    Up to 30 s, not vLLM's 5: a prefill instance busy prefilling on a loaded host answered the first query late
+    (one of six requests failed in a test run under load, 2 cores, load average 5). The query is sent again on a
+    new socket every ``attempt_s``: once, under load 17, a just-restarted prefill instance answered none of 30 s
+    of waiting on one socket, and the next query at once. A peer that is gone (its side channel refuses
+    connections: the prefill instance was killed after answering) fails the query within a second, so the
+    request fails with it instead of waiting out the 30 s (ZeroMQ itself would only reconnect)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        payload = _query(host, port, rank, min(attempt_s, max(deadline - time.monotonic(), 0.1)))
+        if payload is not None:
+            return msgspec.msgpack.Decoder(NixlHandshakePayload).decode(payload).compatibility_hash
+        if time.monotonic() > deadline:
+            raise KVTransferError(f"neffbuild: the prefill instance's NIXL side channel {host}:{port} did not "
+                                  f"answer in {timeout_s:g} s; the request fails")
+
+
+def _query(host: str, port: int, rank: int, wait_s: float) -> bytes | None:
+    """One GET_META query on a fresh REQ socket: the payload, or None after ``wait_s`` without an answer."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     try:
-        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(make_zmq_path("tcp", host, port))
         sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, rank)))
-        payload = sock.recv_multipart()[0]
+        end = time.monotonic() + wait_s
+        while not sock.poll(500):
+            if not listening(host, port):
+                raise KVTransferError(f"neffbuild: the prefill instance's NIXL side channel {host}:{port} refuses "
+                                      "connections (the instance exited after answering); the request fails")
+            if time.monotonic() > end:
+                return None
+        return sock.recv_multipart()[0]
     finally:
         sock.close()
         ctx.term()
-    return msgspec.msgpack.Decoder(NixlHandshakePayload).decode(payload).compatibility_hash
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port (a refused connect says the peer is gone)."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # a slow or filtered answer is not proof the peer is gone: keep waiting for it
+        return True
 
 
 def layout_refusal(ours: str | None, peer_hash: str, where: str) -> str | None:

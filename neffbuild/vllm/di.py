@@ -9,7 +9,10 @@ port and NIXL side-channel port; the prefill one is ``kv_producer``, the decode 
 ``kv_transfer_params: {"do_remote_decode": true}``, then the decode instance the original request with the
 ``kv_transfer_params`` the prefill answer carries; the decode instance's answer is the client's. The launcher
 prints the URL once both instances are healthy, and stops everything it started on Ctrl-C, SIGTERM, or when one
-instance dies (exit status 1, naming it and its log).
+instance dies (exit status 1, naming it and its log). Its pieces (``start_instance``, ``wait_healthy``,
+``Instance.restart``, ``make_proxy``) also start one part at a time, e.g. to restart a prefill instance that died
+while the decode instance serves on (docs/vllm.md, "Faults"). Both instances get ``UCX_TLS`` (below) unless the
+environment sets it.
 
 Standard library only here: vLLM runs in the instances, and the tests build the same command lines from this
 module in the project's own venv.
@@ -18,6 +21,7 @@ module in the project's own venv.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shutil
@@ -37,6 +41,10 @@ CONNECTOR = {"kv_connector": "NeffbuildNixlConnector", "kv_connector_module_path
              "kv_buffer_device": "cpu"}
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+# UCX's transports for the instances' NIXL agents (a UCX_TLS in the environment wins): shared memory between the
+# two processes (``sm``: UCX reads the peer's registered DRAM with CMA), ``tcp`` to wire up and for a peer on
+# another host; docs/benchmarks.md, "Disaggregated serving in vLLM", has the transports measured
+UCX_TLS = "tcp,sm,self"
 
 
 def plugin_settings(bundle: str, neffbuild: str) -> dict:
@@ -75,16 +83,23 @@ class Instance:
     """One ``vllm serve`` process (its own session: stopping it stops vLLM's engine core too), its log a file."""
 
     def __init__(self, name: str, argv: list[str], port: int, side_port: int, log: Path, env: dict | None = None):
-        self.name, self.port, self.log_path = name, port, log
+        self.name, self.argv, self.port, self.side_port, self.log_path = name, argv, port, side_port, log
         self.url = f"http://127.0.0.1:{port}"
-        env = dict(env or os.environ, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
-                   VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1")
-        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        self.env = dict(env or os.environ, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
+                        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1")
+        self.env.setdefault("UCX_TLS", UCX_TLS)
+        self._log = open(log, "a")  # noqa: SIM115 - closed in stop(); "a": a restart's log follows the first's
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
 
     def healthy(self) -> bool:
         return healthy(self.url)
+
+    def restart(self, side_port: int | None = None) -> Instance:
+        """The same instance again (same command, HTTP port and log) after this one stopped or died, on
+        ``side_port`` (default: the same NIXL side-channel port; the prefill answer tells the decode side which)."""
+        self.stop()
+        return Instance(self.name, self.argv, self.port, side_port or self.side_port, self.log_path, self.env)
 
     def stop(self, grace: float = 30) -> None:
         if self.proc.poll() is None:
@@ -95,6 +110,33 @@ class Instance:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+def start_instance(name: str, vllm: str, settings: dict, log_dir: Path, *, port: int = 0, extra: list[str] = (),
+                   env: dict | None = None) -> Instance:
+    """``vllm serve`` on the bundle as the ``name`` (prefill | decode) side, on ``port`` (0: any free one) and a
+    free side-channel port, its log ``log_dir/NAME.log``."""
+    port = port or free_port()
+    return Instance(name, serve_argv(vllm, settings, port, name, list(extra)), port, free_port(),
+                    Path(log_dir) / f"{name}.log", env)
+
+
+def check_alive(instances: list[Instance]) -> None:
+    for i in instances:
+        if i.proc.poll() is not None:
+            raise SystemExit(f"error: the {i.name} instance exited with status {i.proc.returncode} "
+                             f"(log: {i.log_path})")
+
+
+def wait_healthy(instances: list[Instance], timeout: float) -> None:
+    """Until every instance answers /health; SystemExit naming the one that died, or the logs after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not all(i.healthy() for i in instances):
+        check_alive(instances)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"error: the instances are not healthy after {timeout} s (logs: "
+                             f"{', '.join(str(i.log_path) for i in instances)})")
+        time.sleep(1)
 
 
 def healthy(url: str) -> bool:
@@ -158,7 +200,10 @@ def make_proxy(prefill_url: str, decode_url: str, port: int, timeout: float = 60
             try:
                 with post(prefill_url + self.path, prefill_body(body), timeout) as r:
                     params = json.loads(r.read()).get("kv_transfer_params")
-            except (urllib.error.URLError, OSError, ValueError) as e:
+            except urllib.error.HTTPError as e:  # the request's own fault (e.g. too long): its status, not 502
+                return self._reply(e.code, {"error": f"prefill instance {prefill_url}: {_why(e)}"})
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+                # an instance killed mid-answer is a closed connection or a short body, not an HTTP error
                 return self._reply(502, {"error": f"prefill instance {prefill_url}: {_why(e)}"})
             if not params:
                 return self._reply(502, {"error": f"prefill instance {prefill_url} returned no kv_transfer_params "
@@ -166,8 +211,12 @@ def make_proxy(prefill_url: str, decode_url: str, port: int, timeout: float = 60
             try:
                 upstream = post(decode_url + self.path, dict(body, kv_transfer_params=params), timeout)
             except urllib.error.HTTPError as e:
-                return self._reply(e.code, {"error": f"decode instance {decode_url}: {_why(e)}"})
-            except (urllib.error.URLError, OSError) as e:
+                why = _why(e)
+                if e.code >= 500 and not healthy(prefill_url):  # vLLM's "internal error" says no more than that
+                    why += (f"; the prefill instance {prefill_url} is down: the prompt's KV could not be pulled "
+                            "from it (retry once it is back)")
+                return self._reply(e.code, {"error": f"decode instance {decode_url}: {why}"})
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 return self._reply(502, {"error": f"decode instance {decode_url}: {_why(e)}"})
             with upstream:
                 self.send_response(upstream.status)
@@ -183,7 +232,7 @@ def make_proxy(prefill_url: str, decode_url: str, port: int, timeout: float = 60
 def _why(err: Exception) -> str:
     if isinstance(err, urllib.error.HTTPError):
         return f"HTTP {err.code}: {err.read().decode(errors='replace')[:500]}"
-    return str(getattr(err, "reason", err))
+    return str(getattr(err, "reason", err)) or type(err).__name__
 
 
 class Launch:
@@ -198,27 +247,16 @@ class Launch:
     def start(self) -> str:
         a = self.args
         settings = plugin_settings(a.bundle, a.neffbuild)
-        for name, port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
-            port = port or free_port()
-            extra = [*a.vllm_arg, *(a.decode_arg if name == "decode" else a.prefill_arg)]
-            argv = serve_argv(a.vllm, settings, port, name, extra)
-            self.instances.append(Instance(name, argv, port, free_port(), self.logs / f"{name}.log"))
-        deadline = time.monotonic() + a.startup_timeout
-        while not all(i.healthy() for i in self.instances):
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise SystemExit(f"error: the instances are not healthy after {a.startup_timeout} s "
-                                 f"(logs: {self.logs})")
-            time.sleep(1)
+        for name, port, own in (("prefill", a.prefill_port, a.prefill_arg), ("decode", a.decode_port, a.decode_arg)):
+            self.instances.append(start_instance(name, a.vllm, settings, self.logs, port=port,
+                                                 extra=[*a.vllm_arg, *own]))
+        wait_healthy(self.instances, a.startup_timeout)
         self.proxy = make_proxy(self.instances[0].url, self.instances[1].url, a.port or free_port())
         threading.Thread(target=self.proxy.serve_forever, daemon=True, name="proxy").start()
         return f"http://127.0.0.1:{self.proxy.server_address[1]}"
 
     def check_alive(self) -> None:
-        for i in self.instances:
-            if i.proc.poll() is not None:
-                raise SystemExit(f"error: the {i.name} instance exited with status {i.proc.returncode} "
-                                 f"(log: {i.log_path})")
+        check_alive(self.instances)
 
     def stop(self) -> None:
         if self._stopped.is_set():
