@@ -86,10 +86,12 @@ bench: $(STAMP)
 # Two interleaved rounds (about 35 minutes on 2 cores); transformers (hf-bf16) and the dense-expert bundle
 # (bundle-bf16) are opt-in with --engines: transformers' bf16 eager took over 19 minutes a round on a CPU
 # without AVX-512 (docs/benchmarks.md, "Real width").
+REAL_WIDTH_DIR ?= /tmp/neffbuild-real-width
 bench-real-width: $(STAMP)
 	benchmarks/peers.sh
-	$(BIN)/python benchmarks/real_width.py --rounds 2 --engines bundle-mxfp4,llama-mxfp4,llama-bf16,vllm-bf16 \
-		--plot docs/img/real-width.png
+	$(BIN)/python benchmarks/real_width.py --workdir $(REAL_WIDTH_DIR) --rounds 2 \
+		--engines bundle-mxfp4,llama-mxfp4,llama-bf16,vllm-bf16,vllm-plugin-mxfp4 --plot docs/img/real-width.png
+	$(BIN)/python benchmarks/vllm_streaming.py --workdir $(REAL_WIDTH_DIR) --requests 12 --gap 1.0 --rounds 2
 
 # Disaggregated serving in vLLM (issue 51): NIXL transfer vs a DRAM copy per UCX_TLS, TTFT and decode tok/s vs one
 # instance. Needs the vLLM venv (tools/vllm_venv.sh), so not part of `bench`; about 10 minutes on 2 cores.
