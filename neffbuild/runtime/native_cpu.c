@@ -151,31 +151,35 @@ int neffbuild_mxfp4_vectorised(void) {
 #endif
 }
 
-/* One unit of work: one weight row against ``cnt`` x rows (float32 or bf16, by the loop). */
-typedef void (*rows_fn)(const void *const *x, int cnt, const uint8_t *row, const uint8_t *sc, int64_t groups,
-                        const float *scale_of, float *out);
+#define MAX_CHUNK 8 /* the largest chunk of any loop below (the int8 form's) */
+_Static_assert(MX_CHUNK <= MAX_CHUNK, "mx_drive's unit arrays hold MAX_CHUNK picks");
 
-/* The expert products' driver: work units are (run, output row), each decoding the row's groups once for every pick
-   of the run (``fn``: one of the loops below). 0, or 1 when the scratch could not be allocated (nothing written). */
-static int mx_drive(const void *x, size_t xsize, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
+/* One unit of work: one weight row against the x rows ``xr[0..cnt)`` (row indices into the loop's own activations,
+   ``ctx``: float32, bf16, or quantized), each group decoded once for all of them. */
+typedef void (*rows_fn)(const void *ctx, const int64_t *xr, int cnt, const uint8_t *row, const uint8_t *sc,
+                        int64_t groups, const float *scale_of, float *out);
+
+/* The expert products' driver, every form's: the picks as runs of one expert in chunks of ``chunk``, and work units
+   (run, output row), each decoding the row's groups once for every pick of the run (``fn``). 0, or 1 when the scratch
+   could not be allocated (nothing written). */
+static int mx_drive(const void *ctx, int chunk, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
                     const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y, int threads,
                     rows_fn fn) {
-    const int64_t in = groups * 32, picks = n * k;
+    const int64_t picks = n * k;
     int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t));
     int64_t *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
     if (!pairs || !starts) { free(pairs); free(starts); return 1; }
     float scale_of[256];
     for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
-    const int64_t runs = expert_runs(idx, picks, MX_CHUNK, pairs, starts);
+    const int64_t runs = expert_runs(idx, picks, chunk, pairs, starts);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t u = 0; u < runs * out; u++) {
         const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
         const int cnt = (int)(starts[r + 1] - starts[r]);
-        const void *xs[MX_CHUNK];
-        float res[MX_CHUNK];
-        for (int t = 0; t < cnt; t++)
-            xs[t] = (const char *)x + (size_t)(x_row(pairs[2 * (starts[r] + t) + 1], k, kx) * in) * xsize;
-        fn(xs, cnt, blocks + (e * out + o) * groups * 16, scales + (e * out + o) * groups, groups, scale_of, res);
+        int64_t xr[MAX_CHUNK];
+        float res[MAX_CHUNK];
+        for (int t = 0; t < cnt; t++) xr[t] = x_row(pairs[2 * (starts[r] + t) + 1], k, kx);
+        fn(ctx, xr, cnt, blocks + (e * out + o) * groups * 16, scales + (e * out + o) * groups, groups, scale_of, res);
         for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
     }
     free(pairs); free(starts);
@@ -183,9 +187,10 @@ static int mx_drive(const void *x, size_t xsize, int64_t kx, const uint8_t *bloc
 }
 
 /* ``rows_dot`` with the count a constant where it is inlined: the accumulators stay in registers. */
-static void rows_f32(const void *const *x, int cnt, const uint8_t *row, const uint8_t *sc, int64_t groups,
-                     const float *scale_of, float *out) {
-    const float *const *xf = (const float *const *)x;
+static void rows_f32(const void *ctx, const int64_t *xr, int cnt, const uint8_t *row, const uint8_t *sc,
+                     int64_t groups, const float *scale_of, float *out) {
+    const float *xf[MX_CHUNK];
+    for (int t = 0; t < cnt; t++) xf[t] = (const float *)ctx + xr[t] * groups * 32;
     switch (cnt) {
         case 1: rows_dot(xf, 1, row, sc, groups, scale_of, out); break;
         case 2: rows_dot(xf, 2, row, sc, groups, scale_of, out); break;
@@ -197,7 +202,7 @@ static void rows_f32(const void *const *x, int cnt, const uint8_t *row, const ui
 int neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
                         const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
                         int threads) {
-    return mx_drive(x, sizeof(float), kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_f32);
+    return mx_drive(x, MX_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_f32);
 }
 
 /* bf16 linear without bias, y[m, o] = sum_k x[m, k] w[o, k] (the LM head over the vocabulary): bf16 inputs, float32
@@ -430,6 +435,7 @@ void neffbuild_q8_quantize(const float *x, int64_t rows, int64_t groups, int8_t 
 int neffbuild_q8_path(void) { return Q8_PATH; }
 
 #define Q8_CHUNK 8 /* picks of one expert sharing each decoded block */
+_Static_assert(Q8_CHUNK <= MAX_CHUNK, "mx_drive's unit arrays hold MAX_CHUNK picks");
 
 #if Q8_PATH >= 1
 /* One group's 16 bytes -> its 32 codes as twice-E2M1 int8: the 16 low nibbles (even positions), then the 16 high
@@ -498,39 +504,34 @@ static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const fl
 }
 #endif
 
-/* The integer form of neffbuild_mxfp4_dot (same arguments and layout): x quantized once, the picks sorted by expert,
-   and each (expert, output row) pair a unit of work that decodes each group once for every pick routed to that
-   expert (in chunks of Q8_CHUNK). 0, or 1 when the scratch could not be allocated (nothing written then). */
+struct q8_x { const int8_t *q; const float *d; };  /* x quantized: int8 rows and their block scales */
+
+static void rows_q8(const void *ctx, const int64_t *xr, int cnt, const uint8_t *row, const uint8_t *sc,
+                    int64_t groups, const float *scale_of, float *out) {
+    const struct q8_x *x = ctx;
+    const int8_t *qs[Q8_CHUNK];
+    const float *ds[Q8_CHUNK];
+    for (int t = 0; t < cnt; t++) {
+        qs[t] = x->q + xr[t] * groups * 32;
+        ds[t] = x->d + xr[t] * groups;
+    }
+    q8_row(row, sc, groups, scale_of, qs, ds, cnt, out);
+}
+
+/* The integer form of neffbuild_mxfp4_dot (same arguments and layout): x quantized once, then the experts' driver
+   (mx_drive) with chunks of Q8_CHUNK picks. 0, or 1 when the scratch could not be allocated (nothing written then). */
 int neffbuild_mxfp4_q8_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
                            const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
                            int threads) {
-    const int64_t in = groups * 32, xrows = n * kx, picks = n * k;
-    int8_t *q = malloc((size_t)(xrows * in) + 1);
+    const int64_t xrows = n * kx;
+    int8_t *q = malloc((size_t)(xrows * groups * 32) + 1);
     float *d = malloc((size_t)(xrows * groups + 1) * sizeof(float));
-    int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t)), *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
-    if (!q || !d || !pairs || !starts) { free(q); free(d); free(pairs); free(starts); return 1; }
-    float scale_of[256];
-    for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
+    if (!q || !d) { free(q); free(d); return 1; }
     neffbuild_q8_quantize(x, xrows, groups, q, d);
-    const int64_t runs = expert_runs(idx, picks, Q8_CHUNK, pairs, starts);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t u = 0; u < runs * out; u++) {
-        const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
-        const int cnt = (int)(starts[r + 1] - starts[r]);
-        const int8_t *qs[Q8_CHUNK];
-        const float *ds[Q8_CHUNK];
-        float res[Q8_CHUNK];
-        for (int t = 0; t < cnt; t++) {
-            const int64_t xr = x_row(pairs[2 * (starts[r] + t) + 1], k, kx);
-            qs[t] = q + xr * in;
-            ds[t] = d + xr * groups;
-        }
-        q8_row(blocks + (e * out + o) * groups * 16, scales + (e * out + o) * groups, groups, scale_of, qs, ds, cnt,
-               res);
-        for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
-    }
-    free(q); free(d); free(pairs); free(starts);
-    return 0;
+    const struct q8_x qx = {q, d};
+    const int status = mx_drive(&qx, Q8_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_q8);
+    free(q); free(d);
+    return status;
 }
 
 /* ---- The int8 LM head: per-row scales (s = max|w| / 127, q = w / s rounded to nearest even), x as float. ---- */
@@ -724,9 +725,10 @@ static inline __attribute__((always_inline)) void rows_dot_bx(const uint16_t *co
 #endif
 
 #if BF16_PATH == 2
-static void rows_bf16x(const void *const *x, int cnt, const uint8_t *row, const uint8_t *sc, int64_t groups,
-                       const float *scale_of, float *out) {
-    const uint16_t *const *xb = (const uint16_t *const *)x;
+static void rows_bf16x(const void *ctx, const int64_t *xr, int cnt, const uint8_t *row, const uint8_t *sc,
+                       int64_t groups, const float *scale_of, float *out) {
+    const uint16_t *xb[MX_CHUNK];
+    for (int t = 0; t < cnt; t++) xb[t] = (const uint16_t *)ctx + xr[t] * groups * 32;
     switch (cnt) {
         case 1: rows_dot_bx(xb, 1, row, sc, groups, scale_of, out); break;
         case 2: rows_dot_bx(xb, 2, row, sc, groups, scale_of, out); break;
@@ -746,7 +748,7 @@ int neffbuild_mxfp4_dot_bf16(const uint16_t *x, int64_t kx, const uint8_t *block
     (void)threads;
     return 2;
 #else
-    return mx_drive(x, sizeof(uint16_t), kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_bf16x);
+    return mx_drive(x, MX_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_bf16x);
 #endif
 }
 
