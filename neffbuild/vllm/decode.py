@@ -177,12 +177,10 @@ class BundleDecoder:
         """One Stepper step for requests ``rows`` of vLLM's batch: ``tokens`` from position ``computed`` each."""
         index = torch.tensor(rows, dtype=torch.long)
         last = torch.tensor([c + len(t) - 1 for c, t in zip(computed, tokens, strict=True)], dtype=torch.long)
-        live = last // self.block_size + 1  # [R] each row's own blocks (columns [0, live))
-        width = int(live.max())
-        beyond = torch.arange(width) >= live[:, None]  # [R, width]: the columns past each row's blocks
-        tables = {FULL_GROUP: trimmed_table(metadata[self.full_name].block_table, index, width, beyond)}
+        tables = {FULL_GROUP: trimmed_table(metadata[self.full_name].block_table, index, last, self.block_size)}
         if self.sliding_name is not None:
-            tables[SLIDING_GROUP] = trimmed_table(metadata[self.sliding_name].block_table, index, width, beyond)
+            tables[SLIDING_GROUP] = trimmed_table(metadata[self.sliding_name].block_table, index, last,
+                                                  self.block_size)
         batch = StepBatch(tokens=tokens, num_computed=computed, block_tables=tables)
         stepper = self._stepper()
         ran = time.perf_counter()
@@ -222,13 +220,17 @@ def _out(hidden: torch.Tensor, aux: torch.Tensor | None):
     return hidden if aux is None else (hidden, [aux])
 
 
-def trimmed_table(table: torch.Tensor, rows: torch.Tensor, width: int, beyond: torch.Tensor) -> torch.Tensor:
-    """vLLM's rows cut to the columns this step can touch, columns past each row's live blocks nulled.
+def trimmed_table(table: torch.Tensor, rows: torch.Tensor, last: torch.Tensor, block_size: int) -> torch.Tensor:
+    """vLLM's rows cut to the columns this step can touch, columns past each row's live blocks nulled: row i's
+    live blocks hold positions up to ``last[i]`` (the last position the step writes or reads for it).
 
     vLLM's persistent block table keeps ids of earlier requests past a row's own blocks; the artifact reads
     whole head-trimmed rows (masked by position), so the step's view holds the row's own blocks only. A copy:
     vLLM's table is left as it is (the Stepper's checks then range-check every id it holds).
     """
+    live = last // block_size + 1  # [R] each row's own blocks (columns [0, live))
+    width = int(live.max())
+    beyond = torch.arange(width) >= live[:, None]  # [R, width]: the columns past each row's blocks
     return table.index_select(0, rows)[:, :width].long().masked_fill(beyond, 0)  # a new tensor (0: the null block)
 
 

@@ -146,12 +146,10 @@ class DraftRunner:
         return out
 
     def _run(self, stepper, md, index: list[int], rows: list[tuple]) -> torch.Tensor:
-        bs = self.target.block_size
         computed = [first + len(tokens) for tokens, _, first in rows]  # each request's tokens after acceptance
-        live = torch.tensor([(c + self.k - 1) // bs + 1 for c in computed], dtype=torch.long)
-        width = int(live.max())
-        beyond = torch.arange(width) >= live[:, None]
-        table = decode.trimmed_table(md.block_table, torch.tensor(index, dtype=torch.long), width, beyond)
+        last = torch.tensor([c + self.k - 1 for c in computed], dtype=torch.long)  # the draft's last KV write
+        table = decode.trimmed_table(md.block_table, torch.tensor(index, dtype=torch.long), last,
+                                     self.target.block_size)
         plan, proposals = stepper.draft(rows, table, max_computed=max(computed))
         self.target.metrics.artifact(plan.label, None, plan.family)
         return proposals
