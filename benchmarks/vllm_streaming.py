@@ -24,7 +24,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,16 +33,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from neffbuild import engine_flags  # noqa: E402
+from neffbuild.vllm import di  # noqa: E402
+
 VLLM = Path(os.environ.get("VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")).with_name("vllm")
 BUNDLE = "out/real-width-bundle-mxfp4-0.1.0"
 LENGTHS, NEW = (60, 450, 200, 900, 120, 700), (48, 32, 64)
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(plugin: bool) -> dict:
@@ -61,22 +58,15 @@ def plugin_argv(work: Path) -> tuple[list[str], dict]:
     doc = json.loads(subprocess.run([sys.executable, "-m", "neffbuild.cli.main", "inspect", str(work / BUNDLE),
                                      "--vllm-config", "--json"], capture_output=True, text=True, check=True,
                                     env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout)
-    argv = [str(VLLM), "serve", doc["model"]]
-    for key, value in doc["engine_args"].items():
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    argv += ["--additional-config", json.dumps(doc["additional_config"])]
+    argv = [str(VLLM), "serve", doc["model"], *engine_flags.argv(doc["engine_args"]),
+            "--additional-config", json.dumps(doc["additional_config"])]
     return argv, doc["engine_args"]
 
 
 def native_argv(work: Path, args: dict) -> list[str]:
     keep = ("dtype", "max_model_len", "max_num_seqs", "block_size", "kv_cache_memory_bytes", "enforce_eager",
             "skip_tokenizer_init")
-    argv = [str(VLLM), "serve", str(work / "ckpt" / "bf16")]
-    for key in keep:
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if args[key] is True else [flag, str(args[key])]
-    return argv
+    return [str(VLLM), "serve", str(work / "ckpt" / "bf16"), *engine_flags.argv({k: args[k] for k in keep})]
 
 
 def tree_peak_rss_gib(pid: int) -> float:
@@ -99,13 +89,8 @@ def wait_ready(port: int, proc: subprocess.Popen, log: Path) -> None:
     while time.monotonic() - t0 < START_TIMEOUT_S:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve exited {proc.returncode}: see {log}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
+        if di.healthy(f"http://127.0.0.1:{port}"):
+            return
         time.sleep(1)
     raise RuntimeError(f"vllm serve did not answer /health in {START_TIMEOUT_S:.0f} s: see {log}")
 
@@ -165,7 +150,7 @@ def run_engine(name: str, work: Path, a) -> dict:
     argv, args = plugin_argv(work)
     if name == "vllm-bf16":
         argv = native_argv(work, args)
-    port, log = free_port(), work / f"stream-{name}.log"
+    port, log = di.free_port(), work / f"stream-{name}.log"
     with open(log, "a") as err:
         proc = subprocess.Popen([*argv, "--port", str(port), "--host", "127.0.0.1", "--seed", "0"], stdout=err,
                                 stderr=err, env=server_env(name != "vllm-bf16"), start_new_session=True)

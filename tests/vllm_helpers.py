@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from neffbuild import engine_flags
 from tests.helpers import ROOT
 
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -133,10 +134,7 @@ def free_port() -> int:
 def serve_argv(model: Path | str, engine_args: dict, additional: dict | None, port: int) -> list[str]:
     """``vllm serve MODEL`` with ``inspect --vllm-config``'s engine arguments (and its --additional-config): MODEL
     is the bundle folder it prints (or a checkpoint, for vLLM native)."""
-    argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(model)]
-    for key, value in engine_args.items():
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(model), *engine_flags.argv(engine_args)]
     if additional is not None:
         argv += ["--additional-config", json.dumps(additional)]
     if not engine_args.get("skip_tokenizer_init"):

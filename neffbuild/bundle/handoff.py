@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import shlex
 
+from neffbuild import engine_flags
+
 
 def neuron_config(manifest: dict, recipe: dict) -> dict:
     gi = manifest["graph_inputs"]
@@ -132,14 +134,10 @@ def plugin_config(root, manifest: dict, recipe: dict) -> dict:
     extra = {PLUGIN_KEY: {"bundle": model}}
     warn = ["the bundle carries no tokenizer: prompts must be token ids (--skip-tokenizer-init); for text "
             "prompts replace it with --tokenizer and the model's tokenizer"]
-    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {_flag_value(v)}"
-             for k, v in args.items()]
+    flags = [shlex.quote(a) for a in engine_flags.argv(args)]
     flags.append(f"--additional-config {shlex.quote(json.dumps(extra))}")
     env = {"PROMETHEUS_MULTIPROC_DIR": "$(mktemp -d)"}  # the engine core's counters on vLLM's /metrics
     line = " ".join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", shlex.quote(model), *flags])
     return {"command": line, "env": env, "engine_args": args, "additional_config": extra, "model": model,
             "warnings": warn}
 
-
-def _flag_value(value) -> str:
-    return shlex.quote(json.dumps(value, sort_keys=True)) if isinstance(value, dict) else str(value)

@@ -37,6 +37,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from neffbuild import engine_flags
+
 CONNECTOR = {"kv_connector": "NeffbuildNixlConnector", "kv_connector_module_path": "neffbuild.vllm.connector",
              "kv_buffer_device": "cpu"}
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -63,10 +65,7 @@ def kv_transfer_config(role: str, connector: dict | None = None) -> str:
 
 def serve_argv(vllm: str, settings: dict, port: int, role: str, extra: list[str] = ()) -> list[str]:
     """``vllm serve BUNDLE`` with the plugin's settings, the connector for ``role`` and 127.0.0.1:``port``."""
-    argv = [vllm, "serve", settings["model"]]
-    for key, value in settings["engine_args"].items():
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
+    argv = [vllm, "serve", settings["model"], *engine_flags.argv(settings["engine_args"])]
     argv += ["--additional-config", json.dumps(settings["additional_config"]),
              "--kv-transfer-config", kv_transfer_config(role),
              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m", *extra]
