@@ -72,7 +72,7 @@ def save_copying_draft(folder: Path, checkpoint: Path) -> Path:
         "sliding_attention", "full_attention"])))
     sd = dw.random_state_dict(cfg, seed=1)
     H = cfg.hidden_size
-    sd["fc.weight"] = torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1)  # aux (1, 1, 0): layer 0's output
+    sd["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], dim=1)  # aux (0, 1, 2): the embeddings
     for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
         sd[name] = torch.zeros_like(sd[name])
     sd["norm.weight"] = torch.ones(H)
@@ -111,7 +111,7 @@ def vllm_spec(tmp_path_factory, build_cache, compile_pool):
         for i, r in enumerate(six):
             f.write(json.dumps({"id": str(i), "prompt_ids": r["prompt"], "max_new_tokens": r["max_tokens"]}) + "\n")
     runs = {}
-    for name, extra in (("spec", []), ("plain", ["--no-spec"])):
+    for name, extra in (("spec", []), ("plain", ["--no-spec"]), ("native", ["--native", str(checkpoint)])):
         out = run_vllm_script(SCRIPT, ["--settings", str(settings), "--requests", *files, *extra],
                               VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         assert out.returncode == 0, out.stderr[-4000:]
@@ -130,7 +130,7 @@ def test_inspect_prints_the_speculative_config_with_the_bundles_draft_folder(vll
                     "model": str(Path(vllm_spec["bundle"]).resolve() / "draft")}
     draft = json.loads((Path(spec["model"]) / "config.json").read_text())
     assert draft["architectures"] == ["LlamaForCausalLMEagle3"] and draft["model_type"] == "llama"
-    assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # the bundle's own: one numbering
+    assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # the bundle's own: one numbering
     assert (Path(spec["model"]) / "model.safetensors").is_file()
 
 
@@ -154,6 +154,21 @@ def test_draft_and_target_spec_steps_run_and_drafts_are_accepted(vllm_spec):
     assert counters["num_accepted_tokens"] == sum(s["accepted"] for s in vllm_spec["generated"]["steps"])
     plain = vllm_spec["runs"]["plain"]["report"]["families"]
     assert set(plain) == {"target_nospec"}  # the same bundle without speculation: its target_nospec graphs
+
+
+def test_vllm_native_eagle3_on_the_checkpoint_and_the_bundles_draft_gives_the_same_tokens(vllm_spec):
+    """The third oracle: vLLM's own GPT-OSS and EAGLE3 drafter (no plugin) on the original checkpoint and the bundle's
+    draft/ folder. Greedy speculation is lossless on both sides, so the tokens agree; the acceptance rates are
+    reported side by side (the same drafts on the same states, up to float32 rounding of vLLM's eager kernels)."""
+    native, spec = vllm_spec["runs"]["native"], vllm_spec["runs"]["spec"]
+    assert native["report"] == {"enabled": False}  # the plugin stayed out: vLLM alone
+    assert native["runs"][0]["tokens"] == spec["runs"][0]["tokens"]
+    assert native["runs"][1]["tokens"] == spec["runs"][1]["tokens"]
+    ours, theirs = spec["runs"][0]["spec"], native["runs"][0]["spec"]
+    assert theirs["num_accepted_tokens"] > 0
+    rate = {n: c["num_accepted_tokens"] / c["num_draft_tokens"] for n, c in (("plugin", ours), ("native", theirs))}
+    print(f"acceptance rate on the six requests: {rate}")
+    assert abs(rate["plugin"] - rate["native"]) <= 0.05, rate
 
 
 def test_a_request_ending_at_max_model_len_finishes_through_target_nospec(vllm_spec):

@@ -2,12 +2,15 @@
 settings ``neffbuild inspect BUNDLE --vllm-config --json`` prints (EAGLE3: its ``--speculative-config``).
 
     python spec_generate.py --settings S.json --requests R.json [R2.json ...] [--no-spec] [--num-speculative-tokens K]
+                            [--native CHECKPOINT]
     R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
 
 Prints one JSON line: per request file (each submitted at once, one file after the other on the same engine)
 every request's tokens and vLLM's speculative-decoding counters after it (drafts, accepted drafts: cumulative),
 then the plugin's report. ``--no-spec`` leaves ``speculative_config`` out (the same
-bundle without speculation); ``--num-speculative-tokens`` changes its k (a start-up refusal, on stderr).
+bundle without speculation); ``--num-speculative-tokens`` changes its k (a start-up refusal, on stderr);
+``--native`` runs vLLM alone (no plugin settings) on the original checkpoint with the same engine arguments and the
+bundle's draft folder: vLLM's own EAGLE3 (its report then says the plugin is not enabled).
 """
 
 import argparse
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--requests", required=True, nargs="+")
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int)
+    p.add_argument("--native")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -38,6 +42,9 @@ def main() -> None:
         settings = json.load(f)
     kw = dict(settings["engine_args"], model=settings["model"], additional_config=settings["additional_config"],
               seed=0, disable_log_stats=False)
+    if a.native:
+        kw.update(model=a.native, additional_config={})
+        kw.pop("load_format")  # the bundle's settings say "dummy": the plugin's weights come from the bundle
     if a.no_spec:
         kw.pop("speculative_config", None)
     elif a.num_speculative_tokens is not None:

@@ -77,10 +77,11 @@ class Eagle3Config:
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidInput(f"{where}.num_attention_heads: {self.num_attention_heads} is not a multiple of "
                                f"num_key_value_heads {self.num_key_value_heads}")
-        bad = [i for i in self.aux_layers if not 0 <= i < target.num_hidden_layers]
+        bad = [i for i in self.aux_layers if not 0 <= i <= target.num_hidden_layers]
         if len(self.aux_layers) != 3 or bad:
             raise InvalidInput(f"{where}.eagle_config.eagle_aux_hidden_state_layer_ids: got {list(self.aux_layers)}, "
-                               f"must be 3 target layers in [0, {target.num_hidden_layers})")
+                               f"must be 3 ids in [0, {target.num_hidden_layers}] (id i: the stream entering target "
+                               f"layer i; {target.num_hidden_layers}: after the last layer)")
 
     @property
     def attention_scale(self) -> float:

@@ -113,5 +113,9 @@ def default_layer_types(num_layers: int) -> tuple[str, ...]:
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """The aux ids an EAGLE3 draft fuses when its config names none: early, middle, late (id i: the residual stream
-    entering layer i; EAGLE3's and vLLM's defaults)."""
-    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
+    entering layer i, id L the stream after the last layer; EAGLE3's and vLLM's defaults from 5 layers). Below 5
+    layers vLLM's formula repeats or leaves the range, and vLLM's own drafter collects one state per distinct id, so
+    a short target takes three distinct ids over [0, L] (the test models)."""
+    if num_layers >= 5:
+        return (2, num_layers // 2, num_layers - 3)
+    return (0, (num_layers + 1) // 2, num_layers) if num_layers >= 2 else (0, 1, 1)

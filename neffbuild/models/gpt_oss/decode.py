@@ -193,6 +193,7 @@ class GptOssDecode(nn.Module):
             attn = paged_attention(q, cache, table, positions, offset, w["sinks"][i],
                                    cfg.attention_scale, window, self.packed_k)
             x = attention_output_and_mlp(cfg, w, i, x, attn, self.par, rank)
+        hidden.append(x)  # aux id L: the stream after the last layer, before the final norm (vLLM collects it too)
         logits = unembed(cfg, w, x, self.par)  # [B, q, V] float32, the whole vocabulary on every rank
         if self.aux_layers:  # aux [B, q, 3H], float32 as the draft takes it
             return logits, torch.cat([hidden[i] for i in self.aux_layers], dim=-1).float()

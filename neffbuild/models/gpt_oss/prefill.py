@@ -114,6 +114,7 @@ def prefill(
             k, v = _as_stored(k, cache), _as_stored(v, cache)
             attn = sdpa_with_sinks(q, k, v, stacked["sinks"][i], cfg.attention_scale, window)
         x = attention_output_and_mlp(cfg, stacked, i, x, attn, parallel, rank_t)
+    hidden.append(x[0, :N])  # aux id L: the stream after the last layer, before the final norm
     if logits == "none":
         out = None
     elif logits == "last":  # one row; none for an empty prompt (a lockstep rank with no request: same collectives)
