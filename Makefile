@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv lock clean bench bench-real-width bench-vllm-di
+.PHONY: demo test test-fast lint venv lock clean bench bench-real-width bench-vllm-di bench-vllm-spec
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,8 +64,10 @@ demo: $(STAMP)
 TEST_WORKERS ?= 4
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
+# --durations: the 25 slowest tests and fixtures, printed at the end, so a run that nears the 20-minute bound says
+# where its time went (docs/benchmarks.md, "Test suite").
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) -m "not bench" tests
+	$(BIN)/python -m pytest -q $(XDIST) --durations=25 -m "not bench" tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not bench" tests
@@ -97,6 +99,11 @@ bench-real-width: $(STAMP)
 # instance. Needs the vLLM venv (tools/vllm_venv.sh), so not part of `bench`; about 10 minutes on 2 cores.
 bench-vllm-di: $(STAMP)
 	$(BIN)/python benchmarks/vllm_di.py --tls tcp,sm,self --tls tcp
+
+# EAGLE3 in vLLM (issue 50): vLLM native EAGLE3 against vLLM + bundle with and without speculation, batch 1 and 4,
+# tokens/s and acceptance, interleaved; stops if any engine's tokens differ. Needs the vLLM venv; ~10 minutes.
+bench-vllm-spec: $(STAMP)
+	$(BIN)/python benchmarks/vllm_spec.py --rounds 2
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) artifacts/*/ .pytest_cache
