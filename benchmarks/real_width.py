@@ -13,6 +13,8 @@ peak RSS is reported per engine), with ``--rounds`` interleaved rounds:
   bundle-bf16   the same with dense bf16 experts
   bundle-fp32   float32 everywhere (reference; ~4.5x the weight bytes)
   llama-mxfp4   llama.cpp on the GGUF its converter makes of the MXFP4 checkpoint, f16 KV, flash attention
+  llama-ft38    llama.cpp on that GGUF quantized by llama.cpp's own quantizer to file type 38 (MXFP4_MOE: experts
+                MXFP4, the other 2-D weights Q8_0; the form the published gpt-oss GGUFs ship), f16 KV, flash
   llama-bf16    llama.cpp on the dense checkpoint's GGUF (bf16), f16 KV, flash attention off
   vllm-bf16     vLLM CPU, bf16, eager (needs the vLLM venv: tools/vllm_venv.sh); vLLM CPU cannot serve the
                 MXFP4 checkpoint without AMX, so this is what a vLLM user on such a host runs
@@ -58,6 +60,7 @@ ENGINES = {
     "bundle-bf16": ("bf16", "bundle", (2, 2, 2)),
     "bundle-fp32": ("bf16", "bundle", (4, 4, 4)),
     "llama-mxfp4": ("mxfp4", "llama", (17 / 32, 2, 2)),
+    "llama-ft38": ("mxfp4", "llama", (17 / 32, 34 / 32, 2)),  # Q8_0: 32 int8 + one f16 scale
     "llama-bf16": ("bf16", "llama", (2, 2, 2)),
     "vllm-bf16": ("bf16", "vllm", (2, 2, 2)),
     "vllm-plugin-mxfp4": ("mxfp4", "vllm-plugin", (17 / 32, 2, 2)),
@@ -135,6 +138,18 @@ def gguf_for(kind: str, ckpt: Path, work: Path) -> tuple[Path, float]:
             str(out.with_suffix(".tmp")), "--outtype", "auto" if kind == "mxfp4" else "bf16"]
     doc = last_json(argv, work / "convert.log")
     out.with_suffix(".tmp").rename(out)
+    return out, doc["seconds"]
+
+
+def quantized(gguf: Path, work: Path) -> tuple[Path, float]:
+    """``gguf`` quantized to file type 38 by llama.cpp's own quantizer (llama-cpp-python binds it)."""
+    out = work / f"{gguf.stem}-ft38.gguf"
+    if out.is_file():
+        return out, 0.0
+    tmp = out.with_suffix(".tmp")
+    doc = last_json([str(LLAMA_PY), str(HERE / "real_width_peers.py"), "quantize", str(gguf), str(tmp)],
+                    work / "quantize.log")
+    tmp.rename(out)
     return out, doc["seconds"]
 
 
@@ -249,6 +264,9 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict, bw: float) ->
             return f"skipped: llama.cpp's converter {CONVERTER} is absent (LLAMA_CONVERTER=...; benchmarks/peers.sh)"
         gguf, secs = gguf_for(kind, ckpt, work)
         setup.setdefault(name, {"convert_s": round(secs, 1)})
+        if name == "llama-ft38":
+            gguf, secs = quantized(gguf, work)
+            setup[name]["quantize_s"] = round(secs, 1)
         flags = ["--flash", "--kv", "f16"] if kind == "mxfp4" else ["--kv", "f16"]
         argv = [str(LLAMA_PY), str(HERE / "real_width_peers.py"), "llama", "--model", str(gguf), *common, *flags]
     else:

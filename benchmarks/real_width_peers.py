@@ -1,13 +1,16 @@
 """The peers' side of benchmarks/real_width.py, run by each peer's own python (no neffbuild import).
 
     PY real_width_peers.py convert  --converter VENDOR/convert_hf_to_gguf.py CKPT OUT.gguf --outtype auto
+    PY real_width_peers.py quantize IN.gguf OUT.gguf [--ftype 38]
     PY real_width_peers.py llama    --model X.gguf --prompts P.json --batches 1,4 --new 200 [--flash] [--kv f16]
     PY real_width_peers.py vllm     --model CKPT   --prompts P.json --batches 1,4 --new 200 [--dtype bfloat16]
     PY real_width_peers.py vllm     --model BUNDLE --engine-args JSON --prompts P.json ...   (the neffbuild plugin)
 
 ``convert`` runs llama.cpp's own converter; a checkpoint without tokenizer files takes its
 "no vocab" path (tokenizer model ``none``) plus the ``vocab_size`` key, so the GGUF knows the
-unembedding's width. ``llama`` drives llama.cpp's C API through llama-cpp-python's bindings: the
+unembedding's width. ``quantize`` runs llama.cpp's own quantizer (``llama_model_quantize``) on that GGUF: file
+type 38, ``MXFP4_MOE``, is the form the published gpt-oss GGUFs ship (experts MXFP4, the other 2-D weights
+Q8_0, the router f32). ``llama`` drives llama.cpp's C API through llama-cpp-python's bindings: the
 high-level ``Llama`` object runs one sequence, so batch B is B sequences of one context
 (``n_seq_max = B``), one ``llama_decode`` of B tokens a step, greedy argmax over each row of logits.
 ``vllm`` runs ``vllm.LLM`` in-process (V1 multiprocessing off, so peak RSS is the engine's); with
@@ -47,6 +50,19 @@ def convert(a) -> None:
     sys.argv = [str(a.converter), str(a.ckpt), "--outfile", str(a.out), "--outtype", a.outtype]
     t0 = time.perf_counter()
     runpy.run_path(str(a.converter), run_name="__main__")
+    print(json.dumps({"gguf": str(a.out), "seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}))
+
+
+def quantize(a) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = a.ftype
+    params.nthread = os.cpu_count() or 1
+    t0 = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(str(a.src).encode(), str(a.out).encode(), params)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize({a.src}, file type {a.ftype}) returned {rc}")
     print(json.dumps({"gguf": str(a.out), "seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}))
 
 
@@ -154,6 +170,10 @@ def main() -> None:
     c.add_argument("ckpt")
     c.add_argument("out")
     c.add_argument("--outtype", default="auto")
+    q = sub.add_parser("quantize")
+    q.add_argument("src")
+    q.add_argument("out")
+    q.add_argument("--ftype", type=int, default=38, help="llama_ftype (38: MXFP4_MOE)")
     for name in ("llama", "vllm"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=True)
@@ -170,6 +190,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "convert":
         return convert(a)
+    if a.cmd == "quantize":
+        return quantize(a)
     prompts = json.loads(Path(a.prompts).read_text())
     result = (llama if a.cmd == "llama" else vllm)(a, prompts)
     print(json.dumps({"batches": result, "peak_rss_mb": peak_rss_mb()}), flush=True)
