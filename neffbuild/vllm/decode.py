@@ -65,7 +65,7 @@ class BundleDecoder:
         full = [a for a in self.layers if a.sliding_window is None]
         self.full_name = full[0].layer_name
         self.sliding_name = sliding[0].layer_name if sliding else None
-        self.metrics = PluginMetrics(bundle.grid.max_model_len)
+        self.metrics = PluginMetrics(bundle.grid.max_model_len, bundle.facts.rank)
         self.stepper: Stepper | None = None
         self.draft_layer = None  # EAGLE3: the draft model's vLLM Attention (its KV tensor: the draft's buffer)
         self.aux_layers: tuple[int, ...] = ()  # EAGLE3 with vLLM speculating: the forward returns their states
@@ -107,7 +107,8 @@ class BundleDecoder:
 
     def _stepper(self) -> Stepper:
         if self.stepper is None:
-            self.stepper = Stepper(self.bundle, kv_caches=self.kv_buffers(), draft_kv_cache=self.draft_buffer())
+            self.stepper = Stepper(self.bundle, kv_caches=self.kv_buffers(), draft_kv_cache=self.draft_buffer(),
+                                   group=self.bundle.group)  # the DP ranks' twin group (neffbuild/vllm/ranks.py)
         return self.stepper
 
     # -- one forward
