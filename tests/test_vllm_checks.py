@@ -110,6 +110,15 @@ def test_each_parallel_mismatch_names_the_flag_and_both_values(bundle, change, e
     assert line.startswith(expected), line
 
 
+def test_a_dp2_bundle_serves_without_speculation_only():
+    bundle = checks.Compiled(**{**EAGLE3.__dict__, "dp": 2, "ep": 2})
+    engine = checks.Engine(**{**SPECULATES.__dict__, "data_parallel_size": 2, "expert_parallel": True})
+    assert checks.problems(bundle, checks.Engine(**{**engine.__dict__, "num_speculative_tokens": 0})) == []
+    [line] = checks.problems(bundle, engine)
+    assert line.startswith("--speculative-config: vLLM has num_speculative_tokens 3, the bundle was compiled for 0 "
+                           "(the plugin serves a dp > 1 bundle without speculation"), line
+
+
 def test_an_expert_parallel_group_other_than_every_rank_is_refused():
     half = checks.Compiled(**{**DP2.__dict__, "dp": 4})  # ep 2 of 4 ranks: vLLM's EP group would hold all 4
     [line] = checks.problems(half, checks.Engine(**{**DP2_FITS.__dict__, "data_parallel_size": 4}))

@@ -5,6 +5,10 @@ twin groups of vLLM's ranks (neffbuild/vllm/ranks.py), with the settings `neffbu
   concurrent greedy requests with the tokens of vLLM's native GPT-OSS at tp 2 on the same checkpoint; both ranks
   ran the same artifact labels step for step (the per-rank metrics); `--tensor-parallel-size 1` against the
   bundle stops start-up in one line naming the flag and both values.
+- dp 2 with expert parallel (ep 2: the MoE gathers the two DP ranks' tokens): the same six requests, then the
+  seeds' case: one request alone (one DP rank idle, running vLLM's dummy batch) decoding across the 128 context
+  bucket gives the tokens of the tp 2 (dp 1) bundle and of vLLM native, nothing hangs, and both ranks ran the
+  same labels step for step, the idle one included.
 
 vLLM runs from its own venv (tests/vllm_helpers.py). The module starts vLLM once per configuration (native tp 2,
 the plugin at tp 2, the refused start); its tests run on one xdist worker (tests/conftest.py groups
@@ -41,6 +45,7 @@ pytestmark = pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON)
 
 # (prompt length, max_tokens): more requests than the batch bucket (4); decode steps in both context buckets.
 SHAPES = [(5, 40), (100, 60), (37, 20), (130, 30), (9, 90), (60, 50)]
+ALONE = (100, 60)  # the seeds' case, served alone after the six: positions 100..159 cross the 128 bucket
 SCRIPT = "tests/vllm_scripts/generate.py"
 
 
@@ -51,10 +56,13 @@ def vllm_parallel(tmp_path_factory, build_cache, compile_pool):
     tp2 = build_bundle(folder / "tp2", build_cache,
                        _recipe(folder / "tp2", checkpoint, "gpt-oss-vllm-tp2", {"tp": 2}),
                        executor=compile_pool).bundle
+    dp2 = build_bundle(folder / "dp2", build_cache,
+                       _recipe(folder / "dp2", checkpoint, "gpt-oss-vllm-dp2", {"dp": 2, "ep": 2}),
+                       executor=compile_pool).bundle
     rng = random.Random(1)
-    requests = [{"prompt": [rng.randrange(512) for _ in range(n)], "max_tokens": m} for n, m in SHAPES]
+    requests = [{"prompt": [rng.randrange(512) for _ in range(n)], "max_tokens": m} for n, m in [*SHAPES, ALONE]]
     (folder / "requests.json").write_text(json.dumps(requests))
-    return folder, checkpoint, {"tp2": tp2}, requests
+    return folder, checkpoint, {"tp2": tp2, "dp2": dp2}, requests
 
 
 def _recipe(folder, checkpoint, name: str, parallel: dict):
@@ -78,8 +86,9 @@ def native_tp2(vllm_parallel):
 
 
 def _serve(folder, bundle, name: str, requests: list[dict]):
-    """`vllm serve` with the printed line (its env too): every request at once, then /metrics and every worker's
-    report (vLLM's dev-mode /collective_rpc to the plugin's worker extension)."""
+    """`vllm serve` with the printed line (its env too): every request but the last at once, then the last alone;
+    the tokens, /metrics before and after the last, and the workers' reports (vLLM's dev-mode /collective_rpc to
+    the plugin's worker extension: every TP worker of the first DP rank)."""
     doc = _printed(bundle)
     multiproc = folder / f"prom-{name}"
     multiproc.mkdir()
@@ -91,11 +100,33 @@ def _serve(folder, bundle, name: str, requests: list[dict]):
                                                            **env))
     try:
         server.wait_ready()
-        with ThreadPoolExecutor(len(requests)) as pool:
-            tokens = list(pool.map(lambda r: server.complete(r["prompt"], r["max_tokens"]), requests))
-        return tokens, server.metrics(), server.rpc("neffbuild_report")
+        *together, alone = requests
+        with ThreadPoolExecutor(len(together)) as pool:
+            tokens = list(pool.map(lambda r: server.complete(r["prompt"], r["max_tokens"]), together))
+        before = _settled(server)
+        tokens.append(server.complete(alone["prompt"], alone["max_tokens"]))
+        return tokens, _settled(server), server.rpc("neffbuild_report"), before
     finally:
         server.stop()
+
+
+def _settled(server, limit: float = 30) -> str:
+    """/metrics once the ranks stopped stepping: DP ranks run a few idle steps after the last request ends, and a
+    scrape between two ranks' steps would see one rank a step ahead."""
+    import time
+
+    def steps(text: str):
+        return prom_samples(text, "neffbuild_vllm_artifact_steps_total"), \
+            prom_samples(text, "neffbuild_vllm_step_digest")
+
+    end, last = time.monotonic() + limit, server.metrics()
+    while time.monotonic() < end:
+        time.sleep(1)
+        now = server.metrics()
+        if steps(now) == steps(last):
+            return now
+        last = now
+    raise AssertionError(f"the ranks still stepped {limit} s after the last request")
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +144,16 @@ def test_the_printed_settings_of_a_tp2_bundle_start_vllm_at_tp2_bound_one_part_o
 
 
 def test_tp2_serves_six_concurrent_requests_with_vllm_natives_tokens_at_tp2(served_tp2, native_tp2):
-    tokens, _, _ = served_tp2
+    tokens, *_ = served_tp2
     assert tokens == native_tp2
 
 
 def test_both_tp_ranks_ran_their_own_shard_and_the_same_artifacts_step_for_step(served_tp2, vllm_parallel):
-    _, metrics, reports = served_tp2
+    _, metrics, reports, _ = served_tp2
     assert sorted(r["rank"] for r in reports) == [0, 1]
     assert all(r["kv_shapes"] == [[2, 128, 1, 32, 64]] for r in reports)  # one of the 2 KV heads per rank
     assert reports[0]["steps"] == reports[1]["steps"] and reports[0]["step_digest"] == reports[1]["step_digest"]
-    decode_rows = sum(r["max_tokens"] - 1 for r in vllm_parallel[3])
+    decode_rows = sum(r["max_tokens"] - 1 for r in vllm_parallel[3])  # the six and the one alone
     assert all(r["rows"] == {"artifact": decode_rows} for r in reports)  # every decode row through an artifact
     steps = prom_samples(metrics, "neffbuild_vllm_artifact_steps_total")
     by_rank = {rank: {dict(k)["label"]: v for k, v in steps.items() if dict(k)["rank"] == rank} for rank in "01"}
@@ -141,3 +172,45 @@ def test_tp1_against_a_tp2_bundle_stops_start_up_naming_the_flag_and_both_values
     assert "--tensor-parallel-size: vLLM has tensor_parallel_size 1, the bundle was compiled for 2 (pass " \
            "--tensor-parallel-size 2)" in text, text[-3000:]
     assert set(re.findall(r"^\((\w+) pid=\d+\)", text, re.M)) <= {"APIServer"}  # refused before any engine started
+
+
+@pytest.fixture(scope="module")
+def served_dp2(vllm_parallel):
+    folder, _, bundles, requests = vllm_parallel
+    return _serve(folder, bundles["dp2"], "dp2", requests)
+
+
+def _per_rank(metrics: str, name: str, key: str = "label") -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for labels, v in prom_samples(metrics, name).items():
+        d = dict(labels)
+        out.setdefault(d["rank"], {})[d.get(key, "")] = v
+    return out
+
+
+def test_the_printed_settings_of_a_dp2_ep2_bundle_start_vllm_with_expert_parallel(vllm_parallel):
+    doc = _printed(vllm_parallel[2]["dp2"])
+    args = doc["engine_args"]
+    assert (args["tensor_parallel_size"], args["data_parallel_size"], args["enable_expert_parallel"]) == (1, 2, True)
+    assert "--enable-expert-parallel" in doc["command"] and len(doc["env"]["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+
+
+def test_dp2_ep2_serves_vllm_natives_tokens_and_the_one_alone_the_dp1_bundles(served_dp2, served_tp2, native_tp2):
+    tokens, *_ = served_dp2
+    assert tokens == native_tp2  # the six together, then the seeds' case alone (one DP rank idle)
+    assert tokens[-1] == served_tp2[0][-1]  # the same request alone on the dp 1 (tp 2) bundle
+
+
+def test_both_dp_ranks_ran_the_same_artifacts_step_for_step_the_idle_one_included(served_dp2):
+    _, metrics, _, before = served_dp2
+    steps, earlier = (_per_rank(m, "neffbuild_vllm_artifact_steps_total") for m in (metrics, before))
+    assert set(steps) == {"0", "1"} and steps["0"] == steps["1"]
+    digests = {dict(k)["rank"]: v for k, v in prom_samples(metrics, "neffbuild_vllm_step_digest").items()}
+    assert len(digests) == 2 and digests["0"] == digests["1"]  # the same labels in the same order
+    # the request alone: both ranks stepped through both context buckets together, one of them idle throughout
+    alone = {rank: {k: v - earlier[rank].get(k, 0) for k, v in steps[rank].items()} for rank in steps}
+    assert alone["0"] == alone["1"] and {k for k, v in alone["0"].items() if v} == {"decode_b4_ctx128",
+                                                                                   "decode_b4_ctx512"}
+    forwards, forwards_before = (_per_rank(m, "neffbuild_vllm_forwards_total", "kind") for m in (metrics, before))
+    idle = {rank: forwards[rank].get("idle", 0) - forwards_before[rank].get("idle", 0) for rank in forwards}
+    assert max(idle.values()) >= ALONE[1] - 1 > min(idle.values()), forwards  # the busy rank: at most a few

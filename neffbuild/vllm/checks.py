@@ -122,6 +122,9 @@ def _parallel(bundle: Compiled, engine: Engine) -> list[str]:
     elif bundle.ep > 1 and not out and bundle.ep != bundle.tp * bundle.dp:
         out.append(_line(flag, "an expert-parallel group of", bundle.tp * bundle.dp, bundle.ep,
                          "vLLM's EP group holds every rank: serve a bundle compiled with ep = tp x dp"))
+    if bundle.dp > 1 and engine.num_speculative_tokens:
+        out.append(_line(SPEC_FLAG, "num_speculative_tokens", engine.num_speculative_tokens, 0,
+                         "the plugin serves a dp > 1 bundle without speculation: remove --speculative-config"))
     if not out and None not in (engine.kv_heads_per_rank, bundle.kv_heads_per_rank) \
             and engine.kv_heads_per_rank != bundle.kv_heads_per_rank:
         out.append(_line("--tensor-parallel-size", "KV heads per rank", engine.kv_heads_per_rank,

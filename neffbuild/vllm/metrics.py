@@ -48,8 +48,9 @@ class PluginMetrics:
         self._prom = (
             prom.Counter("neffbuild_vllm_artifact_steps", "Decode forwards run by a bundle artifact.",
                          ["label", "rank"]),
-            prom.Counter("neffbuild_vllm_forwards", "Model forwards by kind (decode | prefill | mixed).", ["kind"]),
-            prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact).", ["path"]),
+            prom.Counter("neffbuild_vllm_forwards", "Model forwards by kind (decode | prefill | mixed | idle).",
+                         ["kind", "rank"]),
+            prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact).", ["path", "rank"]),
             prom.Histogram(NeededSeqHistogram.METRIC, "needed_seq of each decode step (max computed + 1 + drafts).",
                            buckets=edges),
             prom.Gauge("neffbuild_vllm_step_digest", "Chain digest (48 bits) of the artifact labels this rank ran, in "
@@ -66,12 +67,12 @@ class PluginMetrics:
     def forward(self, kind: str) -> None:
         self.forwards[kind] += 1
         if self._prom is not None:
-            self._child(1, kind).inc()
+            self._child(1, kind, self.rank).inc()
 
     def decode_rows(self, path: str, n: int) -> None:
         self.rows[path] += n
         if self._prom is not None:
-            self._child(2, path).inc(n)
+            self._child(2, path, self.rank).inc(n)
 
     def prefill_tokens(self, n: int) -> None:
         """Prompt tokens the bundle's eager prefill ran (prompts and chunks of them)."""

@@ -263,15 +263,15 @@ class Bundle:
         return 3 * self.facts.hidden_size
 
     def prefill(self, prompt, kv_caches: list, rows: dict, *, start: int = 0, logits: str = "last",
-                aux_layers: tuple[int, ...] = ()):
+                aux_layers: tuple[int, ...] = (), pad_to: int = 0):
         """The bundle's eager forward over ``prompt`` (positions ``start`` onwards; the KV of the positions before
         it already in ``kv_caches``) on the bundle's own weights, writing the KV through ``rows`` ({group: block
         row}): a host engine's prefill and chunks (runtime/bundle/eager.py). Logits of the last position by
-        default ([1, vocab])."""
+        default ([1, vocab]). ``pad_to``: run that many positions (DP ranks in lockstep: ``Stepper.lockstep``)."""
         if self._prefill is None:
             self._prefill = eager.prefill_on(self.facts.config, self.weights, self.facts.fp8_packed_kv,
                                              self.facts.parallel, self.facts.rank)
-        return self._prefill(prompt, kv_caches, rows, start=start, logits=logits, aux_layers=aux_layers)
+        return self._prefill(prompt, kv_caches, rows, start=start, logits=logits, aux_layers=aux_layers, pad_to=pad_to)
 
     def draft_prefill(self, tokens, aux, draft_kv_cache, block_row) -> None:
         """EAGLE3: the draft's KV over prompt positions 0..n-1 (``tokens``: the token at each position + 1, ``aux``:
