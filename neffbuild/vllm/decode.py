@@ -166,7 +166,9 @@ class BundleDecoder:
         gathers across DP groups (a rank without an n-th prompt runs an empty one at the same padded length)."""
         if not self.lockstep:
             return [self._prefill(metadata, input_ids, positions, r, starts, aux) for r in rows]
+        synced = time.perf_counter()
         pads = self._stepper().lockstep([starts[r + 1] - starts[r] for r in rows])
+        self.metrics.seconds("lockstep", time.perf_counter() - synced)
         out = []
         for n, pad in enumerate(pads):
             if n < len(rows):
@@ -219,8 +221,11 @@ class BundleDecoder:
                                                   self.block_size)
         batch = StepBatch(tokens=tokens, num_computed=computed, block_tables=tables)
         stepper = self._stepper()
+        planned = time.perf_counter()
+        plan = stepper.plan(batch)  # with dp > 1: the DP all-reduce, waiting for the slowest rank included
         ran = time.perf_counter()
-        out = stepper.run(stepper.plan(batch), batch)
+        out = stepper.run(plan, batch)
+        self.metrics.seconds("plan", ran - planned)
         self.metrics.seconds("run", time.perf_counter() - ran)  # Stepper.run: inputs + the artifact
         self.metrics.artifact(out.plan.label, out.plan.needed_seq, out.plan.family)
         self.metrics.decode_rows("artifact", len(rows))
