@@ -8,7 +8,8 @@ twin groups of vLLM's ranks (neffbuild/vllm/ranks.py), with the settings `neffbu
 - dp 2 with expert parallel (ep 2: the MoE gathers the two DP ranks' tokens): the same six requests, then the
   seeds' case: one request alone (one DP rank idle, running vLLM's dummy batch) decoding across the 128 context
   bucket gives the tokens of the tp 2 (dp 1) bundle and of vLLM native, nothing hangs, and both ranks ran the
-  same labels step for step, the idle one included.
+  same labels step for step, the idle one included. (vLLM native is the tp 2 run: vLLM 0.32's own GPT-OSS does
+  not run dp 2 with expert parallel on CPU, its CPU communicator lacking ``all_gatherv``.)
 
 vLLM runs from its own venv (tests/vllm_helpers.py). The module starts vLLM once per configuration (native tp 2,
 the plugin at tp 2, the refused start); its tests run on one xdist worker (tests/conftest.py groups
