@@ -12,7 +12,7 @@ twin groups of vLLM's ranks (neffbuild/vllm/ranks.py), with the settings `neffbu
   not run dp 2 with expert parallel on CPU, its CPU communicator lacking ``all_gatherv``.)
 
 vLLM runs from its own venv (tests/vllm_helpers.py). The module starts vLLM once per configuration (native tp 2,
-the plugin at tp 2, the refused start); its tests run on one xdist worker (tests/conftest.py groups
+the plugin at tp 2 and at dp 2, the refused start); its tests run on one xdist worker (tests/conftest.py groups
 `vllm_parallel`). Each bundle is 2 graphs: batch bucket 4 x (context bucket 128 + the fallback 512).
 """
 
