@@ -62,7 +62,7 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
 # worker take the first's entry).
 XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build",
                 "built_tp2", "built_dp2_ep2", "fp8_built", "vllm_setup", "vllm_dtype_bundles", "vllm_stream",
-                "vllm_spec", "home")
+                "vllm_spec", "vllm_parallel", "home")
 # A fixture whose tests join another group: test_json_output's cold build (`home`) is used by its Ray test too,
 # so its whole module runs on the Ray group's worker and the cold build happens once, not once per worker.
 JOINS = {"home": "ray_cluster"}

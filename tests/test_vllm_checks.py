@@ -82,6 +82,50 @@ def test_each_speculation_mismatch_names_the_flag_and_both_values(change, expect
     assert line.startswith(expected), line
 
 
+# Sharded bundles: vLLM's ranks must be the bundle's (tp 2 with replicated experts; dp 2 with its experts split).
+TP2 = checks.Compiled(**{**BUNDLE.__dict__, "tp": 2, "kv_heads_per_rank": 1})
+TP2_FITS = checks.Engine(**{**FITS.__dict__, "tensor_parallel_size": 2, "kv_heads_per_rank": 1})
+DP2 = checks.Compiled(**{**BUNDLE.__dict__, "dp": 2, "ep": 2, "kv_heads_per_rank": 2})
+DP2_FITS = checks.Engine(**{**FITS.__dict__, "data_parallel_size": 2, "expert_parallel": True, "kv_heads_per_rank": 2})
+
+
+@pytest.mark.parametrize(("bundle", "change", "expected"), [
+    (TP2, {"tensor_parallel_size": 1}, "--tensor-parallel-size: vLLM has tensor_parallel_size 1, the bundle was "
+                                       "compiled for 2 (pass --tensor-parallel-size 2)"),
+    (TP2, {"expert_parallel": True}, "--enable-expert-parallel: vLLM has expert parallel 'on', the bundle was "
+                                     "compiled for 'ep 1 (experts on every rank)' (remove --enable-expert-parallel)"),
+    (TP2, {"kv_heads_per_rank": 2}, "--tensor-parallel-size: vLLM has KV heads per rank 2, the bundle was compiled "
+                                    "for 1"),
+    (DP2, {"data_parallel_size": 1}, "--data-parallel-size: vLLM has data_parallel_size 1, the bundle was compiled "
+                                     "for 2 (pass --data-parallel-size 2)"),
+    (DP2, {"expert_parallel": False}, "--enable-expert-parallel: vLLM has expert parallel 'off', the bundle was "
+                                      "compiled for 'ep 2' (pass --enable-expert-parallel)"),
+    (BUNDLE, {"data_parallel_size": 2}, "--data-parallel-size: vLLM has data_parallel_size 2, the bundle was "
+                                        "compiled for 1"),
+])
+def test_each_parallel_mismatch_names_the_flag_and_both_values(bundle, change, expected):
+    fits = TP2_FITS if bundle is TP2 else DP2_FITS if bundle is DP2 else FITS
+    assert checks.problems(bundle, fits) == []
+    [line] = checks.problems(bundle, checks.Engine(**{**fits.__dict__, **change}))
+    assert line.startswith(expected), line
+
+
+def test_a_dp2_bundle_serves_without_speculation_only():
+    bundle = checks.Compiled(**{**EAGLE3.__dict__, "dp": 2, "ep": 2})
+    engine = checks.Engine(**{**SPECULATES.__dict__, "data_parallel_size": 2, "expert_parallel": True})
+    assert checks.problems(bundle, checks.Engine(**{**engine.__dict__, "num_speculative_tokens": 0})) == []
+    [line] = checks.problems(bundle, engine)
+    assert line.startswith("--speculative-config: vLLM has num_speculative_tokens 3, the bundle was compiled for 0 "
+                           "(the plugin serves a dp > 1 bundle without speculation"), line
+
+
+def test_an_expert_parallel_group_other_than_every_rank_is_refused():
+    half = checks.Compiled(**{**DP2.__dict__, "dp": 4})  # ep 2 of 4 ranks: vLLM's EP group would hold all 4
+    [line] = checks.problems(half, checks.Engine(**{**DP2_FITS.__dict__, "data_parallel_size": 4}))
+    assert line.startswith("--enable-expert-parallel: vLLM has an expert-parallel group of 4, the bundle was "
+                           "compiled for 2"), line
+
+
 @pytest.mark.parametrize(("section", "message"), [
     ("artifacts/x", "--additional-config neffbuild: must be an object"),
     ({}, "--additional-config neffbuild.bundle: required"),

@@ -58,7 +58,8 @@ def save_checkpoint(folder: Path) -> Path:
 
 def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", num_blocks: int = NUM_BLOCKS,
                  num_seqs_buckets=tuple(BATCH_BUCKETS), ctx_buckets=tuple(CTX_BUCKETS),
-                 max_model_len: int = MAX_MODEL_LEN, neuron: dict | None = None, **serving) -> Path:
+                 max_model_len: int = MAX_MODEL_LEN, neuron: dict | None = None, parallel: dict | None = None,
+                 **serving) -> Path:
     raw = {
         "name": name, "version": "0.1.0",
         "model": {"arch": "gpt_oss", "checkpoint": str(checkpoint)},
@@ -67,7 +68,7 @@ def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", 
         "neuron_config": {"num_seqs_buckets": list(num_seqs_buckets),
                           "decode_context_length_buckets": list(ctx_buckets), "gk_decode": True,
                           "fp8_packed_kv": False, "lnc": 1, **(neuron or {})},
-        "parallel": {"tp": 1, "dp": 1, "ep": 1},
+        "parallel": {"tp": 1, "dp": 1, "ep": 1, **(parallel or {})},
         "compiler": {"backend": "inductor", "target": "trn2", "optlevel": 2, "flags": []},
         "build": {"jobs": 2},
     }
@@ -122,6 +123,28 @@ def python_json(out: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- vllm serve
+
+def start_refused(argv: list[str], log: Path, env: dict, port: int, limit: float = 90) -> tuple[int, bool, float]:
+    """Start ``vllm serve`` that must refuse: (its exit status, whether its port ever answered, seconds it took);
+    killed after ``limit`` seconds (its status then negative). The log is in ``log``."""
+    import time
+    import urllib.request
+
+    start = time.monotonic()
+    served = False
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
+        while proc.poll() is None and time.monotonic() - start < limit:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    served = True
+            except OSError:
+                time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, served, time.monotonic() - start
+
 
 def free_port() -> int:
     import socket

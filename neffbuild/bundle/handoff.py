@@ -88,6 +88,19 @@ def kv_pool_bytes(facts) -> int:
     return -(-layout.target_bytes // 2**20) * 2**20
 
 
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU workers on this host: its usable CPUs in ``ranks``
+    contiguous parts, one per rank in vLLM's order (DP rank, then TP rank), e.g. ``0|1`` for 2 ranks on 2 CPUs."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < ranks:
+        cpus = (cpus * ranks)[:ranks]  # fewer CPUs than ranks: ranks share CPUs
+    size = len(cpus) // ranks
+    parts = [cpus[i * size:(i + 1) * size if i < ranks - 1 else len(cpus)] for i in range(ranks)]
+    return "|".join(",".join(map(str, p)) for p in parts)
+
+
 # vLLM's drafter hands its model the rows each request verified (rejected drafts dropped) only in its unpadded
 # mode; the plugin's draft forward runs the bundle's draft graph on exactly those rows (docs/vllm.md).
 UNPADDED_DRAFTS = "disable_padded_drafter_batch"
@@ -124,6 +137,8 @@ def plugin_config(root, manifest: dict, recipe: dict) -> dict:
             **engine_args(manifest)}
     if kv_cache_dtype != "auto":
         args["kv_cache_dtype"] = kv_cache_dtype
+    if facts.parallel.ep > 1:  # the bundle splits its experts: vLLM's expert parallelism (its EP group: every rank)
+        args["enable_expert_parallel"] = True
     spec = plugin_speculative_config(root, facts)
     if spec is not None:
         args["speculative_config"] = spec
@@ -134,10 +149,16 @@ def plugin_config(root, manifest: dict, recipe: dict) -> dict:
     extra = {PLUGIN_KEY: {"bundle": model}}
     warn = ["the bundle carries no tokenizer: prompts must be token ids (--skip-tokenizer-init); for text "
             "prompts replace it with --tokenizer and the model's tokenizer"]
+    env = {"PROMETHEUS_MULTIPROC_DIR": "$(mktemp -d)"}  # the engine core's counters on vLLM's /metrics
+    if facts.parallel.world_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(facts.parallel.world_size)
+        warn.append(f"VLLM_CPU_OMP_THREADS_BIND: this host's CPUs split over the {facts.parallel.world_size} ranks "
+                    "(vLLM's default binds one NUMA node per rank and refuses to start with fewer nodes than "
+                    "ranks); on a host with a NUMA node per rank 'auto' binds by node")
     flags = [shlex.quote(a) for a in engine_flags.argv(args)]
     flags.append(f"--additional-config {shlex.quote(json.dumps(extra))}")
-    env = {"PROMETHEUS_MULTIPROC_DIR": "$(mktemp -d)"}  # the engine core's counters on vLLM's /metrics
-    line = " ".join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", shlex.quote(model), *flags])
+    shown = [f"{k}={v if v.startswith('$(') else shlex.quote(v)}" for k, v in env.items()]  # "0|1" quoted
+    line = " ".join([*shown, "vllm", "serve", shlex.quote(model), *flags])
     return {"command": line, "env": env, "engine_args": args, "additional_config": extra, "model": model,
             "warnings": warn}
 

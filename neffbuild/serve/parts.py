@@ -42,6 +42,7 @@ import torch
 
 from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP, BlockManager
 from neffbuild.runtime.kv.tables import TableBuffer
+from neffbuild.runtime.step import dp_sync
 
 
 @dataclass
@@ -177,7 +178,7 @@ class LocalPrefill:
     def admit(self, reqs: list[Request], blocks: BlockManager, hold: Sequence[int] = ()) -> None:
         """``hold``: per request, the positions the engine's first decode reserve will hold (the scheduler's
         ``first_hold``): reserved here already, so that reserve changes nothing and the tables change once."""
-        pads = _lockstep([r.prompt for r in reqs], self.group) if self.collective else [0] * len(reqs)
+        pads = dp_sync.lockstep([len(r.prompt) for r in reqs], self.group)[0] if self.collective else [0] * len(reqs)
         for n, pad_to in enumerate(pads):
             kw = {"pad_to": pad_to, "logits": "last"} if self.collective else {"logits": "last"}
             if self.aux_layers:
@@ -200,20 +201,6 @@ class LocalPrefill:
 
     def close(self) -> None:
         pass
-
-
-def _lockstep(prompts: Sequence[Sequence[int]], group) -> list[int]:
-    """The padded length of every prefill all ranks run together: MAX over ranks of the count and the lengths."""
-    import torch.distributed as dist
-
-    count = torch.tensor([len(prompts)])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    if int(count) == 0:
-        return []
-    lengths = torch.zeros(int(count), dtype=torch.long)
-    lengths[: len(prompts)] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
-    return lengths.tolist()
 
 
 __all__ = ["FULL_GROUP", "SLIDING_GROUP", "BlockRows", "KVSource", "LocalPrefill", "Proposer", "Request", "block_rows"]

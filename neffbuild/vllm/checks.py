@@ -31,6 +31,8 @@ class Engine:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    expert_parallel: bool = False  # --enable-expert-parallel (vLLM's EP group: every tp x dp rank)
+    kv_heads_per_rank: int | None = None  # the KV heads vLLM gives one TP rank (None: not known yet)
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
     draft_config: dict = field(default_factory=dict)  # the draft model's config as vLLM loaded it (DRAFT_KEYS)
@@ -51,6 +53,8 @@ class Compiled:
     kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype for the bundle's KV buffers
     tp: int = 1
     dp: int = 1
+    ep: int = 1
+    kv_heads_per_rank: int | None = None  # the KV heads one rank's buffers hold (every TP rank alike)
     num_speculative_tokens: int = 0
     speculative_method: str | None = None
     draft_config: dict = field(default_factory=dict)
@@ -94,13 +98,37 @@ def problems(bundle: Compiled, engine: Engine, *, unresolved: tuple[str, ...] = 
         out.append(_line("--max-num-seqs", "max_num_seqs", engine.max_num_seqs, largest,
                          f"the largest batch bucket; pass --max-num-seqs {largest} or fewer"))
     out += _speculation(bundle, engine)
-    for flag, name, e, b in (("--tensor-parallel-size", "tensor_parallel_size", engine.tensor_parallel_size, bundle.tp),
-                             ("--data-parallel-size", "data_parallel_size", engine.data_parallel_size, bundle.dp)):
-        if e != b or b != 1:
-            out.append(_line(flag, name, e, b, "the plugin serves unsharded bundles (tp 1, dp 1) only"))
+    out += _parallel(bundle, engine)
     if engine.pipeline_parallel_size != 1:
         out.append(_line("--pipeline-parallel-size", "pipeline_parallel_size", engine.pipeline_parallel_size, 1,
                          "the bundle's decode graph runs every layer"))
+    return out
+
+
+def _parallel(bundle: Compiled, engine: Engine) -> list[str]:
+    """vLLM's ranks must be the bundle's: its TP and DP sizes, expert parallelism on exactly when the bundle splits
+    its experts (vLLM's EP group is every rank, so the bundle's ep must be tp x dp), and a rank's KV heads."""
+    out = [_line(flag, name, e, b, f"pass {flag} {b}")
+           for flag, name, e, b in (("--tensor-parallel-size", "tensor_parallel_size", engine.tensor_parallel_size,
+                                     bundle.tp),
+                                    ("--data-parallel-size", "data_parallel_size", engine.data_parallel_size,
+                                     bundle.dp))
+           if e != b]
+    flag = "--enable-expert-parallel"
+    if bundle.ep > 1 and not engine.expert_parallel:
+        out.append(_line(flag, "expert parallel", "off", f"ep {bundle.ep}", f"pass {flag}"))
+    elif bundle.ep == 1 and engine.expert_parallel:
+        out.append(_line(flag, "expert parallel", "on", "ep 1 (experts on every rank)", f"remove {flag}"))
+    elif bundle.ep > 1 and not out and bundle.ep != bundle.tp * bundle.dp:
+        out.append(_line(flag, "an expert-parallel group of", bundle.tp * bundle.dp, bundle.ep,
+                         "vLLM's EP group holds every rank: serve a bundle compiled with ep = tp x dp"))
+    if bundle.dp > 1 and engine.num_speculative_tokens:
+        out.append(_line(SPEC_FLAG, "num_speculative_tokens", engine.num_speculative_tokens, 0,
+                         "the plugin serves a dp > 1 bundle without speculation: remove --speculative-config"))
+    if not out and None not in (engine.kv_heads_per_rank, bundle.kv_heads_per_rank) \
+            and engine.kv_heads_per_rank != bundle.kv_heads_per_rank:
+        out.append(_line("--tensor-parallel-size", "KV heads per rank", engine.kv_heads_per_rank,
+                         bundle.kv_heads_per_rank, "serve the checkpoint the bundle was compiled from, at its tp"))
     return out
 
 

@@ -65,7 +65,9 @@ class BundleDecoder:
         full = [a for a in self.layers if a.sliding_window is None]
         self.full_name = full[0].layer_name
         self.sliding_name = sliding[0].layer_name if sliding else None
-        self.metrics = PluginMetrics(bundle.grid.max_model_len)
+        self.metrics = PluginMetrics(bundle.grid.max_model_len, bundle.facts.rank)
+        self.synced = bundle.group is not None  # dp > 1: every forward takes part in the DP step (``forward``)
+        self.lockstep = bundle.facts.parallel.ep_gathers  # the prefill's MoE gathers across DP groups too
         self.stepper: Stepper | None = None
         self.draft_layer = None  # EAGLE3: the draft model's vLLM Attention (its KV tensor: the draft's buffer)
         self.aux_layers: tuple[int, ...] = ()  # EAGLE3 with vLLM speculating: the forward returns their states
@@ -107,21 +109,31 @@ class BundleDecoder:
 
     def _stepper(self) -> Stepper:
         if self.stepper is None:
-            self.stepper = Stepper(self.bundle, kv_caches=self.kv_buffers(), draft_kv_cache=self.draft_buffer())
+            self.stepper = Stepper(self.bundle, kv_caches=self.kv_buffers(), draft_kv_cache=self.draft_buffer(),
+                                   group=self.bundle.group)  # the DP ranks' twin group (neffbuild/vllm/ranks.py)
         return self.stepper
 
     # -- one forward
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor):
         """Hidden states for vLLM's runner: zeros but a row id at each token it may sample (``take_logits``);
-        with EAGLE3 ``(hidden, [aux])``, aux [T, 3H] the target's aux states of every scheduled token."""
+        with EAGLE3 ``(hidden, [aux])``, aux [T, 3H] the target's aux states of every scheduled token.
+
+        DP (a bundle of dp > 1): every forward of every rank, vLLM's dummy batch on an idle rank included, issues
+        the same collectives: the prefills in lockstep (when the MoE gathers across DP groups), then exactly one
+        Stepper step (its one DP all-reduce and the synced artifact; ``idle()`` without decode rows)."""
         self._pending = None
         T = positions.shape[0]
         hidden = torch.zeros(T, self.hidden_size, dtype=torch.float32)
         aux = torch.zeros(T, 3 * self.hidden_size, dtype=torch.float32) if self.aux_layers else None
+        if not _bound(self.layers[0].kv_cache):
+            return _out(hidden, aux)  # vLLM's profile run, before its KV exists: nothing to compute, no peer waits
         metadata = get_forward_context().attn_metadata
-        if not isinstance(metadata, dict) or self.full_name not in metadata or input_ids is None \
-                or not _bound(self.layers[0].kv_cache):
-            return _out(hidden, aux)  # vLLM's profile and dummy runs: nothing to compute, nothing to write
+        if not isinstance(metadata, dict) or self.full_name not in metadata or input_ids is None:
+            if self.synced:  # vLLM's dummy batch on an idle DP rank (execute_dummy_batch): its peers' collectives
+                self.metrics.forward("idle")
+                self._prefills(metadata, input_ids, positions, [], [0], aux)
+                self._idle()
+            return _out(hidden, aux)
         start = time.perf_counter()
         starts = metadata[self.full_name].query_start_loc.tolist()
         lengths = [b - a for a, b in itertools.pairwise(starts)]
@@ -129,14 +141,16 @@ class BundleDecoder:
         longer = [r for r, n in enumerate(lengths) if n > 1 + self.k]
         self.metrics.forward("decode" if not longer else "mixed" if steps else "prefill")
         logits: list[torch.Tensor | None] = [None] * len(lengths)  # per request: [n or 1, vocab]
+        for r, out in zip(longer, self._prefills(metadata, input_ids, positions, longer, starts, aux), strict=True):
+            logits[r] = out
         if steps:
             rows = self._step_rows(metadata, input_ids, positions, steps, starts, lengths)
             for r, (row_logits, row_aux) in zip(steps, rows, strict=True):
                 logits[r] = row_logits
                 if aux is not None:
                     aux[starts[r]:starts[r + 1]] = row_aux
-        for r in longer:
-            logits[r] = self._prefill(metadata, input_ids, positions, r, starts, aux)
+        elif self.synced:
+            self._idle()  # a prefill-only forward: the DP step all the same
         live = [r for r in range(len(lengths)) if logits[r] is not None]
         self._pending = torch.cat([logits[r] for r in live]).float() if live else None
         next_id = 0
@@ -146,6 +160,30 @@ class BundleDecoder:
             next_id += n
         self.metrics.seconds("forward", time.perf_counter() - start)
         return _out(hidden, aux)
+
+    def _prefills(self, metadata, input_ids, positions, rows: list[int], starts: list[int], aux) -> list:
+        """The longer rows' prefills ([1, vocab] each); in lockstep with the other DP ranks when the bundle's MoE
+        gathers across DP groups (a rank without an n-th prompt runs an empty one at the same padded length)."""
+        if not self.lockstep:
+            return [self._prefill(metadata, input_ids, positions, r, starts, aux) for r in rows]
+        synced = time.perf_counter()
+        pads = self._stepper().lockstep([starts[r + 1] - starts[r] for r in rows])
+        self.metrics.seconds("lockstep", time.perf_counter() - synced)
+        out = []
+        for n, pad in enumerate(pads):
+            if n < len(rows):
+                out.append(self._prefill(metadata, input_ids, positions, rows[n], starts, aux, pad_to=pad))
+            else:
+                none = torch.zeros(1, dtype=torch.long)
+                self.bundle.prefill([], self.kv_buffers(), {FULL_GROUP: none, SLIDING_GROUP: none}, pad_to=pad,
+                                    aux_layers=self.aux_layers)
+        return out
+
+    def _idle(self) -> None:
+        """This DP rank's step without decode rows: the synced artifact on padding rows (``Stepper.idle``),
+        counted under the label it ran, so the ranks' labels compare step for step (metrics.py)."""
+        out = self._stepper().idle()
+        self.metrics.artifact(out.plan.label, None, out.plan.family)
 
     def _step_rows(self, metadata, input_ids, positions, rows: list[int], starts: list[int], lengths: list[int]):
         """Requests ``rows`` (1..1+k tokens each) through artifacts: per request (logits [n, V], aux [n, A])."""
@@ -183,14 +221,18 @@ class BundleDecoder:
                                                   self.block_size)
         batch = StepBatch(tokens=tokens, num_computed=computed, block_tables=tables)
         stepper = self._stepper()
+        planned = time.perf_counter()
+        plan = stepper.plan(batch)  # with dp > 1: the DP all-reduce, waiting for the slowest rank included
         ran = time.perf_counter()
-        out = stepper.run(stepper.plan(batch), batch)
+        out = stepper.run(plan, batch)
+        self.metrics.seconds("plan", ran - planned)
         self.metrics.seconds("run", time.perf_counter() - ran)  # Stepper.run: inputs + the artifact
         self.metrics.artifact(out.plan.label, out.plan.needed_seq, out.plan.family)
         self.metrics.decode_rows("artifact", len(rows))
         return out
 
-    def _prefill(self, metadata, input_ids, positions, r: int, starts: list[int], aux) -> torch.Tensor:
+    def _prefill(self, metadata, input_ids, positions, r: int, starts: list[int], aux, pad_to: int = 0
+                 ) -> torch.Tensor:
         """Request ``r``'s prompt tokens (or a chunk of them) through the bundle's eager prefill: [1, vocab]; with
         EAGLE3 their aux states into ``aux``."""
         a, b = starts[r], starts[r + 1]
@@ -200,7 +242,7 @@ class BundleDecoder:
             rows[SLIDING_GROUP] = metadata[self.sliding_name].block_table[r].long()
         ran = time.perf_counter()
         out = self.bundle.prefill(input_ids[a:b], self.kv_buffers(), rows, start=first, logits="last",
-                                  aux_layers=self.aux_layers)
+                                  aux_layers=self.aux_layers, pad_to=pad_to)
         if aux is not None:
             out, aux[a:b] = out
         self.metrics.seconds("prefill", time.perf_counter() - ran)

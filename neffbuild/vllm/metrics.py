@@ -5,8 +5,13 @@ vLLM's ``/metrics`` shows them when every vLLM process records into one multipro
 API server then collects every process's files, the engine core's included). The runtime's Stepper adds its
 own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, batch rows, padding).
 
-  neffbuild_vllm_artifact_steps_total{label}    artifact steps by label (batch x context bucket; with EAGLE3 the
-                                                target_spec ``_s{1+k}``, target_nospec ``_s1`` and ``draft_`` ones)
+  neffbuild_vllm_artifact_steps_total{label,rank} artifact steps by label (batch x context bucket; with EAGLE3
+                                                the target_spec ``_s{1+k}``, target_nospec ``_s1`` and ``draft_``
+                                                ones) and by the bundle rank of the worker (0 unsharded; an idle DP
+                                                rank's steps count under the label it ran)
+  neffbuild_vllm_step_digest{rank}              the rank's artifact labels so far, in order, as one number (a
+                                                48-bit chain digest): equal on two ranks = the same labels, step
+                                                for step
   neffbuild_vllm_forwards_total{kind}           model forwards: decode (all requests in decode) | prefill | mixed
                                                 (prefill chunks beside one-token rows, which ran an artifact)
   neffbuild_vllm_decode_rows_total{path}        decode rows by path: artifact (every one-token row, in every forward)
@@ -17,13 +22,16 @@ own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, b
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
 from neffbuild.runtime import NeededSeqHistogram
 
 
 class PluginMetrics:
-    def __init__(self, max_model_len: int):
+    def __init__(self, max_model_len: int, rank: int = 0):
+        self.rank = str(rank)
+        self.digest = 0  # the chain digest of every artifact label this rank ran, in order (``artifact``)
         self.steps: Counter[str] = Counter()
         self.families: Counter[str] = Counter()  # the same steps by family (decode | target_spec | ... | draft)
         self.forwards: Counter[str] = Counter()
@@ -38,29 +46,33 @@ class PluginMetrics:
             return
         edges = NeededSeqHistogram.prometheus_edges(max_model_len)
         self._prom = (
-            prom.Counter("neffbuild_vllm_artifact_steps", "Decode forwards run by a bundle artifact.", ["label"]),
-            prom.Counter("neffbuild_vllm_forwards", "Model forwards by kind (decode | prefill | mixed).", ["kind"]),
-            prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact).", ["path"]),
+            prom.Counter("neffbuild_vllm_artifact_steps", "Decode forwards run by a bundle artifact.",
+                         ["label", "rank"]),
+            prom.Counter("neffbuild_vllm_forwards", "Model forwards by kind (decode | prefill | mixed | idle).",
+                         ["kind", "rank"]),
+            prom.Counter("neffbuild_vllm_decode_rows", "Decode rows by path (artifact).", ["path", "rank"]),
             prom.Histogram(NeededSeqHistogram.METRIC, "needed_seq of each decode step (max computed + 1 + drafts).",
                            buckets=edges),
+            prom.Gauge("neffbuild_vllm_step_digest", "Chain digest (48 bits) of the artifact labels this rank ran, in "
+                       "order.", ["rank"], multiprocess_mode="all"),
         )
         self._children: dict[tuple[int, str], object] = {}  # each label's counter, looked up once (per step: 3)
 
-    def _child(self, which: int, value: str):
-        child = self._children.get((which, value))
+    def _child(self, which: int, *values: str):
+        child = self._children.get((which, values))
         if child is None:
-            child = self._children[(which, value)] = self._prom[which].labels(value)
+            child = self._children[(which, values)] = self._prom[which].labels(*values)
         return child
 
     def forward(self, kind: str) -> None:
         self.forwards[kind] += 1
         if self._prom is not None:
-            self._child(1, kind).inc()
+            self._child(1, kind, self.rank).inc()
 
     def decode_rows(self, path: str, n: int) -> None:
         self.rows[path] += n
         if self._prom is not None:
-            self._child(2, path).inc(n)
+            self._child(2, path, self.rank).inc(n)
 
     def prefill_tokens(self, n: int) -> None:
         """Prompt tokens the bundle's eager prefill ran (prompts and chunks of them)."""
@@ -70,10 +82,12 @@ class PluginMetrics:
         """One artifact step; ``needed_seq`` None for a draft step (the histogram is the target's decode steps)."""
         self.steps[label] += 1
         self.families[family] += 1
+        self.digest = int.from_bytes(hashlib.sha256(f"{self.digest}:{label}".encode()).digest()[:6], "big")
         if needed_seq is not None:
             self.needed[needed_seq] += 1
         if self._prom is not None:
-            self._child(0, label).inc()
+            self._child(0, label, self.rank).inc()
+            self._child(4, self.rank).set(self.digest)  # 48 bits: exact as a float
             if needed_seq is not None:
                 self._prom[3].observe(needed_seq)
 
@@ -81,7 +95,8 @@ class PluginMetrics:
         self.time[what] += s
 
     def snapshot(self) -> dict:
-        return {"steps": dict(self.steps), "families": dict(self.families), "forwards": dict(self.forwards),
+        return {"rank": int(self.rank), "step_digest": self.digest, "steps": dict(self.steps),
+                "families": dict(self.families), "forwards": dict(self.forwards),
                 "rows": dict(self.rows),
                 "prefill_tokens": self.prefilled,
                 "needed_seq": {str(k): v for k, v in sorted(self.needed.items())},

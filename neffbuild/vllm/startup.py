@@ -31,33 +31,48 @@ from neffbuild.vllm.config import from_additional_config
 def check(vllm_config, *, final: bool = True):
     """The opened bundle when it fits vLLM's configuration (None without a ``neffbuild`` section), else raise.
 
-    ``final=False``: the check on the configuration vLLM is still building (fields it resolves later skipped)."""
+    ``final=False``: the check on the configuration vLLM is still building (fields it resolves later skipped).
+    A bundle of more than one rank is judged by its facts first (``Bundle.read_facts``: the one judge, nothing
+    loaded), since vLLM's ranks and groups do not exist while it builds its configuration (None is returned
+    there); in the worker it then opens on the worker's groups (neffbuild/vllm/ranks.py)."""
     settings = from_additional_config(vllm_config.additional_config)
     if settings is None:
         return None
-    bundle = open_configured(settings)
-    if bundle.facts.arch != SERVED_ARCH:
+    from neffbuild.runtime import Bundle
+
+    bundle, facts = None, Bundle.read_facts(settings.bundle, strict=False,
+                                                    trusted_keys=settings.trusted_keys)
+    if facts is None or facts.parallel.world_size == 1:  # None: open_bundle names what is wrong
+        bundle = open_configured(settings)
+        facts = bundle.facts
+    if facts.arch != SERVED_ARCH:
         raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} is of architecture "
-                                 f"{bundle.facts.arch!r}; vLLM is serving "
+                                 f"{facts.arch!r}; vLLM is serving "
                                  f"{vllm_config.model_config.architecture}")
     engine = engine_view(vllm_config)
     later = ("block_size",) if not final and engine.block_size is None else ()
-    found = checks.problems(compiled_view(bundle), engine, unresolved=later)
+    found = checks.problems(compiled_view(facts), engine, unresolved=later)
     if found:
         raise IncompatibleBundle(f"neffbuild: bundle {settings.bundle} does not fit this vLLM configuration "
                                  "(nothing will serve):\n  " + "\n  ".join(found))
+    if bundle is None and final:
+        from neffbuild.vllm.ranks import host_groups
+
+        bundle = open_configured(settings, host_groups(facts, f"bundle {settings.bundle}"))
     return bundle
 
 
 SERVED_ARCH = "gpt_oss"  # the registry name of the architecture the plugin's model class subclasses (model.py)
 
 
-def open_configured(settings):
+def open_configured(settings, host_groups=None):
     """The bundle ``settings`` name, opened by the runtime's one judge (``open_bundle``: the same refusals, in
-    the same words, as ``neffbuild generate``), with the plugin's trust and verify settings. No vLLM needed."""
+    the same words, as ``neffbuild generate``), with the plugin's trust and verify settings; a sharded bundle on
+    this worker's ``host_groups``. No vLLM needed."""
     from neffbuild.runtime import open_bundle
 
-    return open_bundle(settings.bundle, verify=settings.verify, trusted_keys=settings.trusted_keys)
+    return open_bundle(settings.bundle, verify=settings.verify, trusted_keys=settings.trusted_keys,
+                       host_groups=host_groups)
 
 
 def engine_view(vllm_config) -> checks.Engine:
@@ -69,8 +84,8 @@ def engine_view(vllm_config) -> checks.Engine:
         max_model_len=mc.max_model_len, block_size=cc.block_size, num_gpu_blocks_override=cc.num_gpu_blocks_override,
         max_num_seqs=sc.max_num_seqs, kv_cache_dtype=str(cc.cache_dtype),
         tensor_parallel_size=pc.tensor_parallel_size, pipeline_parallel_size=pc.pipeline_parallel_size,
-        data_parallel_size=pc.data_parallel_size,
-        **_speculation(spec))
+        data_parallel_size=pc.data_parallel_size, expert_parallel=bool(pc.enable_expert_parallel),
+        kv_heads_per_rank=mc.get_num_kv_heads(pc), **_speculation(spec))
 
 
 def _speculation(spec) -> dict:
@@ -93,13 +108,14 @@ def draft_aux_layers(draft_hf_config) -> list[int] | None:
     return list(ids) if ids else None
 
 
-def compiled_view(bundle) -> checks.Compiled:
-    facts, kv, grid = bundle.facts, bundle.kv_layout, bundle.grid
+def compiled_view(facts) -> checks.Compiled:
+    kv, grid = facts.graph_inputs.kv_layout, facts.graph_inputs.grid
     dtype, kv_cache_dtype = facts.engine_dtypes()
     return checks.Compiled(
         model_config=facts.config.to_hf_dict(), max_model_len=grid.max_model_len, block_size=kv.block_size,
         num_blocks=kv.num_blocks, num_seqs_buckets=tuple(grid.num_seqs_buckets), dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype, tp=facts.parallel.tp, dp=facts.parallel.dp,
+        kv_cache_dtype=kv_cache_dtype, tp=facts.parallel.tp, dp=facts.parallel.dp, ep=facts.parallel.ep,
+        kv_heads_per_rank=len(facts.kv_heads),
         num_speculative_tokens=facts.num_speculative_tokens, speculative_method=facts.speculative_method,
         draft_config=facts.draft_config.to_hf_dict() if facts.draft_config is not None else {},
         aux_layers=vllm_aux_layers(facts))

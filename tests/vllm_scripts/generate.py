@@ -4,8 +4,9 @@
     R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
 
 Prints one JSON line: every request's tokens, in order, and the plugin's report (None when no bundle; with one,
-VLLM_ALLOW_INSECURE_SERIALIZATION=1: neffbuild.vllm.model.worker_report). With a bundle, vLLM starts on the
-bundle folder itself (``--model`` is ignored): the settings ``neffbuild inspect --vllm-config`` prints.
+VLLM_ALLOW_INSECURE_SERIALIZATION=1: neffbuild.vllm.model.report; ``reports``: every worker's, one per TP rank).
+With a bundle, vLLM starts on the bundle folder itself (``--model`` is ignored): the settings ``neffbuild inspect
+--vllm-config`` prints.
 """
 
 import argparse
@@ -25,6 +26,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     a = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -32,7 +34,8 @@ def main() -> None:
     kw = {"model": a.model, "dtype": a.dtype, "kv_cache_dtype": a.kv_cache_dtype, "skip_tokenizer_init": True,
           "enforce_eager": True,
           "max_model_len": a.max_model_len, "block_size": a.block_size, "num_gpu_blocks_override": a.num_blocks,
-          "max_num_seqs": a.max_num_seqs, "seed": 0}
+          "max_num_seqs": a.max_num_seqs, "seed": 0,
+          "tensor_parallel_size": a.tensor_parallel_size}
     if a.bundle:
         kw.update(model=a.bundle, load_format="dummy", additional_config={"neffbuild": {"bundle": a.bundle}})
     start = time.perf_counter()
@@ -48,13 +51,14 @@ def main() -> None:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
-    report = None
+    report, reports = None, []
     if a.bundle:
-        from neffbuild.vllm.model import worker_report
+        from neffbuild.vllm.model import report as report_of
 
-        report = worker_report(llm)
-    doc = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report, "load_s": loaded,
-           "generate_s": times}
+        reports = llm.apply_model(report_of)  # one per worker (TP rank)
+        report = reports[0]
+    doc = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "report": report, "reports": reports,
+           "load_s": loaded, "generate_s": times}
     print(json.dumps(doc), flush=True)
 
 

@@ -187,12 +187,15 @@ def _parallel_problems(m: dict) -> list[Problem]:
     return problems
 
 
-def read_facts(root: str | Path, *, strict: bool = True, files: bool = True) -> bundle_facts.BundleFacts | None:
-    """The typed facts of a bundle the one judge (``check``, sizes) passes, nothing loaded: for a caller that must
-    size its world or judge its own flags before it opens the bundle. ``files=False``: the manifest's part of the
-    judgement only (a user's flag is judged before the bundle's files). Not valid: a BundleError naming the
-    problems, or None with ``strict=False`` (the caller leaves the report to ``open_bundle``)."""
+def read_facts(root: str | Path, *, strict: bool = True, files: bool = True,
+               trusted_keys=()) -> bundle_facts.BundleFacts | None:
+    """The typed facts (world rank 0) of a bundle the one judge (``check``, sizes) passes, nothing loaded: for a
+    caller that must size its world or judge its own flags before it opens the bundle. ``files=False``: the
+    manifest's part of the judgement only. Not valid: a BundleError naming the problems, or None with
+    ``strict=False`` (open_bundle then reports). ``trusted_keys``: open_bundle's, the signature first (``()``: none)."""
     root = Path(root)
+    if trusted_keys != ():
+        signature.require(root, trusted_keys)
     try:
         problems = check(root, full=False) if files else manifest_problems(read_manifest(root))
     except BundleError as exc:
@@ -247,6 +250,8 @@ class Bundle:
         self._lock = threading.Lock()
         self._prefill = self._draft_prefill = None
 
+    read_facts = staticmethod(read_facts)  # a host's view before its ranks exist (open_bundle: after)
+
     @property
     def vocab_size(self) -> int:
         """Token ids the artifacts take: [0, vocab_size) (the step API checks every id against it)."""
@@ -258,15 +263,15 @@ class Bundle:
         return 3 * self.facts.hidden_size
 
     def prefill(self, prompt, kv_caches: list, rows: dict, *, start: int = 0, logits: str = "last",
-                aux_layers: tuple[int, ...] = ()):
+                aux_layers: tuple[int, ...] = (), pad_to: int = 0):
         """The bundle's eager forward over ``prompt`` (positions ``start`` onwards; the KV of the positions before
         it already in ``kv_caches``) on the bundle's own weights, writing the KV through ``rows`` ({group: block
         row}): a host engine's prefill and chunks (runtime/bundle/eager.py). Logits of the last position by
-        default ([1, vocab])."""
+        default ([1, vocab]). ``pad_to``: run that many positions (DP ranks in lockstep: ``Stepper.lockstep``)."""
         if self._prefill is None:
             self._prefill = eager.prefill_on(self.facts.config, self.weights, self.facts.fp8_packed_kv,
                                              self.facts.parallel, self.facts.rank)
-        return self._prefill(prompt, kv_caches, rows, start=start, logits=logits, aux_layers=aux_layers)
+        return self._prefill(prompt, kv_caches, rows, start=start, logits=logits, aux_layers=aux_layers, pad_to=pad_to)
 
     def draft_prefill(self, tokens, aux, draft_kv_cache, block_row) -> None:
         """EAGLE3: the draft's KV over prompt positions 0..n-1 (``tokens``: the token at each position + 1, ``aux``:
@@ -319,7 +324,6 @@ class Bundle:
         return loaders.load(self.manifest["toolchain"], path, self.weights, self.device)
 
 
-
 def load_pieces(root: Path, section: parallel.ParallelSection, names) -> dict[str, torch.Tensor]:
     """The tensors of the named weight pieces of a sharded bundle, each file mapped once."""
     out: dict[str, torch.Tensor] = {}
@@ -336,20 +340,18 @@ def _with_rank(fn, context: world.RankContext | None):
     return lambda *args: fn(*args, rank)
 
 
-def load_aoti(path: Path, constants: dict[str, torch.Tensor]):
-    """An AOTInductor package bound to shared constants (kept for callers; see loaders.load_inductor)."""
-    return loaders.load_inductor(path, constants, {})
+def load_aoti(path: Path, constants: dict[str, torch.Tensor]):  # (kept for callers; see loaders.load_inductor)
+    return loaders.load_inductor(path, constants, {})  # an AOTInductor package bound to shared constants
 
 
 def open_bundle(path: str | Path, *, verify: str = "sizes", device: str = "cpu", preload: bool = False,
                 group=None, trusted_keys=None, host_groups: world.HostGroups | None = None) -> Bundle:
     """Open a bundle for serving.
 
-    verify: "sizes" (default: the manifest digest, every file present with its size), "full"
-    (also every sha256 and every artifact's declared inputs), or "none" (files unchecked).
-    The manifest's schema is always checked. Refuses a foreign format, a newer format version,
-    a path outside the bundle, and a toolchain that cannot run the artifacts, each with a
-    named error. Each artifact is checked against the manifest before its first call.
+    verify: "sizes" (default: the manifest digest, every file present with its size), "full" (also every sha256
+    and every artifact's declared inputs), or "none" (files unchecked). The manifest's schema is always checked.
+    Refuses a foreign format, a newer format version, a path outside the bundle, and a toolchain that cannot run
+    the artifacts, each with a named error. Each artifact is checked against the manifest before its first call.
 
     A sharded bundle (manifest ``parallel``) must be opened by every rank of a
     torch.distributed world of exactly its tp x dp ranks (else IncompatibleBundle, naming

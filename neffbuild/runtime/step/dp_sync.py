@@ -4,6 +4,10 @@ Every DP rank must dispatch the same artifact in a step (MoE collectives cross r
 Bucket choice is monotonic in (padded batch, needed context), so reducing those inputs
 with MAX makes every rank pick the same artifact. Idle ranks contribute 0 and still run
 a dummy batch at the synced bucket. A one-rank group costs nothing.
+
+The eager prefill of a bundle whose MoE gathers tokens across DP groups has collectives too: ``lockstep``
+gives every rank the same list of padded prompt lengths, so each runs the same prefills (a rank without an
+n-th prompt runs an empty one, padded), whichever engine drives it (neffbuild's, or vLLM through the plugin).
 """
 
 from __future__ import annotations
@@ -27,3 +31,19 @@ def sync_step(local_padded_num_reqs: int, local_max_ctx: int, group=None, *, spe
     t = torch.tensor(values, dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return tuple(int(v) for v in t.tolist()), True
+
+
+def lockstep(lengths, group=None) -> tuple[list[int], int]:
+    """(the padded length of every prefill all ranks run together: MAX over ranks of the count, then of each n-th
+    length; the all-reduces run). This rank's prompts are its first ``len(lengths)`` entries; a one-rank group
+    runs none and gets its own lengths."""
+    if world_size(group) == 1:
+        return [int(n) for n in lengths], 0
+    count = torch.tensor([len(lengths)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    if int(count) == 0:
+        return [], 1
+    padded = torch.zeros(int(count), dtype=torch.long)
+    padded[: len(lengths)] = torch.tensor([int(n) for n in lengths], dtype=torch.long)
+    dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=group)
+    return padded.tolist(), 2

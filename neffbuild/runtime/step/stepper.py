@@ -135,6 +135,14 @@ class Stepper:
         """An idle DP rank's step: the collective, then the synced artifact on padding rows (no KV written)."""
         return self.run(self.plan(StepBatch.EMPTY, more=more), StepBatch.EMPTY)
 
+    def lockstep(self, lengths: Sequence[int]) -> list[int]:
+        """The padded prompt lengths every DP rank prefills this step (``dp_sync.lockstep``), for a bundle whose
+        eager prefill has collectives across DP groups (``parallel.ep_gathers``): prefill n runs at ``pad_to`` =
+        entry n on every rank, an empty prompt where a rank has no n-th one."""
+        pads, synced = dp_sync.lockstep(lengths, self.group)
+        self.collectives += synced
+        return pads
+
     def run(self, plan: StepPlan, batch: StepBatch) -> StepOutput:
         """Run a plan from ``self.plan(batch)`` (a loop may look at it first, e.g. ``plan.any_work``)."""
         R, q = len(batch.tokens), plan.query_len
