@@ -5,6 +5,7 @@ twin groups of vLLM's ranks (neffbuild/vllm/ranks.py), with the settings `neffbu
   concurrent greedy requests with the tokens of vLLM's native GPT-OSS at tp 2 on the same checkpoint; both ranks
   ran the same artifact labels step for step (the per-rank metrics); `--tensor-parallel-size 1` against the
   bundle stops start-up in one line naming the flag and both values.
+- `neffbuild generate` on each bundle (its own engine and ranks) gives the tokens vLLM served.
 - dp 2 with expert parallel (ep 2: the MoE gathers the two DP ranks' tokens): the same six requests, then the
   seeds' case: one request alone (one DP rank idle, running vLLM's dummy batch) decoding across the 128 context
   bucket gives the tokens of the tp 2 (dp 1) bundle and of vLLM native, nothing hangs, and both ranks ran the
@@ -200,6 +201,21 @@ def test_dp2_ep2_serves_vllm_natives_tokens_and_the_one_alone_the_dp1_bundles(se
     tokens, *_ = served_dp2
     assert tokens == native_tp2  # the six together, then the seeds' case alone (one DP rank idle)
     assert tokens[-1] == served_tp2[0][-1]  # the same request alone on the dp 1 (tp 2) bundle
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2"])
+def test_neffbuild_generate_on_each_sharded_bundle_gives_the_tokens_vllm_served(vllm_parallel, served_tp2, served_dp2,
+                                                                              name):
+    """The second oracle: neffbuild's own engine on the same bundle (its ranks over its own gloo world), each
+    request with its own max_new_tokens."""
+    folder, _, bundles, requests = vllm_parallel
+    path = folder / f"requests-{name}.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": r["prompt"], "max_new_tokens": r["max_tokens"]}) + "\n"
+                            for r in requests))
+    res = cli("generate", str(bundles[name]), "--requests", str(path), "--json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    served = {"tp2": served_tp2, "dp2": served_dp2}[name][0]
+    assert json.loads(res.stdout)["tokens"] == served
 
 
 def test_both_dp_ranks_ran_the_same_artifacts_step_for_step_the_idle_one_included(served_dp2):
