@@ -210,11 +210,7 @@ def make_proxy(prefill_url: str, decode_url: str, port: int, timeout: float = 60
             try:
                 upstream = post(decode_url + self.path, dict(body, kv_transfer_params=params), timeout)
             except urllib.error.HTTPError as e:
-                why = _why(e)
-                if e.code >= 500 and not healthy(prefill_url):  # vLLM's "internal error" says no more than that
-                    why += (f"; the prefill instance {prefill_url} is down: the prompt's KV could not be pulled "
-                            "from it (retry once it is back)")
-                return self._reply(e.code, {"error": f"decode instance {decode_url}: {why}"})
+                return self._reply(e.code, {"error": f"decode instance {decode_url}: {_decode_why(e, prefill_url)}"})
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 return self._reply(502, {"error": f"decode instance {decode_url}: {_why(e)}"})
             with upstream:
@@ -230,8 +226,26 @@ def make_proxy(prefill_url: str, decode_url: str, port: int, timeout: float = 60
 
 def _why(err: Exception) -> str:
     if isinstance(err, urllib.error.HTTPError):
-        return f"HTTP {err.code}: {err.read().decode(errors='replace')[:500]}"
+        try:  # an instance killed while it sends an error's body: the status is all there is
+            body = err.read().decode(errors="replace")[:500]
+        except (OSError, http.client.HTTPException):
+            body = "(the answer's body was cut off)"
+        return f"HTTP {err.code}: {body}"
     return str(getattr(err, "reason", err)) or type(err).__name__
+
+
+def _decode_why(err: urllib.error.HTTPError, prefill_url: str) -> str:
+    """The decode leg's error; a server error also names the prefill instance the prompt's KV was to come from.
+
+    vLLM's answer to a failed KV pull is a bare "Internal server error", and whether the prefill instance still
+    answers /health at that moment is a race with its death (its API server can outlive its worker by a moment),
+    so the prefill instance is named whatever the health check says; the check only adds that it is down."""
+    why = _why(err)
+    if err.code >= 500:
+        why += f"; the prompt's KV was to be pulled from the prefill instance {prefill_url}"
+        if not healthy(prefill_url):
+            why += ", which is down (retry once it is back)"
+    return why
 
 
 class Launch:
