@@ -2,11 +2,13 @@
 connector in the bundle's layout (neffbuild/vllm/connector.py), through the one-host launcher
 (neffbuild/vllm/di.py), token for token with one vLLM instance serving the same bundle.
 
-Run one after another, never two pairs at once (2-core host): the reference instance, then the launcher's pair
-(six concurrent completions), then a decode instance the tests start themselves, paired first with a plain-vLLM
-prefill instance (the handshake refuses it), then with a plugin prefill instance that is SIGKILLed mid-run and
-restarted. The module's fixture is named ``vllm_setup`` so its tests share test_vllm_serve's xdist group
-(tests/conftest.py): one worker runs every vLLM test, one vLLM start at a time.
+One pair in the module (a 2-core host): the launcher's, with the reference tokens from ``neffbuild generate``
+on the same bundle (no reference vLLM instance). Six concurrent completions go through the launcher; then the
+tests pair the launcher's decode instance (started without a prefix cache, so every request pulls) with prefill
+instances of their own through a proxy of their own: a plain-vLLM one (the handshake refuses it), then a plugin
+one that is SIGKILLed mid-run and restarted (the fault case's one restart); the launcher's own prefill instance
+idles meanwhile, and Ctrl-C to the launcher comes last. The module's fixture is named ``vllm_setup`` so its tests
+share test_vllm_serve's xdist group (tests/conftest.py): one worker runs every vLLM test, one start at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +33,6 @@ from tests.vllm_helpers import (
     BLOCK_SIZE,
     SKIP_REASON,
     VLLM_VENV,
-    Server,
     free_port,
     have_vllm,
     run_vllm_script,
@@ -77,16 +80,16 @@ def vllm_setup(tmp_path_factory, build_cache, compile_pool):
 
 @pytest.fixture(scope="module")
 def reference(vllm_setup):
-    """One `vllm serve` with the plugin on the bundle, every request at once (stopped before any pair starts)."""
-    folder, _, _, settings, requests = vllm_setup
-    argv = serve_argv(settings["model"], settings["engine_args"], settings["additional_config"], free_port())
-    server = Server(argv, folder / "reference.log", vllm_env(VLLM_CPU_KVCACHE_SPACE=None))
-    try:
-        server.wait_ready()
-        with ThreadPoolExecutor(len(requests)) as pool:
-            return list(pool.map(lambda r: server.complete(r["prompt"], r["max_tokens"]), requests))
-    finally:
-        server.stop()
+    """The tokens one plugin instance gives: ``neffbuild generate`` on the bundle (the plugin's every step is the
+    bundle's artifacts, so its greedy tokens are generate's; tests/test_vllm_dtypes.py shows vLLM's equal
+    generate's on six concurrent requests), without a vLLM start."""
+    folder, _, bundle, _, requests = vllm_setup
+    path = folder / "requests.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": r["prompt"], "max_new_tokens": r["max_tokens"]}) + "\n"
+                            for r in requests))
+    res = cli("generate", str(bundle), "--requests", str(path), "--json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,8 @@ def disaggregated(vllm_setup, reference):
     proc = subprocess.Popen(
         [str(VLLM_VENV / "bin" / "python"), "-m", "neffbuild.vllm.di", str(bundle), "--port", "0",
          "--log-dir", str(folder / "di-logs"), "--decode-arg=--worker-extension-cls",
-         "--decode-arg=neffbuild.vllm.model.WorkerReport", "--startup-timeout", "400"],
+         "--decode-arg=neffbuild.vllm.model.WorkerReport", "--decode-arg=--no-enable-prefix-caching",
+         "--startup-timeout", "400"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env=vllm_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None), start_new_session=True)
     try:
@@ -106,7 +110,7 @@ def disaggregated(vllm_setup, reference):
         decode = line.split("decode ")[1].split(";")[0]
         with ThreadPoolExecutor(len(requests)) as pool:
             tokens = list(pool.map(lambda r: complete(proxy, r["prompt"], r["max_tokens"]), requests))
-        yield tokens, report(decode), proc
+        yield tokens, report(decode), proc, Decode(decode, folder / "di-logs" / "decode.log")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -114,59 +118,35 @@ def disaggregated(vllm_setup, reference):
 
 
 def test_six_concurrent_completions_through_the_pair_give_one_instances_tokens(disaggregated, reference):
-    tokens, _, _ = disaggregated
+    tokens, *_ = disaggregated
     assert sum(n % BLOCK_SIZE == BLOCK_SIZE - 1 for n, _ in SHAPES) == 3  # the N - 1 rule's edge, three times
     assert [len(t) for t in tokens] == [m for _, m in SHAPES]
     assert tokens == reference
 
 
 def test_the_decode_instance_ran_no_prefill_and_every_step_through_an_artifact(disaggregated, vllm_setup):
-    _, rep, _ = disaggregated
+    rep = disaggregated[1]
     assert rep["enabled"] and rep["prefill_tokens"] == 0  # the prompts' KV came over NIXL, not from a prefill
     # every token, the first included (the one-token step at position N - 1), came from an artifact
     assert rep["rows"] == {"artifact": sum(m for _, m in SHAPES)}
     assert rep["forwards"] == {"decode": sum(rep["steps"].values())}
 
 
-def serving(bundle) -> list[str]:
-    """Pids of `vllm serve` processes on ``bundle`` (each instance's API server)."""
-    return subprocess.run(["pgrep", "-f", f"vllm serve {bundle}"], capture_output=True, text=True).stdout.split()
-
-
-def test_the_launcher_stops_both_instances_on_sigint(disaggregated, vllm_setup):
-    *_, proc = disaggregated
-    assert len(serving(vllm_setup[2])) == 2 and proc.poll() is None
-    proc.send_signal(signal.SIGINT)  # the launcher alone, as Ctrl-C in its terminal
-    assert proc.wait(timeout=120) == 0
-    assert serving(vllm_setup[2]) == []
-
-
-def _stop_launcher(launcher) -> None:
-    """One pair at a time: the launcher's pair goes before a test starts instances of its own."""
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGINT)
-        launcher.wait(timeout=120)
-
-
 def _env() -> dict:
     return vllm_env(VLLM_CPU_KVCACHE_SPACE=None, VLLM_SERVER_DEV_MODE="1")
 
 
-@pytest.fixture(scope="module")
-def lone_decode(vllm_setup, disaggregated, tmp_path_factory):
-    """A plugin decode instance started by the tests (not the launcher), for the prefill instances they pair with
-    it: a plain-vLLM one (refused), then a plugin one they kill and restart."""
-    from neffbuild.vllm import di
+@dataclass
+class Decode:
+    """The launcher's decode instance, as the tests pair it with prefill instances of their own."""
 
-    _stop_launcher(disaggregated[2])
-    logs = tmp_path_factory.mktemp("di-lone")
-    decode = di.start_instance("decode", str(VLLM_VENV / "bin" / "vllm"), vllm_setup[3], logs, env=_env(),
-                               extra=["--worker-extension-cls", "neffbuild.vllm.model.WorkerReport",
-                                      "--no-enable-prefix-caching"])  # every request pulls, none hits a cache
-    try:
-        yield decode
-    finally:
-        decode.stop()
+    url: str
+    log_path: Path
+
+    def healthy(self) -> bool:
+        from neffbuild.vllm import di
+
+        return di.healthy(self.url)
 
 
 def _proxy(prefill, decode):
@@ -177,8 +157,9 @@ def _proxy(prefill, decode):
     return proxy, f"http://127.0.0.1:{proxy.server_address[1]}"
 
 
-def test_a_plain_vllm_prefill_instance_is_refused_at_the_handshake(vllm_setup, lone_decode, tmp_path):
-    """vLLM's own NixlConnector and layout on the prefill side; the plugin's connector on the decode side."""
+def test_a_plain_vllm_prefill_instance_is_refused_at_the_handshake(vllm_setup, disaggregated, tmp_path):
+    """vLLM's own NixlConnector and layout on the prefill side; the plugin's connector on the decode side (the
+    launcher's decode instance)."""
     from neffbuild.vllm import di
 
     _, checkpoint, _, settings, requests = vllm_setup
@@ -188,9 +169,10 @@ def test_a_plain_vllm_prefill_instance_is_refused_at_the_handshake(vllm_setup, l
              "--kv-transfer-config", di.kv_transfer_config("prefill", {"kv_connector": "NixlConnector",
                                                                        "kv_buffer_device": "cpu"})]
     prefill = di.Instance("prefill", plain, port, free_port(), tmp_path / "plain.log", dict(_env(), VLLM_PLUGINS=""))
-    decode, proxy = lone_decode, None
+    decode, proxy = disaggregated[3], None
+    before = report(decode.url)
     try:
-        di.wait_healthy([prefill, decode], 400)
+        di.wait_healthy([prefill], 400)
         proxy, url = _proxy(prefill, decode)
         with pytest.raises(urllib.error.HTTPError):
             complete(url, requests[0]["prompt"], 5, timeout=120)
@@ -202,7 +184,9 @@ def test_a_plain_vllm_prefill_instance_is_refused_at_the_handshake(vllm_setup, l
     refusals = [ln for ln in decode.log_path.read_text().splitlines() if "neffbuild: refusing" in ln]
     assert refusals and all("vLLM's own KV layout" in ln and "bundle gpt-oss-vllm-0.1.0 sha256:" in ln
                             for ln in refusals), refusals
-    assert rep["prefill_tokens"] == 0 and rep.get("rows", {}) == {}  # nothing recomputed, nothing decoded
+    # nothing recomputed, nothing decoded: the decode instance's counts are what the six completions left
+    assert before["prefill_tokens"] == 0
+    assert (rep["prefill_tokens"], rep["rows"]) == (before["prefill_tokens"], before["rows"])
 
 
 def _outcome(t0: list, fn, *args) -> tuple:
@@ -270,7 +254,7 @@ def _decode_leg(decode_url: str, req: dict, params: dict) -> list[int]:
 
 
 def test_a_prefill_instance_killed_mid_run_fails_its_requests_and_the_decode_instance_serves_on(
-        vllm_setup, lone_decode, reference, tmp_path):
+        vllm_setup, disaggregated, reference, tmp_path):
     """SIGKILL of the prefill instance (its whole process group: API server and engine core) while requests are
     in flight. A prompt's KV moves in about a millisecond here (benchmarks/vllm_di.py), so a kill inside one NIXL
     read cannot be aimed at; the window that can is "answered, not pulled yet": the prefill leg of one request
@@ -280,11 +264,11 @@ def test_a_prefill_instance_killed_mid_run_fails_its_requests_and_the_decode_ins
     from neffbuild.vllm import di
 
     _, _, _, settings, requests = vllm_setup
-    decode = lone_decode
+    decode = disaggregated[3]
     prefill = di.start_instance("prefill", str(VLLM_VENV / "bin" / "vllm"), settings, tmp_path, env=_env())
     proxy = None
     try:
-        di.wait_healthy([prefill, decode], 400)
+        di.wait_healthy([prefill], 400)
         proxy, url = _proxy(prefill, decode)
         assert complete(url, requests[0]["prompt"], requests[0]["max_tokens"]) == reference[0]  # handshake done
         t0 = [float("inf")]
@@ -314,7 +298,7 @@ def test_a_prefill_instance_killed_mid_run_fails_its_requests_and_the_decode_ins
         # same HTTP port (the proxy is unchanged), a new side-channel port: on the same one the decode instance's
         # first handshake with the new instance went unanswered for 30 s in 2 of 4 runs (cause not found yet)
         prefill = prefill.restart(side_port=free_port())
-        di.wait_healthy([prefill, decode], 400)
+        di.wait_healthy([prefill], 400)
         with ThreadPoolExecutor(len(requests)) as pool:
             again = list(pool.map(lambda r: complete(url, r["prompt"], r["max_tokens"]), requests))
         assert again == reference
@@ -359,3 +343,17 @@ def test_the_proxy_answers_an_error_when_the_prefill_instance_is_down():
         proxy.shutdown()
     assert err.value.code == 502 and time.monotonic() - start < 5
     assert "prefill instance http://127.0.0.1:" in json.loads(err.value.read())["error"]
+
+
+def serving(bundle) -> list[str]:
+    """Pids of `vllm serve` processes on ``bundle`` (each instance's API server)."""
+    return subprocess.run(["pgrep", "-f", f"vllm serve {bundle}"], capture_output=True, text=True).stdout.split()
+
+
+def test_the_launcher_stops_both_instances_on_sigint(disaggregated, vllm_setup):
+    """Last in the module: the launcher's pair served every test above."""
+    proc = disaggregated[2]
+    assert len(serving(vllm_setup[2])) == 2 and proc.poll() is None
+    proc.send_signal(signal.SIGINT)  # the launcher alone, as Ctrl-C in its terminal
+    assert proc.wait(timeout=120) == 0
+    assert serving(vllm_setup[2]) == []
