@@ -330,6 +330,36 @@ def test_the_layout_query_to_a_dead_prefill_instance_fails_in_seconds_not_its_30
     assert float(secs) < 5 and "refuses connections" in message, res.stdout + res.stderr[-2000:]
 
 
+IDLE_AGENT = """
+import sys, time
+import nixl._api as api
+from neffbuild.vllm.nixl_progress import delayed_progress
+with delayed_progress(int(sys.argv[1])):
+    agent = api.nixl_agent("idle", api.nixl_agent_config(backends=["UCX"]))
+start, cpu = time.monotonic(), time.process_time()
+time.sleep(2)
+print("cores", round((time.process_time() - cpu) / (time.monotonic() - start), 3))
+"""
+
+
+def test_the_nixl_progress_thread_with_the_connectors_delay_idles_and_reads_the_right_bytes(tmp_path):
+    """The connector's agent (nixl_progress.delayed_progress, the default delay): an idle agent's process takes
+    a small part of a core (NIXL's own thread, delay 0, takes what it can get: half a core to a core here), and
+    a READ between two such agents over the launcher's transports moves the right bytes."""
+    from neffbuild.vllm.nixl_progress import PROGRESS_DELAY_US
+
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_AGENT)
+    res = run_vllm_script(script, [str(PROGRESS_DELAY_US)], timeout=180)
+    cores = [float(ln.split()[1]) for ln in res.stdout.splitlines() if ln.startswith("cores ")]
+    assert cores and cores[0] < 0.2, res.stdout + res.stderr[-2000:]
+    res = run_vllm_script(ROOT / "benchmarks" / "vllm_di_nixl.py", ["--bytes", str(70 * 16384), "--repeat", "20",
+                                                                    "--delay-us", str(PROGRESS_DELAY_US)],
+                          timeout=180, UCX_TLS="tcp,sm,self")
+    read = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1])
+    assert read["bytes_equal"] and read["delay_us"] == PROGRESS_DELAY_US, read
+
+
 def test_the_proxy_answers_an_error_when_the_prefill_instance_is_down():
     from neffbuild.vllm import di
 

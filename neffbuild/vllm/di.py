@@ -63,11 +63,13 @@ def kv_transfer_config(role: str, connector: dict | None = None) -> str:
     return json.dumps({**(connector or CONNECTOR), "kv_role": ROLES[role]})
 
 
-def serve_argv(vllm: str, settings: dict, port: int, role: str, extra: list[str] = ()) -> list[str]:
-    """``vllm serve BUNDLE`` with the plugin's settings, the connector for ``role`` and 127.0.0.1:``port``."""
+def serve_argv(vllm: str, settings: dict, port: int, role: str, extra: list[str] = (),
+               connector: dict | None = None) -> list[str]:
+    """``vllm serve BUNDLE`` with the plugin's settings, the connector for ``role`` (``connector``: the plugin's
+    with other settings, e.g. a benchmark's ``kv_connector_extra_config``) and 127.0.0.1:``port``."""
     argv = [vllm, "serve", settings["model"], *engine_flags.argv(settings["engine_args"])]
     argv += ["--additional-config", json.dumps(settings["additional_config"]),
-             "--kv-transfer-config", kv_transfer_config(role),
+             "--kv-transfer-config", kv_transfer_config(role, connector),
              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m", *extra]
     return argv
 
@@ -112,11 +114,11 @@ class Instance:
 
 
 def start_instance(name: str, vllm: str, settings: dict, log_dir: Path, *, port: int = 0, extra: list[str] = (),
-                   env: dict | None = None) -> Instance:
+                   env: dict | None = None, connector: dict | None = None) -> Instance:
     """``vllm serve`` on the bundle as the ``name`` (prefill | decode) side, on ``port`` (0: any free one) and a
     free side-channel port, its log ``log_dir/NAME.log``."""
     port = port or free_port()
-    return Instance(name, serve_argv(vllm, settings, port, name, list(extra)), port, free_port(),
+    return Instance(name, serve_argv(vllm, settings, port, name, list(extra), connector), port, free_port(),
                     Path(log_dir) / f"{name}.log", env)
 
 
