@@ -3,15 +3,20 @@ connector against a DRAM copy of the same bytes, and time to first token / decod
 against one plugin instance on the same bundle.
 
     PYTHONPATH=. .venv/bin/python benchmarks/vllm_di.py [--workdir DIR] [--tls tcp,sm,self --tls tcp] [--rounds 3]
+        [--delay-us 0 --delay-us 1000]
 
 Needs the vLLM venv (tools/vllm_venv.sh); a timing benchmark, run by hand (not by `make test` or CI), alone on
 the host. The model is the vLLM tests' (tests/vllm_helpers.py: 2 layers, one sliding, one full, fp32 KV, 2 KV
 heads x 64, block 32); the bundle is compiled for 1,152 tokens (batch buckets 1 and 4, one context bucket) so a
-1,000-token prompt fits. For each ``--tls`` (UCX_TLS of both instances) a pair is started from
-neffbuild.vllm.di's pieces with a proxy, then one instance alone (no connector). Per round, sequential
+1,000-token prompt fits. For each ``--tls`` (UCX_TLS of both instances) and ``--delay-us`` (the NIXL progress
+thread's delay, ``kv_connector_extra_config.progress_delay_us``; default: the connector's own, 0 = NIXL's
+spinning thread) a pair is started from neffbuild.vllm.di's pieces with a proxy, then one instance alone (no
+connector). Per round, sequential
 requests: a 1,000-token prompt with ``max_tokens`` 1 (time to first token: through the pair that is the
 prefill leg, the pull and the decode instance's first one-token step) and the same prompt with ``max_tokens``
-NEW (decode tokens/s = (NEW - 1) / (its time - the 1-token time)); prompts differ per request (no prefix cache).
+NEW, streamed (decode tokens/s = (NEW - 1) / the time from its first token's chunk to its end; the difference of
+the two requests' times was swamped by the time to first token's noise under load); prompts differ per request
+(no prefix cache).
 
 The transfer: the decode instance's ``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred``
 (vLLM's NIXL telemetry, post to completion as the connector sees it: the engine loop notices a finished pull only
@@ -87,6 +92,25 @@ def timed(url: str, prompt: list[int], new: int) -> float:
     return time.perf_counter() - t
 
 
+def streamed(url: str, prompt: list[int], new: int) -> float:
+    """Decode tokens/s of one streamed request: its tokens after the first over the time from the first token's
+    chunk to the end (the prefill leg, the pull and the first step are outside it)."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0.0, "ignore_eos": True,
+                       "stream": True, "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    first, tokens = None, 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                got = sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+                if got and first is None:
+                    first = time.perf_counter()
+                tokens += got
+    end = time.perf_counter()
+    assert tokens == new and first is not None, (tokens, new)
+    return (new - 1) / max(end - first, 1e-9)
+
+
 def measure(url: str, rounds: int, rng: random.Random) -> dict:
     for attempt in range(3):  # warm-up: first-call costs, the handshake (which can fail once: docs/vllm.md)
         try:
@@ -98,12 +122,10 @@ def measure(url: str, rounds: int, rng: random.Random) -> dict:
             FAILED_WARMUPS.append(str(exc))
     ttft, decode = [], []
     for _ in range(rounds):
-        one = timed(url, [rng.randrange(512) for _ in range(PROMPT)], 1)
-        full = timed(url, [rng.randrange(512) for _ in range(PROMPT)], NEW)
-        ttft.append(one)
-        decode.append((NEW - 1) / max(full - one, 1e-9))
+        ttft.append(timed(url, [rng.randrange(512) for _ in range(PROMPT)], 1))
+        decode.append(streamed(url, [rng.randrange(512) for _ in range(PROMPT)], NEW))
     return {"ttft_ms": round(statistics.median(ttft) * 1e3, 1), "ttft_all_ms": [round(t * 1e3, 1) for t in ttft],
-            "decode_tok_s": round(statistics.median(decode), 1)}
+            "decode_tok_s": round(statistics.median(decode), 1), "decode_all_tok_s": [round(d, 1) for d in decode]}
 
 
 def nixl_metrics(url: str) -> dict:
@@ -117,11 +139,14 @@ def nixl_metrics(url: str) -> dict:
     return total
 
 
-def pair(settings: dict, tls: str | None, logs: Path, rounds: int) -> dict:
+def pair(settings: dict, tls: str | None, logs: Path, rounds: int, delay_us: int | None) -> dict:
     from neffbuild.vllm import di
 
     logs.mkdir(parents=True, exist_ok=True)
-    parts = [di.start_instance(name, str(VLLM), settings, logs, env=env(tls)) for name in ("prefill", "decode")]
+    connector = None if delay_us is None else dict(di.CONNECTOR, kv_connector_extra_config={
+        "progress_delay_us": delay_us})
+    parts = [di.start_instance(name, str(VLLM), settings, logs, env=env(tls), connector=connector)
+             for name in ("prefill", "decode")]
     proxy = None
     try:
         di.wait_healthy(parts, 600)
@@ -188,13 +213,16 @@ def dram_copy_ms(nbytes: int, block_bytes: int) -> dict:
             "cold_copy_ms": round(med(cold), 4)}
 
 
-def raw_read(tls: str | None, nbytes: int, block: int) -> dict:
+def raw_read(tls: str | None, nbytes: int, block: int, delay_us: int | None) -> dict:
     """benchmarks/vllm_di_nixl.py in the vLLM venv: one READ of the pull's bytes, tight polling."""
     import subprocess
 
+    from neffbuild.vllm.nixl_progress import PROGRESS_DELAY_US
+
+    delay = PROGRESS_DELAY_US if delay_us is None else delay_us
     res = subprocess.run([str(VLLM.parent / "python"), str(ROOT / "benchmarks" / "vllm_di_nixl.py"), "--bytes",
-                          str(nbytes), "--block", str(block)], env=env(tls), capture_output=True, text=True,
-                         timeout=300)
+                          str(nbytes), "--block", str(block), "--delay-us", str(delay)],
+                         env=dict(env(tls), PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {"error": res.stderr.strip().splitlines()[-1:]}
 
@@ -205,6 +233,8 @@ def main() -> int:
     p.add_argument("--tls", action="append", help="UCX_TLS of a pair (repeat; default: tcp,sm,self then tcp; "
                                                   "'unset': UCX's own choice)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--delay-us", type=int, action="append", help="the NIXL progress thread's delay in us of a pair "
+                   "(repeat; default: the connector's own; 0: NIXL's spinning thread)")
     p.add_argument("--no-alone", action="store_true", help="skip the one-instance run")
     a = p.parse_args()
     if not VLLM.is_file():
@@ -217,29 +247,31 @@ def main() -> int:
     settings = di.plugin_settings(str(bundle), str(Path(sys.executable).parent / "neffbuild"))
     load = [os.getloadavg()[0]]
     out = {"machine": machine(), "prompt": PROMPT, "new": NEW, "bundle": str(bundle), "pairs": {}}
-    for tls in a.tls or ["tcp,sm,self", "tcp"]:
+    for tls, delay in [(t, d) for t in a.tls or ["tcp,sm,self", "tcp"] for d in a.delay_us or [None]]:
+        key = tls if delay is None else f"{tls} delay {delay} us"
         try:
-            row = pair(settings, None if tls == "unset" else tls, workdir / f"logs-{tls}", a.rounds)
+            row = pair(settings, None if tls == "unset" else tls, workdir / f"logs-{tls}-{delay}", a.rounds, delay)
         except SystemExit as e:  # a transport set NIXL cannot start with (e.g. sm,self: NIXL_ERR_BACKEND)
-            out["pairs"][tls] = {"error": str(e.code)}
-            print(f"UCX_TLS={tls}: {e.code}", file=sys.stderr, flush=True)
+            out["pairs"][key] = {"error": str(e.code)}
+            print(f"{key}: {e.code}", file=sys.stderr, flush=True)
             continue
         tokens = PROMPT - 1  # the pull: N - 1 tokens' KV (the sliding-window rule)
         row["xfer_ms_per_1000_tokens"] = round(row["xfer_ms_per_pull"] * 1000 / tokens, 3)
         block = 2 * 32 * 64 * 4  # the bundle's block_len: kv_heads * block_size * head_dim * 4 bytes
         copy = dram_copy_ms(row["bytes_per_pull"], block)
         row["dram_copy_ms_per_pull"] = copy
-        row["raw_nixl_read"] = raw = raw_read(None if tls == "unset" else tls, row["bytes_per_pull"], block)
+        row["raw_nixl_read"] = raw = raw_read(None if tls == "unset" else tls, row["bytes_per_pull"], block, delay)
         for name, ms in (("connector", row["xfer_ms_per_pull"]), ("raw_read", raw.get("median_ms"))):
             if ms:
                 row[f"{name}_vs_dram_copy"] = {k: round(v / ms, 3) for k, v in copy.items()}
-        out["pairs"][tls] = row
-        print(f"UCX_TLS={tls}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        out["pairs"][key] = row
+        print(f"{key}: {json.dumps(row)}", file=sys.stderr, flush=True)
         load.append(os.getloadavg()[0])
     if not a.no_alone:
         out["alone"] = alone(settings, workdir, a.rounds)
         load.append(os.getloadavg()[0])
     out["failed_warmups"] = FAILED_WARMUPS
+    out["load_1min"] = [round(x, 1) for x in load]  # at the start and after each pair and the lone instance
     print(json.dumps(out, indent=1))
     return 0
 

@@ -18,6 +18,11 @@ vLLM's connector do not fit the plugin as they are, and this module changes exac
    regions' geometry) to the hash it publishes, and before vLLM's own handshake the decode side reads the
    peer's published hash and refuses a peer whose layout differs with one line naming both layouts.
 
+And one thing of NIXL's: vLLM makes its NIXL agent with NIXL's progress thread, which never sleeps (a core per
+instance, which on a small host the engines need); the worker makes it with a delay instead
+(``kv_connector_extra_config: {"progress_delay_us": N}``, default 1,000; 0 is NIXL's own), so the thread waits for
+UCX events (nixl_progress.py).
+
 And the sliding-window rule of the seeds (runtime/di/prompt.py: both sides at prompt length N - 1): vLLM's
 connector already has the mechanism, ``_prefill_backoff`` (the prefill side drops the prompt's last token and
 answers with one token, the decode side pulls N - 1 tokens of KV and runs token N - 1 itself as its first,
@@ -51,11 +56,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
 
-from neffbuild.errors import IncompatibleBundle, KVLayoutMismatch, KVTransferError
+from neffbuild.errors import IncompatibleBundle, InvalidInput, KVLayoutMismatch, KVTransferError
 from neffbuild.runtime import regions_for
 from neffbuild.vllm import startup
 from neffbuild.vllm.config import from_additional_config
 from neffbuild.vllm.kv import bundle_view
+from neffbuild.vllm.nixl_progress import PROGRESS_DELAY_US, delayed_progress
 
 logger = init_logger(__name__)
 
@@ -92,7 +98,15 @@ class BundleWorker(NixlPullConnectorWorker):
                                      "use vLLM's own NixlConnector for vLLM's own layout)")
         self.bundle = startup.open_configured(settings)
         self.layout: str | None = None
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # NIXL's progress thread waits for UCX events instead of spinning on a core (nixl_progress.py)
+        delay_us = vllm_config.kv_transfer_config.get_from_extra_config("progress_delay_us", PROGRESS_DELAY_US)
+        if not isinstance(delay_us, int) or isinstance(delay_us, bool) or delay_us < 0:
+            raise InvalidInput(f"--kv-transfer-config: kv_connector_extra_config.progress_delay_us is {delay_us!r}; "
+                               "give the NIXL progress thread's delay in microseconds, 0 or more (0: NIXL's own "
+                               f"spinning thread; default {PROGRESS_DELAY_US})")
+        with delayed_progress(delay_us):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        logger.info("neffbuild: NIXL progress thread delay %d us (0: NIXL's own, a spinning thread)", delay_us)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         views, buffers = split_views(kv_caches, self.bundle.facts.layer_buffers)

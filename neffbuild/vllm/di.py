@@ -63,11 +63,13 @@ def kv_transfer_config(role: str, connector: dict | None = None) -> str:
     return json.dumps({**(connector or CONNECTOR), "kv_role": ROLES[role]})
 
 
-def serve_argv(vllm: str, settings: dict, port: int, role: str, extra: list[str] = ()) -> list[str]:
-    """``vllm serve BUNDLE`` with the plugin's settings, the connector for ``role`` and 127.0.0.1:``port``."""
+def serve_argv(vllm: str, settings: dict, port: int, role: str, extra: list[str] = (),
+               connector: dict | None = None) -> list[str]:
+    """``vllm serve BUNDLE`` with the plugin's settings, the connector for ``role`` (``connector``: the plugin's
+    with other settings, e.g. a benchmark's ``kv_connector_extra_config``) and 127.0.0.1:``port``."""
     argv = [vllm, "serve", settings["model"], *engine_flags.argv(settings["engine_args"])]
     argv += ["--additional-config", json.dumps(settings["additional_config"]),
-             "--kv-transfer-config", kv_transfer_config(role),
+             "--kv-transfer-config", kv_transfer_config(role, connector),
              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m", *extra]
     return argv
 
@@ -112,11 +114,11 @@ class Instance:
 
 
 def start_instance(name: str, vllm: str, settings: dict, log_dir: Path, *, port: int = 0, extra: list[str] = (),
-                   env: dict | None = None) -> Instance:
+                   env: dict | None = None, connector: dict | None = None) -> Instance:
     """``vllm serve`` on the bundle as the ``name`` (prefill | decode) side, on ``port`` (0: any free one) and a
     free side-channel port, its log ``log_dir/NAME.log``."""
     port = port or free_port()
-    return Instance(name, serve_argv(vllm, settings, port, name, list(extra)), port, free_port(),
+    return Instance(name, serve_argv(vllm, settings, port, name, list(extra), connector), port, free_port(),
                     Path(log_dir) / f"{name}.log", env)
 
 
@@ -210,11 +212,7 @@ def make_proxy(prefill_url: str, decode_url: str, port: int, timeout: float = 60
             try:
                 upstream = post(decode_url + self.path, dict(body, kv_transfer_params=params), timeout)
             except urllib.error.HTTPError as e:
-                why = _why(e)
-                if e.code >= 500 and not healthy(prefill_url):  # vLLM's "internal error" says no more than that
-                    why += (f"; the prefill instance {prefill_url} is down: the prompt's KV could not be pulled "
-                            "from it (retry once it is back)")
-                return self._reply(e.code, {"error": f"decode instance {decode_url}: {why}"})
+                return self._reply(e.code, {"error": f"decode instance {decode_url}: {_decode_why(e, prefill_url)}"})
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 return self._reply(502, {"error": f"decode instance {decode_url}: {_why(e)}"})
             with upstream:
@@ -230,8 +228,26 @@ def make_proxy(prefill_url: str, decode_url: str, port: int, timeout: float = 60
 
 def _why(err: Exception) -> str:
     if isinstance(err, urllib.error.HTTPError):
-        return f"HTTP {err.code}: {err.read().decode(errors='replace')[:500]}"
+        try:  # an instance killed while it sends an error's body: the status is all there is
+            body = err.read().decode(errors="replace")[:500]
+        except (OSError, http.client.HTTPException):
+            body = "(the answer's body was cut off)"
+        return f"HTTP {err.code}: {body}"
     return str(getattr(err, "reason", err)) or type(err).__name__
+
+
+def _decode_why(err: urllib.error.HTTPError, prefill_url: str) -> str:
+    """The decode leg's error; a server error also names the prefill instance the prompt's KV was to come from.
+
+    vLLM's answer to a failed KV pull is a bare "Internal server error", and whether the prefill instance still
+    answers /health at that moment is a race with its death (its API server can outlive its worker by a moment),
+    so the prefill instance is named whatever the health check says; the check only adds that it is down."""
+    why = _why(err)
+    if err.code >= 500:
+        why += f"; the prompt's KV was to be pulled from the prefill instance {prefill_url}"
+        if not healthy(prefill_url):
+            why += ", which is down (retry once it is back)"
+    return why
 
 
 class Launch:
