@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import time
-import urllib.request
 
 import pytest
 
@@ -24,6 +21,7 @@ from tests.vllm_helpers import (
     have_vllm,
     save_checkpoint,
     serve_argv,
+    start_refused,
     vllm_env,
     write_recipe,
 )
@@ -54,25 +52,12 @@ def test_a_mismatch_fails_vllm_start_up_naming_the_flag(fitting, arg, value, mes
     port = free_port()
     argv = serve_argv(doc["model"], {**doc["engine_args"], arg: value}, doc["additional_config"], port)
     log = folder / f"{arg}.log"
-    start = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
-        served = False
-        while proc.poll() is None and time.monotonic() - start < 90:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    served = True
-            except OSError:
-                time.sleep(0.5)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    elapsed = time.monotonic() - start
+    returncode, served, elapsed = start_refused(argv, log, vllm_env(), port)
     text = log.read_text(errors="replace")
-    assert proc.returncode != 0 and not served
+    assert returncode != 0 and not served
     assert elapsed < 60, f"start-up failed after {elapsed:.0f} s"
     assert message in text, text[-3000:]
     assert "does not fit this vLLM configuration (nothing will serve)" in text
-    assert "Traceback" not in text and proc.returncode == 1, text[-3000:]  # the refusal alone (startup.py)
+    assert "Traceback" not in text and returncode == 1, text[-3000:]  # the refusal alone (startup.py)
     # it stopped while vLLM built its configuration, in the API server: no engine or worker process had started
     assert set(re.findall(r"^\((\w+) pid=\d+\)", text, re.M)) <= {"APIServer"}, text[-3000:]

@@ -2,19 +2,22 @@
 settings ``neffbuild inspect BUNDLE --vllm-config --json`` prints (EAGLE3: its ``--speculative-config``).
 
     python spec_generate.py --settings S.json --requests R.json [R2.json ...] [--no-spec] [--num-speculative-tokens K]
-                            [--native CHECKPOINT]
+                            [--native CHECKPOINT] [--warmup]
     R.json: [{"prompt": [token ids], "max_tokens": n}, ...]
 
 Prints one JSON line: per request file (each submitted at once, one file after the other on the same engine)
-every request's tokens and vLLM's speculative-decoding counters after it (drafts, accepted drafts: cumulative),
-then the plugin's report. ``--no-spec`` leaves ``speculative_config`` out (the same
-bundle without speculation); ``--num-speculative-tokens`` changes its k (a start-up refusal, on stderr);
-``--native`` runs vLLM alone (no plugin settings) on the original checkpoint with the same engine arguments and the
-bundle's draft folder: vLLM's own EAGLE3 (its report then says the plugin is not enabled).
+every request's tokens, the generate call's seconds and vLLM's speculative-decoding counters before and after it
+(drafts, accepted drafts: cumulative), then the plugin's report. ``--warmup`` first runs each file's prompts for 4
+tokens (first-call costs out of the timing: benchmarks/vllm_spec.py). ``--no-spec`` leaves
+``speculative_config`` out (the same bundle without speculation); ``--num-speculative-tokens`` changes its k (a
+start-up refusal, on stderr); ``--native`` runs vLLM alone (no plugin settings) on the original checkpoint with
+the same engine arguments and the bundle's draft folder: vLLM's own EAGLE3 (its report then says the plugin is
+not enabled).
 """
 
 import argparse
 import json
+import time
 
 
 def spec_counters(llm) -> dict:
@@ -34,6 +37,7 @@ def main() -> None:
     p.add_argument("--no-spec", action="store_true")
     p.add_argument("--num-speculative-tokens", type=int)
     p.add_argument("--native")
+    p.add_argument("--warmup", action="store_true")
     a = p.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -57,8 +61,14 @@ def main() -> None:
         prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
         params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
                   for r in reqs]
+        if a.warmup:
+            llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+                                   for _ in reqs], use_tqdm=False)
+        before, start = spec_counters(llm), time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": spec_counters(llm)})
+        seconds = time.perf_counter() - start
+        runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds,
+                     "spec_before": before, "spec": spec_counters(llm)})
     from neffbuild.vllm.model import worker_report
 
     doc = {"runs": runs, "report": worker_report(llm)}
