@@ -218,6 +218,28 @@ class Server:
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())["results"]
 
+    def all_at_once(self, requests: list[dict], limit: float = 60) -> list[list[int]]:
+        """Every request in one scheduling round: vLLM's dev-mode ``POST /pause?mode=keep`` holds new requests in
+        its queue, they are sent, and ``/resume`` once vLLM counts them all waiting (or after ``limit`` s), so a
+        loaded host's slow HTTP threads cannot spread them over steps (tests that need the largest batch)."""
+        import time
+        import urllib.request
+        from concurrent.futures import ThreadPoolExecutor
+
+        def post(path: str) -> None:
+            with urllib.request.urlopen(urllib.request.Request(self.url + path, data=b"", method="POST"), timeout=60):
+                pass
+
+        post("/pause?mode=keep")
+        with ThreadPoolExecutor(len(requests)) as pool:
+            futures = [pool.submit(self.complete, r["prompt"], r["max_tokens"]) for r in requests]
+            end = time.monotonic() + limit
+            while time.monotonic() < end and sum(prom_samples(self.metrics(), "vllm:num_requests_waiting").values()) \
+                    < len(requests):
+                time.sleep(0.5)
+            post("/resume")
+            return [f.result() for f in futures]
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
