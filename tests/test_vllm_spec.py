@@ -36,6 +36,10 @@ pytestmark = [pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON), pytest.ma
 
 SCRIPT = Path(__file__).parent / "vllm_scripts" / "spec_generate.py"
 K, DAMPING = 3, 0.15
+# vllm.LLM with its engine core in this process (as the serve module's native run): a spawned engine core is a
+# second vLLM import, about 18 CPU-seconds a start on the 2-core host; `vllm serve`'s own engine-core process is
+# what the serve, stream, dtypes, DI and parallel modules run.
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def save_alternating_checkpoint(folder: Path) -> Path:
@@ -112,8 +116,7 @@ def vllm_spec(tmp_path_factory, build_cache, compile_pool):
             f.write(json.dumps({"id": str(i), "prompt_ids": r["prompt"], "max_new_tokens": r["max_tokens"]}) + "\n")
     runs = {}
     for name, extra in (("spec", []), ("plain", ["--no-spec"])):
-        out = run_vllm_script(SCRIPT, ["--settings", str(settings), "--requests", *files, *extra],
-                              VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        out = run_vllm_script(SCRIPT, ["--settings", str(settings), "--requests", *files, *extra], **ONE_PROCESS)
         assert out.returncode == 0, out.stderr[-4000:]
         runs[name] = python_json(out.stdout)
     generated = json.loads(cli("generate", str(bundle), "--spec", "--requests", str(folder / "six.jsonl"),
@@ -129,7 +132,7 @@ def native(vllm_spec):
     """vLLM's own EAGLE3 (no plugin) on the original checkpoint with the bundle's draft/ folder."""
     settings = vllm_spec["settings_file"]
     out = run_vllm_script(SCRIPT, ["--settings", str(settings), "--requests", *vllm_spec["files"],
-                                   "--native", str(vllm_spec["checkpoint"])], VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+                                   "--native", str(vllm_spec["checkpoint"])], **ONE_PROCESS)
     assert out.returncode == 0, out.stderr[-4000:]
     return python_json(out.stdout)
 
@@ -138,7 +141,7 @@ def native(vllm_spec):
 def refused(vllm_spec):
     settings = vllm_spec["settings_file"]
     return run_vllm_script(SCRIPT, ["--settings", str(settings), "--requests", vllm_spec["files"][0],
-                                    "--num-speculative-tokens", str(K - 1)])
+                                    "--num-speculative-tokens", str(K - 1)], **ONE_PROCESS)
 
 
 def test_inspect_prints_the_speculative_config_with_the_bundles_draft_folder(vllm_spec):
