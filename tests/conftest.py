@@ -68,6 +68,13 @@ XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundl
 JOINS = {"home": "ray_cluster"}
 
 
+def pytest_configure(config):
+    """CPU-seconds per module at the end of a run (tests/cpu_account.py): what sets the suite's length."""
+    from tests import cpu_account
+
+    config.pluginmanager.register(cpu_account, "neffbuild_cpu_account")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     grouped = set()  # ids of the grouped items
