@@ -9,7 +9,8 @@ twin groups of vLLM's ranks (neffbuild/vllm/ranks.py), with the settings `neffbu
 - dp 2 with expert parallel (ep 2: the MoE gathers the two DP ranks' tokens): the same six requests, then the
   seeds' case: one request alone (one DP rank idle, running vLLM's dummy batch) decoding across the 128 context
   bucket gives the tokens of vLLM native at dp 2 / ep 2 (vLLM's own GPT-OSS, with the two DP collectives vLLM
-  0.32's CPU communicator lacks filled in: tests/vllm_scripts/dp_ep_collectives.py) and, for the one alone, of the
+  0.32's CPU communicator lacks and its CPU experts' ignored expert map filled in:
+  tests/vllm_scripts/dp_ep_collectives.py) and, for the one alone, of the
   tp 2 (dp 1) bundle; nothing hangs, and both ranks ran the same labels step for step, the idle one included.
 
 vLLM runs from its own venv (tests/vllm_helpers.py). The module starts vLLM once per configuration (native tp 2
@@ -110,8 +111,9 @@ def plugin_server(folder, bundle, name: str) -> Server:
 
 def native_server(folder, checkpoint, bundle, name: str) -> Server:
     """vLLM's own GPT-OSS on the checkpoint (no plugin: VLLM_PLUGINS="") with the bundle's printed parallel and
-    serving settings (its weights loaded, not dummy), and the oracle's fill-in of the two DP collectives vLLM 0.32's
-    CPU communicator lacks (tests/vllm_scripts/dp_ep_collectives.py)."""
+    serving settings (its weights loaded, not dummy), and the oracle's fill-ins for dp 2 / ep 2 on CPU: the two DP
+    collectives vLLM 0.32's CPU communicator lacks, the expert map its CPU experts ignore
+    (tests/vllm_scripts/dp_ep_collectives.py; inert at tp 2)."""
     doc = _printed(bundle)
     args = {k: v for k, v in doc["engine_args"].items() if k != "load_format"}
     argv = [*serve_argv(checkpoint, args, None, free_port()), "--worker-extension-cls", FILL_IN,

@@ -1,4 +1,4 @@
-"""The test oracle's fill-in: vLLM native GPT-OSS at data parallel with expert parallelism on CPU (vLLM 0.32).
+"""The test oracle's fill-ins: vLLM native GPT-OSS at data parallel with expert parallelism on CPU (vLLM 0.32).
 
 Loaded in every vLLM worker of the *native* run only (tests/test_vllm_parallel.py, benchmarks/vllm_parallel.py):
 ``vllm serve CKPT ... --worker-extension-cls tests.vllm_scripts.dp_ep_collectives.NativeDpEp``. vLLM resolves that
@@ -18,9 +18,10 @@ in gives a list out; equal sizes may be omitted), with plain torch.distributed o
 (``device_group``, the gloo group CpuCommunicator's other collectives use): ``all_gatherv`` pads each rank's rows
 to the largest ``sizes`` entry, all-gathers, and keeps ``sizes[r]`` rows of rank ``r``'s part (copies only);
 ``reduce_scatterv`` all-reduces (SUM) the whole input and keeps this rank's rows (at dp 2 the sum of two addends is
-the same in either order, so the rows equal NCCL's per-root reduce). Nothing else changes: the model, its
-weights, the router, each rank's experts (vLLM's expert map), the fused-MoE kernel, the scheduler and vLLM's DP
-coordination and dummy batches are vLLM's own. The fill-in steps aside where vLLM defines either method itself.
+the same in either order, so the rows equal NCCL's per-root reduce). With those, the next gap shows: the CPU
+experts ignore vLLM's expert map (``experts_apply`` below). Nothing else changes: the model, its weights, the
+router, the fused-MoE kernel, the scheduler and vLLM's DP coordination and dummy batches are vLLM's own. The
+collectives step aside where vLLM defines them itself; the expert map is written for vLLM 0.32's CPU experts.
 """
 
 from __future__ import annotations
