@@ -79,10 +79,8 @@ def _printed(bundle) -> dict:
     return json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
 
 
-@pytest.fixture(scope="module")
-def native_tp2(vllm_parallel):
-    """vLLM's own GPT-OSS at tp 2 on the checkpoint, no plugin loaded (VLLM_PLUGINS="")."""
-    folder, checkpoint, _, _ = vllm_parallel
+def _native_tp2(folder, checkpoint) -> list[list[int]]:
+    """vLLM's own GPT-OSS at tp 2 on the checkpoint (``vllm.LLM``), no plugin loaded (VLLM_PLUGINS="")."""
     res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json"),
                                    "--tensor-parallel-size", "2"],
                           VLLM_PLUGINS="", VLLM_CPU_OMP_THREADS_BIND=cpu_binding(2))
@@ -158,9 +156,27 @@ def _settled(server, limit: float = 30) -> str:
 
 
 @pytest.fixture(scope="module")
-def served_tp2(vllm_parallel):
-    folder, _, bundles, requests = vllm_parallel
-    return _serve(folder, bundles["tp2"], "tp2", requests)
+def tp2_runs(vllm_parallel):
+    """The plugin's tp 2 server starts, vLLM native's tp 2 run goes beside its start-up (their start-ups overlap:
+    a vLLM start leaves the host's CPUs idle much of the time), then the requests go to the plugin's server."""
+    folder, checkpoint, bundles, requests = vllm_parallel
+    server = plugin_server(folder, bundles["tp2"], "tp2")
+    try:
+        native = _native_tp2(folder, checkpoint)
+    except BaseException:
+        server.stop()
+        raise
+    return _drive(server, requests, "neffbuild_report", settle=True), native
+
+
+@pytest.fixture(scope="module")
+def served_tp2(tp2_runs):
+    return tp2_runs[0]
+
+
+@pytest.fixture(scope="module")
+def native_tp2(tp2_runs):
+    return tp2_runs[1]
 
 
 def test_the_printed_settings_of_a_tp2_bundle_start_vllm_at_tp2_bound_one_part_of_the_cpus_per_rank(vllm_parallel):
