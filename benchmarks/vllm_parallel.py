@@ -1,18 +1,25 @@
-"""Sharded bundles inside vLLM: the DP synchronisation's cost per step, and tp 2 decode tokens/s, plugin vs native.
+"""Sharded bundles inside vLLM: the DP synchronisation's cost per step, and decode tokens/s at tp 2 and at dp 2 /
+ep 2, the plugin against vLLM native, batch 1 and 4 per DP rank.
 
-    .venv/bin/python benchmarks/vllm_parallel.py --checkpoint CKPT --tp2 TP2_BUNDLE --dp2 DP2_BUNDLE [--new 200]
+    .venv/bin/python benchmarks/vllm_parallel.py --checkpoint CKPT --tp2 TP2_BUNDLE --dp2 DP2_BUNDLE \
+        [--new 200] [--rounds 3]
 
 Needs the vLLM venv (tools/vllm_venv.sh) and bundles of tests/test_vllm_parallel.py's recipes (the vLLM tests'
-model; batch bucket 4, context bucket 128, fallback 512). Three numbers:
+model; batch bucket 4, context bucket 128, fallback 512). The numbers:
 
 - ``sync_floor_us``: the runtime's DP all-reduce alone (``dp_sync.sync_step``, 5 int32, MAX) between 2 gloo
   processes, median of 2,000 (and ``lockstep_floor_us``: the lockstep count all-reduce, nobody prefilling);
 - ``dp2_plan_us`` / ``dp2_lockstep_us``: the same inside ``vllm serve`` of the dp 2 / ep 2 bundle (six requests,
   then one alone), per step, from DP rank 0's plugin report: ``Stepper.plan`` (the all-reduce, waiting for the
   slower rank included) and ``Stepper.lockstep``, against the whole decode forward;
-- ``tp2_tokens_per_s``: one request (100-token prompt, ``--new`` tokens, greedy) through ``vllm.LLM`` at tp 2,
-  the plugin on the tp 2 bundle and vLLM native on the checkpoint, fresh processes; best of 2 rounds; the
-  prompt's prefill included. The tokens must be identical.
+- ``tp2_tokens_per_s`` / ``dp2_tokens_per_s``: ``vllm serve`` of the bundle with its printed line against vLLM
+  native on the checkpoint with the same parallel settings (at dp 2 / ep 2 with the test oracle's fill-ins: the two
+  DP collectives vLLM 0.32's CPU communicator lacks, the expert map its CPU experts ignore:
+  tests/vllm_scripts/dp_ep_collectives.py), both servers up
+  at once; per round and batch, 1 or 4 requests per DP rank (100-token prompts, ``--new`` tokens each, greedy,
+  request i to DP rank i % dp) sent at once to one server, then the other, who goes first alternating by round;
+  new tokens over the seconds to the last one, prefill included; the median of ``--rounds``. Both sides' tokens
+  must be identical in every round.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import machine  # noqa: E402
 
+BATCHES = (1, 4)  # requests per DP rank (the bundles' batch bucket is 4)
+
 
 def _floor(rank: int, world: int, repeat: int) -> dict:
     from neffbuild.runtime.step import dp_sync
@@ -47,26 +56,48 @@ def _floor(rank: int, world: int, repeat: int) -> dict:
     return out
 
 
-def tp2_tokens_per_s(checkpoint: Path, bundle: Path, new: int, work: Path) -> dict:
-    from neffbuild.bundle.handoff import cpu_binding
-    from tests.vllm_helpers import python_json, run_vllm_script
+def _batch(server, requests: list[dict], dp: int) -> tuple[float, list[list[int]]]:
+    """The requests at once, request i to DP rank i % dp: (seconds to the last token, every request's tokens)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    rng = random.Random(3)
-    requests = work / "one.json"
-    requests.write_text(json.dumps([{"prompt": [rng.randrange(512) for _ in range(100)], "max_tokens": new}]))
-    out = {}
-    for side, extra, env in (("native", [], {"VLLM_PLUGINS": ""}), ("plugin", ["--bundle", str(bundle)], {})):
-        res = run_vllm_script("tests/vllm_scripts/generate.py",
-                              ["--model", str(checkpoint), "--requests", str(requests), "--rounds", "2",
-                               "--tensor-parallel-size", "2", *extra],
-                              VLLM_CPU_OMP_THREADS_BIND=cpu_binding(2), VLLM_ALLOW_INSECURE_SERIALIZATION="1", **env)
-        if res.returncode:
-            raise SystemExit(f"{side}: {res.stderr[-3000:]}")
-        doc = python_json(res.stdout)
-        out[side] = {"tokens": doc["tokens"][0], "tokens_per_s": new / min(doc["generate_s"])}
-    if out["native"]["tokens"] != out["plugin"]["tokens"]:
-        raise SystemExit("tp 2: the plugin's tokens differ from native's")
-    return {side: round(v["tokens_per_s"], 1) for side, v in out.items()}
+    with ThreadPoolExecutor(len(requests)) as pool:
+        start = time.perf_counter()
+        tokens = list(pool.map(lambda ir: server.complete(ir[1]["prompt"], ir[1]["max_tokens"],
+                                                          dp_rank=ir[0] % dp if dp > 1 else None),
+                               enumerate(requests)))
+        return time.perf_counter() - start, tokens
+
+
+def served_tokens_per_s(checkpoint: Path, bundle: Path, name: str, new: int, rounds: int, work: Path) -> dict:
+    """Decode tokens/s through ``vllm serve``, native and the plugin up side by side, rounds interleaved (who goes
+    first alternates), at ``b`` requests per DP rank for b in BATCHES; the median round; tokens checked equal."""
+    from statistics import median
+
+    from tests import test_vllm_parallel as T
+
+    dp = T._printed(bundle)["engine_args"]["data_parallel_size"]
+    servers = {"native": T.native_server(work, checkpoint, bundle, f"native-{name}"),
+               "plugin": T.plugin_server(work, bundle, f"plugin-{name}")}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        seconds: dict = {}
+        for r in range(rounds):
+            for b in BATCHES:
+                rng = random.Random(b)
+                requests = [{"prompt": [rng.randrange(512) for _ in range(100)], "max_tokens": new}
+                            for _ in range(b * dp)]
+                tokens = {}
+                for side in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+                    took, tokens[side] = _batch(servers[side], requests, dp)
+                    seconds.setdefault((b, side), []).append(took)
+                if tokens["native"] != tokens["plugin"]:
+                    raise SystemExit(f"{name}, batch {b} per rank, round {r}: the plugin's tokens differ from native's")
+        return {f"batch_{b}_per_rank": {side: round(b * dp * new / median(seconds[b, side]), 1) for side in servers}
+                for b in BATCHES}
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def dp2_sync(bundle: Path, work: Path) -> dict:
@@ -89,13 +120,15 @@ def main() -> None:
     p.add_argument("--tp2", type=Path, required=True)
     p.add_argument("--dp2", type=Path, required=True)
     p.add_argument("--new", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     from tests.dist_util import run_ranks
 
     doc = {"machine": machine(), "floor": run_ranks(_floor, 2, 2000)[0]}
     with tempfile.TemporaryDirectory(prefix="vllm-parallel-") as tmp:
         doc["dp2"] = dp2_sync(a.dp2, Path(tmp))
-        doc["tp2_tokens_per_s"] = tp2_tokens_per_s(a.checkpoint, a.tp2, a.new, Path(tmp))
+        for name, bundle in (("tp2", a.tp2), ("dp2", a.dp2)):
+            doc[f"{name}_tokens_per_s"] = served_tokens_per_s(a.checkpoint, bundle, name, a.new, a.rounds, Path(tmp))
     print(json.dumps(doc), flush=True)
 
 

@@ -101,6 +101,15 @@ def _flip_byte(root: Path, keys) -> str:
     return "artifacts/decode_b1_ctx128.pt2"
 
 
+def _flip_byte_keep_times(root: Path, keys) -> str:
+    """Other bytes, the same size, the old mtime put back (``os.utime``): only the ctime moves."""
+    p = root / "artifacts" / "decode_b1_ctx128.pt2"
+    st = p.stat()
+    _flip_byte(root, keys)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return "artifacts/decode_b1_ctx128.pt2"
+
+
 def _add_file(root: Path, keys) -> str:
     shutil.copyfile(root / "artifacts" / "decode_b4_ctx128.pt2", root / "artifacts" / "extra.pt2")
     return "artifacts/extra.pt2"
@@ -159,8 +168,8 @@ def _symlink(root: Path, keys) -> str:
     return "report.html"
 
 
-TAMPER = [_flip_byte, _add_file, _remove_file, _rename_file, _rewrite_manifest, _other_key, _edited_statement,
-          _unsigned, _symlink]
+TAMPER = [_flip_byte, _flip_byte_keep_times, _add_file, _remove_file, _rename_file, _rewrite_manifest, _other_key,
+          _edited_statement, _unsigned, _symlink]
 
 
 @pytest.mark.parametrize("tamper", TAMPER, ids=[t.__name__.strip("_") for t in TAMPER])
@@ -179,6 +188,47 @@ def test_tampered_bundle_is_refused_before_any_artifact_loads(copy, keys, tamper
         open_bundle(copy, trusted_keys=[keys["a"][1]])
     assert watch == [], f"the package reader or loader ran: {watch}"
     assert all("verify_bundle" in names and "sha256_file" in names for _, names in _OPENS), _OPENS
+
+
+@pytest.mark.parametrize("tamper", TAMPER, ids=[t.__name__.strip("_") for t in TAMPER])
+def test_a_bundle_changed_after_its_facts_were_judged_is_refused_when_opened(copy, keys, tamper, watch, monkeypatch):
+    """A host judges a bundle's facts (``Bundle.read_facts``, vLLM's config hook and worker), then opens it: the
+    open re-uses the first verification only while the files' state is unchanged (model_sig.file_state)."""
+    from neffbuild.runtime import Bundle, open_bundle
+    from neffbuild.runtime.bundle import model_sig
+
+    monkeypatch.delenv("NEFFBUILD_TRUSTED_KEYS", raising=False)
+    monkeypatch.setattr(model_sig, "RACY_NS", 0)  # the copy is a moment old: remembered all the same
+    trusted = [keys["a"][1]]
+    assert Bundle.read_facts(copy, trusted_keys=trusted) is not None
+    needle = tamper(copy, keys)
+    with pytest.raises(SignatureError, match=needle.replace(".", r"\.")):
+        open_bundle(copy, trusted_keys=trusted)
+    assert watch == [], f"the package reader or loader ran: {watch}"
+
+
+def test_an_unchanged_bundle_is_verified_once_per_process_unless_freshly_written(copy, keys, watch, monkeypatch):
+    """The second verification (open_bundle after read_facts) hashes nothing when nothing changed; a bundle written
+    within RACY_NS is hashed every time (two writes in one timestamp tick can share a ctime)."""
+    from neffbuild.runtime import Bundle, open_bundle
+    from neffbuild.runtime.bundle import model_sig
+
+    monkeypatch.delenv("NEFFBUILD_TRUSTED_KEYS", raising=False)
+    trusted = [keys["a"][1]]
+
+    def hashed_by_verify() -> bool:
+        return any("verify_bundle" in names for _, names in _OPENS)
+
+    for racy_ns, rehashed in ((10**12, True), (0, False)):  # the copy is written within 1,000 s / remembered
+        monkeypatch.setattr(model_sig, "RACY_NS", racy_ns)
+        model_sig._VERIFIED.clear()
+        Bundle.read_facts(copy, trusted_keys=trusted)
+        _OPENS.clear()
+        assert open_bundle(copy, trusted_keys=trusted).labels
+        assert hashed_by_verify() == rehashed, _OPENS
+        _OPENS.clear()
+        model_sig.verify_bundle(copy, [keys["b"][1], keys["a"][1]])  # other keys: verified anew
+        assert hashed_by_verify()
 
 
 def test_signed_bundle_opens_and_loads(copy, keys, watch, monkeypatch):

@@ -8,13 +8,15 @@ twin groups of vLLM's ranks (neffbuild/vllm/ranks.py), with the settings `neffbu
 - `neffbuild generate` on each bundle (its own engine and ranks) gives the tokens vLLM served.
 - dp 2 with expert parallel (ep 2: the MoE gathers the two DP ranks' tokens): the same six requests, then the
   seeds' case: one request alone (one DP rank idle, running vLLM's dummy batch) decoding across the 128 context
-  bucket gives the tokens of the tp 2 (dp 1) bundle and of vLLM native, nothing hangs, and both ranks ran the
-  same labels step for step, the idle one included. (vLLM native is the tp 2 run: vLLM 0.32's own GPT-OSS does
-  not run dp 2 with expert parallel on CPU, its CPU communicator lacking ``all_gatherv``.)
+  bucket gives the tokens of vLLM native at dp 2 / ep 2 (vLLM's own GPT-OSS, with the two DP collectives vLLM
+  0.32's CPU communicator lacks and its CPU experts' ignored expert map filled in:
+  tests/vllm_scripts/dp_ep_collectives.py) and, for the one alone, of the
+  tp 2 (dp 1) bundle; nothing hangs, and both ranks ran the same labels step for step, the idle one included.
 
-vLLM runs from its own venv (tests/vllm_helpers.py). The module starts vLLM once per configuration (native tp 2,
-the plugin at tp 2 and at dp 2, the refused start); its tests run on one xdist worker (tests/conftest.py groups
-`vllm_parallel`). Each bundle is 2 graphs: batch bucket 4 x (context bucket 128 + the fallback 512).
+vLLM runs from its own venv (tests/vllm_helpers.py). The module starts vLLM once per configuration (native tp 2
+and dp 2 / ep 2, the plugin at tp 2 and at dp 2, the refused start); its tests run on one xdist worker
+(tests/conftest.py groups `vllm_parallel`). Each bundle is 2 graphs: batch bucket 4 x (context bucket 128 + the
+fallback 512).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ pytestmark = pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON)
 SHAPES = [(5, 40), (100, 60), (37, 20), (130, 30), (9, 90), (60, 50)]
 ALONE = (100, 60)  # the seeds' case, served alone after the six: positions 100..159 cross the 128 bucket
 SCRIPT = "tests/vllm_scripts/generate.py"
+FILL_IN = "tests.vllm_scripts.dp_ep_collectives.NativeDpEp"
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +79,8 @@ def _printed(bundle) -> dict:
     return json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
 
 
-@pytest.fixture(scope="module")
-def native_tp2(vllm_parallel):
-    """vLLM's own GPT-OSS at tp 2 on the checkpoint, no plugin loaded (VLLM_PLUGINS="")."""
-    folder, checkpoint, _, _ = vllm_parallel
+def _native_tp2(folder, checkpoint) -> list[list[int]]:
+    """vLLM's own GPT-OSS at tp 2 on the checkpoint (``vllm.LLM``), no plugin loaded (VLLM_PLUGINS="")."""
     res = run_vllm_script(SCRIPT, ["--model", str(checkpoint), "--requests", str(folder / "requests.json"),
                                    "--tensor-parallel-size", "2"],
                           VLLM_PLUGINS="", VLLM_CPU_OMP_THREADS_BIND=cpu_binding(2))
@@ -91,23 +92,46 @@ def _serve(folder, bundle, name: str, requests: list[dict]):
     """`vllm serve` with the printed line (its env too): every request but the last at once, then the last alone;
     the tokens, /metrics before and after the last, and the workers' reports (vLLM's dev-mode /collective_rpc to
     the plugin's worker extension: every TP worker of the first DP rank)."""
+    return _drive(plugin_server(folder, bundle, name), requests, "neffbuild_report", settle=True)
+
+
+def plugin_server(folder, bundle, name: str) -> Server:
+    """`vllm serve` of the bundle with the printed line and env, the plugin's worker report, vLLM's dev mode."""
     doc = _printed(bundle)
     multiproc = folder / f"prom-{name}"
     multiproc.mkdir()
     argv = [*serve_argv(doc["model"], doc["engine_args"], doc["additional_config"], free_port()),
             "--worker-extension-cls", "neffbuild.vllm.model.WorkerReport"]
     env = {k: v for k, v in doc["env"].items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    server = Server(argv, folder / f"{name}.log", vllm_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc),
-                                                           VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None,
-                                                           **env))
+    return Server(argv, folder / f"{name}.log", vllm_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc),
+                                                         VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None, **env))
+
+
+def native_server(folder, checkpoint, bundle, name: str) -> Server:
+    """vLLM's own GPT-OSS on the checkpoint (no plugin: VLLM_PLUGINS="") with the bundle's printed parallel and
+    serving settings (its weights loaded, not dummy), and the oracle's fill-ins for dp 2 / ep 2 on CPU: the two DP
+    collectives vLLM 0.32's CPU communicator lacks, the expert map its CPU experts ignore
+    (tests/vllm_scripts/dp_ep_collectives.py; inert at tp 2)."""
+    doc = _printed(bundle)
+    args = {k: v for k, v in doc["engine_args"].items() if k != "load_format"}
+    argv = [*serve_argv(checkpoint, args, None, free_port()), "--worker-extension-cls", FILL_IN,
+            "--api-server-count", "1"]  # vLLM's default at dp 2 is 2 API server processes: 1 starts sooner
+    return Server(argv, folder / f"{name}.log",
+                  vllm_env(VLLM_PLUGINS="", VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None,
+                           VLLM_CPU_OMP_THREADS_BIND=doc["env"]["VLLM_CPU_OMP_THREADS_BIND"]))
+
+
+def _drive(server: Server, requests: list[dict], rpc: str, settle: bool):
+    """Every request but the last at once, then the last alone: (tokens, /metrics after, ``rpc``'s results,
+    /metrics before the last); ``settle``: wait for the plugin's per-rank step counters to stop between."""
     try:
         server.wait_ready()
         *together, alone = requests
         with ThreadPoolExecutor(len(together)) as pool:
             tokens = list(pool.map(lambda r: server.complete(r["prompt"], r["max_tokens"]), together))
-        before = _settled(server)
+        before = _settled(server) if settle else server.metrics()
         tokens.append(server.complete(alone["prompt"], alone["max_tokens"]))
-        return tokens, _settled(server), server.rpc("neffbuild_report"), before
+        return tokens, _settled(server) if settle else server.metrics(), server.rpc(rpc), before
     finally:
         server.stop()
 
@@ -132,9 +156,27 @@ def _settled(server, limit: float = 30) -> str:
 
 
 @pytest.fixture(scope="module")
-def served_tp2(vllm_parallel):
-    folder, _, bundles, requests = vllm_parallel
-    return _serve(folder, bundles["tp2"], "tp2", requests)
+def tp2_runs(vllm_parallel):
+    """The plugin's tp 2 server starts, vLLM native's tp 2 run goes beside its start-up (their start-ups overlap:
+    a vLLM start leaves the host's CPUs idle much of the time), then the requests go to the plugin's server."""
+    folder, checkpoint, bundles, requests = vllm_parallel
+    server = plugin_server(folder, bundles["tp2"], "tp2")
+    try:
+        native = _native_tp2(folder, checkpoint)
+    except BaseException:
+        server.stop()
+        raise
+    return _drive(server, requests, "neffbuild_report", settle=True), native
+
+
+@pytest.fixture(scope="module")
+def served_tp2(tp2_runs):
+    return tp2_runs[0]
+
+
+@pytest.fixture(scope="module")
+def native_tp2(tp2_runs):
+    return tp2_runs[1]
 
 
 def test_the_printed_settings_of_a_tp2_bundle_start_vllm_at_tp2_bound_one_part_of_the_cpus_per_rank(vllm_parallel):
@@ -177,9 +219,28 @@ def test_tp1_against_a_tp2_bundle_stops_start_up_naming_the_flag_and_both_values
 
 
 @pytest.fixture(scope="module")
-def served_dp2(vllm_parallel):
-    folder, _, bundles, requests = vllm_parallel
-    return _serve(folder, bundles["dp2"], "dp2", requests)
+def dp2_runs(vllm_parallel):
+    """The plugin's dp 2 run, then vLLM native's at dp 2 / ep 2 (tokens and the fill-in's report from DP rank 0's
+    worker), the same requests. The native server starts with the plugin's, so their start-ups overlap (a vLLM
+    start leaves the host's CPUs idle much of the time); the requests go to one server, then the other."""
+    folder, checkpoint, bundles, requests = vllm_parallel
+    native = native_server(folder, checkpoint, bundles["dp2"], "native-dp2")
+    try:
+        plugin = _serve(folder, bundles["dp2"], "dp2", requests)
+        tokens, _, reports, _ = _drive(native, requests, "dp_ep_fill_in", settle=False)
+    finally:
+        native.stop()
+    return plugin, (tokens, reports)
+
+
+@pytest.fixture(scope="module")
+def served_dp2(dp2_runs):
+    return dp2_runs[0]
+
+
+@pytest.fixture(scope="module")
+def native_dp2(dp2_runs):
+    return dp2_runs[1]
 
 
 def _per_rank(metrics: str, name: str, key: str = "label") -> dict[str, dict[str, float]]:
@@ -197,9 +258,15 @@ def test_the_printed_settings_of_a_dp2_ep2_bundle_start_vllm_with_expert_paralle
     assert "--enable-expert-parallel" in doc["command"] and len(doc["env"]["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
 
 
-def test_dp2_ep2_serves_vllm_natives_tokens_and_the_one_alone_the_dp1_bundles(served_dp2, served_tp2, native_tp2):
+def test_dp2_ep2_serves_vllm_natives_tokens_at_dp2_ep2_and_the_one_alone_the_dp1_bundles(served_dp2, served_tp2,
+                                                                                       native_dp2):
     tokens, *_ = served_dp2
-    assert tokens == native_tp2  # the six together, then the seeds' case alone (one DP rank idle)
+    native, reports = native_dp2
+    assert tokens == native  # the six together, then the seeds' case alone (one DP rank idle)
+    # vLLM's own MoE ran at dp 2 / ep 2: in every step (DP rank 0 busy or idle) its dispatch gathered both DP
+    # ranks' tokens, its experts ran on the rank's half (the expert map) and its combine summed over the ranks
+    assert reports[0]["filled"] == ["all_gatherv", "reduce_scatterv", "expert_map"], reports
+    assert min(reports[0]["calls"].get(k, 0) for k in reports[0]["filled"]) >= ALONE[1], reports
     assert tokens[-1] == served_tp2[0][-1]  # the same request alone on the dp 1 (tp 2) bundle
 
 

@@ -191,13 +191,16 @@ class Server:
                 time.sleep(1)
         raise AssertionError(f"vllm serve not ready after {timeout} s:\n{self.log()[-4000:]}")
 
-    def complete(self, prompt: list[int], max_tokens: int) -> list[int]:
+    def complete(self, prompt: list[int], max_tokens: int, dp_rank: int | None = None) -> list[int]:
+        """Greedy token ids; ``dp_rank``: to that DP rank (vLLM's ``X-data-parallel-rank``), not its balancer's."""
         import urllib.request
 
         body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                            "ignore_eos": True, "return_token_ids": True}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if dp_rank is not None:
+            headers["X-data-parallel-rank"] = str(dp_rank)
+        req = urllib.request.Request(self.url + "/v1/completions", data=body, headers=headers)
         with urllib.request.urlopen(req, timeout=300) as r:
             doc = json.loads(r.read())
         return list(doc["choices"][0]["token_ids"])

@@ -13,6 +13,11 @@ values:
 2. **before the model is built**, in the worker (neffbuild/vllm/model.py), on vLLM's final configuration:
    the authoritative check, every rule.
 
+Each run judges the facts (``Bundle.read_facts``) and then opens the bundle (``open_bundle``), both behind the
+signature when keys are trusted; the open re-uses the facts' verification while no file of the bundle changed
+(``model_sig.file_state``), so each process hashes the bundle once, and a bundle changed in between is refused.
+The worker's run is a fresh process: it hashes again, the authoritative verification.
+
 Light on purpose: ``register`` runs in every vLLM process; this module imports no vLLM model code and opens the
 bundle only when ``additional_config`` names one.
 """

@@ -18,6 +18,7 @@ import base64
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,12 +246,27 @@ def verify_bundle(root: str | Path, trusted_keys) -> Verified:
 
     Raises SignatureError naming the file (missing, added, renamed, modified, a symlink) or the key
     (not trusted, signature invalid). Nothing of the bundle but the signature file is parsed; the
-    other files are only hashed.
+    other files are only hashed. A second call in the same process on a bundle whose ``file_state`` is
+    unchanged since a successful one, with the same keys, returns that result without hashing again.
     """
     root = Path(root)
     keys = trusted_keys if all(isinstance(k, TrustedKey) for k in trusted_keys) else load_trusted_keys(trusted_keys)
     if not keys:
         raise InvalidInput("verify_bundle needs at least one trusted key")
+    memo = (os.path.realpath(root), tuple(sorted((k.source, k.hint) for k in keys)))
+    before = file_state(root)  # before any byte is hashed: a change while hashing shows in the next call's state
+    hit = _VERIFIED.get(memo)
+    if before is not None and hit is not None and hit[0] == before:
+        return hit[1]
+    verified = _verify_files(root, keys)
+    if before is not None:
+        if len(_VERIFIED) >= MAX_REMEMBERED:
+            _VERIFIED.clear()
+        _VERIFIED[memo] = (before, verified)
+    return verified
+
+
+def _verify_files(root: Path, keys: list[TrustedKey]) -> Verified:
     path = root / paths.SIGNATURE_PATH
     doc = read_signature(root)
     key = _check_envelope(path, doc, keys)
@@ -273,6 +289,40 @@ def verify_bundle(root: str | Path, trusted_keys) -> Verified:
                              + "; ".join(f"{r}: {m}" for r, m in problems[:MAX_PROBLEMS]) + more,
                              paths=tuple(r for r, _ in problems))
     return Verified(key.source, key.hint, len(present), total)
+
+
+# -- a verification re-used: one process verifies a bundle more than once while it opens it (vLLM's config hook and
+#    worker both judge the facts, ``Bundle.read_facts``, then open it, ``open_bundle``: two full hashes of every file)
+
+RACY_NS = 2_000_000_000  # a file changed this recently could change again under the same coarse timestamps
+MAX_REMEMBERED = 64
+_VERIFIED: dict[tuple, tuple[str, Verified]] = {}  # (real path, trusted keys) -> (file_state, what it established)
+
+
+def file_state(root: Path) -> str | None:
+    """A digest of the bundle as the file system describes it, or None when that cannot stand for its bytes.
+
+    Every entry under ``root`` (the signature included, the folder itself too): its path, type, size, mtime,
+    ctime, inode and device. ``verify_bundle`` re-uses a verification of the same real path with the same keys
+    only while this digest is unchanged, and takes it before hashing, so what it re-uses covers the bytes it
+    hashed. Why that is sound: no write reaches a file's bytes without moving its ctime, which no unprivileged
+    process can set back (``os.utime`` restores mtime and moves ctime); a file replaced or renamed in changes
+    its inode or ctime; an added, removed or renamed file changes the list. Two changes inside one timestamp tick
+    can share a ctime (git's "racily clean" entries), so a bundle with any entry changed within ``RACY_NS`` of
+    now is never remembered nor re-used: it is hashed every time. Anything unreadable gives None (hash it)."""
+    now, names, entries = time.time_ns(), [str(root)], []
+    try:
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            names += [os.path.join(dirpath, name) for name in dirnames + filenames]
+        for name in names:
+            st = os.lstat(name)
+            if max(st.st_mtime_ns, st.st_ctime_ns) > now - RACY_NS:
+                return None
+            entries.append((os.path.relpath(name, root), st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                            st.st_ino, st.st_dev))
+    except OSError:
+        return None
+    return hashlib.sha256(repr(sorted(entries)).encode()).hexdigest()
 
 
 def require(root: Path, trusted_keys=None) -> Verified | None:
