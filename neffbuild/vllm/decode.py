@@ -12,7 +12,9 @@ layers). Request r's tokens are ``[starts[r], starts[r + 1])``, the first at pos
   formula), the batch bucket from their count, vLLM's tables trimmed, the artifact writing K/V in place. With
   drafts in the step that is the ``target_spec`` artifact (short rows padded, their padded writes masked), else
   ``target_nospec`` (or ``decode`` for a bundle without drafts). A row with no room for k drafts before
-  ``max_model_len`` runs its tokens one step at a time through ``target_nospec`` (the seeds' rule), apart.
+  ``max_model_len`` runs its tokens one step at a time through ``target_nospec`` (the seeds' rule), apart; so do
+  one-token rows beside rows with drafts (on a DI decode instance, a transferred request's first step: the seeds'
+  ``target_nospec`` first step, its aux states then feed vLLM's drafter and speculation starts on the next step).
 - **Longer rows** run ``Bundle.prefill`` one at a time from their first position (the KV of the positions
   before it is already in the tensors), writing K/V through the request's rows of vLLM's tables.
 
@@ -191,11 +193,16 @@ class BundleDecoder:
         mml = self.bundle.grid.max_model_len
         room = [r for r in rows if not self.k or computed[r] + 1 + self.k <= mml]
         tight = [r for r in rows if r not in room]  # no room for k drafts: their tokens one step at a time
+        # rows without drafts beside rows with drafts (a DI decode instance: a transferred request's first step,
+        # which has no aux states to draft from yet) run apart, through target_nospec, as the seeds say
+        bare = [r for r in room if lengths[r] == 1] if any(lengths[r] > 1 for r in room) else []
         out: dict[int, tuple] = {}
-        if room:
-            tokens = [input_ids[starts[r]:starts[r + 1]].tolist() for r in room]
-            step = self._run(metadata, room, tokens, [computed[r] for r in room])
-            for i, r in enumerate(room):
+        for part in ([r for r in room if r not in bare], bare):
+            if not part:
+                continue
+            tokens = [input_ids[starts[r]:starts[r + 1]].tolist() for r in part]
+            step = self._run(metadata, part, tokens, [computed[r] for r in part])
+            for i, r in enumerate(part):
                 n = lengths[r]
                 out[r] = (step.logits[i, :n], step.aux_hidden[i, :n] if step.aux_hidden is not None else None)
         for t in range(max((lengths[r] for r in tight), default=0)):
@@ -227,7 +234,7 @@ class BundleDecoder:
         out = stepper.run(plan, batch)
         self.metrics.seconds("plan", ran - planned)
         self.metrics.seconds("run", time.perf_counter() - ran)  # Stepper.run: inputs + the artifact
-        self.metrics.artifact(out.plan.label, out.plan.needed_seq, out.plan.family)
+        self.metrics.artifact(out.plan.label, out.plan.needed_seq, out.plan.family, rows=len(rows))
         self.metrics.decode_rows("artifact", len(rows))
         return out
 

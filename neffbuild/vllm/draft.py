@@ -151,5 +151,5 @@ class DraftRunner:
         table = decode.trimmed_table(md.block_table, torch.tensor(index, dtype=torch.long), last,
                                      self.target.block_size)
         plan, proposals = stepper.draft(rows, table, max_computed=max(computed))
-        self.target.metrics.artifact(plan.label, None, plan.family)
+        self.target.metrics.artifact(plan.label, None, plan.family, rows=len(rows))
         return proposals
