@@ -244,17 +244,17 @@ def spec_di(vllm_spec, tmp_path_factory):
 
 def test_disaggregated_eagle3_gives_the_single_instances_tokens_and_acceptance(vllm_spec, spec_di):
     """Through the launcher: the single spec instance's tokens; on the decode instance no prefill, each transferred
-    request's first step one target_nospec row (no aux states yet) and speculation from its next step on, with the
-    single instance's acceptance. (This draft's attention adds nothing, fc and its LM head propose: the acceptance
-    shows the seam, not the draft's transferred prompt KV, which tests/test_kv_ingest.py's regions cover.)"""
+    request's first step one target_nospec row (no aux states yet; vLLM pads that step with k placeholder drafts,
+    which it counts as drafted and always rejects) and speculation from its next step on, accepting what the single
+    instance accepts. (This draft's attention adds nothing, fc and its LM head propose: the acceptance shows the
+    seam, not the draft's transferred prompt KV, which tests/test_kv_ingest.py's regions cover.)"""
     tokens, rep, counters = spec_di
     single = vllm_spec["runs"]["spec"]["runs"][0]
     assert tokens == single["tokens"]
     assert rep["prefill_tokens"] == 0
-    print("decode instance:", rep["families"], rep["family_rows"], counters)
     assert rep["family_rows"].get("target_nospec") == len(tokens), rep["family_rows"]
     assert rep["families"]["target_spec"] > 0 and rep["families"]["draft"] > 0
     base = {n: single["spec"][n] - single["spec_before"].get(n, 0) for n in counters}
-    rate = {n: c["num_accepted_tokens"] / c["num_draft_tokens"] for n, c in (("single", base), ("di", counters))}
-    print(f"acceptance: {rate} ({base} single, {counters} DI)")
-    assert abs(rate["di"] - rate["single"]) <= 0.02, rate
+    print(f"acceptance: single {base}, DI {counters}")
+    assert counters["num_accepted_tokens"] == base["num_accepted_tokens"] > 0
+    assert base["num_draft_tokens"] <= counters["num_draft_tokens"] <= base["num_draft_tokens"] + K * len(tokens)

@@ -142,6 +142,9 @@ class DraftRunner:
                 first, a = first + q, a + q
             rows.append((input_ids[a:b].tolist(), aux[a:b].float(), first))
         out = self._run(stepper, md, list(range(len(rows))), rows)
+        # what vLLM will schedule as drafts: by the next step's position and token (decode.py's placeholder check)
+        self.target.handed = {(first + len(tokens), tokens[-1]): tuple(p)
+                              for (tokens, _, first), p in zip(rows, out[:len(rows)].tolist(), strict=True)}
         self.target.metrics.seconds("draft", time.perf_counter() - began)
         return out
 
