@@ -38,7 +38,8 @@ groups. The worker registers the draft's buffer with the target's (``regions_for
 geometry or start-up stops; vLLM's hybrid KV manager may give it a target buffer's storage, which then adds no
 region) and the layout tag says "EAGLE3 draft KV", so a peer started without ``--speculative-config`` is refused
 at the handshake like any other layout. The decode instance's first step for a transferred request has no drafts
-(no aux hidden states yet) and runs ``target_nospec`` (neffbuild/vllm/decode.py: apart from rows with drafts);
+(no aux hidden states yet; vLLM pads it with placeholder drafts, which the plugin recognises) and runs
+``target_nospec`` (neffbuild/vllm/decode.py, ``_placeholders``: apart from rows with real drafts);
 vLLM's drafter then catches up on that one row, over the transferred draft KV, and speculation starts on the next
 step. One row differs from a single instance's draft KV: with the N - 1 rule the prefill instance drafts its last
 row (position N - 2) from the token it sampled there, not the prompt's last token, which it never saw (vLLM's own
