@@ -220,7 +220,7 @@ def spec_di(vllm_spec, tmp_path_factory):
     logs = tmp_path_factory.mktemp("spec-di")
     proc = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "neffbuild.vllm.di", str(vllm_spec["bundle"]), "--port", "0", "--log-dir", str(logs),
-         "--decode-arg=--worker-extension-cls", "--decode-arg=neffbuild.vllm.model.WorkerReport",
+         "--vllm-arg=--worker-extension-cls", "--vllm-arg=neffbuild.vllm.model.WorkerReport",
          "--decode-arg=--no-enable-prefix-caching", "--startup-timeout", "400"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env=vllm_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None), start_new_session=True)
@@ -228,6 +228,7 @@ def spec_di(vllm_spec, tmp_path_factory):
         line = proc.stdout.readline()
         assert "serving" in line, line + proc.stdout.read()[-3000:]
         proxy, decode = line.split(" at ")[1].split("/v1")[0], line.split("decode ")[1].split(";")[0]
+        prefill = line.split("(prefill ")[1].split(",")[0]
         six, _ = _requests()
         with ThreadPoolExecutor(len(six)) as pool:
             tokens = list(pool.map(lambda r: complete(proxy, r["prompt"], r["max_tokens"]), six))
@@ -235,7 +236,7 @@ def spec_di(vllm_spec, tmp_path_factory):
             text = r.read().decode()
         counters = {n: sum(prom_samples(text, f"vllm:spec_decode_{n}_total").values())
                     for n in ("num_draft_tokens", "num_accepted_tokens")}
-        yield tokens, report(decode), counters
+        yield tokens, report(decode), counters, report(prefill)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -247,8 +248,8 @@ def test_disaggregated_eagle3_gives_the_single_instances_tokens_and_acceptance(v
     request's first step one target_nospec row (no aux states yet; vLLM pads that step with k placeholder drafts,
     which it counts as drafted and always rejects) and speculation from its next step on, accepting what the single
     instance accepts. (This draft's attention adds nothing, fc and its LM head propose: the acceptance shows the
-    seam, not the draft's transferred prompt KV, which tests/test_kv_ingest.py's regions cover.)"""
-    tokens, rep, counters = spec_di
+    seam, not the draft's transferred prompt KV: the next test checks that.)"""
+    tokens, rep, counters, _ = spec_di
     single = vllm_spec["runs"]["spec"]["runs"][0]
     assert tokens == single["tokens"]
     assert rep["prefill_tokens"] == 0
@@ -258,3 +259,15 @@ def test_disaggregated_eagle3_gives_the_single_instances_tokens_and_acceptance(v
     print(f"acceptance: single {base}, DI {counters}")
     assert counters["num_accepted_tokens"] == base["num_accepted_tokens"] > 0
     assert base["num_draft_tokens"] <= counters["num_draft_tokens"] <= base["num_draft_tokens"] + K * len(tokens)
+
+
+def test_the_drafts_prompt_kv_arrives_as_the_prefill_instance_wrote_it(spec_di):
+    """The draft's KV at positions 0..N-2 of each prompt: digested by the prefill instance after drafting over the
+    prompt and by the decode instance at its first draft call for the request (which writes from N - 1 on); equal."""
+    _, decode, _, prefill = spec_di
+    six, _ = _requests()
+    spans = {str(len(r["prompt"]) - 1) for r in six}
+    assert spans <= set(prefill["draft_prompt_kv"]) and spans <= set(decode["draft_prompt_kv"]), (prefill, decode)
+    for span in spans:
+        assert decode["draft_prompt_kv"][span] == prefill["draft_prompt_kv"][span], span
+        assert prefill["draft_prompt_kv"][span][1] > 0  # written: not the zeros of a block nobody wrote

@@ -76,6 +76,7 @@ class BundleDecoder:
         self.aux_layers: tuple[int, ...] = ()  # EAGLE3 with vLLM speculating: the forward returns their states
         self.k = 0  # drafts per row vLLM schedules (0: vLLM does not speculate)
         self.handed: dict[tuple[int, int], tuple[int, ...]] = {}  # the last draft call's (position, token) -> drafts
+        self.arrived: dict[int, int] = {}  # this forward's rows with placeholder drafts (DI: just transferred)
         self._buffers: list[torch.Tensor] | None = None
         self._pending: torch.Tensor | None = None  # this forward's logits, one row per id [P, vocab]
 
@@ -200,6 +201,7 @@ class BundleDecoder:
         # every other row runs its one token apart, through target_nospec: rows without drafts and rows whose
         # drafts are vLLM's placeholders (a DI decode instance: a transferred request's first step)
         bare = [r for r in room if r not in spec]
+        self.arrived = {r: computed[r] for r in bare if lengths[r] > 1}  # vLLM's row -> its first draft position
         out: dict[int, tuple] = {}
         for part in (spec, bare):
             if not part:

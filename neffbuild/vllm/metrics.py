@@ -42,6 +42,7 @@ class PluginMetrics:
         self.rows: Counter[str] = Counter()
         self.needed: Counter[int] = Counter()
         self.prefilled = 0  # prompt tokens through the bundle's eager prefill
+        self.draft_prompt_kv: dict[int, tuple[float, float]] = {}  # EAGLE3: prompt span -> (sum, abs sum) (draft.py)
         self.time: Counter[str] = Counter()  # seconds spent, for the benchmark's split (not exported)
         try:
             import prometheus_client as prom
@@ -110,5 +111,6 @@ class PluginMetrics:
                 "forwards": dict(self.forwards),
                 "rows": dict(self.rows),
                 "prefill_tokens": self.prefilled,
+                "draft_prompt_kv": {str(k): list(v) for k, v in sorted(self.draft_prompt_kv.items())},
                 "needed_seq": {str(k): v for k, v in sorted(self.needed.items())},
                 "seconds": dict(self.time)}
