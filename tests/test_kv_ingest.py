@@ -14,6 +14,7 @@ from neffbuild.runtime.di.regions import (
     head_segments,
     last_blocks,
     pull_descriptors,
+    regions_for,
     register_regions,
 )
 from neffbuild.runtime.kv.cache import KVLayout, allocate
@@ -94,6 +95,26 @@ def test_layout_mismatch_names_both_sides():
         assert part in why
     assert "num_blocks" not in why  # the pools may differ
     assert a.mismatch(KVRegions.from_json(a.to_json()), "decode", "prefill") is None
+
+
+def test_the_eagle3_drafts_kv_moves_in_the_targets_regions():
+    """regions_for's draft_kv (the vLLM plugin's DI with EAGLE3): a draft buffer sharing a target buffer's storage
+    (vLLM's hybrid KV manager) adds no region, one of its own adds its K and V; either way the layout says so,
+    and a side without the draft cannot map onto one with it."""
+    from types import SimpleNamespace
+
+    caches = allocate(LAYOUT)
+    facts = SimpleNamespace(layer_buffers=[0, 0, 1, 1], fp8_packed_kv=False, kv_heads=range(H),
+                            config=SimpleNamespace(num_key_value_heads=H))
+    target = regions_for(facts, caches)
+    shared, own = regions_for(facts, caches, draft_kv=caches[0]), regions_for(facts, caches, draft_kv=allocate(
+        KVLayout(1, 8, H, 4, 3))[0])
+    assert (shared.bases, shared.num_layers, shared.draft, target.draft) == (target.bases, 4, True, False)
+    assert own.bases[:4] == target.bases and len(own.bases) == 6 and own.num_layers == 4
+    assert "EAGLE3 draft KV False on decode vs True on prefill" in target.mismatch(shared, "decode", "prefill")
+    assert KVRegions.from_json(shared.to_json()) == shared and "EAGLE3 draft KV" in shared.describe()
+    with pytest.raises(KVLayoutMismatch, match=r"draft's KV buffer is \(2, 8, 1, 4, 3\).*target's \(2, 8, 2"):
+        regions_for(facts, caches, draft_kv=allocate(KVLayout(1, 8, 1, 4, 3))[0])
 
 
 def test_block_pairs_and_partial_prefix():

@@ -33,8 +33,10 @@ from tests.vllm_helpers import (
     BLOCK_SIZE,
     SKIP_REASON,
     VLLM_VENV,
+    complete,
     free_port,
     have_vllm,
+    report,
     run_vllm_script,
     save_checkpoint,
     serve_argv,
@@ -52,21 +54,6 @@ SHAPES = [(100, 20), (127, 15), (159, 30), (300, 10), (415, 25), (480, 8)]
 def _requests() -> list[dict]:
     rng = random.Random(7)
     return [{"prompt": [rng.randrange(512) for _ in range(n)], "max_tokens": m} for n, m in SHAPES]
-
-
-def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> list[int]:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "ignore_eos": True, "return_token_ids": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
-
-
-def report(url: str) -> dict:
-    req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": "neffbuild_report"}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["results"][0]
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import build_bundle, cli
+from tests.helpers import ROOT, build_bundle, cli
 from tests.vllm_helpers import (
     HF_CONFIG,
     MAX_MODEL_LEN,
     SKIP_REASON,
+    VLLM_PYTHON,
+    complete,
     have_vllm,
+    prom_samples,
     python_json,
+    report,
     run_vllm_script,
+    vllm_env,
     write_recipe,
 )
 
@@ -201,3 +209,68 @@ def test_another_num_speculative_tokens_fails_start_up_naming_the_flag(refused):
     assert refused.returncode != 0
     assert f"--speculative-config: vLLM has num_speculative_tokens {K - 1}, the bundle was compiled for {K}" \
         in refused.stderr, refused.stderr[-3000:]
+
+
+# -- disaggregated serving with the EAGLE3 bundle (docs/vllm.md, "Disaggregated serving"): one pair of vLLM starts
+
+
+@pytest.fixture(scope="module")
+def spec_di(vllm_spec, tmp_path_factory):
+    """The DI launcher on the EAGLE3 bundle (both instances with its printed --speculative-config); the six
+    requests at once through its proxy; the decode instance's plugin report and vLLM's spec-decode counters."""
+    import urllib.request
+
+    logs = tmp_path_factory.mktemp("spec-di")
+    proc = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "neffbuild.vllm.di", str(vllm_spec["bundle"]), "--port", "0", "--log-dir", str(logs),
+         "--vllm-arg=--worker-extension-cls", "--vllm-arg=neffbuild.vllm.model.WorkerReport",
+         "--decode-arg=--no-enable-prefix-caching", "--startup-timeout", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env=vllm_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None), start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line, line + proc.stdout.read()[-3000:]
+        proxy, decode = line.split(" at ")[1].split("/v1")[0], line.split("decode ")[1].split(";")[0]
+        prefill = line.split("(prefill ")[1].split(",")[0]
+        six, _ = _requests()
+        with ThreadPoolExecutor(len(six)) as pool:
+            tokens = list(pool.map(lambda r: complete(proxy, r["prompt"], r["max_tokens"]), six))
+        with urllib.request.urlopen(decode + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        counters = {n: sum(prom_samples(text, f"vllm:spec_decode_{n}_total").values())
+                    for n in ("num_draft_tokens", "num_accepted_tokens")}
+        yield tokens, report(decode), counters, report(prefill)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+
+
+def test_disaggregated_eagle3_gives_the_single_instances_tokens_and_acceptance(vllm_spec, spec_di):
+    """Through the launcher: the single spec instance's tokens; on the decode instance no prefill, each transferred
+    request's first step one target_nospec row (no aux states yet; vLLM pads that step with k placeholder drafts,
+    which it counts as drafted and always rejects) and speculation from its next step on, accepting what the single
+    instance accepts. (This draft's attention adds nothing, fc and its LM head propose: the acceptance shows the
+    seam, not the draft's transferred prompt KV: the next test checks that.)"""
+    tokens, rep, counters, _ = spec_di
+    single = vllm_spec["runs"]["spec"]["runs"][0]
+    assert tokens == single["tokens"]
+    assert rep["prefill_tokens"] == 0
+    assert rep["family_rows"].get("target_nospec") == len(tokens), rep["family_rows"]
+    assert rep["families"]["target_spec"] > 0 and rep["families"]["draft"] > 0
+    base = {n: single["spec"][n] - single["spec_before"].get(n, 0) for n in counters}
+    print(f"acceptance: single {base}, DI {counters}")
+    assert counters["num_accepted_tokens"] == base["num_accepted_tokens"] > 0
+    assert base["num_draft_tokens"] <= counters["num_draft_tokens"] <= base["num_draft_tokens"] + K * len(tokens)
+
+
+def test_the_drafts_prompt_kv_arrives_as_the_prefill_instance_wrote_it(spec_di):
+    """The draft's KV at positions 0..N-2 of each prompt: digested by the prefill instance after drafting over the
+    prompt and by the decode instance at its first draft call for the request (which writes from N - 1 on); equal."""
+    _, decode, _, prefill = spec_di
+    six, _ = _requests()
+    spans = {str(len(r["prompt"]) - 1) for r in six}
+    assert spans <= set(prefill["draft_prompt_kv"]) and spans <= set(decode["draft_prompt_kv"]), (prefill, decode)
+    for span in spans:
+        assert decode["draft_prompt_kv"][span] == prefill["draft_prompt_kv"][span], span
+        assert prefill["draft_prompt_kv"][span][1] > 0  # written: not the zeros of a block nobody wrote

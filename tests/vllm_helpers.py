@@ -260,6 +260,28 @@ class Server:
         self._log.close()
 
 
+def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> list[int]:
+    """One greedy token-id completion at ``url`` (a ``vllm serve`` or the DI launcher's proxy): its token ids."""
+    import urllib.request
+
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def report(url: str) -> dict:
+    """The plugin's report of the first worker of a ``vllm serve`` started with ``--worker-extension-cls
+    neffbuild.vllm.model.WorkerReport`` in dev mode (``VLLM_SERVER_DEV_MODE=1``)."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": "neffbuild_report"}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["results"][0]
+
+
 def prom_samples(text: str, name: str) -> dict[tuple, float]:
     """{label tuple: value} of one metric in Prometheus text (pid labels of multiprocess mode dropped)."""
     import re

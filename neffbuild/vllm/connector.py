@@ -29,6 +29,23 @@ answers with one token, the decode side pulls N - 1 tokens of KV and runs token 
 one-token step). The scheduler here sets it to one token for a model with sliding-window layers, so the prefill
 side's window manager keeps what a query at position N - 1 reads (docs/vllm.md, "Disaggregated serving").
 
+And EAGLE3 (a bundle with a draft; both instances get the bundle's ``--speculative-config``, the launcher passes
+the printed settings to both). As in vLLM's own P/D with a drafter, the prefill instance runs the drafter on the
+prompt (neffbuild/vllm/draft.py: the runtime's eager catch-up over the prompt's rows, the draft graph on the last),
+so the draft's KV for the prompt is written there, in the draft's buffer (the draft's vLLM layer, numbered after
+the target's; the bundle's layout), and vLLM's connector moves the draft's KV cache group beside the target's
+groups. The worker registers the draft's buffer with the target's (``regions_for(..., draft_kv=...)``: the same
+geometry or start-up stops; vLLM's hybrid KV manager may give it a target buffer's storage, which then adds no
+region) and the layout tag says "EAGLE3 draft KV", so a peer started without ``--speculative-config`` is refused
+at the handshake like any other layout. The decode instance's first step for a transferred request has no drafts
+(no aux hidden states yet; vLLM pads it with placeholder drafts, which the plugin recognises) and runs
+``target_nospec`` (neffbuild/vllm/decode.py, ``_placeholders``: apart from rows with real drafts);
+vLLM's drafter then catches up on that one row, over the transferred draft KV, and speculation starts on the next
+step. One row differs from a single instance's draft KV: with the N - 1 rule the prefill instance drafts its last
+row (position N - 2) from the token it sampled there, not the prompt's last token, which it never saw (vLLM's own
+prefill backoff does the same); tokens stay exact (greedy verification), acceptance may move slightly.
+neffbuild's own DI engine (serve/di.py) moves no draft KV: its prefill worker runs no draft.
+
 Start both instances with ``--kv-transfer-config '{"kv_connector": "NeffbuildNixlConnector",
 "kv_connector_module_path": "neffbuild.vllm.connector", "kv_role": ..., "kv_buffer_device": "cpu"}'`` (the
 launcher, neffbuild/vllm/di.py, does).
@@ -109,9 +126,9 @@ class BundleWorker(NixlPullConnectorWorker):
         logger.info("neffbuild: NIXL progress thread delay %d us (0: NIXL's own, a spinning thread)", delay_us)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        views, buffers = split_views(kv_caches, self.bundle.facts.layer_buffers)
+        views, buffers, draft = split_views(kv_caches, self.bundle.facts.layer_buffers)
         super().register_kv_caches(views)
-        regions = regions_for(self.bundle.facts, buffers)
+        regions = regions_for(self.bundle.facts, buffers, draft_kv=draft)
         got = (list(self.kv_caches_base_addr[self.engine_id][self.tp_rank]), set(self.block_len_per_layer))
         if got != (list(regions.bases), {regions.block_len}):
             raise KVLayoutMismatch(f"neffbuild: vLLM registered regions at {got[0]} with block lengths {got[1]}; the "
@@ -143,20 +160,27 @@ class BundleWorker(NixlPullConnectorWorker):
         return super()._nixl_handshake(*args)
 
 
-def split_views(kv_caches: dict[str, torch.Tensor], layer_buffers) -> tuple[dict, list[torch.Tensor]]:
-    """({layer: its buffer as [2 * num_blocks, kv, bs, d]}, [buffer j as the bundle's [2, nb, kv, bs, d]]).
+def split_views(kv_caches: dict[str, torch.Tensor], layer_buffers
+                ) -> tuple[dict, list[torch.Tensor], torch.Tensor | None]:
+    """({layer: its buffer as [2 * num_blocks, kv, bs, d]}, [buffer j as the bundle's [2, nb, kv, bs, d]], the
+    EAGLE3 draft's buffer or None).
 
-    The first is what vLLM's registration splits into a K and a V region per distinct tensor; the second is
-    what ``regions_for`` reads. Buffer j is the tensor of the first layer the bundle maps to j."""
-    views, buffers = {}, {}
+    The first is what vLLM's registration splits into a K and a V region per distinct tensor; the other two are
+    what ``regions_for`` reads. Buffer j is the tensor of the first layer the bundle maps to j; the draft's layer
+    is the one numbered after the target's (neffbuild/vllm/draft.py names it ``layers.{num_hidden_layers}``)."""
+    views, buffers, draft = {}, {}, None
     for name, cache in kv_caches.items():
         match = _LAYER.search(name)
-        if match is None:
+        index = int(match.group(1)) if match is not None else -1
+        if not 0 <= index <= len(layer_buffers):
             raise IncompatibleBundle(f"neffbuild: vLLM's KV layer {name!r} is not one of the plugin's layers")
         buf = bundle_view(cache[0] if isinstance(cache, (list, tuple)) else cache)
-        buffers.setdefault(layer_buffers[int(match.group(1))], buf)
+        if index == len(layer_buffers):
+            draft = buf
+        else:
+            buffers.setdefault(layer_buffers[index], buf)
         views[name] = buf.flatten(0, 1)
-    return views, [buffers[j] for j in sorted(buffers)]
+    return views, [buffers[j] for j in sorted(buffers)], draft
 
 
 def layout_tag(bundle, regions) -> str:

@@ -12,7 +12,10 @@ layers). Request r's tokens are ``[starts[r], starts[r + 1])``, the first at pos
   formula), the batch bucket from their count, vLLM's tables trimmed, the artifact writing K/V in place. With
   drafts in the step that is the ``target_spec`` artifact (short rows padded, their padded writes masked), else
   ``target_nospec`` (or ``decode`` for a bundle without drafts). A row with no room for k drafts before
-  ``max_model_len`` runs its tokens one step at a time through ``target_nospec`` (the seeds' rule), apart.
+  ``max_model_len`` runs its tokens one step at a time through ``target_nospec`` (the seeds' rule), apart; rows
+  without drafts beside rows with drafts run apart through ``target_nospec`` too, as do rows whose drafts are
+  vLLM's placeholders (``_placeholders``: a DI decode instance's first step for a transferred request, which has
+  no aux states to draft from: the seeds' ``target_nospec`` first step, speculation from the next step on).
 - **Longer rows** run ``Bundle.prefill`` one at a time from their first position (the KV of the positions
   before it is already in the tensors), writing K/V through the request's rows of vLLM's tables.
 
@@ -72,6 +75,8 @@ class BundleDecoder:
         self.draft_layer = None  # EAGLE3: the draft model's vLLM Attention (its KV tensor: the draft's buffer)
         self.aux_layers: tuple[int, ...] = ()  # EAGLE3 with vLLM speculating: the forward returns their states
         self.k = 0  # drafts per row vLLM schedules (0: vLLM does not speculate)
+        self.handed: dict[tuple[int, int], tuple[int, ...]] = {}  # the last draft call's (position, token) -> drafts
+        self.arrived: dict[int, int] = {}  # this forward's rows with placeholder drafts (DI: just transferred)
         self._buffers: list[torch.Tensor] | None = None
         self._pending: torch.Tensor | None = None  # this forward's logits, one row per id [P, vocab]
 
@@ -191,13 +196,25 @@ class BundleDecoder:
         mml = self.bundle.grid.max_model_len
         room = [r for r in rows if not self.k or computed[r] + 1 + self.k <= mml]
         tight = [r for r in rows if r not in room]  # no room for k drafts: their tokens one step at a time
+        tokens = {r: input_ids[starts[r]:starts[r + 1]].tolist() for r in room}
+        spec = [r for r in room if lengths[r] > 1 and not self._placeholders(tokens[r], computed[r])]
+        # every other row runs its one token apart, through target_nospec: rows without drafts and rows whose
+        # drafts are vLLM's placeholders (a DI decode instance: a transferred request's first step)
+        bare = [r for r in room if r not in spec]
+        self.arrived = {r: computed[r] for r in bare if lengths[r] > 1}  # vLLM's row -> its first draft position
         out: dict[int, tuple] = {}
-        if room:
-            tokens = [input_ids[starts[r]:starts[r + 1]].tolist() for r in room]
-            step = self._run(metadata, room, tokens, [computed[r] for r in room])
-            for i, r in enumerate(room):
-                n = lengths[r]
-                out[r] = (step.logits[i, :n], step.aux_hidden[i, :n] if step.aux_hidden is not None else None)
+        for part in (spec, bare):
+            if not part:
+                continue
+            step = self._run(metadata, part, [tokens[r] if r in spec else tokens[r][:1] for r in part],
+                             [computed[r] for r in part])
+            for i, r in enumerate(part):
+                m = lengths[r] if r in spec else 1
+                lg, ax = step.logits[i, :m], step.aux_hidden[i, :m] if step.aux_hidden is not None else None
+                if m < lengths[r]:  # placeholder drafts, rejected whatever their logits: the first row's stand in
+                    lg = lg.expand(lengths[r], -1)
+                    ax = torch.cat([ax, ax.new_zeros(lengths[r] - m, ax.shape[1])]) if ax is not None else None
+                out[r] = (lg, ax)
         for t in range(max((lengths[r] for r in tight), default=0)):
             now = [r for r in tight if lengths[r] > t]
             step = self._run(metadata, now, [[int(input_ids[starts[r] + t])] for r in now],
@@ -210,6 +227,18 @@ class BundleDecoder:
             lg, ax = out[r]
             out[r] = (torch.cat(lg), torch.cat(ax) if ax[0] is not None else None)
         return [out[r] for r in rows]
+
+    def _placeholders(self, tokens: list[int], position: int) -> bool:
+        """Whether a row's drafts are vLLM's placeholders, not drafts of this instance's drafter.
+
+        vLLM 0.32's scheduler pads a new request's one-token decode step to 1 + k rows (uniform decode steps) with
+        draft ids -1, which its rejection sampler always rejects and its runner clamps to 0 for the forward. On a
+        DI decode instance that is every transferred request's first step, which has no aux states to draft from
+        (the seeds: it runs target_nospec). Placeholders: drafts all 0 that the last draft call did not propose
+        for this position and next token (``handed``, kept by neffbuild/vllm/draft.py); a real draft is never
+        taken for one."""
+        drafts = tuple(tokens[1:])
+        return not any(drafts) and self.handed.get((position, tokens[0]), ())[:len(drafts)] != drafts
 
     def _run(self, metadata, rows: list[int], tokens: list[list[int]], computed: list[int]):
         """One Stepper step for requests ``rows`` of vLLM's batch: ``tokens`` from position ``computed`` each."""
@@ -227,7 +256,7 @@ class BundleDecoder:
         out = stepper.run(plan, batch)
         self.metrics.seconds("plan", ran - planned)
         self.metrics.seconds("run", time.perf_counter() - ran)  # Stepper.run: inputs + the artifact
-        self.metrics.artifact(out.plan.label, out.plan.needed_seq, out.plan.family)
+        self.metrics.artifact(out.plan.label, out.plan.needed_seq, out.plan.family, rows=len(rows))
         self.metrics.decode_rows("artifact", len(rows))
         return out
 

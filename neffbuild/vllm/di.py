@@ -4,7 +4,10 @@
 
 Both instances are ``vllm serve`` on the bundle folder with the plugin (the settings ``neffbuild inspect BUNDLE
 --vllm-config --json`` prints) and the plugin's KV connector (neffbuild/vllm/connector.py), each on its own HTTP
-port and NIXL side-channel port; the prefill one is ``kv_producer``, the decode one ``kv_consumer``. The proxy on
+port and NIXL side-channel port; the prefill one is ``kv_producer``, the decode one ``kv_consumer``. With an
+EAGLE3 bundle both get its ``--speculative-config`` (part of the printed settings): the prefill instance drafts
+over the prompt, so the draft's KV moves with the target's, and the decode instance speculates from each
+request's second step (neffbuild/vllm/connector.py). The proxy on
 127.0.0.1 takes OpenAI completions: it sends the prefill instance the request with ``max_tokens: 1`` and
 ``kv_transfer_params: {"do_remote_decode": true}``, then the decode instance the original request with the
 ``kv_transfer_params`` the prefill answer carries; the decode instance's answer is the client's. The launcher

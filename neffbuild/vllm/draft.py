@@ -142,8 +142,25 @@ class DraftRunner:
                 first, a = first + q, a + q
             rows.append((input_ids[a:b].tolist(), aux[a:b].float(), first))
         out = self._run(stepper, md, list(range(len(rows))), rows)
+        for r, (a, b) in enumerate(itertools.pairwise(starts)):  # the draft's prompt KV, for the DI check
+            first = int(positions[a])
+            span = b - a if first == 0 else first if self.target.arrived.get(r) == first else 0
+            if span:
+                self._digest(stepper.draft_cache, md.block_table[r].long(), span)
+        # what vLLM will schedule as drafts: by the next step's position and token (decode.py's placeholder check)
+        self.target.handed = {(first + len(tokens), tokens[-1]): tuple(p)
+                              for (tokens, _, first), p in zip(rows, out[:len(rows)].tolist(), strict=True)}
         self.target.metrics.seconds("draft", time.perf_counter() - began)
         return out
+
+    def _digest(self, cache: torch.Tensor, block_row: torch.Tensor, span: int) -> None:
+        """The report's digest of the draft's KV at positions [0, span): after a prompt's draft call (a prefill
+        instance: what it wrote) and after a transferred request's first draft call, which writes from position
+        span on (a DI decode instance: what arrived); equal when the draft's prompt KV moved intact
+        (tests/test_vllm_spec.py)."""
+        pos = torch.arange(span)
+        kv = cache[:, block_row[pos // self.target.block_size], :, pos % self.target.block_size, :].double()
+        self.target.metrics.draft_prompt_kv[span] = (float(kv.sum()), float(kv.abs().sum()))
 
     def _run(self, stepper, md, index: list[int], rows: list[tuple]) -> torch.Tensor:
         computed = [first + len(tokens) for tokens, _, first in rows]  # each request's tokens after acceptance
@@ -151,5 +168,5 @@ class DraftRunner:
         table = decode.trimmed_table(md.block_table, torch.tensor(index, dtype=torch.long), last,
                                      self.target.block_size)
         plan, proposals = stepper.draft(rows, table, max_computed=max(computed))
-        self.target.metrics.artifact(plan.label, None, plan.family)
+        self.target.metrics.artifact(plan.label, None, plan.family, rows=len(rows))
         return proposals

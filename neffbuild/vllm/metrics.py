@@ -15,6 +15,9 @@ own counters to the same registry (``neffbuild_neff_execution_count{bucket}``, b
   neffbuild_vllm_forwards_total{kind}           model forwards: decode (all requests in decode) | prefill | mixed
                                                 (prefill chunks beside one-token rows, which ran an artifact)
   neffbuild_vllm_decode_rows_total{path}        decode rows by path: artifact (every one-token row, in every forward)
+  neffbuild_vllm_family_rows_total{family,rank} rows of the artifact steps by family (a spec step's rows, its
+                                                target_nospec rows: on a DI decode instance one per transferred
+                                                request, its first step; the draft calls' requests)
   neffbuild_decode_needed_seq                   histogram of each decode step's needed_seq (128-token buckets)
 
 ``snapshot()`` returns the same counts as a dict (in the plugin's report: neffbuild/vllm/model.py ``report``).
@@ -34,10 +37,12 @@ class PluginMetrics:
         self.digest = 0  # the chain digest of every artifact label this rank ran, in order (``artifact``)
         self.steps: Counter[str] = Counter()
         self.families: Counter[str] = Counter()  # the same steps by family (decode | target_spec | ... | draft)
+        self.family_rows: Counter[str] = Counter()  # the rows (requests) those steps ran, by family
         self.forwards: Counter[str] = Counter()
         self.rows: Counter[str] = Counter()
         self.needed: Counter[int] = Counter()
         self.prefilled = 0  # prompt tokens through the bundle's eager prefill
+        self.draft_prompt_kv: dict[int, tuple[float, float]] = {}  # EAGLE3: prompt span -> (sum, abs sum) (draft.py)
         self.time: Counter[str] = Counter()  # seconds spent, for the benchmark's split (not exported)
         try:
             import prometheus_client as prom
@@ -55,6 +60,8 @@ class PluginMetrics:
                            buckets=edges),
             prom.Gauge("neffbuild_vllm_step_digest", "Chain digest (48 bits) of the artifact labels this rank ran, in "
                        "order.", ["rank"], multiprocess_mode="all"),
+            prom.Counter("neffbuild_vllm_family_rows", "Rows (requests) of the artifact steps by family.",
+                         ["family", "rank"]),
         )
         self._children: dict[tuple[int, str], object] = {}  # each label's counter, looked up once (per step: 3)
 
@@ -78,10 +85,12 @@ class PluginMetrics:
         """Prompt tokens the bundle's eager prefill ran (prompts and chunks of them)."""
         self.prefilled += n
 
-    def artifact(self, label: str, needed_seq: int | None, family: str) -> None:
-        """One artifact step; ``needed_seq`` None for a draft step (the histogram is the target's decode steps)."""
+    def artifact(self, label: str, needed_seq: int | None, family: str, rows: int = 0) -> None:
+        """One artifact step of ``rows`` requests; ``needed_seq`` None for a draft step (the histogram is the
+        target's decode steps)."""
         self.steps[label] += 1
         self.families[family] += 1
+        self.family_rows[family] += rows
         self.digest = int.from_bytes(hashlib.sha256(f"{self.digest}:{label}".encode()).digest()[:6], "big")
         if needed_seq is not None:
             self.needed[needed_seq] += 1
@@ -90,14 +99,18 @@ class PluginMetrics:
             self._child(4, self.rank).set(self.digest)  # 48 bits: exact as a float
             if needed_seq is not None:
                 self._prom[3].observe(needed_seq)
+            if rows:
+                self._child(5, family, self.rank).inc(rows)
 
     def seconds(self, what: str, s: float) -> None:
         self.time[what] += s
 
     def snapshot(self) -> dict:
         return {"rank": int(self.rank), "step_digest": self.digest, "steps": dict(self.steps),
-                "families": dict(self.families), "forwards": dict(self.forwards),
+                "families": dict(self.families), "family_rows": dict(self.family_rows),
+                "forwards": dict(self.forwards),
                 "rows": dict(self.rows),
                 "prefill_tokens": self.prefilled,
+                "draft_prompt_kv": {str(k): list(v) for k, v in sorted(self.draft_prompt_kv.items())},
                 "needed_seq": {str(k): v for k, v in sorted(self.needed.items())},
                 "seconds": dict(self.time)}

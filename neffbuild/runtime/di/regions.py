@@ -20,7 +20,7 @@ one descriptor when whole blocks move.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,7 @@ class KVRegions:
     packed_fp8: bool = False
     device_id: int = 0
     mem_type: str = "DRAM"
+    draft: bool = False  # the EAGLE3 draft's KV buffer is registered too (``regions_for``'s ``draft_kv``)
 
     @property
     def heads(self) -> range:
@@ -71,27 +72,27 @@ class KVRegions:
         return {"bases": list(self.bases), "num_blocks": self.num_blocks, "num_layers": self.num_layers,
                 "first_head": self.first_head, "num_heads": self.num_heads, "total_heads": self.total_heads,
                 "block_size": self.block_size, "head_dim": self.head_dim, "itemsize": self.itemsize,
-                "dtype": self.dtype, "packed_fp8": self.packed_fp8, "mem_type": self.mem_type}
+                "dtype": self.dtype, "packed_fp8": self.packed_fp8, "mem_type": self.mem_type, "draft": self.draft}
 
     @classmethod
     def from_json(cls, d: dict) -> KVRegions:
         ints = ("num_blocks", "num_layers", "first_head", "num_heads", "total_heads", "block_size", "head_dim",
                 "itemsize")
         return cls(tuple(int(b) for b in d["bases"]), *(int(d[k]) for k in ints), str(d["dtype"]),
-                   bool(d["packed_fp8"]), 0, str(d.get("mem_type", "DRAM")))
+                   bool(d["packed_fp8"]), 0, str(d.get("mem_type", "DRAM")), bool(d.get("draft", False)))
 
     def describe(self) -> str:
         h = self.heads
         return (f"{self.num_layers} layers on {len(self.bases)} regions, KV heads {h.start}..{h.stop - 1} of "
                 f"{self.total_heads}, block_size {self.block_size}, head_dim {self.head_dim}, {self.dtype}"
-                f"{', packed FP8 K' if self.packed_fp8 else ''}")
+                f"{', packed FP8 K' if self.packed_fp8 else ''}{', EAGLE3 draft KV' if self.draft else ''}")
 
     def mismatch(self, other: KVRegions, here: str, there: str) -> str | None:
         """What must match for any head mapping (not the head split, not the pool size), or None."""
         fields = [("layers", self.num_layers, other.num_layers), ("regions", len(self.bases), len(other.bases)),
                   ("block_size", self.block_size, other.block_size), ("head_dim", self.head_dim, other.head_dim),
                   ("dtype", self.dtype, other.dtype), ("packed_fp8", self.packed_fp8, other.packed_fp8),
-                  ("total KV heads", self.total_heads, other.total_heads)]
+                  ("total KV heads", self.total_heads, other.total_heads), ("EAGLE3 draft KV", self.draft, other.draft)]
         bad = [f"{name} {a} on {here} vs {b} on {there}" for name, a, b in fields if a != b]
         if not bad:
             return None
@@ -131,15 +132,29 @@ def register_regions(layer_buffers: Sequence[torch.Tensor], *, packed_fp8: bool 
                      str(dtype).removeprefix("torch."), packed_fp8, max(dev, 0), "DRAM" if dev < 0 else "VRAM")
 
 
-def regions_for(facts, kv_buffers: Sequence[torch.Tensor], *, heads: range | None = None) -> KVRegions:
+def regions_for(facts, kv_buffers: Sequence[torch.Tensor], *, heads: range | None = None,
+                draft_kv: torch.Tensor | None = None) -> KVRegions:
     """A bundle's KV buffers as transfer regions, for any engine's transfer (neffbuild's prefill worker and
     decode ranks, a vLLM connector): one K and one V region per buffer in layer order (``facts.layer_buffers``),
     packed FP8 as the bundle says, this rank's KV heads (``facts.kv_heads``; ``heads`` for a rank that re-split
-    the model for a TP degree of its own, as a DI prefill rank does). ``facts``: the bundle's ``BundleFacts``."""
+    the model for a TP degree of its own, as a DI prefill rank does). ``facts``: the bundle's ``BundleFacts``.
+
+    ``draft_kv``: the EAGLE3 draft's KV buffer, when the engine moves the draft's prompt KV too (the vLLM
+    plugin: vLLM's prefill instance runs the drafter over the prompt). It must be laid out as the target's
+    buffers (the draft is sharded like the target: same KV heads per rank, head_dim, block size, dtype), so the
+    same head mapping and descriptors move it; one K and one V region more unless it shares a target buffer's
+    storage (vLLM's hybrid KV manager may give it one: de-duplicated by base like any buffer)."""
     per_layer = [kv_buffers[b] for b in facts.layer_buffers]
-    return register_regions(per_layer, packed_fp8=facts.fp8_packed_kv,
-                            heads=heads if heads is not None else facts.kv_heads,
-                            total_heads=facts.config.num_key_value_heads)
+    if draft_kv is not None:
+        ours, target = (tuple(draft_kv.shape), draft_kv.dtype), (tuple(per_layer[0].shape), per_layer[0].dtype)
+        if ours != target:
+            raise KVLayoutMismatch(f"the EAGLE3 draft's KV buffer is {ours[0]} {ours[1]}, the target's {target[0]} "
+                                   f"{target[1]}: the draft's KV cannot move in the target's regions (a draft "
+                                   "with the target's KV heads, head_dim and KV dtype can)")
+    regions = register_regions([*per_layer, *([draft_kv] if draft_kv is not None else [])],
+                               packed_fp8=facts.fp8_packed_kv, heads=heads if heads is not None else facts.kv_heads,
+                               total_heads=facts.config.num_key_value_heads)
+    return replace(regions, num_layers=len(per_layer), draft=draft_kv is not None)
 
 
 @dataclass(frozen=True)
