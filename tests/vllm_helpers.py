@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild import engine_flags
+from neffbuild.vllm.di import free_port  # noqa: F401 - the tests' servers pick their ports the launcher's way
 from tests.helpers import ROOT
 
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -146,12 +147,6 @@ def start_refused(argv: list[str], log: Path, env: dict, port: int, limit: float
     return proc.returncode, served, time.monotonic() - start
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_argv(model: Path | str, engine_args: dict, additional: dict | None, port: int) -> list[str]:

@@ -27,6 +27,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -78,9 +79,33 @@ def serve_argv(vllm: str, settings: dict, port: int, role: str, extra: list[str]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port of 127.0.0.1 free now, below the kernel's ephemeral range where one is room enough.
+
+    A port is picked here and bound later by another process (vLLM's HTTP server, its NIXL side channel). A port
+    of the ephemeral range can be handed in between to any socket bound to port 0 or connecting out: once,
+    the decode instance's worker took the side-channel port picked for the prefill instance, whose handshake
+    listener then died, and the pair hung. The kernel hands out no port below the range, so only another
+    explicit pick can take one of those."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64 if low >= 12000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range (or every try taken): any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class Instance:
