@@ -64,7 +64,8 @@ demo: $(STAMP)
 TEST_WORKERS ?= 4
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
-# --durations: the 25 slowest tests and fixtures, printed at the end, so a run that nears the 20-minute bound says
+# --durations: the 25 slowest tests and fixtures, then (tests/cpu_account.py) the CPU-seconds per module, printed at
+# the end, so a run that nears the 20-minute bound says
 # where its time went (docs/benchmarks.md, "Test suite").
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) --durations=25 -m "not bench" tests
