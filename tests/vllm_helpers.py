@@ -147,8 +147,6 @@ def start_refused(argv: list[str], log: Path, env: dict, port: int, limit: float
     return proc.returncode, served, time.monotonic() - start
 
 
-
-
 def serve_argv(model: Path | str, engine_args: dict, additional: dict | None, port: int) -> list[str]:
     """``vllm serve MODEL`` with ``inspect --vllm-config``'s engine arguments (and its --additional-config): MODEL
     is the bundle folder it prints (or a checkpoint, for vLLM native)."""
@@ -187,18 +185,7 @@ class Server:
         raise AssertionError(f"vllm serve not ready after {timeout} s:\n{self.log()[-4000:]}")
 
     def complete(self, prompt: list[int], max_tokens: int, dp_rank: int | None = None) -> list[int]:
-        """Greedy token ids; ``dp_rank``: to that DP rank (vLLM's ``X-data-parallel-rank``), not its balancer's."""
-        import urllib.request
-
-        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        headers = {"Content-Type": "application/json"}
-        if dp_rank is not None:
-            headers["X-data-parallel-rank"] = str(dp_rank)
-        req = urllib.request.Request(self.url + "/v1/completions", data=body, headers=headers)
-        with urllib.request.urlopen(req, timeout=300) as r:
-            doc = json.loads(r.read())
-        return list(doc["choices"][0]["token_ids"])
+        return complete(self.url, prompt, max_tokens, dp_rank=dp_rank)
 
     def metrics(self) -> str:
         import urllib.request
@@ -207,14 +194,7 @@ class Server:
             return r.read().decode()
 
     def rpc(self, method: str) -> list:
-        """vLLM's dev-mode ``POST /collective_rpc`` (VLLM_SERVER_DEV_MODE=1): ``method`` of every worker, e.g. the
-        plugin's worker extension's ``neffbuild_report`` (neffbuild.vllm.model.WorkerReport)."""
-        import urllib.request
-
-        req = urllib.request.Request(self.url + "/collective_rpc", data=json.dumps({"method": method}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())["results"]
+        return rpc(self.url, method)
 
     def all_at_once(self, requests: list[dict], limit: float = 60) -> list[list[int]]:
         """Every request in one scheduling round: vLLM's dev-mode ``POST /pause?mode=keep`` holds new requests in
@@ -255,26 +235,37 @@ class Server:
         self._log.close()
 
 
-def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> list[int]:
-    """One greedy token-id completion at ``url`` (a ``vllm serve`` or the DI launcher's proxy): its token ids."""
+def complete(url: str, prompt: list[int], max_tokens: int, timeout: float = 300, dp_rank: int | None = None
+             ) -> list[int]:
+    """One greedy token-id completion at ``url`` (a ``vllm serve`` or the DI launcher's proxy): its token ids;
+    ``dp_rank``: to that DP rank (vLLM's ``X-data-parallel-rank``), not its balancer's."""
     import urllib.request
 
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "ignore_eos": True, "return_token_ids": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if dp_rank is not None:
+        headers["X-data-parallel-rank"] = str(dp_rank)
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return list(json.loads(r.read())["choices"][0]["token_ids"])
 
 
-def report(url: str) -> dict:
-    """The plugin's report of the first worker of a ``vllm serve`` started with ``--worker-extension-cls
-    neffbuild.vllm.model.WorkerReport`` in dev mode (``VLLM_SERVER_DEV_MODE=1``)."""
+def rpc(url: str, method: str) -> list:
+    """vLLM's dev-mode ``POST /collective_rpc`` (VLLM_SERVER_DEV_MODE=1): ``method`` of every worker, e.g. the
+    plugin's worker extension's ``neffbuild_report`` (neffbuild.vllm.model.WorkerReport)."""
     import urllib.request
 
-    req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": "neffbuild_report"}).encode(),
+    req = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": method}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["results"][0]
+        return json.loads(r.read())["results"]
+
+
+def report(url: str) -> dict:
+    """The plugin's report of the first worker of a ``vllm serve`` started with ``--worker-extension-cls
+    neffbuild.vllm.model.WorkerReport`` in dev mode."""
+    return rpc(url, "neffbuild_report")[0]
 
 
 def prom_samples(text: str, name: str) -> dict[tuple, float]:
