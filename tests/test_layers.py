@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # base modules: every part may import them
-BASE = {"neffbuild", "errors", "settings", "fsutil", "registry", "engine_flags"}
+BASE = {"neffbuild", "errors", "settings", "fsutil", "registry", "engine_flags", "ports"}
 # The runtime's rooms are parts of their own (neffbuild/runtime/<room>/), so an upward arrow inside the
 # runtime fails too; "runtime" alone is its top (parallel.py, world.py, the lazy __init__).
 ROOMS = ("bundle", "step", "kv", "di")

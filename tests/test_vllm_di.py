@@ -362,21 +362,6 @@ def test_the_proxy_answers_an_error_when_the_prefill_instance_is_down():
     assert "prefill instance http://127.0.0.1:" in json.loads(err.value.read())["error"]
 
 
-def test_picked_ports_are_free_and_below_the_ephemeral_range():
-    """The launcher's ports are bound later by vLLM: below the kernel's ephemeral range no socket bound to port 0
-    (another instance's worker, a client) can take one in between."""
-    import socket
-
-    from neffbuild.vllm import di
-
-    low = di._ephemeral_low()
-    ports = [di.free_port() for _ in range(20)]
-    assert low < 12000 or all(10000 <= p < low for p in ports), (low, ports)
-    for port in ports:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # free when picked: binds
-
-
 def serving(bundle) -> list[str]:
     """Pids of `vllm serve` processes on ``bundle`` (each instance's API server)."""
     return subprocess.run(["pgrep", "-f", f"vllm serve {bundle}"], capture_output=True, text=True).stdout.split()

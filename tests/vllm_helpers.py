@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild import engine_flags
-from neffbuild.vllm.di import free_port  # noqa: F401 - the tests' servers pick their ports the launcher's way
+from neffbuild.ports import free_port  # noqa: F401 - the tests' servers pick their ports the launcher's way
 from tests.helpers import ROOT
 
 VLLM_VENV = ROOT / ".venv-vllm"

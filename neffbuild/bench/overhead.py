@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+
+from neffbuild.ports import free_port
 
 _COLD = """
 import json, sys, time, torch
@@ -116,9 +117,7 @@ def _dp_rank(rank: int, port: int, repeat: int, queue) -> None:
 
 
 def dp_sync_cost(repeat: int = 500) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_dp_rank, args=(r, port, repeat, queue)) for r in range(2)]

@@ -27,10 +27,8 @@ import argparse
 import http.client
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from neffbuild import engine_flags
+from neffbuild.ports import free_port
 
 CONNECTOR = {"kv_connector": "NeffbuildNixlConnector", "kv_connector_module_path": "neffbuild.vllm.connector",
              "kv_buffer_device": "cpu"}
@@ -76,36 +75,6 @@ def serve_argv(vllm: str, settings: dict, port: int, role: str, extra: list[str]
              "--kv-transfer-config", kv_transfer_config(role, connector),
              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m", *extra]
     return argv
-
-
-def free_port() -> int:
-    """A port of 127.0.0.1 free now, below the kernel's ephemeral range where one is room enough.
-
-    A port is picked here and bound later by another process (vLLM's HTTP server, its NIXL side channel). A port
-    of the ephemeral range can be handed in between to any socket bound to port 0 or connecting out: once,
-    the decode instance's worker took the side-channel port picked for the prefill instance, whose handshake
-    listener then died, and the pair hung. The kernel hands out no port below the range, so only another
-    explicit pick can take one of those."""
-    low = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(64 if low >= 12000 else 0):
-        port = rng.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no room below the range (or every try taken): any free port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class Instance:
