@@ -19,6 +19,9 @@ NEFFBUILD_CACHE_SIGN_KEY  PEM EC private key that signs the remote cache entries
                      none, entries are pushed unsigned; --cache-sign-key wins)
 NEURON_LOGICAL_NC_CONFIG  the Neuron runtime's logical NeuronCore config (read to refuse a
                      bundle compiled for another LNC; the SDK's own variable)
+NEFFBUILD_VLLM_DRAFT_KV_DIGEST  1: the vLLM plugin digests each request's EAGLE3 draft KV over its prompt into
+                     its report (`draft_prompt_kv`: what a DI pair's test compares on both instances; a read of
+                     the prompt's draft KV per request, so off by default)
 NEFFBUILD_FREE_MEMORY  host memory the local compile pool may plan with (a size: 6GiB, 512MiB or
                      bytes; default: MemAvailable from /proc/meminfo)
 """
@@ -178,3 +181,10 @@ def remote_smoke_timeout_s() -> float:
 def cache_sign_key() -> str | None:
     value = os.environ.get("NEFFBUILD_CACHE_SIGN_KEY", "").strip()
     return value or None
+
+
+def draft_kv_digest() -> bool:
+    value = os.environ.get("NEFFBUILD_VLLM_DRAFT_KV_DIGEST", "").strip()
+    if value not in ("", "0", "1"):
+        raise InvalidInput(f"NEFFBUILD_VLLM_DRAFT_KV_DIGEST={value[:40]!r}: must be 1 (digest) or 0 / unset (don't)")
+    return value == "1"

@@ -182,6 +182,7 @@ def test_draft_and_target_spec_steps_run_and_drafts_are_accepted(vllm_spec):
     assert counters["num_accepted_tokens"] == sum(s["accepted"] for s in vllm_spec["generated"]["steps"])
     plain = vllm_spec["runs"]["plain"]["report"]["families"]
     assert set(plain) == {"target_nospec"}  # the same bundle without speculation: its target_nospec graphs
+    assert report["draft_prompt_kv"] == {}  # the DI check's digests: off unless NEFFBUILD_VLLM_DRAFT_KV_DIGEST=1
 
 
 def test_vllm_native_eagle3_on_the_checkpoint_and_the_bundles_draft_gives_the_same_tokens(vllm_spec, native):
@@ -226,7 +227,8 @@ def spec_di(vllm_spec, tmp_path_factory):
          "--vllm-arg=--worker-extension-cls", "--vllm-arg=neffbuild.vllm.model.WorkerReport",
          "--decode-arg=--no-enable-prefix-caching", "--startup-timeout", "400"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        env=vllm_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None), start_new_session=True)
+        env=vllm_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=None, NEFFBUILD_VLLM_DRAFT_KV_DIGEST="1"),
+        start_new_session=True)
     try:
         line = proc.stdout.readline()
         assert "serving" in line, line + proc.stdout.read()[-3000:]

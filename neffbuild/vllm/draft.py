@@ -33,6 +33,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.v1.attention.backend import AttentionType
 
+from neffbuild import settings
 from neffbuild.errors import IncompatibleBundle
 from neffbuild.vllm import decode
 from neffbuild.vllm.config import from_additional_config
@@ -93,6 +94,7 @@ class DraftRunner:
         self._aux: torch.Tensor | None = None  # the target's aux states of the first pass's rows
         self._proposals: torch.Tensor | None = None  # [R, k] target ids
         self._call = 0
+        self.digest = settings.draft_kv_digest()  # the report's draft_prompt_kv: a test's check, off by default
 
     def first_pass(self, aux: torch.Tensor) -> None:
         self._aux, self._proposals, self._call = aux, None, 0
@@ -142,7 +144,7 @@ class DraftRunner:
                 first, a = first + q, a + q
             rows.append((input_ids[a:b].tolist(), aux[a:b].float(), first))
         out = self._run(stepper, md, list(range(len(rows))), rows)
-        for r, (a, b) in enumerate(itertools.pairwise(starts)):  # the draft's prompt KV, for the DI check
+        for r, (a, b) in enumerate(itertools.pairwise(starts) if self.digest else ()):  # the DI check's digests
             first = int(positions[a])
             span = b - a if first == 0 else first if self.target.arrived.get(r) == first else 0
             if span:
@@ -157,7 +159,8 @@ class DraftRunner:
         """The report's digest of the draft's KV at positions [0, span): after a prompt's draft call (a prefill
         instance: what it wrote) and after a transferred request's first draft call, which writes from position
         span on (a DI decode instance: what arrived); equal when the draft's prompt KV moved intact
-        (tests/test_vllm_spec.py)."""
+        (tests/test_vllm_spec.py). Only with NEFFBUILD_VLLM_DRAFT_KV_DIGEST=1: a read of the prompt's draft KV
+        per request, which serving has no use for."""
         pos = torch.arange(span)
         kv = cache[:, block_row[pos // self.target.block_size], :, pos % self.target.block_size, :].double()
         self.target.metrics.draft_prompt_kv[span] = (float(kv.sum()), float(kv.abs().sum()))
