@@ -50,7 +50,7 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
                      "home"}  # test_json_output's cold build
 
 # `make test` runs three pytest-xdist workers (--dist loadgroup). Every test of a fixture named here runs on
-# one worker, so that fixture is built once: the session's one Ray instance, the two 6-graph bundles that only
+# one worker, so that fixture is built once: the Ray module's instance, the two 6-graph bundles that only
 # a few tests use, the stand-in's bundle (its own cache), and the module fixtures that compile into caches of
 # their own (test_remote_cache's first push, test_cpu_target's v2 build), and the small session bundles few tests
 # use (tp2, dp2 x ep2, fp8), and the vLLM serve module's fixture (its native vLLM run and its one `vllm serve`
@@ -63,9 +63,8 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
 XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build",
                 "built_tp2", "built_dp2_ep2", "fp8_built", "vllm_setup", "vllm_dtype_bundles", "vllm_stream",
                 "vllm_spec", "vllm_parallel", "home")
-# A fixture whose tests join another group: test_json_output's cold build (`home`) is used by its Ray test too,
-# so its whole module runs on the Ray group's worker and the cold build happens once, not once per worker.
-JOINS = {"home": "ray_cluster"}
+# A fixture whose tests join another group (a fixture used by two groups' tests would be built once per worker).
+JOINS: dict[str, str] = {}
 
 
 def pytest_configure(config):
@@ -289,9 +288,11 @@ def _two_layer_copy(recipe_path: Path, folder: Path, **changes) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray instance per session (2 CPUs, this machine); yields its address for CLI drivers."""
+    """A local Ray instance (2 CPUs, this machine) for the module that asks (tests/test_ray_build.py alone); yields
+    its address for CLI drivers. Per module, not per session: an idle instance (GCS, raylet, its agents and idle
+    workers) took about 2.4 CPU-seconds a minute for the rest of a run after its tests had finished."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 << 20,
              _system_config={"worker_niceness": 0})  # compile at the test's priority, not Ray's background one

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,12 +142,20 @@ def cpu_target(target: str | None) -> dict:
     return cpu_features.resolve(target)
 
 
+_DEFAULT_CXX = "clang++" if sys.platform == "darwin" else "g++"  # inductor's own default (config.cpp.cxx)
+
+
 @functools.cache
 def cxx_version() -> str:
-    """The first line of ``<cxx> --version`` for the C++ compiler inductor runs (part of every key)."""
-    from torch._inductor import config
+    """The first line of ``<cxx> --version`` for the C++ compiler inductor runs (part of every key).
 
-    cxx = config.cpp.cxx[-1] if isinstance(config.cpp.cxx, (tuple, list)) else config.cpp.cxx
+    Inductor's config is read where this process has imported it (a compile worker, a recipe's ``cpp.cxx``
+    flag applied); elsewhere its default is computed the way inductor computes it (``$CXX``, else g++):
+    importing ``torch._inductor`` for this one value (dynamo comes with it) was most of a cache-hit
+    ``neffbuild compile``'s 13 CPU-seconds."""
+    config = sys.modules.get("torch._inductor.config")
+    setting = config.cpp.cxx if config is not None else (None, os.environ.get("CXX", _DEFAULT_CXX))
+    cxx = setting[-1] if isinstance(setting, (tuple, list)) else setting
     try:
         out = subprocess.run([str(cxx), "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
