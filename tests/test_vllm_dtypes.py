@@ -41,14 +41,16 @@ def _prompts():
 
 @pytest.fixture(scope="module")
 def vllm_dtype_bundles(tmp_path_factory, build_cache, compile_pool):
-    """Two bundles of one MXFP4 checkpoint (batch buckets 2 and 4, the fallback context only: a bucket of
-    max_model_len folds into it), then the checkpoint folder moved away: the serving host has the vllm_dtype_bundles."""
+    """Two bundles of one MXFP4 checkpoint (batch bucket 4 and the fallback context only, one graph each: a bucket
+    of max_model_len folds into it; choosing among buckets inside vLLM is test_vllm_serve's), then the checkpoint
+    folder moved away: the serving host has the vllm_dtype_bundles."""
     folder = tmp_path_factory.mktemp("vllm-dtypes")
     cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
     checkpoint = write_mxfp4_checkpoint(folder / "ckpt", cfg)
     out = {}
     for name, neuron in FORMS.items():
-        recipe = write_recipe(folder, checkpoint, name=f"mxfp4-{name}", ctx_buckets=(512,), neuron=neuron)
+        recipe = write_recipe(folder, checkpoint, name=f"mxfp4-{name}", num_seqs_buckets=(4,), ctx_buckets=(512,),
+                              neuron=neuron)
         out[name] = build_bundle(folder, build_cache, recipe, executor=compile_pool).bundle
     checkpoint.rename(folder / "moved-away")
     return folder, out
