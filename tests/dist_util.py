@@ -19,10 +19,33 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> Non
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
+# What every rank imports, loaded once by the test process's fork server: a spawned rank paid about 1.7 CPU-seconds
+# importing torch and the test module before its first line, and the suite starts a few hundred ranks.
+PRELOAD = ["torch", "torch.distributed", "tests.dist_util", "neffbuild.runtime", "neffbuild.serve"]
+
+
+def forkserver():
+    """multiprocessing's fork-server context, its server preloading PRELOAD (for the tests that start their own rank
+    processes: ``torch.multiprocessing.start_processes(..., start_method="forkserver")`` or this context's
+    Process). The product's own rank starts (neffbuild/serve) keep spawn: a fork server made once per test process
+    would hand them the environment of its first use, not the test's."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world: int, *args) -> list:
-    """fn(rank, world, *args) in ``world`` spawned processes; their return values, by rank."""
+    """fn(rank, world, *args) in ``world`` fresh processes; their return values, by rank.
+
+    Forked from multiprocessing's fork server (a clean process, not this one: no threads, no gloo, no OpenMP
+    pool inherited), which imported PRELOAD once. A rank sees the environment the fork server started with:
+    the tests that use this set nothing in the environment for their ranks (arguments carry everything)."""
     import torch.multiprocessing as mp
 
+    forkserver()
     with tempfile.TemporaryDirectory(prefix="neffbuild-ranks-") as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "rdv"), tmp, fn, args), nprocs=world, join=True)
+        mp.start_processes(_entry, args=(world, os.path.join(tmp, "rdv"), tmp, fn, args), nprocs=world, join=True,
+                           start_method="forkserver")
         return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]

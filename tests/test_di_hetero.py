@@ -16,6 +16,7 @@ import pytest
 
 from neffbuild.errors import PrefillWorkerLost
 from tests import engine_runs
+from tests.dist_util import forkserver
 from tests.helpers import cli
 from tests.test_di import _prompts, _single_process
 
@@ -95,8 +96,9 @@ def _tp2_decode(bundle_path, prefill_tp, prompts, new):
     from neffbuild.serve.prefill_worker import PrefillGroup
 
     with PrefillGroup(bundle_path, prefill_tp) as group, tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_tp2_rank, args=(os.path.join(tmp, "rdv"), str(bundle_path), group.addresses, prompts, new, tmp),
-                 nprocs=2, join=True)
+        forkserver()
+        mp.start_processes(_tp2_rank, args=(os.path.join(tmp, "rdv"), str(bundle_path), group.addresses, prompts, new,
+                                            tmp), nprocs=2, join=True, start_method="forkserver")
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
 
 

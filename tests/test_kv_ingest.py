@@ -1,7 +1,6 @@
 """KV ingestion: region geometry and the head mapping (pure), then real multi-process NIXL pulls between a
 prefill group of P ranks and decode ranks of TP T (heterogeneous TP), one READ per request and prefill rank."""
 
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from neffbuild.runtime.di.regions import (
     register_regions,
 )
 from neffbuild.runtime.kv.cache import KVLayout, allocate
+from tests.dist_util import forkserver
 
 H = 2  # the model's KV heads in these tests
 LAYOUT = KVLayout(num_buffers=2, num_blocks=8, kv_heads=H, block_size=4, head_dim=3)
@@ -165,7 +165,7 @@ def _prefill_rank(layout, heads, port_q, stop_q):
 
 @pytest.fixture
 def prefill_group():
-    ctx = mp.get_context("spawn")
+    ctx = forkserver()
     procs = []
 
     def start(tp, layout=LAYOUT):

@@ -18,6 +18,7 @@ from neffbuild.runtime.kv.cache import KVLayout
 from neffbuild.runtime.step.dispatch import Grid
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests.conftest import TINY
+from tests.dist_util import forkserver
 from tests.engine_runs import greedy
 from tests.helpers import cli
 
@@ -213,7 +214,9 @@ def test_dp2_local_problems_raise_on_every_rank_same_step(tmp_path):
     import torch.multiprocessing as mp
 
     start = time.monotonic()
-    ctx = mp.spawn(_dp_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=False)
+    forkserver()
+    ctx = mp.start_processes(_dp_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=False,
+                             start_method="forkserver")
     while not ctx.join(timeout=1):
         if time.monotonic() - start > 120:
             for p in ctx.processes:
