@@ -21,14 +21,15 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> Non
 
 # What every rank imports, loaded once by the test process's fork server: a spawned rank paid about 1.7 CPU-seconds
 # importing torch and the test module before its first line, and the suite starts a few hundred ranks.
-PRELOAD = ["torch", "torch.distributed", "tests.dist_util", "neffbuild.runtime", "neffbuild.serve"]
+PRELOAD = ["torch", "torch.distributed", "tests.dist_util", "neffbuild.serve.run"]  # the product's own, and this
 
 
 def forkserver():
     """multiprocessing's fork-server context, its server preloading PRELOAD (for the tests that start their own rank
     processes: ``torch.multiprocessing.start_processes(..., start_method="forkserver")`` or this context's
-    Process). The product's own rank starts (neffbuild/serve) keep spawn: a fork server made once per test process
-    would hand them the environment of its first use, not the test's."""
+    Process). One fork server a process: whichever of this and the product's ``run_world``
+    (neffbuild/serve/world.py, which hands its ranks the caller's current environment) starts it first
+    sets its preload."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
