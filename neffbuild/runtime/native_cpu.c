@@ -466,10 +466,10 @@ static inline float q8_hsum(__m256 v) {
 }
 
 /* One weight row (its groups' bytes and scales) against ``cnt`` (<= Q8_CHUNK) quantized x rows: each group decoded
-   once for all of them (unused where the 512-bit form below is built). */
-__attribute__((unused)) static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups,
-                                           const float *scale_of, const int8_t *const *q, const float *const *d,
-                                           int cnt, float *out) {
+   once for all of them (inlined with ``cnt`` a constant, rows_q8: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups,
+                                                           const float *scale_of, const int8_t *const *q,
+                                                           const float *const *d, const int cnt, float *out) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
     const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[Q8_CHUNK];
@@ -598,7 +598,13 @@ static void rows_q8(const void *ctx, const int64_t *xr, int cnt, const uint8_t *
         default: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, cnt, out); break;
     }
 #else
-    q8_row(row, sc, groups, scale_of, qs, ds, cnt, out);
+    switch (cnt) {
+        case 1: q8_row(row, sc, groups, scale_of, qs, ds, 1, out); break;
+        case 2: q8_row(row, sc, groups, scale_of, qs, ds, 2, out); break;
+        case 3: q8_row(row, sc, groups, scale_of, qs, ds, 3, out); break;
+        case 4: q8_row(row, sc, groups, scale_of, qs, ds, 4, out); break;
+        default: q8_row(row, sc, groups, scale_of, qs, ds, cnt, out); break;
+    }
 #endif
 }
 
