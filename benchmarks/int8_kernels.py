@@ -3,8 +3,9 @@
     nice -n -5 .venv/bin/python benchmarks/int8_kernels.py [--isas native,avx2,plain] [--vocab 201088] [--repeat 20]
 
 Experts: gate_up (5,760 x 2,880) and down (2,880 x 2,880) of 32 MXFP4 experts, top 4, batch 1 and 4 (random
-routing, the same for both forms); ``neffbuild::mxfp4_dot`` against ``mxfp4_q8_dot``. Head: the vocabulary's
-bf16 GEMV (``bf16_linear``) against ``q8_head`` (int8 rows, the exact re-scoring included), batch 1 and 4. Bytes
+routing, the same for both forms; x in bf16 as a bf16 bundle passes it); ``neffbuild::mxfp4_dot`` against
+``mxfp4_q8_dot``. Head: the vocabulary's bf16 GEMV (``bf16_linear``) against ``q8_head`` (int8 rows, the exact
+re-scoring included), batch 1 and 4. Bytes
 are what each form reads of its weights in its own encoding (MXFP4: 17 bytes a 32-value group of each picked
 expert once; bf16 head 2 bytes a weight, int8 head 1 plus 4 a row), over the median time, beside the copy
 bandwidth (a 256 MiB ``copy_`` into a buffer allocated once: bytes read / s). One thread. Prints a markdown table.
@@ -54,7 +55,8 @@ def expert_rows(lib, batch: int, repeat: int) -> list[tuple]:
         blocks = torch.randint(0, 256, (E, n_out, G, 16), dtype=torch.uint8, generator=g)
         scales = torch.randint(118, 130, (E, n_out, G), dtype=torch.uint8, generator=g)
         idx = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(batch)])
-        x = torch.randn(batch, 1 if name == "gate_up" else TOP_K, n_in, generator=g)
+        # bf16, as a bf16 bundle's graph passes it: the exact form then runs its bf16 loop (AVX-512 BF16)
+        x = torch.randn(batch, 1 if name == "gate_up" else TOP_K, n_in, generator=g).bfloat16()
         nbytes = len(set(idx.flatten().tolist())) * n_out * G * 17
         exact = median_s(lambda: native.mxfp4_native(lib, x, blocks, scales, idx), repeat)  # noqa: B023
         int8 = median_s(lambda: native_q8.mxfp4_q8_native(lib, x, blocks, scales, idx), repeat)  # noqa: B023

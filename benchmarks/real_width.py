@@ -10,6 +10,10 @@ experts). Engines, each in its own process, one after the other (memory is freed
 peak RSS is reported per engine), with ``--rounds`` interleaved rounds:
 
   bundle-mxfp4  neffbuild bundle, ``weights_dtype: bfloat16``, ``experts: mxfp4``, bf16 KV (CLI compile)
+  bundle-int8   bundle-mxfp4 with the opt-in int8 kernel forms (runtime/native_q8.py): ``expert_kernel: int8``
+                (MXFP4 experts times int8-quantized activations) and ``head_kernel: int8`` (the bf16 LM head read
+                as int8 with a float scale a row, greedy-exact)
+  bundle-q8head bundle-mxfp4 with ``head_kernel: int8`` alone (exact experts)
   bundle-bf16   the same with dense bf16 experts
   bundle-fp32   float32 everywhere (reference; ~4.5x the weight bytes)
   llama-mxfp4   llama.cpp on the GGUF its converter makes of the MXFP4 checkpoint, f16 KV, flash attention
@@ -25,12 +29,14 @@ peak RSS is reported per engine), with ``--rounds`` interleaved rounds:
 Batch 1 and 4, one thread each, the same ``--prompt``-token prompts, ``--new`` greedy tokens;
 decode seconds = t(new) - t(1) of the same prompts. Bytes per step: the weights the step must
 read (one embedding row a token, the router's experts ``min(B * top_k, E)`` of each layer in the
-engine's expert format, every other weight in its dtype) plus the KV at the mean decode context;
+engine's expert format, the LM head in its form (an int8 head: 1 byte a weight and a 4-byte scale a
+row), every other weight in its dtype) plus the KV at the mean decode context;
 bandwidth fraction = (bytes per step / step time) / the copy bandwidth measured at the start
 (``neffbuild.bench.bytes.copy_bandwidth``). Token agreement per pair: the fraction of the
-generated tokens before the first difference. A peer that is not installed is skipped with a
-line saying how to install it (benchmarks/peers.sh). The load average is printed with every
-number: a number taken on a busy host says so.
+generated tokens before the first difference; an int8 engine run without bundle-mxfp4 is compared
+with the bundle-mxfp4 round WORKDIR kept from an earlier run (same prompts and lengths). A peer
+that is not installed is skipped with a line saying how to install it (benchmarks/peers.sh). The
+load average is printed with every number: a number taken on a busy host says so.
 """
 
 from __future__ import annotations
@@ -54,9 +60,13 @@ LLAMA_PY = Path(os.environ.get("LLAMA_PYTHON", ROOT / ".venv-llama" / "bin" / "p
 VLLM_PY = Path(os.environ.get("VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 CONVERTER = os.environ.get("LLAMA_CONVERTER", str(ROOT / ".venv-llama" / "llama.cpp" / "convert_hf_to_gguf.py"))
 INSTALL = "benchmarks/peers.sh (make bench runs it): {what}"
-# engine -> (checkpoint kind, runner, form); form: (expert bytes a weight, other weights' itemsize, KV itemsize)
+# engine -> (checkpoint kind, runner, form); form: (expert bytes a weight, other weights' itemsize, KV itemsize[,
+# the LM head's (bytes a weight, bytes a row) where it is not the other weights' itemsize])
+INT8_HEAD = (1, 4)  # int8 weights, one float32 scale a row (runtime/native_q8.py)
 ENGINES = {
     "bundle-mxfp4": ("mxfp4", "bundle", (17 / 32, 2, 2)),
+    "bundle-int8": ("mxfp4", "bundle", (17 / 32, 2, 2, INT8_HEAD)),
+    "bundle-q8head": ("mxfp4", "bundle", (17 / 32, 2, 2, INT8_HEAD)),
     "bundle-bf16": ("bf16", "bundle", (2, 2, 2)),
     "bundle-fp32": ("bf16", "bundle", (4, 4, 4)),
     "llama-mxfp4": ("mxfp4", "llama", (17 / 32, 2, 2)),
@@ -66,6 +76,7 @@ ENGINES = {
     "vllm-plugin-mxfp4": ("mxfp4", "vllm-plugin", (17 / 32, 2, 2)),
     "hf-bf16": ("bf16", "hf", (2, 2, 2)),
 }
+INT8_ENGINES = ("bundle-int8", "bundle-q8head")  # opt-in numeric forms: their tokens are compared with bundle-mxfp4's
 DEFAULT = "bundle-mxfp4,bundle-bf16,llama-mxfp4,llama-bf16,vllm-bf16,hf-bf16"
 
 
@@ -100,9 +111,13 @@ def last_json(argv: list[str], log: Path, *, plugin: bool = False) -> dict:
 
 def recipe_for(name: str, ckpt: Path, work: Path, batches: list[int], ctx: int) -> Path:
     form = {"bundle-mxfp4": ("bfloat16", "mxfp4", "bfloat16"), "bundle-bf16": ("bfloat16", "dense", "bfloat16"),
-            "bundle-fp32": ("float32", "dense", "float32")}[name]
+            "bundle-fp32": ("float32", "dense", "float32"), "bundle-int8": ("bfloat16", "mxfp4", "bfloat16"),
+            "bundle-q8head": ("bfloat16", "mxfp4", "bfloat16")}[name]
+    kernels = {"bundle-int8": {"expert_kernel": "int8", "head_kernel": "int8"},
+               "bundle-q8head": {"head_kernel": "int8"}}.get(name, {})
     raw = {"name": f"real-width-{name}", "version": "0.1.0",
-           "model": {"arch": "gpt_oss", "checkpoint": str(ckpt), "weights_dtype": form[0], "experts": form[1]},
+           "model": {"arch": "gpt_oss", "checkpoint": str(ckpt), "weights_dtype": form[0], "experts": form[1],
+                     **kernels},
            # block 32: vLLM's CPU backend allocates KV in multiples of 32 (the plugin serves this bundle too)
            "serving": {"max_model_len": ctx, "max_num_seqs": max(batches), "block_size": 32,
                        "num_blocks": max(batches) * ctx // 32 + 1},
@@ -164,7 +179,7 @@ def step_bytes(cfg, form: tuple, batch: int, ctx: int) -> int:
     """Bytes one decode step of ``batch`` tokens must read at context ``ctx`` (module docstring's rule)."""
     from neffbuild.models.gpt_oss.shapes import stacked_shapes
 
-    expert_bpw, itemsize, kv_isz = form
+    expert_bpw, itemsize, kv_isz, *head = form
     experts = min(batch * cfg.num_experts_per_tok, cfg.num_local_experts) / cfg.num_local_experts
     total = 0.0
     for name, shape in stacked_shapes(cfg).items():
@@ -177,6 +192,8 @@ def step_bytes(cfg, form: tuple, batch: int, ctx: int) -> int:
             total += n * expert_bpw * experts
         elif name in ("gate_up_b", "down_b"):
             total += n * itemsize * experts
+        elif name == "lm_head" and head:
+            total += n * head[0][0] + shape[0] * head[0][1]
         else:
             total += n * itemsize
     per_token = cfg.num_key_value_heads * cfg.head_dim * 2 * kv_isz
@@ -294,7 +311,28 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict, bw: float) ->
     return doc
 
 
-def report(a, docs: dict, cfg, bw: float) -> list[str]:
+def kept_reference(work: Path, a, docs: dict) -> list | None:
+    """bundle-mxfp4's last round kept in WORKDIR, for the int8 engines' agreement when this run has no bundle-mxfp4
+    of its own: None unless it covers this run's batches with ``--new`` tokens (the prompts are WORKDIR's too)."""
+    ran = docs.get("bundle-mxfp4")
+    path = work / "bundle-mxfp4.jsonl"
+    if not any(n in docs for n in INT8_ENGINES) or (isinstance(ran, list) and ran) or not path.is_file():
+        return None
+    last = json.loads(path.read_text().splitlines()[-1])
+    fits = all(str(b) in last["batches"] and len(last["batches"][str(b)]["tokens"]) == b
+               and all(len(t) == a.new for t in last["batches"][str(b)]["tokens"]) for b in a.batches)
+    return [last] if fits else None
+
+
+def agreement(rx: list, ry: list, b: int) -> float:
+    """The fraction of the generated tokens before the first difference (the last rounds', batch ``b``)."""
+    tx, ty = rx[-1]["batches"][str(b)]["tokens"], ry[-1]["batches"][str(b)]["tokens"]
+    same = sum(next((i for i, (p, q) in enumerate(zip(u, v, strict=True)) if p != q), len(u))
+               for u, v in zip(tx, ty, strict=True))
+    return same / sum(map(len, tx))
+
+
+def report(a, docs: dict, cfg, bw: float, kept: list | None = None) -> list[str]:
     ctx = a.prompt + a.new // 2  # the mean context of the decode steps
     lines = ["| engine | batch | decode tokens/s | step | bytes per step | GB/s read | of copy bandwidth | "
              "peak RSS | load average (start-end) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -314,12 +352,12 @@ def report(a, docs: dict, cfg, bw: float) -> list[str]:
                          f"{rss / 1024:.1f} GiB | {runs[-1]['load']} |")
     lines += ["", "| pair | batch | token agreement (before the first difference) |", "|---|---|---|"]
     done = {k: v for k, v in docs.items() if not isinstance(v, str)}
-    for (x, rx), (y, ry) in itertools.combinations(done.items(), 2):
+    pairs = list(itertools.combinations(done.items(), 2))
+    if kept:
+        pairs += [((x, rx), ("bundle-mxfp4 (kept in WORKDIR)", kept)) for x, rx in done.items() if x in INT8_ENGINES]
+    for (x, rx), (y, ry) in pairs:
         for b in a.batches:
-            tx, ty = rx[-1]["batches"][str(b)]["tokens"], ry[-1]["batches"][str(b)]["tokens"]
-            same = sum(next((i for i, (p, q) in enumerate(zip(u, v, strict=True)) if p != q), len(u))
-                       for u, v in zip(tx, ty, strict=True))
-            lines.append(f"| {x} / {y} | {b} | {same / sum(map(len, tx)):.2f} |")
+            lines.append(f"| {x} / {y} | {b} | {agreement(rx, ry, b):.2f} |")
     return lines
 
 
@@ -421,7 +459,8 @@ def main() -> None:
     rounds = max((len(v) for v in docs.values() if not isinstance(v, str)), default=0) if a.report else a.rounds
     lines = [f"machine: {machine()}; copy bandwidth {bw / 1e9:.2f} GB/s; one thread per engine; "
              f"{a.layers} layers at {width}; {a.prompt}-token prompts, {a.new} new tokens, greedy; "
-             f"up to {rounds} round(s) an engine; medians", ""] + report(a, docs, cfg, bw)
+             f"up to {rounds} round(s) an engine; medians", ""] + report(a, docs, cfg, bw,
+                                                                         kept_reference(work, a, docs))
     print("\n".join(lines))
     (work / "real_width.json").write_text(json.dumps({"runs": docs, "setup": setup, "copy_bandwidth": bw,
                                                       "table": lines}, indent=1))

@@ -190,15 +190,25 @@ def test_int8_head_is_greedy_exact_at_its_error_bound(case, kinds, argmax):
 
 
 def test_int8_head_agrees_on_random_heads_and_batches():
-    """Random bf16 heads, 1 to 6 rows of x (chunks of 4 and tails): the argmax and its value are the exact form's."""
+    """Random bf16 heads, 1 to 6 rows of x (chunks of 4 and tails): the argmax and its value are the exact form's;
+    the C pass picks exactly the rows ``head_bound``'s rule in torch picks (a few of the 3,001, not all)."""
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(3001, 160, generator=g) * 0.05).bfloat16()
+    lib = native.library()
     for m in (1, 2, 4, 6):
         x = torch.randn(m, 160, generator=g).bfloat16()
         exact = torch.ops.neffbuild.bf16_linear(x, w)
         got = torch.ops.neffbuild.q8_head(x, w)
         assert torch.equal(got.argmax(-1), exact.argmax(-1)), m
         assert torch.equal(got.max(-1).values, exact.max(-1).values), m
+        if lib is not None and lib.bf16_path:
+            q, s = Q.quantize_rows(lib, w)
+            a = Q.q8_linear(lib, x, q, s)
+            e, a64 = Q.head_bound(s, x), a.double()
+            near = (a64 + e).float().bfloat16() >= (a64 - e).max(-1).values.float().bfloat16()[:, None]
+            rows, cols = Q.candidates(lib, a, s, x)
+            assert torch.equal(torch.stack([rows, cols]), torch.stack(near.nonzero(as_tuple=True))), m
+            assert m <= rows.numel() < 3001 * m // 4, m
 
 
 @pytest.mark.parametrize(("keys", "needle"), [

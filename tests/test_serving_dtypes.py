@@ -4,7 +4,9 @@ Oracles: the in-graph FP4 decode against the 16-entry E2M1 table; the packed dec
 same experts dequantised on the host (bit for bit); a bundle's MXFP4 tensors against the
 checkpoint's bytes (sha256 per tensor); the compiled step against the eager step in the same
 dtype; and the bundle's bfloat16 decode against transformers' own MXFP4 loader in bfloat16
-(``Mxfp4Config(dequantize=True)``). One compiled target (b4, the fallback context) serves them all.
+(``Mxfp4Config(dequantize=True)``). One compiled target (b4, the fallback context) serves them all; the opt-in
+int8 kernel forms (``model.head_kernel``, ``model.expert_kernel``) add one target each, judged against that bundle
+and the eager decode calling the same int8 ops.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import torch
 import yaml
 
 from neffbuild import recipe as R
-from neffbuild.kernels.moe import Mxfp4, decode_eager, dequantize, e2m1, e8m0, rows
+from neffbuild.kernels.moe import Mxfp4, decode_eager, dequantize, e2m1, e8m0, native_cpu_ops, rows
 from neffbuild.models.gpt_oss import weights as W
 from neffbuild.models.gpt_oss.config import GptOssConfig
+from neffbuild.models.gpt_oss.decode import GptOssDecode
 from neffbuild.models.gpt_oss.shapes import WeightForm
 from neffbuild.runtime.kv.cache import KVLayout
 from neffbuild.runtime.step.dispatch import Grid
+from neffbuild.serve.eager import EagerArtifacts
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests import engine_runs
 from tests.helpers import TINY, build_bundle, cli, write_recipe
@@ -266,6 +270,78 @@ def test_compiled_bf16_mxfp4_equals_eager_and_transformers(mxfp4_bundle):
                                         f"compiled vs transformers, prompt {n}"))
     same = sum(a == b for a, b in zip(compiled[0], eager[0], strict=True))
     assert same >= 2, "compiled and eager part on most prompts: more than near-ties"
+
+
+# ----------------------------------------------------------------------------- the opt-in int8 forms, compiled
+
+
+class NativeDecode(GptOssDecode):
+    """The eager decode calling the native ops a CPU graph calls (``native_cpu_ops``), in the module's kernel forms:
+    the int8 forms' eager oracle. Only the decode step: prefill stays the plain eager code, as a bundle runs it."""
+
+    def forward(self, *args, **kwargs):
+        with native_cpu_ops():
+            return super().forward(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def int8_bundles(tmp_path_factory, mxfp4_bundle, build_cache, compile_pool):
+    """``mxfp4_bundle``'s checkpoint and recipe with one opt-in int8 form each (``model.head_kernel``,
+    ``model.expert_kernel``): two more compiled targets, decode_b4_ctx512."""
+    ck, _ = mxfp4_bundle
+    out = {}
+    for key in ("head_kernel", "expert_kernel"):
+        folder = tmp_path_factory.mktemp(key)
+        path = write_recipe(folder, ck, name=f"int8-{key.replace('_', '-')}", num_seqs_buckets=[4],
+                            ctx_buckets=[512], neuron_config__kv_dtype="bfloat16", **{f"model__{key}": "int8"})
+        out[key] = build_bundle(folder, build_cache, path, executor=compile_pool)
+    return out
+
+
+def _wrapper(built) -> bytes:
+    [artifact] = (built.bundle / "artifacts").glob("*.pt2")
+    with zipfile.ZipFile(artifact) as z:
+        [wrapper] = [z.read(n) for n in z.namelist() if n.endswith(".wrapper.json")]
+    return wrapper
+
+
+@pytest.mark.slow
+def test_compiled_int8_forms_equal_their_oracles(mxfp4_bundle, int8_bundles):
+    """The int8 head's bundle gives the exact bundle's greedy tokens and, every step, the chosen token's logit bit
+    for bit: ``q8_head`` re-scores each row that can reach the maximum with the exact head's own C loop, on the same
+    hidden state (the two graphs differ only in the head's op). Its other logits are the int8 ones, so the logits
+    differ. The int8 experts' bundle against the eager decode calling the same int8 op (``NativeDecode``): tokens
+    equal but for a near-tie, with the logits within ROUNDING, not COMPILED_LOGIT_ATOL: quantizing turns inductor's
+    bf16 rounding differences in the activations into whole int8 steps of a block (max|x| / 127) and, on this random
+    model, into another router pick (measured: 0.64 on one step where the exact pair differed by 0.11, every token
+    equal); a wrong nibble, scale or expert moves logits by several units. And it computes another product than the
+    exact bundle."""
+    from neffbuild.runtime.bundle.reader import open_bundle
+    from neffbuild.serve.rank import open_rank
+
+    head, experts = int8_bundles["head_kernel"], int8_bundles["expert_kernel"]
+    wrapper = _wrapper(head)
+    assert b"neffbuild::q8_head" in wrapper and wrapper.count(b"neffbuild::bf16_linear") == 2 * 2  # qkv, o
+    wrapper = _wrapper(experts)
+    assert b"neffbuild::mxfp4_q8_dot" in wrapper and b"neffbuild::mxfp4_dot" not in wrapper
+    prompts = PROMPTS[:2] + [PROMPTS[2][:60]]
+    exact = run(open_rank(mxfp4_bundle[1].bundle), prompts)
+    q8head = run(open_rank(head.bundle), prompts)
+    assert q8head[0] == exact[0]
+    assert torch.equal(q8head[1].argmax(-1), exact[1].argmax(-1))
+    assert torch.equal(q8head[1].amax(-1), exact[1].amax(-1)) and not torch.equal(q8head[1], exact[1])
+
+    bundle = open_bundle(experts.bundle)
+    gi = bundle.graph_inputs
+    decode = NativeDecode(bundle.facts.config, bundle.weights, expert_kernel="int8").eval()
+    eager = run(serving_rank(bundle.facts.config, bundle.weights,
+                             EagerArtifacts(gi.grid, gi.kv_layout, gi.num_swa, decode)), prompts)
+    compiled = run(open_rank(bundle), prompts)
+    for n in range(len(prompts)):
+        print(assert_tokens_or_near_tie(compiled[0][n], eager[0][n], compiled[1][:, n], eager[1][:, n],
+                                        ROUNDING, f"int8 experts, compiled vs eager, prompt {n}"))
+    assert sum(a == b for a, b in zip(compiled[0], eager[0], strict=True)) >= 2
+    assert not torch.equal(compiled[1], exact[1])
 
 
 # ----------------------------------------------------------------------------- the neuron backend, by contract

@@ -63,6 +63,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.neffbuild_q8_rows.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.neffbuild_q8_linear.restype = ctypes.c_int
     lib.neffbuild_q8_linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.neffbuild_q8_pick.restype = i64
+    lib.neffbuild_q8_pick.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_double, ptr, ptr, i64]
     lib.neffbuild_bf16_linear_at.restype = ctypes.c_int
     lib.neffbuild_bf16_linear_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.q8_path = int(lib.neffbuild_q8_path())  # 2: VNNI dpbusd, 1: AVX2 maddubs, 0: plain (native_q8.py)

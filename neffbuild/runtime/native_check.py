@@ -18,7 +18,7 @@ import sys
 SYMBOLS = ("neffbuild_mxfp4_dot", "neffbuild_mxfp4_dot_bf16", "neffbuild_mxfp4_vectorised", "neffbuild_bf16_linear",
            "neffbuild_bf16_native", "neffbuild_mxfp4_q8_dot", "neffbuild_q8_path", "neffbuild_q8_quantize",
            "neffbuild_q8_rows", "neffbuild_q8_linear", "neffbuild_q8_head_path", "neffbuild_bf16_linear_at",
-           "neffbuild_mxfp4_decode_bf16")
+           "neffbuild_q8_pick", "neffbuild_mxfp4_decode_bf16")
 TWICE_E2M1 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 

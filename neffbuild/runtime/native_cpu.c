@@ -466,9 +466,10 @@ static inline float q8_hsum(__m256 v) {
 }
 
 /* One weight row (its groups' bytes and scales) against ``cnt`` (<= Q8_CHUNK) quantized x rows: each group decoded
-   once for all of them. */
-static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const float *scale_of, const int8_t *const *q,
-                   const float *const *d, int cnt, float *out) {
+   once for all of them (inlined with ``cnt`` a constant, rows_q8: the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups,
+                                                           const float *scale_of, const int8_t *const *q,
+                                                           const float *const *d, const int cnt, float *out) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
     const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[Q8_CHUNK];
@@ -504,7 +505,74 @@ static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const fl
 }
 #endif
 
-struct q8_x { const int8_t *q; const float *d; };  /* x quantized: int8 rows and their block scales */
+#if Q8_PATH == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define Q8_WIDE 1
+/* The 512-bit form: two groups a register, one dpbusd a pair of groups and x row. The codes are looked up as
+   twice-E2M1 + 12 (0..24, unsigned: dpbusd's unsigned operand, no abs/sign pair), and each x block's 8 lanes start
+   from minus 12 times their 4 q values (``nc``, once per x row), so each lane's sum is the same exact integer as
+   the signed form's. The lanes are scaled by the x block's d (``dv``: d in 8 lanes a block) and the weight group's
+   half scale (a power of two: its product exact), two chains a row over pairs of pairs. */
+static const int8_t TWICE_E2M1_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* Groups g and g + 1 of one weight row against ``cnt`` x rows, into ``acc``. */
+static inline __attribute__((always_inline)) void q8_pair(const uint8_t *w, const uint8_t *sc, int64_t g,
+                                                            const float *scale_of, const int8_t *const *q,
+                                                            const int32_t *const *nc, const float *const *dv,
+                                                            const int cnt, __m512i table, __m512 *acc) {
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + g * 16)));
+    const __m512i c = _mm512_shuffle_epi8(table, _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_shuffle_i64x2(b, b, _MM_SHUFFLE(1, 1, 0, 0)), shifts), _mm512_set1_epi8(0x0F)));
+    const __m512 hs = _mm512_insertf32x8(_mm512_set1_ps(scale_of[sc[g]]), _mm256_set1_ps(scale_of[sc[g + 1]]), 1);
+#pragma GCC unroll 8
+    for (int t = 0; t < cnt; t++) {
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(nc[t] + g * 8)), c,
+                                                 _mm512_loadu_si512((const void *)(q[t] + g * 32)));
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_loadu_ps(dv[t] + g * 8));
+        acc[t] = _mm512_fmadd_ps(v, hs, acc[t]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_rows_wide(const uint8_t *w, const uint8_t *sc, int64_t groups,
+                                                                 const float *scale_of, const int8_t *const *q,
+                                                                 const int32_t *const *nc, const float *const *dv,
+                                                                 const float *const *d, const int cnt, float *out) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)TWICE_E2M1_12));
+    __m512 acc[Q8_CHUNK], acc2[Q8_CHUNK];
+#pragma GCC unroll 8
+    for (int t = 0; t < Q8_CHUNK; t++) acc[t] = acc2[t] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {  /* two pairs, two chains */
+        q8_pair(w, sc, g, scale_of, q, nc, dv, cnt, table, acc);
+        q8_pair(w, sc, g + 2, scale_of, q, nc, dv, cnt, table, acc2);
+    }
+    if (g + 2 <= groups) {
+        q8_pair(w, sc, g, scale_of, q, nc, dv, cnt, table, acc);
+        g += 2;
+    }
+    float tail[Q8_CHUNK] = {0};
+    if (g < groups) {  /* an odd last group: the 256-bit loop's one step */
+        const __m256i table8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
+        const __m256i c8 = q8_decode(w + g * 16, table8, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+                                     _mm256_set1_epi8(0x0F));
+        const __m256i absc = _mm256_abs_epi8(c8);
+        const float hs = scale_of[sc[g]];
+        for (int t = 0; t < cnt; t++) {
+            const __m256i dot = q8_dot(absc, c8, _mm256_loadu_si256((const __m256i *)(q[t] + g * 32)));
+            tail[t] = q8_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(hs * d[t][g])));
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < cnt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) + tail[t];
+}
+#endif
+
+struct q8_x {  /* x quantized: int8 rows and their block scales (wide path: each block's lane corrections and d x 8) */
+    const int8_t *q;
+    const float *d;
+    const int32_t *nc;
+    const float *dv;
+};
 
 static void rows_q8(const void *ctx, const int64_t *xr, int cnt, const uint8_t *row, const uint8_t *sc,
                     int64_t groups, const float *scale_of, float *out) {
@@ -515,7 +583,40 @@ static void rows_q8(const void *ctx, const int64_t *xr, int cnt, const uint8_t *
         qs[t] = x->q + xr[t] * groups * 32;
         ds[t] = x->d + xr[t] * groups;
     }
-    q8_row(row, sc, groups, scale_of, qs, ds, cnt, out);
+#ifdef Q8_WIDE
+    const int32_t *ncs[Q8_CHUNK];
+    const float *dvs[Q8_CHUNK];
+    for (int t = 0; t < cnt; t++) {
+        ncs[t] = x->nc + xr[t] * groups * 8;
+        dvs[t] = x->dv + xr[t] * groups * 8;
+    }
+    switch (cnt) {  /* the count a constant where inlined: the accumulators stay in registers */
+        case 1: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, 1, out); break;
+        case 2: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, 2, out); break;
+        case 3: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, 3, out); break;
+        case 4: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, 4, out); break;
+        default: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, cnt, out); break;
+    }
+#else
+    switch (cnt) {
+        case 1: q8_row(row, sc, groups, scale_of, qs, ds, 1, out); break;
+        case 2: q8_row(row, sc, groups, scale_of, qs, ds, 2, out); break;
+        case 3: q8_row(row, sc, groups, scale_of, qs, ds, 3, out); break;
+        case 4: q8_row(row, sc, groups, scale_of, qs, ds, 4, out); break;
+        default: q8_row(row, sc, groups, scale_of, qs, ds, cnt, out); break;
+    }
+#endif
+}
+
+/* The wide path's per-block extras of quantized x (``q8_rows_wide``): nc[b, j] = -12 * (the 4 q values of lane j),
+   dv[b, j] = d[b], for j < 8. */
+static void q8_extras(const int8_t *q, const float *d, int64_t blocks, int32_t *nc, float *dv) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < 8; j++) {
+            const int8_t *l = q + b * 32 + 4 * j;
+            nc[b * 8 + j] = -12 * ((int32_t)l[0] + l[1] + l[2] + l[3]);
+            dv[b * 8 + j] = d[b];
+        }
 }
 
 /* The integer form of neffbuild_mxfp4_dot (same arguments and layout): x quantized once, then the experts' driver
@@ -526,11 +627,16 @@ int neffbuild_mxfp4_q8_dot(const float *x, int64_t kx, const uint8_t *blocks, co
     const int64_t xrows = n * kx;
     int8_t *q = malloc((size_t)(xrows * groups * 32) + 1);
     float *d = malloc((size_t)(xrows * groups + 1) * sizeof(float));
-    if (!q || !d) { free(q); free(d); return 1; }
-    neffbuild_q8_quantize(x, xrows, groups, q, d);
-    const struct q8_x qx = {q, d};
-    const int status = mx_drive(&qx, Q8_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_q8);
-    free(q); free(d);
+    int32_t *nc = malloc((size_t)(xrows * groups * 8 + 1) * sizeof(int32_t));
+    float *dv = malloc((size_t)(xrows * groups * 8 + 1) * sizeof(float));
+    int status = 1;
+    if (q && d && nc && dv) {
+        neffbuild_q8_quantize(x, xrows, groups, q, d);
+        q8_extras(q, d, xrows * groups, nc, dv);
+        const struct q8_x qx = {q, d, nc, dv};
+        status = mx_drive(&qx, Q8_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_q8);
+    }
+    free(q); free(d); free(nc); free(dv);
     return status;
 }
 
@@ -565,34 +671,43 @@ void neffbuild_q8_rows(const uint16_t *w, int64_t rows, int64_t in, int8_t *q, f
 
 int neffbuild_q8_head_path(void) { return Q8_HEAD_PATH; }
 
-/* m (1..4) float rows of x against one int8 weight row: y[i * ystride] = sum_t q[t] x[i, t] (every product exact in
-   float32: 7 by 8 significant bits). */
+/* m (1..4) float rows of x against one int8 weight row (AVX2 and plain paths; AVX-512: ``q8_head_tile``):
+   y[i * ystride] = sum_t q[t] x[i, t] (every product exact in float32: 7 by 8 significant bits). Each x row keeps
+   4 / m chains of FMAs (m = 1: four 8-weight chunks an iteration, each its own accumulator): one chain a row left the
+   FMA's latency exposed. */
 static inline __attribute__((always_inline)) void q8_head_rows(const float *x, const int m, const int8_t *q,
                                                                  int64_t in, float *y, int64_t ystride) {
+    const int u = m == 1 ? 4 : (m == 2 ? 2 : 1);  /* chains a row: m * u <= 4 accumulators */
     int64_t t = 0;
     float sums[4] = {0, 0, 0, 0};
-#if Q8_HEAD_PATH == 2
-    __m512 acc[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
-    for (; t + 16 <= in; t += 16) {
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + t))));
-#pragma GCC unroll 4
-        for (int i = 0; i < m; i++) acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i * in + t), acc[i]);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < m; i++) sums[i] = _mm512_reduce_add_ps(acc[i]);
-#elif Q8_HEAD_PATH == 1
+#if Q8_HEAD_PATH == 1
     __m256 acc[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
+    for (; t + 8 * u <= in; t += 8 * u) {
+#pragma GCC unroll 4
+        for (int j = 0; j < u; j++) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)(q + t + 8 * j));
+            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#pragma GCC unroll 4
+            for (int i = 0; i < m; i++)
+                acc[i * u + j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * in + t + 8 * j), acc[i * u + j]);
+        }
+    }
     for (; t + 8 <= in; t += 8) {
         const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + t))));
 #pragma GCC unroll 4
-        for (int i = 0; i < m; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * in + t), acc[i]);
+        for (int i = 0; i < m; i++) acc[i * u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * in + t), acc[i * u]);
     }
 #pragma GCC unroll 4
-    for (int i = 0; i < m; i++) sums[i] = q8_hsum(acc[i]);
+    for (int i = 0; i < m; i++) {
+        __m256 v = acc[i * u];
+#pragma GCC unroll 4
+        for (int j = 1; j < u; j++) v = _mm256_add_ps(v, acc[i * u + j]);
+        sums[i] = q8_hsum(v);
+    }
+#else
+    (void)u;
 #endif
     for (int i = 0; i < m; i++) {
         float s = sums[i];
@@ -603,11 +718,89 @@ static inline __attribute__((always_inline)) void q8_head_rows(const float *x, c
 
 /* y[i, o] = s[o] * sum_t q[o, t] x[i, t]: x bf16 [m, in] (widened once), q int8 [out, in]. 0, or 1 when the widened
    copy of x could not be allocated. */
+#if Q8_HEAD_PATH == 2
+/* r (1..4) int8 weight rows against m (1..4) float rows of x: y[i * ystride + j] = sum_t q[j, t] x[i, t]. Each 16
+   values of x are loaded once for the r weight rows and each 16 weights widened once for the m x rows: four float32
+   rows of GPT-OSS's 2,880 (46 KB) are past a 32 KB L1, and reading them from L2 for every weight row bound the batch-4
+   head; r * m chains of FMAs stay in flight (r = 4 at batch 1 hides the FMA's latency). */
+static inline __attribute__((always_inline)) void q8_head_tile(const float *x, const int m, const int8_t *q,
+                                                                 const int r, int64_t in, float *y, int64_t ystride) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= in; t += 16) {
+        __m512 xv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < m; i++) xv[i] = _mm512_loadu_ps(x + i * in + t);
+#pragma GCC unroll 4
+        for (int j = 0; j < r; j++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(q + j * in + t));
+            const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#pragma GCC unroll 4
+            for (int i = 0; i < m; i++) acc[j][i] = _mm512_fmadd_ps(wv, xv[i], acc[j][i]);
+        }
+    }
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < m; i++) {
+            float v = _mm512_reduce_add_ps(acc[j][i]);
+            for (int64_t u = t; u < in; u++) v += (float)q[j * in + u] * x[i * in + u];
+            y[i * ystride + j] = v;
+        }
+}
+
+#define Q8_TILE(mc, rc) q8_head_tile(xs + i0 * in, mc, q + o * in, rc, in, y + i0 * out + o, out)
+
+/* One float row of x against one int8 weight row (batch 1): one chain of FMAs, 16 weights a step. Memory bound at
+   GPT-OSS's vocabulary; four chains (or the 4-row tile) ran slower here (36 against 44 and 49 ms a 201,088-row head,
+   interleaved, one thread), so the plain chain stays. */
+static float q8_head_row1(const float *x, const int8_t *q, int64_t in) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= in; t += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(q + t));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_loadu_ps(x + t), acc);
+    }
+    float v = _mm512_reduce_add_ps(acc);
+    for (; t < in; t++) v += (float)q[t] * x[t];
+    return v;
+}
+#endif
+
+/* y[i, o] = s[o] * sum_t q[o, t] x[i, t]: x bf16 [m, in] (widened once), q int8 [out, in]. 0, or 1 when the widened
+   copy of x could not be allocated. */
 int neffbuild_q8_linear(const uint16_t *x, int64_t m, const int8_t *q, const float *s, int64_t out, int64_t in,
                         float *y, int threads) {
     float *xs = malloc((size_t)(m * in + 1) * sizeof(float));
     if (xs == NULL) return 1;
     for (int64_t t = 0; t < m * in; t++) xs[t] = bf16_to_float(x[t]);
+#if Q8_HEAD_PATH == 2
+    if (m == 1) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t o = 0; o < out; o++) y[o] = s[o] * q8_head_row1(xs, q + o * in, in);
+        free(xs);
+        return 0;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t o = 0; o < out; o += 4)  /* tiles of 4 weight rows (the last may hold fewer) */
+        for (int64_t i0 = 0; i0 < m; i0 += 4) {
+            const int mc = m - i0 < 4 ? (int)(m - i0) : 4, rc = out - o < 4 ? (int)(out - o) : 4;
+            if (rc == 4) {
+                switch (mc) {
+                    case 1: Q8_TILE(1, 4); break;
+                    case 2: Q8_TILE(2, 4); break;
+                    case 3: Q8_TILE(3, 4); break;
+                    default: Q8_TILE(4, 4); break;
+                }
+            } else {
+                q8_head_tile(xs + i0 * in, mc, q + o * in, rc, in, y + i0 * out + o, out);
+            }
+            for (int64_t i = 0; i < mc; i++)
+                for (int j = 0; j < rc; j++) y[(i0 + i) * out + o + j] *= s[o + j];
+        }
+#else
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t o = 0; o < out; o++)
         for (int64_t i0 = 0; i0 < m; i0 += 4) {
@@ -620,8 +813,73 @@ int neffbuild_q8_linear(const uint16_t *x, int64_t m, const int8_t *q, const flo
             }
             for (int64_t i = 0; i < (m - i0 < 4 ? m - i0 : 4); i++) yo[i * out] *= s[o];
         }
+#endif
     free(xs);
     return 0;
+}
+
+/* The int8 head's candidates (runtime/native_q8.py ``q8_head``): for each x row i, with the bound
+   e[i, o] = (s[o] * x1c[i] + tiny) * (1 + 2^-30) (double, as ``head_bound`` computes it: the same operations, no
+   contraction under -std=c11) and M = max_o (a - e), every o with R(a + e) >= R(M), R = rounding to float32, then to
+   bf16 to nearest even (as torch rounds). Writes (i, o) pairs in row-major order while they fit ``cap``; returns how
+   many there are (more than ``cap``: the caller asks again with room). AVX-512: 8 values a step, one pass for M
+   and one for the picks (a few in a vocabulary: the lanes are looked at only when one passes). */
+static inline float bf16_round(float f) {  /* R for a finite float32 */
+    union { float f; uint32_t u; } b = {.f = f};
+    b.u = (b.u + 0x7FFFu + ((b.u >> 16) & 1u)) & 0xFFFF0000u;
+    return b.f;
+}
+
+static inline double head_e(float s, double x1c, double tiny) { return ((double)s * x1c + tiny) * (1.0 + 0x1p-30); }
+
+int64_t neffbuild_q8_pick(const float *a, int64_t m, int64_t out, const float *s, const double *x1c, double tiny,
+                          int64_t *rows, int64_t *cols, int64_t cap) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const float *ai = a + i * out;
+        double top = -INFINITY;
+        int64_t o = 0;
+#if defined(__AVX512F__)
+        const __m512d c = _mm512_set1_pd(x1c[i]), t8 = _mm512_set1_pd(tiny), wide = _mm512_set1_pd(1.0 + 0x1p-30);
+        __m512d top8 = _mm512_set1_pd(-INFINITY);
+        for (; o + 8 <= out; o += 8) {
+            const __m512d e = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(s + o)), c),
+                                                          t8), wide);
+            top8 = _mm512_max_pd(top8, _mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ai + o)), e));
+        }
+        top = _mm512_reduce_max_pd(top8);
+#endif
+        for (; o < out; o++) {
+            const double lo = (double)ai[o] - head_e(s[o], x1c[i], tiny);
+            top = lo > top ? lo : top;
+        }
+        const float floor_v = bf16_round((float)top);
+        o = 0;
+#if defined(__AVX512F__)
+        const __m256 floor8 = _mm256_set1_ps(floor_v);
+        const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+        const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+        for (; o + 8 <= out; o += 8) {
+            const __m512d e = _mm512_mul_pd(_mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(s + o)), c),
+                                                          t8), wide);
+            const __m256i u = _mm256_castps_si256(_mm512_cvtpd_ps(_mm512_add_pd(_mm512_cvtps_pd(
+                _mm256_loadu_ps(ai + o)), e)));
+            const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, bias),
+                                                                _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), hi16);
+            unsigned hit = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_castsi256_ps(r), floor8, _CMP_GE_OQ));
+            for (; hit; hit &= hit - 1) {
+                if (n < cap) { rows[n] = i; cols[n] = o + __builtin_ctz(hit); }
+                n++;
+            }
+        }
+#endif
+        for (; o < out; o++)
+            if (bf16_round((float)((double)ai[o] + head_e(s[o], x1c[i], tiny))) >= floor_v) {
+                if (n < cap) { rows[n] = i; cols[n] = o; }
+                n++;
+            }
+    }
+    return n;
 }
 
 /* The values neffbuild_bf16_linear gives at (row[p], col[p]) of its [m, out] output, for p < picks: the same call of
