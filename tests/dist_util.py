@@ -7,6 +7,8 @@ import pickle
 import tempfile
 from pathlib import Path
 
+from neffbuild.serve import procs
+
 
 def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> None:
     import torch.distributed as dist
@@ -21,7 +23,7 @@ def _entry(rank: int, world: int, init_file: str, out_dir: str, fn, args) -> Non
 
 # What every rank imports, loaded once by the test process's fork server: a spawned rank paid about 1.7 CPU-seconds
 # importing torch and the test module before its first line, and the suite starts a few hundred ranks.
-PRELOAD = ["torch", "torch.distributed", "tests.dist_util", "neffbuild.serve.run"]  # the product's own, and this
+PRELOAD = [*procs.PRELOAD, "tests.dist_util"]  # the product's own ranks' list (neffbuild/serve/procs.py), and this
 
 
 def forkserver():

@@ -155,18 +155,17 @@ def test_a_prefill_rank_that_dies_is_a_typed_error_naming_the_request(built, vic
 
 
 def _prefill_ranks(proc) -> list:
-    """The spawned prefill rank processes under ``proc`` (multiprocessing's spawn children, not its resource
-    tracker)."""
+    """The prefill rank processes under ``proc``: the fork server's children (neffbuild/serve/procs.py; a fork
+    carries its server's command line), not the server itself or the resource tracker."""
     import psutil
 
     out = []
     for c in proc.children(recursive=True):
         try:
-            cmd = " ".join(c.cmdline())
-        except psutil.Error:
+            if "forkserver" in " ".join(c.cmdline()) and "forkserver" in " ".join(c.parent().cmdline()):
+                out.append(c)
+        except (psutil.Error, AttributeError):  # gone, or no parent any more
             continue
-        if "spawn_main" in cmd and "resource_tracker" not in cmd:
-            out.append(c)
     return out
 
 

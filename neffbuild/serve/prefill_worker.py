@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing as mp
 import os
 import tempfile
 import threading
@@ -39,6 +38,7 @@ from neffbuild.runtime.di.nixl_agent import load_nixl
 from neffbuild.runtime.di.prompt import di_prompt, strip_leading_null
 from neffbuild.runtime.di.regions import regions_for
 from neffbuild.runtime.parallel import ParallelLayout
+from neffbuild.serve import procs
 from neffbuild.serve.rank import PREFILL_ONLY, ServingRank, open_rank
 
 _IDS = itertools.count()
@@ -156,8 +156,11 @@ def _watch_parent(parent: int) -> None:
             os._exit(4)  # the decode process is gone: leave no orphan
 
 
-def _rank_main(bundle_path: str, tp: int, rank: int, init_file: str, ready, stop, n_minus_1: bool) -> None:
+def _rank_main(env: dict[str, str], bundle_path: str, tp: int, rank: int, init_file: str, ready, stop,
+               n_minus_1: bool) -> None:
+    # the parent is the fork server (serve/procs.py), which ends with the decode process: then this one does
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    procs.adopt_environment(env)
     try:
         if tp > 1:
             import torch.distributed as dist
@@ -214,13 +217,13 @@ class PrefillGroup:
         return all(p.is_alive() for p in self.processes)
 
     def __enter__(self) -> Self:
-        ctx = mp.get_context("spawn")
+        ctx = procs.context()
         self._tmp = tempfile.TemporaryDirectory(prefix="neffbuild-prefill-")
         init = os.path.join(self._tmp.name, "rendezvous")
         self._ready, self._stop = ctx.Queue(), ctx.Queue()
         self.processes = [ctx.Process(target=_rank_main, daemon=True, name=f"neffbuild-prefill-{r}",
-                                      args=(self.bundle_path, self.tp, r, init, self._ready, self._stop,
-                                            self._n_minus_1)) for r in range(self.tp)]
+                                      args=(procs.caller_environment(), self.bundle_path, self.tp, r, init,
+                                            self._ready, self._stop, self._n_minus_1)) for r in range(self.tp)]
         for p in self.processes:
             p.start()
         ports: dict[int, int] = {}

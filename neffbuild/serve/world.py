@@ -1,6 +1,6 @@
 """The world part: one process, or the bundle's tp x dp ranks (``--dp N`` for an unsharded bundle).
 
-``run_world`` starts ``world`` gloo processes (forked from multiprocessing's fork server, torch imported
+``run_world`` starts ``world`` gloo processes (serve/procs.py: forked from a fork server, torch imported
 once) in ``dp`` DP groups of ``world/dp`` consecutive ranks; DP group ``g`` owns ``requests[g::dp]``
 (each of its TP ranks serves them together). Every rank writes its outcome to a file; the first rank
 that failed with a neffbuild error is the cause the caller sees (exit 2 for the user's input, else 1).
@@ -16,6 +16,7 @@ from pathlib import Path
 from neffbuild.errors import InvalidInput, NeffbuildError
 from neffbuild.runtime.bundle.facts import BundleFacts
 from neffbuild.runtime.bundle.reader import read_facts
+from neffbuild.serve import procs
 from neffbuild.serve.parts import Request
 from neffbuild.serve.run import Options, serve_rank
 
@@ -41,29 +42,11 @@ def world_for(facts: BundleFacts | None, dp_flag: int | None) -> tuple[int, int]
     return world, dp
 
 
-# What a rank imports before its first line, loaded once by the caller's fork server (multiprocessing's): a spawned
-# rank paid ~1.7 CPU-seconds for it, each time (a process that starts worlds again and again, a test session or a
-# serving host's supervisor, paid it per rank per world).
-PRELOAD = ["torch", "torch.distributed", "neffbuild.serve.run"]
-
-
-def _adopt_environment(env: dict[str, str]) -> None:
-    """The caller's environment as it was at this world's start, as a spawned rank would have it: a fork server
-    keeps the one of its own start. Torch's thread count follows OMP_NUM_THREADS as a fresh import would
-    (OpenMP read the variable when the fork server imported torch)."""
-    import torch
-
-    os.environ.clear()
-    os.environ.update(env)
-    threads = env.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0)))
-
-
 def _rank_worker(rank: int, env: dict[str, str], world: int, dp: int, init_file: str, bundle_path: str,
                  requests: list[Request], opts: Options, addresses, out_dir: str):
     import torch.distributed as dist
 
-    _adopt_environment(env)
+    procs.adopt_environment(env)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     dp_rank = rank // (world // dp)  # the ranks of one DP group are consecutive (runtime/parallel.py)
     try:
@@ -82,17 +65,15 @@ def _rank_worker(rank: int, env: dict[str, str], world: int, dp: int, init_file:
 def run_world(bundle_path: str, requests: list[Request], opts: Options, world: int, dp: int,
               addresses=None) -> list[dict]:
     """Every rank's answer (serve_rank's dict plus rank and dp_rank), rank order; the first cause raised."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # before its first start only
+    procs.context()
     with tempfile.TemporaryDirectory(prefix="neffbuild-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
-            mp.start_processes(_rank_worker, args=(dict(os.environ), world, dp, init_file, bundle_path, requests,
-                                                   opts, addresses, tmp),
-                               nprocs=world, join=True, start_method="forkserver")
+            mp.start_processes(_rank_worker, args=(procs.caller_environment(), world, dp, init_file, bundle_path,
+                                                   requests, opts, addresses, tmp),
+                               nprocs=world, join=True, start_method=procs.START_METHOD)
         except mp.ProcessRaisedException:
             pass  # every rank writes its outcome; the cause is read below
         except mp.ProcessExitedException as exc:
