@@ -63,8 +63,6 @@ COMPILED_FIXTURES = {"built", "fp8_built", "built_fp8", "built_tp2", "built_dp2_
 XDIST_GROUPS = ("ray_cluster", "production_built", "eagle3_built", "neuron_bundle", "first_push", "v2_build",
                 "built_tp2", "built_dp2_ep2", "fp8_built", "vllm_setup", "vllm_dtype_bundles", "vllm_stream",
                 "vllm_spec", "vllm_parallel", "home")
-# A fixture whose tests join another group (a fixture used by two groups' tests would be built once per worker).
-JOINS: dict[str, str] = {}
 
 
 def pytest_configure(config):
@@ -81,7 +79,7 @@ def pytest_collection_modifyitems(config, items):
         names = set(getattr(item, "fixturenames", ()))
         if COMPILED_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
-        group = next((JOINS.get(g, g) for g in XDIST_GROUPS if g in names), None)
+        group = next((g for g in XDIST_GROUPS if g in names), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
             _group_suffix(config, item, group)

@@ -27,16 +27,11 @@ PRELOAD = [*procs.PRELOAD, "tests.dist_util"]  # the product's own ranks' list (
 
 
 def forkserver():
-    """multiprocessing's fork-server context, its server preloading PRELOAD (for the tests that start their own rank
-    processes: ``torch.multiprocessing.start_processes(..., start_method="forkserver")`` or this context's
-    Process). One fork server a process: whichever of this and the product's ``run_world``
-    (neffbuild/serve/world.py, which hands its ranks the caller's current environment) starts it first
-    sets its preload."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    """The product's fork-server context (neffbuild/serve/procs.py) preloading PRELOAD, for the tests that start
+    their own rank processes: ``torch.multiprocessing.start_processes(..., start_method=procs.START_METHOD)`` or
+    this context's Process. One fork server a process: whichever of this and the product's rank starts comes
+    first sets its preload."""
+    return procs.context(PRELOAD)
 
 
 def run_ranks(fn, world: int, *args) -> list:
@@ -50,5 +45,5 @@ def run_ranks(fn, world: int, *args) -> list:
     forkserver()
     with tempfile.TemporaryDirectory(prefix="neffbuild-ranks-") as tmp:
         mp.start_processes(_entry, args=(world, os.path.join(tmp, "rdv"), tmp, fn, args), nprocs=world, join=True,
-                           start_method="forkserver")
+                           start_method=procs.START_METHOD)
         return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from neffbuild.errors import PrefillWorkerLost
+from neffbuild.serve import procs
 from tests import engine_runs
 from tests.dist_util import forkserver
 from tests.helpers import cli
@@ -98,7 +99,7 @@ def _tp2_decode(bundle_path, prefill_tp, prompts, new):
     with PrefillGroup(bundle_path, prefill_tp) as group, tempfile.TemporaryDirectory() as tmp:
         forkserver()
         mp.start_processes(_tp2_rank, args=(os.path.join(tmp, "rdv"), str(bundle_path), group.addresses, prompts, new,
-                                            tmp), nprocs=2, join=True, start_method="forkserver")
+                                            tmp), nprocs=2, join=True, start_method=procs.START_METHOD)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -16,6 +16,7 @@ from neffbuild.models.gpt_oss.weights import model_weights
 from neffbuild.runtime import StepBatch, Stepper
 from neffbuild.runtime.kv.cache import KVLayout
 from neffbuild.runtime.step.dispatch import Grid
+from neffbuild.serve import procs
 from neffbuild.serve.rank import eager_artifacts, serving_rank
 from tests.conftest import TINY
 from tests.dist_util import forkserver
@@ -216,7 +217,7 @@ def test_dp2_local_problems_raise_on_every_rank_same_step(tmp_path):
     start = time.monotonic()
     forkserver()
     ctx = mp.start_processes(_dp_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=False,
-                             start_method="forkserver")
+                             start_method=procs.START_METHOD)
     while not ctx.join(timeout=1):
         if time.monotonic() - start > 120:
             for p in ctx.processes:

@@ -17,11 +17,11 @@ PRELOAD = ["torch", "torch.distributed", "neffbuild.serve.run"]
 START_METHOD = "forkserver"
 
 
-def context():
-    """multiprocessing's fork-server context, its server to preload PRELOAD (effective before its first start; a
-    test helper that starts the server first with its own list keeps that one)."""
+def context(preload: list[str] = PRELOAD):
+    """multiprocessing's fork-server context, its server to preload ``preload`` (effective before the server's first
+    start in this process: one server a process, so the first caller's list is the one it keeps)."""
     ctx = multiprocessing.get_context(START_METHOD)
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 
