@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from neffbuild.compiler.backends import objects
 from neffbuild.compiler.backends.base import Backend
 from neffbuild.compiler.reproducible import normalize_pt2
 from neffbuild.errors import InvalidInput
@@ -165,25 +166,35 @@ def cxx_version() -> str:
 
 @contextlib.contextmanager
 def _timed_cpp_builds(out: list):
-    """Record (output name, seconds) of every C++ compile/link inductor runs (profile only; no effect)."""
+    """Record (output name, seconds, command) of every C++ compile/link inductor runs (the profile), and take a
+    compile-only step's object from the machine's object cache where the same bytes were compiled by the same
+    command before (compiler/backends/objects.py; the name then ends in ``:kept``)."""
     try:
         from torch._inductor.cpp_builder import CppBuilder
     except ImportError:
         yield
         return
     original = CppBuilder.build
+    keep = objects.enabled()
 
     def build(self, *args, **kwargs):
         t0 = time.monotonic()
         try:
-            return original(self, *args, **kwargs)
+            cmd = str(self.get_command_line())
+        except Exception:  # profile only: a torch without the method
+            cmd = ""
+        parts = objects.builder_parts(self) if keep and cmd else None
+        k = objects.key(cmd, parts[0]) if parts else None
+        kept = k is not None and objects.fetch(k, parts[1])
+        try:
+            if not kept:
+                result = original(self, *args, **kwargs)
+                if k is not None:
+                    objects.store(k, parts[1])
+                return result
         finally:
             name = Path(str(getattr(self, "_name", ""))).suffix or Path(str(getattr(self, "_target_file", ""))).suffix
-            try:
-                cmd = str(self.get_command_line())
-            except Exception:  # profile only: a torch without the method
-                cmd = ""
-            out.append((name.lstrip(".") or "?", time.monotonic() - t0, cmd))
+            out.append(((name.lstrip(".") or "?") + (":kept" if kept else ""), time.monotonic() - t0, cmd))
 
     CppBuilder.build = build
     try:
