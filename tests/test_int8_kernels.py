@@ -266,8 +266,10 @@ def test_int8_linear_falls_back_and_refuses_what_c_cannot_read():
             torch.ops.neffbuild.q8_linear(xa, wa)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode() as mode, pytest.raises(ValueError, match="q8_linear"):
-        torch.ops.neffbuild.q8_linear(mode.from_tensor(x), mode.from_tensor(w[:, :39]))
+    mode, narrow = FakeTensorMode(), w[:, :39].contiguous()
+    fx, fw = mode.from_tensor(x), mode.from_tensor(narrow)
+    with mode, pytest.raises(ValueError, match="q8_linear"):
+        torch.ops.neffbuild.q8_linear(fx, fw)
 
 
 def test_int8_rows_are_quantized_once_and_dropped_with_their_weights():
@@ -341,7 +343,8 @@ def test_greedy_agreement_of_the_int8_forms_on_the_tiny_model(tiny_recipe, tiny_
                       tiny_recipe.block_size, tiny_cfg.head_dim, kv_dtype="bfloat16")
     grid = Grid(tiny_recipe.num_seqs_buckets, tiny_recipe.decode_context_length_buckets, tiny_recipe.max_model_len)
     prompts, steps, tokens = [list(range(3, 40)), [7, 1, 9, 200, 13], [(i * 37) % 256 for i in range(50)]], 12, {}
-    for forms in ({}, {"expert_kernel": "int8"}, {"expert_kernel": "int8", "head_kernel": "int8"}):
+    for forms in ({}, {"expert_kernel": "int8"}, {"expert_kernel": "int8", "head_kernel": "int8"},
+                  {"attn_kernel": "int8"}):
         decode = GptOssDecode(tiny_cfg, stacked, **forms).eval()
         session = serving_rank(tiny_cfg, stacked, EagerArtifacts(grid, layout, tiny_recipe.num_swa, decode))
         with native_cpu_ops():

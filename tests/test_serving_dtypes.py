@@ -50,6 +50,11 @@ COMPILED_LOGIT_ATOL = 0.5
 # first difference the reference's own margin between its token and ours must be a near-tie, <= NEAR_TIE.
 ROUNDING = 1.5
 NEAR_TIE = 0.5
+# The int8 attention's bundle against its eager oracle (the same int8 weights, x rounded differently): a router
+# pick flipped by that rounding moves the whole logit vector at once (measured: 1.50 max, 0.46 mean, on the step
+# where it happened; 0.03 mean the step before). A bug moves them by more: one row scale in 7 off by 3 % in the
+# eager side's projections moved them 2.4 at the first step and 5-9 after, on two of the three prompts.
+ROUTER_FLIP = 2.0
 
 
 def session_for(cfg, stacked, recipe, kv_dtype="float32"):
@@ -328,9 +333,9 @@ def test_compiled_int8_forms_equal_their_oracles(mxfp4_bundle, int8_bundles):
     (``NativeDecode``): tokens equal but for a near-tie. Experts: logits within ROUNDING, not COMPILED_LOGIT_ATOL:
     quantizing turns inductor's bf16 rounding differences in the activations into whole int8 steps of a block
     (max|x| / 127) and, on this random model, into another router pick (measured: 0.64 on one step where the exact
-    pair differed by 0.11, every token equal); a wrong nibble, scale or expert moves logits by several units. The
-    attention's int8 weights are the same constants on both sides (only x is rounded differently), so
-    COMPILED_LOGIT_ATOL holds there. Each computes another product than the exact bundle."""
+    pair differed by 0.11, every token equal); a wrong nibble, scale or expert moves logits by several units.
+    Attention: logits within ROUTER_FLIP (the same int8 weights on both sides, x rounded differently, which on this
+    random model flips a router pick now and then). Each computes another product than the exact bundle."""
     from neffbuild.serve.rank import open_rank
 
     head, experts, attn = int8_bundles["head_kernel"], int8_bundles["expert_kernel"], int8_bundles["attn_kernel"]
@@ -347,12 +352,14 @@ def test_compiled_int8_forms_equal_their_oracles(mxfp4_bundle, int8_bundles):
     assert torch.equal(q8head[1].argmax(-1), exact[1].argmax(-1))
     assert torch.equal(q8head[1].amax(-1), exact[1].amax(-1)) and not torch.equal(q8head[1], exact[1])
 
-    for built, form, rounding in ((experts, "expert_kernel", ROUNDING), (attn, "attn_kernel", COMPILED_LOGIT_ATOL)):
+    # (bundle, form, logit tolerance, prompts whose tokens must all agree: not every one a near-tie)
+    for built, form, rounding, whole in ((experts, "expert_kernel", ROUNDING, 2),
+                                         (attn, "attn_kernel", ROUTER_FLIP, 1)):
         compiled, eager = _compiled_and_eager(built, prompts, form)
         for n in range(len(prompts)):
             print(assert_tokens_or_near_tie(compiled[0][n], eager[0][n], compiled[1][:, n], eager[1][:, n],
                                             rounding, f"{form} int8, compiled vs eager, prompt {n}"))
-        assert sum(a == b for a, b in zip(compiled[0], eager[0], strict=True)) >= 2, form
+        assert sum(a == b for a, b in zip(compiled[0], eager[0], strict=True)) >= whole, form
         assert not torch.equal(compiled[1], exact[1]), form
 
 

@@ -217,12 +217,18 @@ def bound_factor(n_in: int) -> float:
     return 0.5 + 2.0 ** -12 + 256 * gamma
 
 
-def head_bound(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """e [M, V] float64: |exact-form float32 logit - int8 logit| <= e for every row (``q8_head``'s proof)."""
+def bound_terms(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(x1c [M] float64, tiny) of the head's bound e = (s x1c + tiny) (1 + 2^-30) (``q8_head``'s proof):
+    x1c = |x|_1 c(K) + K 2^-117, tiny = K 2^-120 + 2^-126 max |x|_1 over the rows of x."""
     n_in = x.shape[-1]
     x1 = x.double().abs().sum(-1)  # [M]
-    e = s.double()[None, :] * (x1[:, None] * bound_factor(n_in)) + n_in * 2.0 ** -120
-    return e * (1 + 2.0 ** -30)
+    return x1 * bound_factor(n_in) + n_in * 2.0 ** -117, n_in * 2.0 ** -120 + 2.0 ** -126 * float(x1.max())
+
+
+def head_bound(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """e [M, V] float64: |exact-form float32 logit - int8 logit| <= e for every row (``q8_head``'s proof)."""
+    x1c, tiny = bound_terms(x)
+    return (s.double()[None, :] * x1c[:, None] + tiny) * (1 + 2.0 ** -30)
 
 
 @torch.library.custom_op("neffbuild::q8_head", mutates_args=())
@@ -236,12 +242,16 @@ def q8_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     The bound. Row r is quantized with s = max|w_r| / 127, q_t = round(w_t / s), so |w_t - s q_t| <= s (1/2 + 2^-15)
     (the float32 reciprocal moves w / s by at most 3 ulps of 127) and |w_t| <= 127 s (1 + 2^-24). The int8 logit
     a = fl(s * fl(sum_t q_t x_t)) has exact products (7 by 8 significant bits) and at most K roundings in the sum:
-    |a - s sum q x| <= s 127 |x|_1 (gamma_K + 2^-24), gamma_K = K 2^-24 / (1 - K 2^-24). The exact form's float32
-    sum f of products w x (exact: 8 by 8 bits) has |f - sum w x| <= gamma_K sum |w| |x| <= 128 s gamma_K |x|_1,
-    plus at most K 2^-125 where AVX-512 BF16 flushes subnormals. So |f - a| <= e = s |x|_1 c(K) + K 2^-120 with
-    c(K) = 1/2 + 2^-12 + 256 gamma_K (``bound_factor``), computed in float64 and widened by 2^-30 for its own
-    roundings. The exact form returns R(f), R = rounding to bfloat16 (via float32), monotone. With
-    M = max_r (a_r - e_r) <= max_r f_r, row r is re-scored when R(a_r + e_r) >= R(M); any other row has
+    |a - s sum q x| <= s 127 |x|_1 (gamma_K + 2^-24), gamma_K = K 2^-24 / (1 - K 2^-24); where the sums run on
+    AVX-512 BF16 dot products (batch > 1), each of the K FMAs may also read a subnormal x as zero and flush a
+    subnormal input or result (under 127 2^-126 + 2 2^-126 < 2^-118 each): s K 2^-118 (1 + 2^-24) more. The exact
+    form's float32 sum f of products w x (exact: 8 by 8 bits) has |f - sum w x| <= gamma_K sum |w| |x| <=
+    128 s gamma_K |x|_1, plus, where AVX-512 BF16 reads subnormal inputs as zero and flushes subnormal results, at
+    most 2^-126 |x|_1 (subnormal weights), s K 2^-119 (subnormal x) and K 2^-125. So |f - a| <= e =
+    s (|x|_1 c(K) + K 2^-117) + K 2^-120 + 2^-126 |x|_1 with c(K) = 1/2 + 2^-12 + 256 gamma_K (``bound_factor``,
+    ``bound_terms``: |x|_1 of the last term taken as the largest over the rows of x), computed in float64 and
+    widened by 2^-30 for its own roundings. The exact form returns R(f), R = rounding to bfloat16 (via float32),
+    monotone. With M = max_r (a_r - e_r) <= max_r f_r, row r is re-scored when R(a_r + e_r) >= R(M); any other row has
     R(f_r) <= R(a_r + e_r) < R(M) <= R(max f), so it is neither the argmax nor tied with it, and its returned R(a_r)
     is below the maximum too. The re-scored rows (every row whose exact value can reach the maximum, ties included)
     run the exact form's own C loop on its own inputs (``neffbuild_bf16_linear_at``), so they are bit-identical.
@@ -270,12 +280,13 @@ def candidates(lib: ctypes.CDLL, a: torch.Tensor, s: torch.Tensor, x: torch.Tens
     M = max(a - e), e = ``head_bound`` (the same float64 operations), picked by one C pass over the row instead of a
     dozen float64 torch passes over the vocabulary (about 2 ms a step at 201,088 rows)."""
     (m, n), op, p = a.shape, "q8_head", native._pointer
-    x1c = (x.double().abs().sum(-1) * bound_factor(x.shape[-1])).contiguous()
+    x1c, tiny = bound_terms(x)
+    x1c = x1c.contiguous()
     cap = 64 * m
     while True:
         rows, cols = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
         got = lib.neffbuild_q8_pick(p(op, "a", a, torch.float32, (m, n)), m, n, p(op, "s", s, torch.float32, (n,)),
-                                    p(op, "x1c", x1c, torch.float64, (m,)), x.shape[-1] * 2.0 ** -120,
+                                    p(op, "x1c", x1c, torch.float64, (m,)), tiny,
                                     p(op, "rows", rows, torch.int64, (cap,)), p(op, "cols", cols, torch.int64, (cap,)),
                                     cap)
         if got <= cap:
