@@ -1,14 +1,18 @@
 """The native ops alone at GPT-OSS-20B's width: exact (float) forms against the int8 forms, per ISA path.
 
     nice -n -5 .venv/bin/python benchmarks/int8_kernels.py [--isas native,avx2,plain] [--vocab 201088] [--repeat 20]
+        [--batches 1,4] [--no-head] [--no-experts]
 
 Experts: gate_up (5,760 x 2,880) and down (2,880 x 2,880) of 32 MXFP4 experts, top 4, batch 1 and 4 (random
 routing, the same for both forms; x in bf16 as a bf16 bundle passes it); ``neffbuild::mxfp4_dot`` against
 ``mxfp4_q8_dot``. Head: the vocabulary's bf16 GEMV (``bf16_linear``) against ``q8_head`` (int8 rows, the exact
-re-scoring included), batch 1 and 4. Bytes
+re-scoring included), batch 1 and 4. Attention: the qkv (5,120 x 2,880) and o (2,880 x 4,096) projections,
+``bf16_linear``'s C loop against ``q8_linear``'s (its cache lookup included, the dispatcher's call not), over
+``--layers`` distinct weights in turn. Bytes
 are what each form reads of its weights in its own encoding (MXFP4: 17 bytes a 32-value group of each picked
-expert once; bf16 head 2 bytes a weight, int8 head 1 plus 4 a row), over the median time, beside the copy
-bandwidth (a 256 MiB ``copy_`` into a buffer allocated once: bytes read / s). One thread. Prints a markdown table.
+expert once; bf16 head and projections 2 bytes a weight, int8 rows 1 plus 4 a row), over the median time, beside
+the copy bandwidth (a 256 MiB ``copy_`` into a buffer allocated once: bytes read / s). One thread. Prints a markdown
+table.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from neffbuild.runtime import native, native_q8  # noqa: E402
 ISAS = {"native": ("-march=native",), "vnni": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
         "avx2": ("-march=x86-64-v3",), "plain": ("-march=x86-64",)}
 H, INTER, E, TOP_K = 2880, 2880, 32, 4
+QKV, HEADS_D = 5120, 4096  # (64 query + 2 x 8 KV heads) x 64, and 64 x 64: GPT-OSS-20B's attention
 
 
 def median_s(fn, repeat: int) -> float:
@@ -74,6 +79,29 @@ def head_rows(lib, vocab: int, batch: int, repeat: int) -> list[tuple]:
     return [(f"head V{vocab} b{batch}", vocab * H * 2, exact, vocab * (H + 4), int8)]
 
 
+def attn_rows(lib, batch: int, repeat: int, layers: int) -> list[tuple]:
+    """Each projection of ``layers`` layers in turn (one sweep timed, per layer reported): one layer's weights (24-30
+    MB) would stay in a large L3 between calls, as a step's 24 layers' do not."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for name, n_out, n_in in (("qkv", QKV, H), ("o", H, HEADS_D)):
+        ws = [(torch.randn(n_out, n_in, generator=g) * 0.02).bfloat16() for _ in range(layers)]
+        x = torch.randn(batch, n_in, generator=g).bfloat16()
+
+        def int8(ws=ws, x=x):
+            for w in ws:
+                q, s, _ = native_q8._quantized(lib, w, "q8_linear")
+                native_q8.q8_matmul(lib, x, q, s, "q8_linear").to(torch.bfloat16)
+
+        def exact(ws=ws, x=x):
+            for w in ws:
+                native.bf16_native(lib, x, w).to(torch.bfloat16)
+
+        out.append((f"{name} b{batch}", n_out * n_in * 2, median_s(exact, repeat) / layers, n_out * (n_in + 4),
+                    median_s(int8, repeat) / layers))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--isas", default="native,avx2,plain", help=f"comma-separated, of: {', '.join(ISAS)}")
@@ -81,6 +109,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--no-head", action="store_true")
+    ap.add_argument("--no-experts", action="store_true")
+    ap.add_argument("--layers", type=int, default=8, help="distinct attention weights swept per timing")
     args = ap.parse_args()
     torch.set_num_threads(1)
     copy = copy_bandwidth(args.repeat)
@@ -94,9 +124,11 @@ def main() -> None:
             continue
         label = f"{isa} (q8 {lib.q8_path}, bf16 {lib.bf16_path})"
         for b in (int(s) for s in args.batches.split(",")):
-            rows = expert_rows(lib, b, args.repeat)
+            rows = [] if args.no_experts else expert_rows(lib, b, args.repeat)
             if not args.no_head and lib.bf16_path:
                 rows += head_rows(lib, args.vocab, b, args.repeat)
+            if lib.bf16_path:
+                rows += attn_rows(lib, b, args.repeat, args.layers)
             for name, eb, es, ib, is_ in rows:
                 print(f"| {label} | {name} | {es * 1e3:.2f} | {eb / es / 1e9:.1f} ({100 * eb / es / copy:.0f}%) | "
                       f"{is_ * 1e3:.2f} | {ib / is_ / 1e9:.1f} ({100 * ib / is_ / copy:.0f}%) | x{es / is_:.2f} |",

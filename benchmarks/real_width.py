@@ -11,8 +11,9 @@ peak RSS is reported per engine), with ``--rounds`` interleaved rounds:
 
   bundle-mxfp4  neffbuild bundle, ``weights_dtype: bfloat16``, ``experts: mxfp4``, bf16 KV (CLI compile)
   bundle-int8   bundle-mxfp4 with the opt-in int8 kernel forms (runtime/native_q8.py): ``expert_kernel: int8``
-                (MXFP4 experts times int8-quantized activations) and ``head_kernel: int8`` (the bf16 LM head read
-                as int8 with a float scale a row, greedy-exact)
+                (MXFP4 experts times int8-quantized activations), ``head_kernel: int8`` (the bf16 LM head read
+                as int8 with a float scale a row, greedy-exact) and ``attn_kernel: int8`` (the qkv and o
+                projections read so too, lossy)
   bundle-q8head bundle-mxfp4 with ``head_kernel: int8`` alone (exact experts)
   bundle-bf16   the same with dense bf16 experts
   bundle-fp32   float32 everywhere (reference; ~4.5x the weight bytes)
@@ -29,8 +30,8 @@ peak RSS is reported per engine), with ``--rounds`` interleaved rounds:
 Batch 1 and 4, one thread each, the same ``--prompt``-token prompts, ``--new`` greedy tokens;
 decode seconds = t(new) - t(1) of the same prompts. Bytes per step: the weights the step must
 read (one embedding row a token, the router's experts ``min(B * top_k, E)`` of each layer in the
-engine's expert format, the LM head in its form (an int8 head: 1 byte a weight and a 4-byte scale a
-row), every other weight in its dtype) plus the KV at the mean decode context;
+engine's expert format, the LM head and the qkv and o projections in their form (int8 rows: 1 byte a
+weight and a 4-byte scale a row), every other weight in its dtype) plus the KV at the mean decode context;
 bandwidth fraction = (bytes per step / step time) / the copy bandwidth measured at the start
 (``neffbuild.bench.bytes.copy_bandwidth``). Token agreement per pair: the fraction of the
 generated tokens before the first difference; an int8 engine run without bundle-mxfp4 is compared
@@ -61,12 +62,12 @@ VLLM_PY = Path(os.environ.get("VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "pyth
 CONVERTER = os.environ.get("LLAMA_CONVERTER", str(ROOT / ".venv-llama" / "llama.cpp" / "convert_hf_to_gguf.py"))
 INSTALL = "benchmarks/peers.sh (make bench runs it): {what}"
 # engine -> (checkpoint kind, runner, form); form: (expert bytes a weight, other weights' itemsize, KV itemsize[,
-# the LM head's (bytes a weight, bytes a row) where it is not the other weights' itemsize])
-INT8_HEAD = (1, 4)  # int8 weights, one float32 scale a row (runtime/native_q8.py)
+# {weight name: (bytes a weight, bytes a row)} for the weights not in the other weights' itemsize])
+INT8_ROWS = (1, 4)  # int8 weights, one float32 scale a row (runtime/native_q8.py)
 ENGINES = {
     "bundle-mxfp4": ("mxfp4", "bundle", (17 / 32, 2, 2)),
-    "bundle-int8": ("mxfp4", "bundle", (17 / 32, 2, 2, INT8_HEAD)),
-    "bundle-q8head": ("mxfp4", "bundle", (17 / 32, 2, 2, INT8_HEAD)),
+    "bundle-int8": ("mxfp4", "bundle", (17 / 32, 2, 2, {"lm_head": INT8_ROWS, "qkv_w": INT8_ROWS, "o_w": INT8_ROWS})),
+    "bundle-q8head": ("mxfp4", "bundle", (17 / 32, 2, 2, {"lm_head": INT8_ROWS})),
     "bundle-bf16": ("bf16", "bundle", (2, 2, 2)),
     "bundle-fp32": ("bf16", "bundle", (4, 4, 4)),
     "llama-mxfp4": ("mxfp4", "llama", (17 / 32, 2, 2)),
@@ -113,7 +114,7 @@ def recipe_for(name: str, ckpt: Path, work: Path, batches: list[int], ctx: int) 
     form = {"bundle-mxfp4": ("bfloat16", "mxfp4", "bfloat16"), "bundle-bf16": ("bfloat16", "dense", "bfloat16"),
             "bundle-fp32": ("float32", "dense", "float32"), "bundle-int8": ("bfloat16", "mxfp4", "bfloat16"),
             "bundle-q8head": ("bfloat16", "mxfp4", "bfloat16")}[name]
-    kernels = {"bundle-int8": {"expert_kernel": "int8", "head_kernel": "int8"},
+    kernels = {"bundle-int8": {"expert_kernel": "int8", "head_kernel": "int8", "attn_kernel": "int8"},
                "bundle-q8head": {"head_kernel": "int8"}}.get(name, {})
     raw = {"name": f"real-width-{name}", "version": "0.1.0",
            "model": {"arch": "gpt_oss", "checkpoint": str(ckpt), "weights_dtype": form[0], "experts": form[1],
@@ -179,7 +180,8 @@ def step_bytes(cfg, form: tuple, batch: int, ctx: int) -> int:
     """Bytes one decode step of ``batch`` tokens must read at context ``ctx`` (module docstring's rule)."""
     from neffbuild.models.gpt_oss.shapes import stacked_shapes
 
-    expert_bpw, itemsize, kv_isz, *head = form
+    expert_bpw, itemsize, kv_isz, *rows = form
+    rows = rows[0] if rows else {}
     experts = min(batch * cfg.num_experts_per_tok, cfg.num_local_experts) / cfg.num_local_experts
     total = 0.0
     for name, shape in stacked_shapes(cfg).items():
@@ -192,8 +194,8 @@ def step_bytes(cfg, form: tuple, batch: int, ctx: int) -> int:
             total += n * expert_bpw * experts
         elif name in ("gate_up_b", "down_b"):
             total += n * itemsize * experts
-        elif name == "lm_head" and head:
-            total += n * head[0][0] + shape[0] * head[0][1]
+        elif name in rows:  # [..., rows, K] read as int8 rows
+            total += n * rows[name][0] + n // shape[-1] * rows[name][1]
         else:
             total += n * itemsize
     per_token = cfg.num_key_value_heads * cfg.head_dim * 2 * kv_isz

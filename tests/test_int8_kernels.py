@@ -10,8 +10,10 @@ import platform
 
 import pytest
 import torch
+import yaml
 
 from neffbuild import recipe as R
+from neffbuild.compiler.cache import pre_key
 from neffbuild.compiler.graph_spec import target_graph
 from neffbuild.errors import NeffbuildError
 from neffbuild.grid import targets
@@ -25,6 +27,7 @@ from neffbuild.runtime.kv.cache import KVLayout
 from neffbuild.runtime.step.dispatch import Grid
 from neffbuild.serve.rank import EagerArtifacts, serving_rank
 from tests import engine_runs
+from tests.helpers import cli
 from tests.test_native_cache import _cpu_flags
 
 # (path, flags, CPU flags it executes, the integer expert path, the int8 head path)
@@ -121,7 +124,7 @@ def test_int8_head_pieces_equal_plain_loops(name, flags, needs, path, head_path)
         amax = w.float().abs().amax(-1)
         inv = torch.full_like(amax, 127.0) / amax  # a division, as the C loop does (127 / t is 127 * (1 / t))
         assert torch.equal(s, amax / 127) and torch.equal(q, torch.round(w.float() * inv[:, None]).to(torch.int8))
-        a = Q.q8_linear(lib, x, q, s).double()
+        a = Q.q8_matmul(lib, x, q, s).double()
         torch.testing.assert_close(a, s.double()[None] * (x.double() @ q.double().t()), rtol=1e-6, atol=1e-6)
         if lib.bf16_path:
             full = native.bf16_native(lib, x, w)
@@ -177,7 +180,7 @@ def test_int8_head_is_greedy_exact_at_its_error_bound(case, kinds, argmax):
     w, x = _head_table(kinds)
     exact = native.bf16_native(lib, x, w).bfloat16()
     q, s = Q.quantize_rows(lib, w)
-    a = Q.q8_linear(lib, x, q, s)
+    a = Q.q8_matmul(lib, x, q, s)
     e = Q.head_bound(s, x)
     err = (native.bf16_native(lib, x, w).double() - a.double()).abs()
     assert bool((err <= e).all())  # the bound holds ...
@@ -203,7 +206,7 @@ def test_int8_head_agrees_on_random_heads_and_batches():
         assert torch.equal(got.max(-1).values, exact.max(-1).values), m
         if lib is not None and lib.bf16_path:
             q, s = Q.quantize_rows(lib, w)
-            a = Q.q8_linear(lib, x, q, s)
+            a = Q.q8_matmul(lib, x, q, s)
             e, a64 = Q.head_bound(s, x), a.double()
             near = (a64 + e).float().bfloat16() >= (a64 - e).max(-1).values.float().bfloat16()[:, None]
             rows, cols = Q.candidates(lib, a, s, x)
@@ -211,11 +214,89 @@ def test_int8_head_agrees_on_random_heads_and_batches():
             assert m <= rows.numel() < 3001 * m // 4, m
 
 
+def _rows_reference(x, w):
+    """A plain torch reference of ``q8_linear``: the per-row quantization in torch (as the C loop computes it), then
+    s * (q @ x) in float64, and the float32 summation error bound of the C loop's sums (K roundings, exact products;
+    widened by one bf16 rounding of the result): (reference, bound)."""
+    wf = w.float()
+    amax = wf.abs().amax(-1)
+    s = amax / 127
+    q = torch.round(wf * (torch.full_like(amax, 127.0) / amax)[:, None]).double()
+    ref = s.double()[None] * (x.double() @ q.t())
+    k = x.shape[1]
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+    sums = s.double()[None] * (x.double().abs() @ q.abs().t())
+    return ref, gamma * sums * (1 + 2.0 ** -8) + 2.0 ** -8 * ref.abs() + 2.0 ** -24 * sums
+
+
+# (M, K, N): batch 1 and the 4-row tiles with tails, widths with 16-value tails, odd rows and a single one
+LINEAR_SHAPES = [(1, 67, 33), (5, 131, 9), (4, 96, 6), (3, 7, 1), (2, 2880, 13)]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), LINEAR_SHAPES, ids=[f"{m}x{k}x{n}" for m, k, n in LINEAR_SHAPES])
+def test_int8_linear_equals_the_scaled_integer_product(m, k, n):
+    """``neffbuild::q8_linear`` (the int8 attention projections) against s * (q @ x) within the float32 sums' error
+    and the bf16 rounding of the result; and it is lossy: not the exact op's values, but within the quantization's
+    half step a weight (|x|_1 * max|w_row| / 254, plus the exact op's own rounding)."""
+    if native.library() is None:
+        pytest.skip("no C kernels here: q8_linear runs the exact op")
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    got = torch.ops.neffbuild.q8_linear(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    ref, bound = _rows_reference(x, w)
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    exact = torch.ops.neffbuild.bf16_linear(x, w).double()
+    half_step = x.double().abs().sum(-1, keepdim=True) * w.double().abs().amax(-1)[None] / 254
+    assert bool(((got.double() - exact).abs() <= half_step * 1.01 + 2.0 ** -7 * exact.abs() + 1e-6).all())
+    if k > 64:
+        assert not torch.equal(got, exact.bfloat16())
+
+
+def test_int8_linear_falls_back_and_refuses_what_c_cannot_read():
+    """A non-finite weight runs the exact op (bit for bit); bad dtypes, shapes and the meta device are a
+    ValueError naming the op before any pointer reaches C, the fake kernel included."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 40, generator=g).bfloat16(), torch.randn(6, 40, generator=g).bfloat16()
+    w[2, 5] = float("inf")
+    torch.testing.assert_close(torch.ops.neffbuild.q8_linear(x, w), torch.ops.neffbuild.bf16_linear(x, w), rtol=0,
+                               atol=0, equal_nan=True)
+    for xa, wa in ((x.float(), w), (x, w[:, :39]), (x[0], w), (x, w.to("meta"))):
+        with pytest.raises(ValueError, match="q8_linear"):
+            torch.ops.neffbuild.q8_linear(xa, wa)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode, narrow = FakeTensorMode(), w[:, :39].contiguous()
+    fx, fw = mode.from_tensor(x), mode.from_tensor(narrow)
+    with mode, pytest.raises(ValueError, match="q8_linear"):
+        torch.ops.neffbuild.q8_linear(fx, fw)
+
+
+def test_int8_rows_are_quantized_once_and_dropped_with_their_weights():
+    """The quantize-once cache: a new view of the same weight (as an artifact passes its constants each step) hits;
+    a weight changed in place is quantized again; a freed weight's entry is gone at the next miss."""
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no C kernels here")
+    stacked = torch.randn(2, 8, 64).bfloat16()
+    first = Q._quantized(lib, stacked[1], "test")
+    assert Q._quantized(lib, stacked[1], "test")[0] is first[0]  # a new view: the same quantized rows
+    stacked[1].mul_(2)
+    again = Q._quantized(lib, stacked[1], "test")
+    assert again[0] is not first[0] and torch.equal(again[1], first[1] * 2)
+    key = (stacked[1].data_ptr(), (8, 64), (64, 1))
+    del stacked, first, again
+    Q._quantized(lib, torch.randn(3, 32).bfloat16(), "test")  # a miss: expired entries go
+    assert key not in Q._ROWS
+
+
 @pytest.mark.parametrize(("keys", "needle"), [
     ({"expert_kernel": "int9"}, "did you mean 'int8'"),
     ({"head_kernel": "exakt"}, "did you mean 'exact'"),
     ({"expert_kernel": "int8", "experts": "dense"}, "int8 needs model.experts: mxfp4"),
     ({"head_kernel": "int8", "weights_dtype": "float32"}, "int8 needs model.weights_dtype: bfloat16"),
+    ({"attn_kernel": "int4"}, "model.attn_kernel"),
+    ({"attn_kernel": "int8", "weights_dtype": "float32"}, "int8 needs model.weights_dtype: bfloat16"),
 ])
 def test_recipe_refuses_bad_kernel_forms(tiny_raw, keys, needle):
     tiny_raw["model"].update({"weights_dtype": "bfloat16", "experts": "mxfp4", **keys})
@@ -235,6 +316,22 @@ def test_int8_forms_shape_the_cache_key_and_exact_recipes_keep_theirs(tiny_raw):
     target = targets(exact)[0]
     a, b = target_graph(exact, target), target_graph(int8, target)
     assert "expert_kernel" not in a.spec() and a.spec() != b.spec() and b.spec()["head_kernel"] == "int8"
+    tiny_raw["model"].update(expert_kernel="exact", head_kernel="exact", attn_kernel="int8")
+    attn = R.from_dict(tiny_raw)  # differs from ``exact`` only in model.attn_kernel
+    c = target_graph(attn, target)
+    assert c.spec()["attn_kernel"] == "int8" and "attn_kernel" not in b.spec()
+    assert pre_key(a.spec(), {}, "src") != pre_key(c.spec(), {}, "src")
+
+
+def test_cli_refuses_an_int8_attention_over_float32_weights(tmp_path, tiny_raw):
+    """Exit 2 and one line naming model.attn_kernel and the fix."""
+    tiny_raw["model"].update(attn_kernel="int8")  # the tiny recipe's weights are float32
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_raw))
+    res = cli("validate", path)
+    lines = [line for line in res.stderr.splitlines() if "model.attn_kernel" in line]
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert len(lines) == 1 and "weights_dtype: bfloat16" in lines[0] and "attn_kernel: exact" in lines[0]
 
 
 def test_greedy_agreement_of_the_int8_forms_on_the_tiny_model(tiny_recipe, tiny_cfg, capsys):
@@ -246,7 +343,8 @@ def test_greedy_agreement_of_the_int8_forms_on_the_tiny_model(tiny_recipe, tiny_
                       tiny_recipe.block_size, tiny_cfg.head_dim, kv_dtype="bfloat16")
     grid = Grid(tiny_recipe.num_seqs_buckets, tiny_recipe.decode_context_length_buckets, tiny_recipe.max_model_len)
     prompts, steps, tokens = [list(range(3, 40)), [7, 1, 9, 200, 13], [(i * 37) % 256 for i in range(50)]], 12, {}
-    for forms in ({}, {"expert_kernel": "int8"}, {"expert_kernel": "int8", "head_kernel": "int8"}):
+    for forms in ({}, {"expert_kernel": "int8"}, {"expert_kernel": "int8", "head_kernel": "int8"},
+                  {"attn_kernel": "int8"}):
         decode = GptOssDecode(tiny_cfg, stacked, **forms).eval()
         session = serving_rank(tiny_cfg, stacked, EagerArtifacts(grid, layout, tiny_recipe.num_swa, decode))
         with native_cpu_ops():

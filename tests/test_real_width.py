@@ -2,6 +2,7 @@
 checkpoint's layout, token agreement."""
 
 import json
+import math
 
 import torch
 from safetensors import safe_open
@@ -31,6 +32,12 @@ def test_step_bytes_count_what_neffbuild_bench_bytes_counts():
                                                                 cfg.num_local_experts) // cfg.num_local_experts
         rest = weight_bytes({k: v for k, v in packed.items() if k not in experts}, cfg, batch)
         assert RW.step_bytes(cfg, (17 / 32, 2, 2), batch, ctx=0) == rest + routed
+    # int8 rows (bundle-int8's head and qkv / o projections): 1 byte a weight and a 4-byte scale a row, not 2 a weight
+    shapes = stacked_shapes(cfg)
+    saved = sum(math.prod(shapes[n]) - 4 * math.prod(shapes[n][:-1]) for n in ("lm_head", "qkv_w", "o_w"))
+    for batch in (1, 4):
+        int8 = RW.step_bytes(cfg, RW.ENGINES["bundle-int8"][2], batch, ctx=0)
+        assert abs(RW.step_bytes(cfg, (17 / 32, 2, 2), batch, ctx=0) - int8 - saved) <= 1
     # KV: full layers read the context, sliding ones at most the window
     kv = RW.step_bytes(cfg, (2, 2, 2), 1, ctx=500) - RW.step_bytes(cfg, (2, 2, 2), 1, ctx=0)
     per_token = cfg.num_key_value_heads * cfg.head_dim * 2 * 2

@@ -28,6 +28,7 @@ class TargetGraph:
     draft_own_embed: bool = False  # the draft checkpoint brings its own token embedding
     expert_kernel: str = "exact"  # model.expert_kernel: exact | int8 (a different op in the graph)
     head_kernel: str = "exact"  # model.head_kernel: exact | int8
+    attn_kernel: str = "exact"  # model.attn_kernel: exact | int8 (the qkv and o projections)
 
     # the cell
     family = property(lambda self: self.target.family)
@@ -74,8 +75,9 @@ class TargetGraph:
 
     def kernel_forms(self) -> dict:
         """The opt-in int8 forms this graph computes with (none: the exact forms, whose keys stay as before)."""
-        return {k: v for k, v in (("expert_kernel", self.expert_kernel), ("head_kernel", self.head_kernel))
-                if v != "exact"}
+        forms = (("expert_kernel", self.expert_kernel), ("head_kernel", self.head_kernel),
+                 ("attn_kernel", self.attn_kernel))
+        return {k: v for k, v in forms if v != "exact"}
 
 
 def target_graph_from(gi: GraphInputs, family: str, batch: int, ctx: int, query_len: int) -> TargetGraph:
@@ -88,7 +90,7 @@ def target_graph(recipe, target: Target) -> TargetGraph:
     return TargetGraph(target, GraphInputs.from_recipe(recipe, memory.recipe_kv_layout(recipe)),
                        weights_dtype=recipe.model.weights_dtype, experts=recipe.model.experts,
                        draft_own_embed=recipe.draft_own_embed, expert_kernel=recipe.model.expert_kernel,
-                       head_kernel=recipe.model.head_kernel)
+                       head_kernel=recipe.model.head_kernel, attn_kernel=recipe.model.attn_kernel)
 
 
 def graph_summary(graph: TargetGraph) -> dict:

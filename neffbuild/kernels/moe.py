@@ -25,8 +25,8 @@ from neffbuild.runtime.native import e2m1, e8m0, eager_dtype, packed_dot
 # On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): the graph then calls the runtime's
 # native ops (runtime/native.py) for picked packed experts and bf16 linears, as it calls oneDNN's matmuls.
 _NATIVE = contextvars.ContextVar("neffbuild_native_cpu_ops", default=False)
-# The numeric forms the native ops take (recipe model.expert_kernel / model.head_kernel): set by the decode module
-# while it runs, read only where ``native_on``; exact unless a recipe opts in to int8 (runtime/native_q8.py).
+# The numeric forms the native ops take (recipe model.expert_kernel / head_kernel / attn_kernel): set by the decode
+# module while it runs, read only where ``native_on``; exact unless a recipe opts in to int8 (runtime/native_q8.py).
 _FORMS = contextvars.ContextVar("neffbuild_kernel_forms", default=())
 DENSE_TOKENS = 64  # from this many tokens on (prefill): expert by expert over its tokens (see moe)
 # Eager, below DENSE_TOKENS: the indexed product materialises N x k x out x in values (MXFP4: as int32 codes and
@@ -86,8 +86,9 @@ def native_on() -> bool:
 
 @contextlib.contextmanager
 def kernel_forms(forms: dict):
-    """Inside: the native ops take ``forms`` ({"expert_kernel": "int8", "head_kernel": "int8"}, either left out for
-    exact). Only a graph traced with ``native_cpu_ops`` changes: the eager reference and other backends stay exact."""
+    """Inside: the native ops take ``forms`` ({"expert_kernel": "int8", "head_kernel": "int8", "attn_kernel": "int8"},
+    any left out for exact). Only a graph traced with ``native_cpu_ops`` changes: the eager reference and other
+    backends stay exact."""
     token = _FORMS.set(tuple(forms.items()))
     try:
         yield
@@ -96,7 +97,8 @@ def kernel_forms(forms: dict):
 
 
 def native_form(name: str) -> str:
-    """``exact`` or ``int8``: the form of native op ``name`` (expert_kernel, head_kernel) in the graph traced now."""
+    """``exact`` or ``int8``: the form of native op ``name`` (expert_kernel, head_kernel, attn_kernel) in the graph
+    traced now."""
     return dict(_FORMS.get()).get(name, "exact") if native_on() else "exact"
 
 

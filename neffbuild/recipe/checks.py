@@ -21,7 +21,7 @@ LIMITS = {"max_model_len": 2**24, "max_num_seqs": 4096, "block_size": 4096, "num
 SCHEMA = {
     "": {"name", "version", "model", "serving", "neuron_config", "parallel", "speculative", "compiler", "build"},
     "model": {"arch", "config", "checkpoint", "random_seed", "weights_dtype", "experts", "expert_kernel",
-              "head_kernel"},
+              "head_kernel", "attn_kernel"},
     "serving": {"max_model_len", "max_num_seqs", "block_size", "num_blocks"},
     "neuron_config": {"num_seqs_buckets", "decode_context_length_buckets", "gk_decode", "fp8_packed_kv", "lnc",
                       "kv_dtype"},

@@ -1,5 +1,5 @@
 """Rules for the serving dtypes: ``model.weights_dtype``, ``model.experts`` and ``neuron_config.kv_dtype``, and
-the kernels' numeric forms ``model.expert_kernel`` / ``model.head_kernel``.
+the kernels' numeric forms ``model.expert_kernel`` / ``model.head_kernel`` / ``model.attn_kernel``.
 
 Defaults keep every recipe that names none of them as it was: float32 weights and KV, dense
 experts, except that a checkpoint names its own defaults (its ``config.json`` ``torch_dtype``
@@ -16,6 +16,7 @@ WEIGHTS_DTYPES = ("float32", "bfloat16")
 EXPERT_FORMS = ("dense", "mxfp4")
 KV_DTYPES = ("float32", "bfloat16")
 KERNEL_FORMS = ("exact", "int8")  # exact: the float forms (default); int8: runtime/native_q8.py (opt-in)
+KERNEL_KEYS = ("expert_kernel", "head_kernel", "attn_kernel")  # model.<key>: the native ops that take a form
 MXFP4_GROUP = 32  # values sharing one scale: the reduction axis of every expert weight must hold whole groups
 
 
@@ -36,21 +37,23 @@ def model_form(v, m: dict, hf: dict | None, has_checkpoint: bool) -> tuple[str, 
             v.choice(m, "experts", "model.experts", EXPERT_FORMS, experts))
 
 
-def kernel_forms(v, m: dict) -> tuple[str, str]:
-    """(model.expert_kernel, model.head_kernel): ``exact`` (default) or ``int8``. The int8 forms change the numbers
-    (MXFP4 experts times int8-quantized activations; the LM head read as int8, greedy-exact by re-scoring the rows
-    near the maximum: runtime/native_q8.py), so they are opt-in."""
-    return (v.choice(m, "expert_kernel", "model.expert_kernel", KERNEL_FORMS, "exact"),
-            v.choice(m, "head_kernel", "model.head_kernel", KERNEL_FORMS, "exact"))
+def kernel_forms(v, m: dict) -> tuple[str, str, str]:
+    """(model.expert_kernel, model.head_kernel, model.attn_kernel): ``exact`` (default) or ``int8``. The int8 forms
+    change the numbers (MXFP4 experts times int8-quantized activations; the LM head read as int8, greedy-exact by
+    re-scoring the rows near the maximum; the qkv and o projections read as int8, lossy: runtime/native_q8.py), so
+    they are opt-in."""
+    return tuple(v.choice(m, key, f"model.{key}", KERNEL_FORMS, "exact") for key in KERNEL_KEYS)
 
 
 def check_kernels(err, model, backend: str) -> None:
     """The int8 forms are native CPU ops of AOTInductor graphs, over the weights they read: MXFP4 experts for the
-    expert kernel, a bfloat16 head for the head kernel."""
+    expert kernel, bfloat16 weights for the head and attention kernels (they quantize the bf16 rows)."""
     for key, value, needs, ok in (
             ("expert_kernel", model.expert_kernel, "model.experts: mxfp4 (it multiplies the packed experts)",
              model.experts == "mxfp4"),
             ("head_kernel", model.head_kernel, "model.weights_dtype: bfloat16 (it re-scores in the bf16 head)",
+             model.weights_dtype == "bfloat16"),
+            ("attn_kernel", model.attn_kernel, "model.weights_dtype: bfloat16 (it quantizes the bf16 qkv and o rows)",
              model.weights_dtype == "bfloat16")):
         if value == "exact":
             continue

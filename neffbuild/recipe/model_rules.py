@@ -47,9 +47,10 @@ def model(v, m: dict):
         return None, None
     cfg = arch_config(v, hf, "model.config", arch)
     dtype, experts = dtype_rules.model_form(v, m, hf, has_ck)
-    expert_kernel, head_kernel = dtype_rules.kernel_forms(v, m)
+    expert_kernel, head_kernel, attn_kernel = dtype_rules.kernel_forms(v, m)
     return ModelSpec(arch=arch, hf_config=hf, checkpoint=checkpoint, random_seed=seed, weights_dtype=dtype,
-                     experts=experts, expert_kernel=expert_kernel, head_kernel=head_kernel), cfg
+                     experts=experts, expert_kernel=expert_kernel, head_kernel=head_kernel,
+                     attn_kernel=attn_kernel), cfg
 
 
 def hf_config(v, value, path: str, checkpoint: Path | None) -> dict | None:

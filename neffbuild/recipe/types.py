@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from neffbuild import registry
-from neffbuild.recipe.dtype_rules import checkpoint_defaults
+from neffbuild.recipe.dtype_rules import KERNEL_KEYS, checkpoint_defaults
 from neffbuild.runtime.parallel import ParallelLayout
 from neffbuild.runtime.step.buckets import num_swa_blocks
 
@@ -26,6 +26,7 @@ class ModelSpec:
     experts: str = "dense"  # dense | mxfp4 (kept packed, decoded in the graph)
     expert_kernel: str = "exact"  # exact | int8 (MXFP4 times int8-quantized activations: runtime/native_q8.py)
     head_kernel: str = "exact"  # exact | int8 (the LM head read as int8, greedy-exact: runtime/native_q8.py)
+    attn_kernel: str = "exact"  # exact | int8 (the qkv and o projections read as int8, lossy: runtime/native_q8.py)
 
     @property
     def config(self):
@@ -121,7 +122,7 @@ class Recipe:
                                          ("experts", self.model.experts, "dense", implied[1])):
             if value != default or value != own:
                 model[key] = value
-        for key in ("expert_kernel", "head_kernel"):  # only the opt-in forms: exact recipes hash as before
+        for key in KERNEL_KEYS:  # only the opt-in forms: exact recipes hash as before
             if getattr(self.model, key) != "exact":
                 model[key] = getattr(self.model, key)
         out = {

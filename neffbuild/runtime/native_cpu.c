@@ -671,10 +671,10 @@ void neffbuild_q8_rows(const uint16_t *w, int64_t rows, int64_t in, int8_t *q, f
 
 int neffbuild_q8_head_path(void) { return Q8_HEAD_PATH; }
 
-/* m (1..4) float rows of x against one int8 weight row (AVX2 and plain paths; AVX-512: ``q8_head_tile``):
-   y[i * ystride] = sum_t q[t] x[i, t] (every product exact in float32: 7 by 8 significant bits). Each x row keeps
-   4 / m chains of FMAs (m = 1: four 8-weight chunks an iteration, each its own accumulator): one chain a row left the
-   FMA's latency exposed. */
+/* m (1..4) float rows of x against one int8 weight row (AVX2 and plain paths; AVX-512: ``q8_tile_bf16`` with
+   AVX-512 BF16, else ``q8_head_tile``): y[i * ystride] = sum_t q[t] x[i, t] (every product exact in float32: 7 by 8
+   significant bits). Each x row keeps 4 / m chains of FMAs (m = 1: four 8-weight chunks an iteration, each its own
+   accumulator): one chain a row left the FMA's latency exposed. */
 static inline __attribute__((always_inline)) void q8_head_rows(const float *x, const int m, const int8_t *q,
                                                                  int64_t in, float *y, int64_t ystride) {
     const int u = m == 1 ? 4 : (m == 2 ? 2 : 1);  /* chains a row: m * u <= 4 accumulators */
@@ -751,7 +751,49 @@ static inline __attribute__((always_inline)) void q8_head_tile(const float *x, c
         }
 }
 
+#if BF16_PATH == 2
+/* 32 int8 weights -> their bf16 values, exactly (|q| <= 127 needs 7 significant bits, bf16 holds 8). */
+static inline __m512bh q8_bf16(const int8_t *q) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)q);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);  /* the low 16 words from lo: the weights in order */
+}
+
+/* ``q8_head_tile`` on AVX-512 BF16, x as the caller's bf16: each 32 weights converted to bf16 once (exact) for the
+   m rows of x, one dot-product instruction a row of x (two exact products accumulated by two FMAs, each rounded
+   to nearest even; subnormal inputs read as zero and subnormal results flushed: ``q8_head``'s bound counts it),
+   where the float tile takes two conversions and two FMAs a row for the same 32 weights. */
+static inline __attribute__((always_inline)) void q8_tile_bf16(const uint16_t *x, const int m, const int8_t *q,
+                                                                 const int r, int64_t in, float *y, int64_t ystride) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 32 <= in; t += 32) {
+        __m512bh xv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < m; i++) xv[i] = (__m512bh)_mm512_loadu_si512((const void *)(x + i * in + t));
+#pragma GCC unroll 4
+        for (int j = 0; j < r; j++) {
+            const __m512bh wv = q8_bf16(q + j * in + t);
+#pragma GCC unroll 4
+            for (int i = 0; i < m; i++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], xv[i], wv);
+        }
+    }
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < m; i++) {
+            float v = _mm512_reduce_add_ps(acc[j][i]);
+            for (int64_t u = t; u < in; u++) v += (float)q[j * in + u] * bf16_to_float(x[i * in + u]);
+            y[i * ystride + j] = v;
+        }
+}
+#define Q8_TILE(mc, rc) q8_tile_bf16(x + i0 * in, mc, q + o * in, rc, in, y + i0 * out + o, out)
+#else
 #define Q8_TILE(mc, rc) q8_head_tile(xs + i0 * in, mc, q + o * in, rc, in, y + i0 * out + o, out)
+#endif
 
 /* One float row of x against one int8 weight row (batch 1): one chain of FMAs, 16 weights a step. Memory bound at
    GPT-OSS's vocabulary; four chains (or the 4-row tile) ran slower here (36 against 44 and 49 ms a 201,088-row head,
@@ -795,7 +837,11 @@ int neffbuild_q8_linear(const uint16_t *x, int64_t m, const int8_t *q, const flo
                     default: Q8_TILE(4, 4); break;
                 }
             } else {
-                q8_head_tile(xs + i0 * in, mc, q + o * in, rc, in, y + i0 * out + o, out);
+                switch (rc) {
+                    case 1: Q8_TILE(mc, 1); break;
+                    case 2: Q8_TILE(mc, 2); break;
+                    default: Q8_TILE(mc, 3); break;
+                }
             }
             for (int64_t i = 0; i < mc; i++)
                 for (int j = 0; j < rc; j++) y[(i0 + i) * out + o + j] *= s[o + j];

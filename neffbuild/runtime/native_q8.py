@@ -1,6 +1,7 @@
 """The integer forms of the native CPU ops, opt-in recipe options (``model.expert_kernel: int8``,
-``model.head_kernel: int8``; recipe/dtype_rules.py) because they change the numbers; the float forms in
-``native.py`` stay the default. C loops in ``native_cpu.c``; every input checked here before a pointer reaches C.
+``model.head_kernel: int8``, ``model.attn_kernel: int8``; recipe/dtype_rules.py) because they change the numbers;
+the float forms in ``native.py`` stay the default. C loops in ``native_cpu.c``; every input checked here before a
+pointer reaches C.
 
 ``torch.ops.neffbuild.mxfp4_q8_dot(x, blocks, scales, idx)``: ``mxfp4_dot``'s arguments and result, computed as
 llama.cpp's CPU MXFP4 kernels do: x quantized per 32-value block to int8 with one float scale (``quantize_q8``),
@@ -13,6 +14,9 @@ most half a quantization step (max|x_block| / 254 a value).
 
 ``torch.ops.neffbuild.q8_head(x, w)``: the bf16 LM head read as int8 with one float scale a row (8 bits and 4 bytes
 a row: fewer than Q8_0's 8.5 bits a weight), greedy-exact; see ``q8_head``.
+
+``torch.ops.neffbuild.q8_linear(x, w)``: ``bf16_linear`` with w read as int8 the same way (the attention
+projections), lossy; the quantized weights of both ops are made once and kept (``_quantized``).
 """
 
 from __future__ import annotations
@@ -20,15 +24,14 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
+from typing import NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from neffbuild.runtime import native
 
 TWICE_E2M1 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
-_HEAD_CACHE = 4  # quantized heads kept (one per open bundle's head, in practice one)
-_HEADS: collections.OrderedDict = collections.OrderedDict()
-_HEAD_LOCK = threading.Lock()
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +107,108 @@ def quantize_native(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, to
     return q, d
 
 
-# ---- the int8 head ----
+# ---- weights read as int8 rows: the LM head (q8_head) and the attention projections (q8_linear) ----
+
+_ROWS_CACHE = 1024  # quantized weights kept: per open bundle an LM head and two projections a layer (49 at 24 layers)
+_ROWS: collections.OrderedDict = collections.OrderedDict()
+_ROWS_LOCK = threading.Lock()
+
+
+class _Rows(NamedTuple):
+    q: torch.Tensor
+    s: torch.Tensor
+    finite: bool
+    probe: torch.Tensor  # 16 of the weight's rows as int16 bits (a NaN weight compares equal to itself)
+    storage: StorageWeakRef  # the weight's memory: expired once it is freed (its address may then be reused)
+
+
+def _check_rows(op: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2 \
+            or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{op}: x [M, K] and w [N, K] in bfloat16 expected, got {x.dtype} {tuple(x.shape)} "
+                         f"and {w.dtype} {tuple(w.shape)}")
+    native._one_device(op, x=x, w=w)
+
+
+def quantize_rows(lib: ctypes.CDLL, w: torch.Tensor, op: str = "quantize_rows") -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [V, K] -> (q int8 [V, K], s float32 [V]): s = max|row| / 127, q = round-half-even(w * 127 / max|row|);
+    a row with a non-finite weight has s NaN."""
+    wc = w.contiguous()
+    (V, K), p = wc.shape, native._pointer
+    q, s = torch.empty(V, K, dtype=torch.int8), torch.empty(V, dtype=torch.float32)
+    lib.neffbuild_q8_rows(p(op, "w", wc, torch.bfloat16, (V, K)), V, K, p(op, "q", q, torch.int8, (V, K)),
+                          p(op, "s", s, torch.float32, (V,)), torch.get_num_threads())
+    return q, s
+
+
+def _quantized(lib: ctypes.CDLL, w: torch.Tensor, op: str):
+    """(q, s, finite) of the weight ``w``, quantized once and kept (an artifact passes the same constants every step,
+    as new views of the same memory): keyed by address, shape and strides, 16 rows compared each call (a weight
+    rebound in place is quantized again). An entry holds a weak reference to the weight's memory, not the weight:
+    a closed bundle's weights are freed, and their entries dropped at the next miss."""
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    probe = torch.linspace(0, w.shape[0] - 1, min(16, w.shape[0])).long()
+    with _ROWS_LOCK:
+        hit = _ROWS.get(key)
+        if hit is not None and not hit.storage.expired() and torch.equal(w[probe].view(torch.int16), hit.probe):
+            _ROWS.move_to_end(key)
+            return hit.q, hit.s, hit.finite
+        for gone in [k for k, entry in _ROWS.items() if entry.storage.expired()]:
+            del _ROWS[gone]
+        q, s = quantize_rows(lib, w, op)
+        _ROWS[key] = _Rows(q, s, bool(s.isfinite().all()), w[probe].view(torch.int16).clone(),
+                           StorageWeakRef(w.untyped_storage()))
+        while len(_ROWS) > _ROWS_CACHE:
+            _ROWS.popitem(last=False)
+        return q, s, _ROWS[key].finite
+
+
+def _int8_rows(op: str, x: torch.Tensor, w: torch.Tensor, rescores: bool = False):
+    """What ``q8_linear`` and ``q8_head`` do first: check x and w, then (lib, q, s) of w quantized, or None where the
+    exact form (``native.bf16_linear``) runs instead: no C kernels, a weight not finite, or (``rescores``) no C loop
+    of the exact form to re-score with (oneDNN's matmul is the exact form there)."""
+    _check_rows(op, x, w)
+    native._no_meta(op, x=x, w=w)
+    lib = native.library() if x.device.type == "cpu" else None
+    if lib is None or (rescores and not lib.bf16_path):
+        return None
+    q, s, finite = _quantized(lib, w, op)
+    return (lib, q, s) if finite else None
+
+
+def q8_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, op: str = "q8_matmul"):
+    """a [M, N] float32 = s * (q @ x) (C, any of its paths; tiled at M > 1), on checked inputs."""
+    xc = x.contiguous()
+    (m, k), n, p = xc.shape, q.shape[0], native._pointer
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.neffbuild_q8_linear(p(op, "x", xc, torch.bfloat16, (m, k)), m, p(op, "q", q, torch.int8, (n, k)),
+                               p(op, "s", s, torch.float32, (n,)), n, k, p(op, "out", y, torch.float32, (m, n)),
+                               torch.get_num_threads()):
+        raise MemoryError(f"{op}: no memory for a float32 copy of x {tuple(x.shape)}")
+    return y
+
+
+@torch.library.custom_op("neffbuild::q8_linear", mutates_args=())
+def q8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T with w read as int8 and one float32 scale a row (``model.attn_kernel: int8``: the
+    attention projections), 1 byte a weight and 4 a row where ``neffbuild::bf16_linear`` reads 2 a weight: float32
+    sums of s * (q x), rounded to bfloat16 as bf16_linear's result is. Lossy, with no re-scoring: each weight moves
+    by at most half a step, max|w_row| / 254 (``q8_head``'s bound without its re-scoring). The exact op runs where
+    the C kernels are not built or a weight is not finite."""
+    quantized = _int8_rows("q8_linear", x, w)
+    if quantized is None:
+        return native.bf16_linear(x, w)
+    lib, q, s = quantized
+    return q8_matmul(lib, x, q, s, "q8_linear").to(torch.bfloat16)
+
+
+@q8_linear.register_fake
+def _(x, w):
+    _check_rows("q8_linear", x, w)
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+# ---- the int8 head: greedy-exact by re-scoring ----
 
 def bound_factor(n_in: int) -> float:
     """c(K) of the head's error bound (``q8_head``) for rows of K = ``n_in`` weights."""
@@ -113,49 +217,18 @@ def bound_factor(n_in: int) -> float:
     return 0.5 + 2.0 ** -12 + 256 * gamma
 
 
-def head_bound(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """e [M, V] float64: |exact-form float32 logit - int8 logit| <= e for every row (``q8_head``'s proof)."""
+def bound_terms(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(x1c [M] float64, tiny) of the head's bound e = (s x1c + tiny) (1 + 2^-30) (``q8_head``'s proof):
+    x1c = |x|_1 c(K) + K 2^-117, tiny = K 2^-120 + 2^-126 max |x|_1 over the rows of x."""
     n_in = x.shape[-1]
     x1 = x.double().abs().sum(-1)  # [M]
-    e = s.double()[None, :] * (x1[:, None] * bound_factor(n_in)) + n_in * 2.0 ** -120
-    return e * (1 + 2.0 ** -30)
+    return x1 * bound_factor(n_in) + n_in * 2.0 ** -117, n_in * 2.0 ** -120 + 2.0 ** -126 * float(x1.max())
 
 
-def _check_head(x: torch.Tensor, w: torch.Tensor) -> None:
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2 \
-            or x.shape[1] != w.shape[1]:
-        raise ValueError(f"q8_head: x [M, K] and w [N, K] in bfloat16 expected, got {x.dtype} {tuple(x.shape)} "
-                         f"and {w.dtype} {tuple(w.shape)}")
-    native._one_device("q8_head", x=x, w=w)
-
-
-def quantize_rows(lib: ctypes.CDLL, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 [V, K] -> (q int8 [V, K], s float32 [V]): s = max|row| / 127, q = round-half-even(w * 127 / max|row|);
-    a row with a non-finite weight has s NaN."""
-    wc = w.contiguous()
-    (V, K), op, p = wc.shape, "q8_head", native._pointer
-    q, s = torch.empty(V, K, dtype=torch.int8), torch.empty(V, dtype=torch.float32)
-    lib.neffbuild_q8_rows(p(op, "w", wc, torch.bfloat16, (V, K)), V, K, p(op, "q", q, torch.int8, (V, K)),
-                          p(op, "s", s, torch.float32, (V,)), torch.get_num_threads())
-    return q, s
-
-
-def _quantized(lib: ctypes.CDLL, w: torch.Tensor):
-    """(q, s, finite) of the head ``w``, quantized once and kept (the artifact passes the same constant every step):
-    keyed by address, shape and strides, the tensor itself held (so its memory is not reused while kept) and 16
-    rows compared each call (a weight rebound in place is quantized again)."""
-    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
-    probe = torch.linspace(0, w.shape[0] - 1, min(16, w.shape[0])).long()
-    with _HEAD_LOCK:
-        hit = _HEADS.get(key)
-        if hit is not None and torch.equal(w[probe], hit[3]):
-            _HEADS.move_to_end(key)
-            return hit[:3]
-        q, s = quantize_rows(lib, w)
-        _HEADS[key] = (q, s, bool(s.isfinite().all()), w[probe].clone(), w)
-        while len(_HEADS) > _HEAD_CACHE:
-            _HEADS.popitem(last=False)
-        return _HEADS[key][:3]
+def head_bound(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """e [M, V] float64: |exact-form float32 logit - int8 logit| <= e for every row (``q8_head``'s proof)."""
+    x1c, tiny = bound_terms(x)
+    return (s.double()[None, :] * x1c[:, None] + tiny) * (1 + 2.0 ** -30)
 
 
 @torch.library.custom_op("neffbuild::q8_head", mutates_args=())
@@ -169,27 +242,27 @@ def q8_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     The bound. Row r is quantized with s = max|w_r| / 127, q_t = round(w_t / s), so |w_t - s q_t| <= s (1/2 + 2^-15)
     (the float32 reciprocal moves w / s by at most 3 ulps of 127) and |w_t| <= 127 s (1 + 2^-24). The int8 logit
     a = fl(s * fl(sum_t q_t x_t)) has exact products (7 by 8 significant bits) and at most K roundings in the sum:
-    |a - s sum q x| <= s 127 |x|_1 (gamma_K + 2^-24), gamma_K = K 2^-24 / (1 - K 2^-24). The exact form's float32
-    sum f of products w x (exact: 8 by 8 bits) has |f - sum w x| <= gamma_K sum |w| |x| <= 128 s gamma_K |x|_1,
-    plus at most K 2^-125 where AVX-512 BF16 flushes subnormals. So |f - a| <= e = s |x|_1 c(K) + K 2^-120 with
-    c(K) = 1/2 + 2^-12 + 256 gamma_K (``bound_factor``), computed in float64 and widened by 2^-30 for its own
-    roundings. The exact form returns R(f), R = rounding to bfloat16 (via float32), monotone. With
-    M = max_r (a_r - e_r) <= max_r f_r, row r is re-scored when R(a_r + e_r) >= R(M); any other row has
+    |a - s sum q x| <= s 127 |x|_1 (gamma_K + 2^-24), gamma_K = K 2^-24 / (1 - K 2^-24); where the sums run on
+    AVX-512 BF16 dot products (batch > 1), each of the K FMAs may also read a subnormal x as zero and flush a
+    subnormal input or result (under 127 2^-126 + 2 2^-126 < 2^-118 each): s K 2^-118 (1 + 2^-24) more. The exact
+    form's float32 sum f of products w x (exact: 8 by 8 bits) has |f - sum w x| <= gamma_K sum |w| |x| <=
+    128 s gamma_K |x|_1, plus, where AVX-512 BF16 reads subnormal inputs as zero and flushes subnormal results, at
+    most 2^-126 |x|_1 (subnormal weights), s K 2^-119 (subnormal x) and K 2^-125. So |f - a| <= e =
+    s (|x|_1 c(K) + K 2^-117) + K 2^-120 + 2^-126 |x|_1 with c(K) = 1/2 + 2^-12 + 256 gamma_K (``bound_factor``,
+    ``bound_terms``: |x|_1 of the last term taken as the largest over the rows of x), computed in float64 and
+    widened by 2^-30 for its own roundings. The exact form returns R(f), R = rounding to bfloat16 (via float32),
+    monotone. With M = max_r (a_r - e_r) <= max_r f_r, row r is re-scored when R(a_r + e_r) >= R(M); any other row has
     R(f_r) <= R(a_r + e_r) < R(M) <= R(max f), so it is neither the argmax nor tied with it, and its returned R(a_r)
     is below the maximum too. The re-scored rows (every row whose exact value can reach the maximum, ties included)
     run the exact form's own C loop on its own inputs (``neffbuild_bf16_linear_at``), so they are bit-identical.
 
     Where the exact form is oneDNN's matmul (no C kernel, or its plain path), or a weight or x is not finite, the
     exact form itself runs."""
-    _check_head(x, w)
-    native._no_meta("q8_head", x=x, w=w)
-    lib = native.library() if x.device.type == "cpu" else None
-    if lib is None or not lib.bf16_path:
-        return x @ w.t()
-    q, s, finite = _quantized(lib, w)
-    if not finite or not bool(x.isfinite().all()):
-        return native.bf16_native(lib, x, w).to(torch.bfloat16)
-    a = q8_linear(lib, x, q, s)
+    quantized = _int8_rows("q8_head", x, w, rescores=True)
+    if quantized is None or not bool(x.isfinite().all()):
+        return native.bf16_linear(x, w)
+    lib, q, s = quantized
+    a = q8_matmul(lib, x, q, s, "q8_head")
     rows, cols = candidates(lib, a, s, x)
     out = a.bfloat16()
     out[rows, cols] = bf16_at(lib, x, w, rows, cols).bfloat16()
@@ -198,7 +271,7 @@ def q8_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @q8_head.register_fake
 def _(x, w):
-    _check_head(x, w)
+    _check_rows("q8_head", x, w)
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -207,29 +280,18 @@ def candidates(lib: ctypes.CDLL, a: torch.Tensor, s: torch.Tensor, x: torch.Tens
     M = max(a - e), e = ``head_bound`` (the same float64 operations), picked by one C pass over the row instead of a
     dozen float64 torch passes over the vocabulary (about 2 ms a step at 201,088 rows)."""
     (m, n), op, p = a.shape, "q8_head", native._pointer
-    x1c = (x.double().abs().sum(-1) * bound_factor(x.shape[-1])).contiguous()
+    x1c, tiny = bound_terms(x)
+    x1c = x1c.contiguous()
     cap = 64 * m
     while True:
         rows, cols = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.int64)
         got = lib.neffbuild_q8_pick(p(op, "a", a, torch.float32, (m, n)), m, n, p(op, "s", s, torch.float32, (n,)),
-                                    p(op, "x1c", x1c, torch.float64, (m,)), x.shape[-1] * 2.0 ** -120,
+                                    p(op, "x1c", x1c, torch.float64, (m,)), tiny,
                                     p(op, "rows", rows, torch.int64, (cap,)), p(op, "cols", cols, torch.int64, (cap,)),
                                     cap)
         if got <= cap:
             return rows[:got], cols[:got]
         cap = got
-
-
-def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The int8 logits a [M, V] float32 = s * (q @ x) (C, any of its paths), on checked inputs."""
-    xc = x.contiguous()
-    (m, k), n, op, p = xc.shape, q.shape[0], "q8_head", native._pointer
-    y = torch.empty(m, n, dtype=torch.float32)
-    if lib.neffbuild_q8_linear(p(op, "x", xc, torch.bfloat16, (m, k)), m, p(op, "q", q, torch.int8, (n, k)),
-                               p(op, "s", s, torch.float32, (n,)), n, k, p(op, "out", y, torch.float32, (m, n)),
-                               torch.get_num_threads()):
-        raise MemoryError(f"q8_head: no memory for a float32 copy of x {tuple(x.shape)}")
-    return y
 
 
 def bf16_at(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor):

@@ -54,8 +54,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (runtime/native.py; ``native_on``): float32 sums rounded to bf16 as the matmul's are, at the weights' read
     bandwidth, where oneDNN's bf16 GEMV reads slower (and, without AVX-512, computes at about 10 GFLOP/s)."""
     if native_on() and x.dtype == weight.dtype == torch.bfloat16:
-        return torch.ops.neffbuild.bf16_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        return _rows_op(torch.ops.neffbuild.bf16_linear, x, weight)
     return x @ weight.t()
+
+
+def _rows_op(op, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``op`` (a native [M, K] x [N, K] op) on x [..., K]."""
+    return op(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
 
 
 def head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -63,7 +68,16 @@ def head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     argmax (and the values near it) are the exact form's bit for bit and the other logits approximate
     (runtime/native_q8.py): for greedy serving."""
     if native_form("head_kernel") == "int8" and x.dtype == weight.dtype == torch.bfloat16:
-        return torch.ops.neffbuild.q8_head(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        return _rows_op(torch.ops.neffbuild.q8_head, x, weight)
+    return linear(x, weight)
+
+
+def projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An attention projection (qkv, o): ``linear``, or with ``model.attn_kernel: int8`` (a bf16 CPU graph)
+    ``neffbuild::q8_linear``: the weights read as int8 with one float scale a row, about half the bytes of bf16, and
+    lossy (runtime/native_q8.py)."""
+    if native_form("attn_kernel") == "int8" and x.dtype == weight.dtype == torch.bfloat16:
+        return _rows_op(torch.ops.neffbuild.q8_linear, x, weight)
     return linear(x, weight)
 
 
@@ -71,7 +85,7 @@ def attention_inputs(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor, cos, s
     """Norm, fused QKV projection and RoPE for layer i. x [B, S, H] -> q [B,S,Hq,d], k, v [B,S,Hk,d]."""
     d, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, w["ln_attn"][i], cfg.rms_norm_eps)
-    qkv = linear(h, w["qkv_w"][i]) + w["qkv_b"][i]
+    qkv = projection(h, w["qkv_w"][i]) + w["qkv_b"][i]
     B, S = x.shape[:2]
     q, k, v = qkv.split([Hq * d, Hk * d, Hk * d], dim=-1)
     q, k, v = q.view(B, S, Hq, d), k.view(B, S, Hk, d), v.view(B, S, Hk, d)
@@ -84,7 +98,7 @@ def attention_output_and_mlp(cfg: GptOssConfig, w: dict, i: int, x: torch.Tensor
 
     With tp > 1 the o-proj partial sums are all-reduced over the TP group before the bias.
     """
-    y = linear(attn, w["o_w"][i])  # [B, S, H], this rank's heads' share
+    y = projection(attn, w["o_w"][i])  # [B, S, H], this rank's heads' share
     if par.tp > 1:
         y = all_reduce_sum(y, TP_GROUP)
     x = x + y + w["o_b"][i]
@@ -136,10 +150,11 @@ class GptOssDecode(nn.Module):
 
     def __init__(self, cfg: GptOssConfig, stacked: dict[str, torch.Tensor], *, packed_k: bool = False,
                  aux_layers: tuple[int, ...] | None = None, parallel: ParallelLayout = SINGLE,
-                 expert_kernel: str = "exact", head_kernel: str = "exact"):
+                 expert_kernel: str = "exact", head_kernel: str = "exact", attn_kernel: str = "exact"):
         super().__init__()
         self.par = parallel
-        self.forms = {"expert_kernel": expert_kernel, "head_kernel": head_kernel}  # native ops' numeric forms
+        # the native ops' numeric forms (compiler/graph_spec.py TargetGraph.kernel_forms)
+        self.forms = {"expert_kernel": expert_kernel, "head_kernel": head_kernel, "attn_kernel": attn_kernel}
         self.cfg = local_config(cfg, parallel)  # this rank's heads; the stacked weights are its shard
         self.packed_k = packed_k
         self.aux_layers = tuple(aux_layers) if aux_layers else ()
