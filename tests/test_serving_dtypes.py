@@ -5,8 +5,9 @@ same experts dequantised on the host (bit for bit); a bundle's MXFP4 tensors aga
 checkpoint's bytes (sha256 per tensor); the compiled step against the eager step in the same
 dtype; and the bundle's bfloat16 decode against transformers' own MXFP4 loader in bfloat16
 (``Mxfp4Config(dequantize=True)``). One compiled target (b4, the fallback context) serves them all; the opt-in
-int8 kernel forms (``model.head_kernel``, ``model.expert_kernel``, ``model.attn_kernel``) add one target each,
-judged against that bundle and the eager decode calling the same int8 ops.
+int8 kernel forms add two targets: ``model.head_kernel`` alone (judged against that bundle: greedy-exact), and the
+lossy pair ``model.expert_kernel`` + ``model.attn_kernel`` in one (judged against the eager decode calling the same
+int8 ops).
 """
 
 from __future__ import annotations
@@ -291,15 +292,16 @@ class NativeDecode(GptOssDecode):
 
 @pytest.fixture(scope="module")
 def int8_bundles(tmp_path_factory, mxfp4_bundle, build_cache, compile_pool):
-    """``mxfp4_bundle``'s checkpoint and recipe with one opt-in int8 form each (``model.head_kernel``,
-    ``model.expert_kernel``, ``model.attn_kernel``): three more compiled targets, decode_b4_ctx512."""
+    """``mxfp4_bundle``'s checkpoint and recipe with the opt-in int8 forms: ``model.head_kernel`` alone (its
+    exactness is judged on the exact bundle's hidden states), and the two lossy forms ``model.expert_kernel`` and
+    ``model.attn_kernel`` together (one eager oracle calls both ops): two more compiled targets, decode_b4_ctx512."""
     ck, _ = mxfp4_bundle
     out = {}
-    for key in ("head_kernel", "expert_kernel", "attn_kernel"):
-        folder = tmp_path_factory.mktemp(key)
-        path = write_recipe(folder, ck, name=f"int8-{key.replace('_', '-')}", num_seqs_buckets=[4],
-                            ctx_buckets=[512], neuron_config__kv_dtype="bfloat16", **{f"model__{key}": "int8"})
-        out[key] = build_bundle(folder, build_cache, path, executor=compile_pool)
+    for name, keys in (("head", ("head_kernel",)), ("lossy", ("expert_kernel", "attn_kernel"))):
+        folder = tmp_path_factory.mktemp(name)
+        path = write_recipe(folder, ck, name=f"int8-{name}", num_seqs_buckets=[4], ctx_buckets=[512],
+                            neuron_config__kv_dtype="bfloat16", **{f"model__{k}": "int8" for k in keys})
+        out[name] = build_bundle(folder, build_cache, path, executor=compile_pool)
     return out
 
 
@@ -310,15 +312,15 @@ def _wrapper(built) -> bytes:
     return wrapper
 
 
-def _compiled_and_eager(built, prompts, form: str):
+def _compiled_and_eager(built, prompts, forms: tuple[str, ...]):
     """(compiled, eager) runs of ``built``: its artifact, and the eager decode calling the same native ops in the
-    int8 ``form`` (``NativeDecode``) on the bundle's own weights."""
+    int8 ``forms`` (``NativeDecode``) on the bundle's own weights."""
     from neffbuild.runtime.bundle.reader import open_bundle
     from neffbuild.serve.rank import open_rank
 
     bundle = open_bundle(built.bundle)
     gi = bundle.graph_inputs
-    decode = NativeDecode(bundle.facts.config, bundle.weights, **{form: "int8"}).eval()
+    decode = NativeDecode(bundle.facts.config, bundle.weights, **dict.fromkeys(forms, "int8")).eval()
     eager = run(serving_rank(bundle.facts.config, bundle.weights,
                              EagerArtifacts(gi.grid, gi.kv_layout, gi.num_swa, decode)), prompts)
     return run(open_rank(bundle), prompts), eager
@@ -329,21 +331,20 @@ def test_compiled_int8_forms_equal_their_oracles(mxfp4_bundle, int8_bundles):
     """The int8 head's bundle gives the exact bundle's greedy tokens and, every step, the chosen token's logit bit
     for bit: ``q8_head`` re-scores each row that can reach the maximum with the exact head's own C loop, on the same
     hidden state (the two graphs differ only in the head's op). Its other logits are the int8 ones, so the logits
-    differ. The int8 experts' and the int8 attention's bundles against the eager decode calling the same int8 op
-    (``NativeDecode``): tokens equal but for a near-tie. Experts: logits within ROUNDING, not COMPILED_LOGIT_ATOL:
-    quantizing turns inductor's bf16 rounding differences in the activations into whole int8 steps of a block
-    (max|x| / 127) and, on this random model, into another router pick (measured: 0.64 on one step where the exact
-    pair differed by 0.11, every token equal); a wrong nibble, scale or expert moves logits by several units.
-    Attention: logits within ROUTER_FLIP (the same int8 weights on both sides, x rounded differently, which on this
-    random model flips a router pick now and then). Each computes another product than the exact bundle."""
+    differ. The lossy bundle (int8 experts and int8 attention projections) against the eager decode calling the
+    same int8 ops (``NativeDecode``): tokens equal but for a near-tie, with the logits within ROUTER_FLIP, not
+    COMPILED_LOGIT_ATOL: quantizing turns inductor's bf16 rounding differences in the activations into whole int8
+    steps of a block (max|x| / 127) and, on this random model, into another router pick now and then (measured,
+    experts alone: 0.64 on one step where the exact pair differed by 0.11; attention alone: 1.50 on the step where a
+    pick flipped, 0.03 the step before); a wrong nibble, scale or expert moves logits by several units (one row scale
+    in 7 off by 3 % moved them 2.4-8.7). And it computes another product than the exact bundle."""
     from neffbuild.serve.rank import open_rank
 
-    head, experts, attn = int8_bundles["head_kernel"], int8_bundles["expert_kernel"], int8_bundles["attn_kernel"]
+    head, lossy = int8_bundles["head"], int8_bundles["lossy"]
     wrapper = _wrapper(head)
     assert b"neffbuild::q8_head" in wrapper and wrapper.count(b"neffbuild::bf16_linear") == 2 * 2  # qkv, o
-    wrapper = _wrapper(experts)
+    wrapper = _wrapper(lossy)  # experts and qkv, o of 2 layers int8; the head exact
     assert b"neffbuild::mxfp4_q8_dot" in wrapper and b"neffbuild::mxfp4_dot" not in wrapper
-    wrapper = _wrapper(attn)  # qkv and o of 2 layers int8; the head exact
     assert wrapper.count(b"neffbuild::q8_linear") == 2 * 2 and wrapper.count(b"neffbuild::bf16_linear") == 1
     prompts = PROMPTS[:2] + [PROMPTS[2][:60]]
     exact = run(open_rank(mxfp4_bundle[1].bundle), prompts)
@@ -352,15 +353,16 @@ def test_compiled_int8_forms_equal_their_oracles(mxfp4_bundle, int8_bundles):
     assert torch.equal(q8head[1].argmax(-1), exact[1].argmax(-1))
     assert torch.equal(q8head[1].amax(-1), exact[1].amax(-1)) and not torch.equal(q8head[1], exact[1])
 
-    # (bundle, form, logit tolerance, prompts whose tokens must all agree: not every one a near-tie)
-    for built, form, rounding, whole in ((experts, "expert_kernel", ROUNDING, 2),
-                                         (attn, "attn_kernel", ROUTER_FLIP, 1)):
-        compiled, eager = _compiled_and_eager(built, prompts, form)
-        for n in range(len(prompts)):
-            print(assert_tokens_or_near_tie(compiled[0][n], eager[0][n], compiled[1][:, n], eager[1][:, n],
-                                            rounding, f"{form} int8, compiled vs eager, prompt {n}"))
-        assert sum(a == b for a, b in zip(compiled[0], eager[0], strict=True)) >= whole, form
-        assert not torch.equal(compiled[1], exact[1]), form
+    compiled, eager = _compiled_and_eager(lossy, prompts, ("expert_kernel", "attn_kernel"))
+    for n in range(len(prompts)):
+        print(assert_tokens_or_near_tie(compiled[0][n], eager[0][n], compiled[1][:, n], eager[1][:, n],
+                                        ROUTER_FLIP, f"int8 experts + attention, compiled vs eager, prompt {n}"))
+    # not a run of near-ties from the first step: measured, equal for 11, 10 and 4 tokens before one (margins 0.31,
+    # 0.06, 0.03; 2 of 3 prompts equal to the end with the int8 experts alone)
+    prefix = [next((i for i, (a, b) in enumerate(zip(c, e, strict=True)) if a != b), len(c))
+              for c, e in zip(compiled[0], eager[0], strict=True)]
+    assert sum(prefix) >= 15, prefix
+    assert not torch.equal(compiled[1], exact[1])
 
 
 # ----------------------------------------------------------------------------- the neuron backend, by contract
