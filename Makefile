@@ -93,7 +93,7 @@ REAL_WIDTH_DIR ?= /tmp/neffbuild-real-width
 bench-real-width: $(STAMP)
 	benchmarks/peers.sh
 	$(BIN)/python benchmarks/real_width.py --workdir $(REAL_WIDTH_DIR) --rounds 2 \
-		--engines bundle-mxfp4,llama-mxfp4,llama-ft38,llama-bf16,vllm-bf16,vllm-plugin-mxfp4 --plot docs/img/real-width.png
+		--engines bundle-mxfp4,bundle-int8,llama-mxfp4,llama-ft38,llama-bf16,vllm-bf16,vllm-plugin-mxfp4 --plot docs/img/real-width.png
 	$(BIN)/python benchmarks/vllm_streaming.py --workdir $(REAL_WIDTH_DIR) --requests 12 --gap 1.0 --rounds 2
 
 # Disaggregated serving in vLLM (issue 51): NIXL transfer vs a DRAM copy per UCX_TLS, TTFT and decode tok/s vs one

@@ -16,6 +16,9 @@ import pytest
 
 from tests.helpers import build_bundle, cli
 from tests.vllm_helpers import (
+    BATCH_BUCKETS,
+    CTX_BUCKETS,
+    MAX_MODEL_LEN,
     SKIP_REASON,
     Server,
     free_port,
@@ -28,7 +31,7 @@ from tests.vllm_helpers import (
 
 pytestmark = [pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON), pytest.mark.slow]
 
-MAX_MODEL_LEN, BATCHES, CHUNK = 2304, (4, 8), 256
+CHUNK = 256  # prompts over it are chunked: most forwards mix prefill chunks with decode rows
 N_REQUESTS = 20
 
 
@@ -36,7 +39,7 @@ def _requests() -> list[dict]:
     rng = random.Random(7)
     out = []
     for _ in range(N_REQUESTS):
-        n = rng.randrange(50, 2001)
+        n = rng.randrange(50, MAX_MODEL_LEN - 40)  # with its max_tokens, within max_model_len
         out.append({"prompt": [rng.randrange(512) for _ in range(n)], "max_tokens": rng.randrange(8, 33),
                     "delay": rng.expovariate(4.0)})  # Poisson arrivals, 4 requests/s
     return out
@@ -46,10 +49,9 @@ def _requests() -> list[dict]:
 def vllm_stream(tmp_path_factory, build_cache, compile_pool):
     folder = tmp_path_factory.mktemp("vllm-stream")
     checkpoint = save_checkpoint(folder / "ckpt")
-    # both batch buckets (a decode row runs its own batch's), the fallback context only (a context bucket's choice
-    # inside vLLM is test_vllm_serve's): 2 graphs
-    recipe = write_recipe(folder, checkpoint, name="gpt-oss-stream", num_blocks=640, num_seqs_buckets=BATCHES,
-                          ctx_buckets=(MAX_MODEL_LEN,), max_model_len=MAX_MODEL_LEN)
+    # the serve module's recipe (both batch buckets, a context bucket and the fallback): its graphs, so the session
+    # cache holds them (the serve and DI modules compile them; this module's build is hits, or compiles them first)
+    recipe = write_recipe(folder, checkpoint, name="gpt-oss-stream")
     bundle = build_bundle(folder, build_cache, recipe, executor=compile_pool).bundle
     doc = json.loads(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
     assert doc["engine_args"]["kv_cache_memory_bytes"] > 0 and "VLLM_CPU_KVCACHE_SPACE" not in doc["env"]
@@ -81,7 +83,8 @@ def test_every_decode_row_of_a_streaming_load_runs_an_artifact(vllm_stream):
     assert report["rows"]["artifact"] >= decode_rows
     assert report["forwards"]["mixed"] > 0  # the load did mix prefill chunks with decode rows
     labels = set(report["steps"])
-    assert labels and labels <= {"decode_b4_ctx2304", "decode_b8_ctx2304"}, labels
+    assert labels and labels <= {f"decode_b{b}_ctx{c}" for b in BATCH_BUCKETS for c in (*CTX_BUCKETS, MAX_MODEL_LEN)}, \
+        labels
 
 
 def test_streamed_tokens_equal_the_same_requests_served_alone(vllm_stream):
