@@ -22,7 +22,6 @@ import contextlib
 import functools
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -157,11 +156,10 @@ def cxx_version() -> str:
     config = sys.modules.get("torch._inductor.config")
     setting = config.cpp.cxx if config is not None else (None, os.environ.get("CXX", _DEFAULT_CXX))
     cxx = setting[-1] if isinstance(setting, (tuple, list)) else setting
-    try:
-        out = subprocess.run([str(cxx), "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+    line = objects.version_line(str(cxx))
+    if line is None:
         return f"{cxx}: unavailable"
-    return (out.splitlines() or [f"{cxx}: no version"])[0].strip()
+    return line or f"{cxx}: no version"
 
 
 @contextlib.contextmanager

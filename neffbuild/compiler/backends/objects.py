@@ -48,11 +48,13 @@ def root() -> Path:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiler_identity(compiler: str) -> str:
+def version_line(compiler: str) -> str | None:
+    """The first line of ``<compiler> --version`` ("" when it prints nothing), or None when it cannot be run: the
+    compiler's identity here and in the inductor backend's fingerprint (``cxx_version``)."""
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        return ""  # no identity: nothing is kept for this compiler (key() gives None)
+        return None
     return (out.splitlines() or [""])[0].strip()
 
 
@@ -81,8 +83,8 @@ def key(command: str, sources: list[str]) -> str | None:
         return None
     if not argv or "-c" not in argv:
         return None
-    ident = _compiler_identity(argv[0])
-    if not ident:
+    ident = version_line(argv[0])
+    if not ident:  # no identity: nothing is kept for this compiler
         return None
     h = hashlib.sha256()
     for part in (KEY_VERSION, command, ident, torch.__version__):
