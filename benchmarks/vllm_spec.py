@@ -46,14 +46,14 @@ def build(work: Path) -> tuple[Path, Path]:
 
     from neffbuild import recipe as recipe_mod
     from neffbuild.compiler.builder import compile_recipe
-    from tests.test_vllm_spec import K, save_alternating_checkpoint, save_copying_draft
-    from tests.vllm_helpers import write_recipe
+    from tests.test_vllm_spec import K, save_alternating_checkpoint
+    from tests.vllm_helpers import save_draft, write_recipe
 
     ckpt = work / "ckpt"
     if not (ckpt / "config.json").is_file():
         save_alternating_checkpoint(ckpt)
     if not (work / "draft" / "config.json").is_file():
-        save_copying_draft(work / "draft", ckpt)
+        save_draft(work / "draft", ckpt, copying=True)
     recipe = write_recipe(work, ckpt, name="gpt-oss-vllm-eagle3-bench", num_seqs_buckets=(1, 4))
     raw = yaml.safe_load(recipe.read_text())
     raw["speculative"] = {"method": "eagle3", "num_speculative_tokens": K, "draft": {"checkpoint": str(work / "draft")}}

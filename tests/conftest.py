@@ -2,7 +2,8 @@
 tests/helpers.py), built once per session through one compile cache (``build_cache``).
 
 AOTInductor compiles per cold run (CI): built 6, fp8_built 1, built_tp2 2, built_dp2_ep2 1, eagle3_built 6,
-production_built 3 (19), the vLLM modules' 17 (the stream module's bundle is the serve module's graphs) and the
+production_built 3 (19), the vLLM modules' 11 (the stream module's bundle is the serve module's graphs, the EAGLE3
+module's ``eagle3_built``'s: tests/vllm_helpers.eagle3_recipe) and the
 serving-dtype modules' 5, and ~15 in the tests about compiling (58 in a run measured 2026-12-07, 10 of them taking
 g++'s objects from an earlier compile of the same code: compiler/backends/objects.py). Every one is of the 2-layer
 test model (one sliding, one full layer: both attention kinds, the one buffer pair, every bucket and family as
@@ -265,12 +266,17 @@ def built_dp2_ep2(tmp_path_factory, small_checkpoint, build_cache, compile_pool)
 
 @pytest.fixture(scope="session")
 def eagle3_built(tmp_path_factory, build_cache, compile_pool):
-    """The tiny EAGLE3 recipe at its largest batch bucket only (num_seqs_buckets [2]): 1 x 2 x 3 = 6 targets.
+    """The suite's EAGLE3 bundle (``vllm_helpers.eagle3_recipe``: k = 3, batch bucket 2, context 128 and the
+    fallback 256, 1 x 2 x 3 = 6 targets) on a random 2-layer target of the vLLM tests' shape and a random draft.
 
-    Every spec test runs two requests (a DP rank with one is padded to the synced batch), so a b1 artifact
-    would never be dispatched; recipes/gpt-oss-tiny-eagle3.yaml itself keeps both buckets (12 targets)."""
+    Every spec test runs two requests (a DP rank with one is padded to the synced batch), so a b1 artifact would
+    never be dispatched. test_vllm_spec.py's bundle has the same graphs with other weights: whichever of the two
+    builds first compiles them, the other finds them in the run's cache."""
+    from tests.vllm_helpers import eagle3_recipe, save_checkpoint, save_draft
+
     folder = tmp_path_factory.mktemp("eagle3")
-    path = _two_layer_copy(EAGLE3_TINY, folder, neuron_config__num_seqs_buckets=[2])
+    checkpoint = save_checkpoint(folder / "ckpt")
+    path = eagle3_recipe(folder, checkpoint, save_draft(folder / "draft", checkpoint), name="gpt-oss-tiny-eagle3")
     return build_bundle(folder, build_cache, path, executor=compile_pool)
 
 

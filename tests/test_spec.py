@@ -104,7 +104,7 @@ def test_eagle3_bundle_has_three_families_and_verifies(eagle3_built):
     fams = sorted((a["family"], a["batch"], a["ctx"], a["query_len"]) for a in m["artifacts"])
     assert fams == sorted((f, b, c, q) for b in (2,) for c in (128, 256)
                           for f, q in (("target_spec", 4), ("target_nospec", 1), ("draft", 4)))
-    assert m["graph_inputs"]["kv_layout"]["draft"]["buffer_shape"] == [2, 128, 2, 16, 16]
+    assert m["graph_inputs"]["kv_layout"]["draft"]["buffer_shape"] == [2, 128, 2, 32, 64]  # K/V, blocks, heads, ...
     assert "draft_fc" in m["weights"]["tensors"] and "draft_d2t" in m["weights"]["tensors"]
     assert "draft" in _cli("inspect", str(bundle)).stdout
     res = _cli("verify", str(bundle))
@@ -113,9 +113,9 @@ def test_eagle3_bundle_has_three_families_and_verifies(eagle3_built):
 
 @pytest.mark.slow
 def test_vllm_config_of_an_eagle3_bundle_names_the_draft_model(eagle3_built):
-    """The speculative config vLLM Neuron gets always carries `model`; the tiny bundle's random draft has no
-    checkpoint, so the warnings say so instead of leaving the key out. (This CPU bundle's own
-    `inspect --vllm-config` prints the plugin's command line instead: tests/test_vllm_config.py.)"""
+    """The speculative config vLLM Neuron gets always carries `model`: the draft checkpoint's folder, or, for a
+    random draft (the shipped tiny recipe's), None with a warning saying so instead of leaving the key out. (This
+    CPU bundle's own `inspect --vllm-config` prints the plugin's command line instead: tests/test_vllm_config.py.)"""
     import yaml
 
     from neffbuild.bundle import handoff
@@ -124,8 +124,13 @@ def test_vllm_config_of_an_eagle3_bundle_names_the_draft_model(eagle3_built):
     manifest = json.loads((bundle / "manifest.json").read_text())
     recipe = yaml.safe_load((bundle / "recipe.yaml").read_text())
     doc = handoff.vllm_config(manifest, recipe)
-    assert doc["speculative_config"] == {"method": "eagle3", "model": None, "num_speculative_tokens": K}
+    draft = recipe["speculative"]["draft"]["checkpoint"]
+    assert doc["speculative_config"] == {"method": "eagle3", "model": draft, "num_speculative_tokens": K}
     assert doc["additional_config"]["neuron_config"]["num_seqs_buckets"] == [2]
+    assert not any("speculative_config.model" in w for w in doc["warnings"])
+    recipe["speculative"]["draft"] = {"random_seed": 1}
+    doc = handoff.vllm_config(manifest, recipe)
+    assert doc["speculative_config"] == {"method": "eagle3", "model": None, "num_speculative_tokens": K}
     flags = handoff.vllm_flags(doc)
     assert '--speculative-config \'{"method": "eagle3", "model": null, "num_speculative_tokens": 3}\'' in flags
     assert any("speculative_config.model" in w and "speculative.draft.checkpoint" in w for w in doc["warnings"])
@@ -235,7 +240,7 @@ def test_compiled_draft_matches_eager(eagle3_built):
     rows = [([7, 8], torch.randn(2, 3 * cfg.hidden_size, generator=g), 40),
             ([1, 2, 3, 4], torch.randn(4, 3 * cfg.hidden_size, generator=g), 100)]
     table = torch.tensor([[1, 2, 3, 4, 5, 0, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11, 12, 13, 0, 0]])
-    inputs = build_draft(rows, table, batch=2, ctx=128, query_len=1 + K, block_size=16,
+    inputs = build_draft(rows, table, batch=2, ctx=128, query_len=1 + K, block_size=bundle.kv_layout.block_size,
                          hidden_size=3 * cfg.hidden_size)
     caches = [allocate_draft(bundle.kv_layout) for _ in range(2)]
     for c in caches:

@@ -1,10 +1,12 @@
 """EAGLE3 inside vLLM: vLLM's drafter, rejection sampler and scheduler over the bundle's three families.
 
-One EAGLE3 bundle (k = 3, one context bucket, 128, crossed during the run), vLLM started with exactly the settings
-``neffbuild inspect --vllm-config --json`` prints (its ``--speculative-config``: the bundle's ``draft/`` folder).
-Six concurrent greedy requests of different lengths give the tokens of vLLM on the same bundle without
-speculation and of ``neffbuild generate --spec``; then a request that ends at ``max_model_len`` finishes through
-``target_nospec``. A k other than the bundle's stops vLLM's start-up naming the flag.
+One EAGLE3 bundle (k = 3, batch bucket 2, context bucket 128 crossed during the run, the fallback 256: the suite's
+one EAGLE3 recipe shape, ``vllm_helpers.eagle3_recipe``, whose graphs ``eagle3_built`` shares), vLLM started with
+exactly the settings ``neffbuild inspect --vllm-config --json`` prints (its ``--speculative-config``: the bundle's
+``draft/`` folder). Six concurrent greedy requests of different lengths (two at a time in the batch bucket) give
+the tokens of vLLM on the same bundle without speculation and of ``neffbuild generate --spec``; then a request
+that ends at ``max_model_len`` finishes through ``target_nospec``. A k other than the bundle's stops vLLM's
+start-up naming the flag.
 
 The model is made so that drafts are sometimes right (a random draft over a random target accepts nothing, which
 would leave acceptance untested): the target's layers are damped and its LM head is its embedding with every
@@ -22,28 +24,29 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.helpers import ROOT, build_bundle, cli
 from tests.vllm_helpers import (
     HF_CONFIG,
-    MAX_MODEL_LEN,
     SKIP_REASON,
+    SPEC_K,
+    SPEC_MAX_MODEL_LEN,
     VLLM_PYTHON,
     complete,
+    eagle3_recipe,
     have_vllm,
     prom_samples,
     python_json,
     report,
     run_vllm_script,
+    save_draft,
     vllm_env,
-    write_recipe,
 )
 
 pytestmark = [pytest.mark.skipif(not have_vllm(), reason=SKIP_REASON), pytest.mark.slow]
 
 SCRIPT = Path(__file__).parent / "vllm_scripts" / "spec_generate.py"
-K, DAMPING = 3, 0.15
+K, DAMPING = SPEC_K, 0.15
 # vllm.LLM with its engine core in this process (as the serve module's native run): a spawned engine core is a
 # second vLLM import, about 18 CPU-seconds a start on the 2-core host; `vllm serve`'s own engine-core process is
 # what the serve, stream, dtypes, DI and parallel modules run.
@@ -70,35 +73,12 @@ def save_alternating_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def save_copying_draft(folder: Path, checkpoint: Path) -> Path:
-    """An EAGLE3 draft (common layout) that proposes the token two back: fc keeps the layer-0 aux state, the
-    layer adds nothing, the LM head is the target's embedding."""
-    import torch
-    from safetensors.torch import load_file
-
-    from neffbuild.models.eagle3 import weights as dw
-    from neffbuild.models.eagle3.config import Eagle3Config
-    from neffbuild.models.gpt_oss.config import GptOssConfig
-
-    cfg = Eagle3Config.from_hf_dict({}, GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=[
-        "sliding_attention", "full_attention"])))
-    sd = dw.random_state_dict(cfg, seed=1)
-    H = cfg.hidden_size
-    sd["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], dim=1)  # aux (0, 1, 2): the embeddings
-    for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
-        sd[name] = torch.zeros_like(sd[name])
-    sd["norm.weight"] = torch.ones(H)
-    tensors = load_file(str(checkpoint / "model.safetensors"))
-    sd["lm_head.weight"] = next(t for n, t in tensors.items() if n.endswith("embed_tokens.weight")).clone()
-    return dw.save_checkpoint(sd, folder, cfg)
-
-
 def _requests() -> tuple[list[dict], list[dict]]:
     rng = random.Random(5)
     lengths, new = (100, 20, 110, 60, 95, 9), (40, 25, 30, 12, 20, 33)  # 110 + 1 + 3 < 128 < 110 + 30
     six = [{"prompt": [rng.randrange(512) for _ in range(n)], "max_tokens": m}
            for n, m in zip(lengths, new, strict=True)]
-    long = [{"prompt": [rng.randrange(512) for _ in range(MAX_MODEL_LEN - 12)], "max_tokens": 12}]
+    long = [{"prompt": [rng.randrange(512) for _ in range(SPEC_MAX_MODEL_LEN - 12)], "max_tokens": 12}]
     return six, long
 
 
@@ -106,11 +86,7 @@ def _requests() -> tuple[list[dict], list[dict]]:
 def vllm_spec(tmp_path_factory, build_cache, compile_pool):
     folder = tmp_path_factory.mktemp("vllm-spec")
     checkpoint = save_alternating_checkpoint(folder / "ckpt")
-    recipe = write_recipe(folder, checkpoint, name="gpt-oss-vllm-eagle3", num_seqs_buckets=(8,))
-    raw = yaml.safe_load(recipe.read_text())
-    raw["speculative"] = {"method": "eagle3", "num_speculative_tokens": K,
-                          "draft": {"checkpoint": str(save_copying_draft(folder / "draft", checkpoint))}}
-    recipe.write_text(yaml.safe_dump(raw))
+    recipe = eagle3_recipe(folder, checkpoint, save_draft(folder / "draft", checkpoint, copying=True))
     bundle = build_bundle(folder, build_cache, recipe, executor=compile_pool).bundle
     settings = folder / "settings.json"
     settings.write_text(cli("inspect", str(bundle), "--vllm-config", "--json").stdout)
@@ -176,7 +152,7 @@ def test_draft_and_target_spec_steps_run_and_drafts_are_accepted(vllm_spec):
     families = report["families"]
     assert families["draft"] > 0 and families["target_spec"] > 0
     labels = set(report["steps"])
-    assert {"draft_b8_ctx128", "draft_b8_ctx512", "decode_b8_s4_ctx128", "decode_b8_s4_ctx512"} <= labels
+    assert {"draft_b2_ctx128", "draft_b2_ctx256", "decode_b2_s4_ctx128", "decode_b2_s4_ctx256"} <= labels
     assert 0 < counters["num_accepted_tokens"] < counters["num_draft_tokens"]  # some drafts right, some not
     # the same drafts as neffbuild's own engine on the six requests: the same accepted count
     assert counters["num_accepted_tokens"] == sum(s["accepted"] for s in vllm_spec["generated"]["steps"])

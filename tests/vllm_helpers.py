@@ -78,6 +78,47 @@ def write_recipe(folder: Path, checkpoint: Path, *, name: str = "gpt-oss-vllm", 
     return path
 
 
+SPEC_K, SPEC_MAX_MODEL_LEN = 3, 256
+
+
+def save_draft(folder: Path, checkpoint: Path, *, copying: bool = False) -> Path:
+    """An EAGLE3 draft checkpoint (common layout) for a target of HF_CONFIG's shape: random (seed 1), or, with
+    ``copying``, one that proposes the token two back (fc keeps the layer-0 aux state, the layer adds nothing, the
+    LM head is the target's embedding: test_vllm_spec's, whose drafts are sometimes right)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from neffbuild.models.eagle3 import weights as dw
+    from neffbuild.models.eagle3.config import Eagle3Config
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+
+    cfg = Eagle3Config.from_hf_dict({}, GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=[
+        "sliding_attention", "full_attention"])))
+    sd = dw.random_state_dict(cfg, seed=1)
+    if copying:
+        H = cfg.hidden_size
+        sd["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], dim=1)  # aux (0, 1, 2): the embeddings
+        for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+            sd[name] = torch.zeros_like(sd[name])
+        sd["norm.weight"] = torch.ones(H)
+        tensors = load_file(str(checkpoint / "model.safetensors"))
+        sd["lm_head.weight"] = next(t for n, t in tensors.items() if n.endswith("embed_tokens.weight")).clone()
+    return dw.save_checkpoint(sd, folder, cfg)
+
+
+def eagle3_recipe(folder: Path, checkpoint: Path, draft: Path, *, name: str = "gpt-oss-vllm-eagle3") -> Path:
+    """The suite's one EAGLE3 recipe shape: HF_CONFIG's model, k = 3, batch bucket 2, context bucket 128 and the
+    fallback 256 (1 x 2 x 3 = 6 graphs). tests/conftest.py's ``eagle3_built`` (random weights) and
+    test_vllm_spec.py's bundle (weights that make drafts sometimes right) differ in their weights only, which no
+    graph key covers: whichever builds first compiles the six graphs, the other finds them in the run's cache.
+    (The tiny EAGLE3 recipe's head_dim and block size, 16, are not vLLM's; this shape serves both engines.)"""
+    recipe = write_recipe(folder, checkpoint, name=name, num_seqs_buckets=(2,), max_model_len=SPEC_MAX_MODEL_LEN)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["speculative"] = {"method": "eagle3", "num_speculative_tokens": SPEC_K, "draft": {"checkpoint": str(draft)}}
+    recipe.write_text(yaml.safe_dump(raw))
+    return recipe
+
+
 def vllm_env(threads: int = 1, **extra: str) -> dict:
     """The environment of a vLLM subprocess: this worktree's code first, offline, one compute thread. A vLLM
     started with the plugin's printed settings takes its KV memory from them (``--kv-cache-memory-bytes``): pass

@@ -77,11 +77,20 @@ class Pull:
         self.states: list[str] = []
 
     def poll(self) -> bool:
+        """True once every READ is done. A failed READ is a ``KVTransferError`` naming the request, whether NIXL
+        reports it as the state "ERR" or raises (a peer gone mid-transfer raised NIXL_ERR_REMOTE_DISCONNECT out
+        of ``check_xfer_state``: a traceback instead of the request's error)."""
         for i, h in enumerate(self.handles):
             if self.states[i] == "PROC":
-                self.states[i] = self.agent.agent.check_xfer_state(h)
+                try:
+                    self.states[i] = self.agent.agent.check_xfer_state(h)
+                except Exception as exc:  # the binding's own error types: any of them fails this pull
+                    self.release()
+                    raise KVTransferError(f"pull of request {self.request!r} from the prefill side failed in NIXL "
+                                          f"({self.blocks} blocks: {type(exc).__name__}: {exc})") from None
         if "ERR" in self.states:
-            raise KVTransferError(f"pull of request {self.request!r} failed in NIXL ({self.blocks} blocks)")
+            raise KVTransferError(f"pull of request {self.request!r} from the prefill side failed in NIXL "
+                                  f"({self.blocks} blocks)")
         return all(s == "DONE" for s in self.states)
 
     def wait(self, timeout: float = 30.0, alive: Callable[[], bool] | None = None) -> PullResult:
