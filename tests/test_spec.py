@@ -250,7 +250,8 @@ def test_compiled_draft_matches_eager(eagle3_built):
         want = eager(*inputs.as_args(caches[0]))
     got = bundle.artifact("draft_b2_ctx128")(*inputs.as_args(caches[1]))
     assert got.tolist() == want.tolist()
-    torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
+    # float32 sums of 2 x 256 terms in another order (the compiled kernels' reduction, eager's matmul): seen 3e-5
+    torch.testing.assert_close(caches[1], caches[0], atol=1e-4, rtol=1e-4)
 
 
 def _draft_inputs(hidden: int, ctx: int):
