@@ -14,6 +14,7 @@ the controller adds them up per module.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 
 import pytest
@@ -69,6 +70,7 @@ def pytest_runtest_protocol(item, nextitem):
         _meter = _Meter()
     else:
         _meter.take()  # CPU between tests (collection, a previous test's stragglers) is nobody's
+    item.user_properties.append(("t0", round(time.time(), 2)))  # when it started: the run's timeline, per worker
     yield
 
 
@@ -76,7 +78,9 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     if call.when == "teardown" and _meter is not None:
-        outcome.get_result().user_properties.append((KEY, round(_meter.take(), 2)))
+        outcome.get_result().user_properties.extend(
+            [(KEY, round(_meter.take(), 2)), ("t1", round(time.time(), 2)),
+             ("worker", os.environ.get("PYTEST_XDIST_WORKER", "-"))])
 
 
 _per_module: dict[str, float] = defaultdict(float)
