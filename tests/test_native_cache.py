@@ -200,6 +200,21 @@ def test_a_bad_cache_gives_the_torch_forms_numbers_and_one_line(case, needle, re
     assert not list(scratch.glob("neffbuild-kernels-*"))  # private builds leave nothing
 
 
+def test_a_library_without_a_symbol_this_code_calls_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
+    """A loadable library that lacks a function the binding names (seen when the C file and its Python binding were
+    edited apart: a build of the old source under the new binding) is not used: one line, the torch forms run,
+    never an AttributeError out of a decode step."""
+    import ctypes
+
+    src, lib = tmp_path / "part.c", tmp_path / "part.so"
+    src.write_text("int neffbuild_mxfp4_dot(void) { return 0; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, timeout=120)
+    monkeypatch.setattr(native_build, "obtain", lambda flags: (ctypes.CDLL(str(lib)), None))
+    assert native._obtain(("-march=x86-64",)) is None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "undefined symbol" in lines[0] and native.FALLBACK in lines[0], lines
+
+
 def test_a_hanging_compiler_is_stopped_and_said(tmp_path, monkeypatch, capsys):
     cc, pidfile = tmp_path / "cc", tmp_path / "pid"
     cc.write_text(f'#!/bin/sh\ncase "$*" in *" -o "*) echo $$ > {pidfile}; exec sleep 60;; esac\nexec cc "$@"\n')

@@ -79,7 +79,13 @@ def _obtain(flags: tuple[str, ...] | None) -> ctypes.CDLL | None:
     lib, note = native_build.obtain(flags)
     if note:
         print(f"neffbuild: native kernels: {note}" + ("" if lib else f": {FALLBACK}"), file=sys.stderr, flush=True)
-    return _bind(lib) if lib is not None else None
+    if lib is None:
+        return None
+    try:
+        return _bind(lib)
+    except AttributeError as exc:  # a library without a symbol this code calls: fall back, never fail a step
+        print(f"neffbuild: native kernels: {exc}: {FALLBACK}", file=sys.stderr, flush=True)
+        return None
 
 
 def library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
