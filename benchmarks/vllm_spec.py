@@ -42,22 +42,19 @@ ENGINES = ("native", "plugin", "plugin-off")
 def build(work: Path) -> tuple[Path, Path]:
     """The checkpoint, draft and EAGLE3 bundle (compiled through NEFFBUILD_CACHE_DIR); returns (checkpoint,
     settings file)."""
-    import yaml
 
     from neffbuild import recipe as recipe_mod
     from neffbuild.compiler.builder import compile_recipe
-    from tests.test_vllm_spec import K, save_alternating_checkpoint
-    from tests.vllm_helpers import save_draft, write_recipe
+    from tests.test_vllm_spec import save_alternating_checkpoint
+    from tests.vllm_helpers import MAX_MODEL_LEN, eagle3_recipe, save_draft
 
     ckpt = work / "ckpt"
     if not (ckpt / "config.json").is_file():
         save_alternating_checkpoint(ckpt)
     if not (work / "draft" / "config.json").is_file():
         save_draft(work / "draft", ckpt, copying=True)
-    recipe = write_recipe(work, ckpt, name="gpt-oss-vllm-eagle3-bench", num_seqs_buckets=(1, 4))
-    raw = yaml.safe_load(recipe.read_text())
-    raw["speculative"] = {"method": "eagle3", "num_speculative_tokens": K, "draft": {"checkpoint": str(work / "draft")}}
-    recipe.write_text(yaml.safe_dump(raw))
+    recipe = eagle3_recipe(work, ckpt, work / "draft", name="gpt-oss-vllm-eagle3-bench", num_seqs_buckets=(1, 4),
+                           max_model_len=MAX_MODEL_LEN)
     res = compile_recipe(recipe_mod.load(recipe), work / "out",
                          cache_root=Path(os.environ.get("NEFFBUILD_CACHE_DIR") or work / "cache"))
     if res.failed:

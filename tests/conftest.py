@@ -3,9 +3,9 @@ tests/helpers.py), built once per session through one compile cache (``build_cac
 
 AOTInductor compiles per cold run (CI): built 6, fp8_built 1, built_tp2 2, built_dp2_ep2 1, eagle3_built 6,
 production_built 3 (19), the vLLM modules' 11 (the stream module's bundle is the serve module's graphs, the EAGLE3
-module's ``eagle3_built``'s: tests/vllm_helpers.eagle3_recipe) and the
-serving-dtype modules' 5, and ~15 in the tests about compiling (58 in a run measured 2026-12-07, 10 of them taking
-g++'s objects from an earlier compile of the same code: compiler/backends/objects.py). Every one is of the 2-layer
+module's ``eagle3_built``'s: tests/vllm_helpers.eagle3_recipe) and the serving-dtype modules' 5, and ~15 in the
+tests about compiling (58 in a run measured 2026-12-07 before the EAGLE3 graphs were shared, 10 of them taking g++'s
+objects from an earlier compile of the same code: compiler/backends/objects.py). Every one is of the 2-layer
 test model (one sliding, one full layer: both attention kinds, the one buffer pair, every bucket and family as
 before): a 2-layer graph compiles in about 60 % of a 4-layer one. The 4-layer ``hf_checkpoint`` stays for the eager
 model tests (oracle vs transformers, prefill vs decode), which compile nothing.

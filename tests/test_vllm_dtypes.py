@@ -15,16 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from neffbuild.models.gpt_oss.config import GptOssConfig
 from tests.helpers import build_bundle, cli
 from tests.mxfp4_checkpoint import write_mxfp4_checkpoint
 from tests.vllm_helpers import (
-    HF_CONFIG,
     SKIP_REASON,
     Server,
     free_port,
     have_vllm,
     serve_argv,
+    target_config,
     vllm_env,
     write_recipe,
 )
@@ -45,8 +44,7 @@ def vllm_dtype_bundles(tmp_path_factory, build_cache, compile_pool):
     of max_model_len folds into it; choosing among buckets inside vLLM is test_vllm_serve's), then the checkpoint
     folder moved away: the serving host has the vllm_dtype_bundles."""
     folder = tmp_path_factory.mktemp("vllm-dtypes")
-    cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
-    checkpoint = write_mxfp4_checkpoint(folder / "ckpt", cfg)
+    checkpoint = write_mxfp4_checkpoint(folder / "ckpt", target_config())
     out = {}
     for name, neuron in FORMS.items():
         recipe = write_recipe(folder, checkpoint, name=f"mxfp4-{name}", num_seqs_buckets=(4,), ctx_buckets=(512,),

@@ -27,7 +27,6 @@ import pytest
 
 from tests.helpers import ROOT, build_bundle, cli
 from tests.vllm_helpers import (
-    HF_CONFIG,
     SKIP_REASON,
     SPEC_K,
     SPEC_MAX_MODEL_LEN,
@@ -40,6 +39,7 @@ from tests.vllm_helpers import (
     report,
     run_vllm_script,
     save_draft,
+    target_config,
     vllm_env,
 )
 
@@ -58,10 +58,9 @@ def save_alternating_checkpoint(folder: Path) -> Path:
     import torch
     import transformers
 
-    from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.weights import random_state_dict
 
-    cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
+    cfg = target_config()
     sd = random_state_dict(cfg, seed=0)
     for name in sd:
         if name.endswith(("o_proj.weight", "o_proj.bias", "down_proj", "down_proj_bias")):

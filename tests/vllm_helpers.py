@@ -41,15 +41,21 @@ def have_vllm() -> bool:
     return VLLM_PYTHON.is_file()
 
 
+def target_config():
+    """HF_CONFIG as the project's GptOssConfig (2 layers: one sliding, one full): every vLLM test model's shape."""
+    from neffbuild.models.gpt_oss.config import GptOssConfig
+
+    return GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
+
+
 def save_checkpoint(folder: Path) -> Path:
     """A random GPT-OSS checkpoint saved by transformers (fp32 safetensors + config.json), with the project's
     non-degenerate random weights (greedy tokens vary, so a wrong step shows)."""
     import transformers
 
-    from neffbuild.models.gpt_oss.config import GptOssConfig
     from neffbuild.models.gpt_oss.weights import random_state_dict
 
-    cfg = GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=["sliding_attention", "full_attention"]))
+    cfg = target_config()
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**cfg.to_hf_dict()))
     missing, unexpected = model.load_state_dict(random_state_dict(cfg, seed=0), strict=True)
     assert not missing and not unexpected
@@ -90,10 +96,8 @@ def save_draft(folder: Path, checkpoint: Path, *, copying: bool = False) -> Path
 
     from neffbuild.models.eagle3 import weights as dw
     from neffbuild.models.eagle3.config import Eagle3Config
-    from neffbuild.models.gpt_oss.config import GptOssConfig
 
-    cfg = Eagle3Config.from_hf_dict({}, GptOssConfig.from_hf_dict(dict(HF_CONFIG, layer_types=[
-        "sliding_attention", "full_attention"])))
+    cfg = Eagle3Config.from_hf_dict({}, target_config())
     sd = dw.random_state_dict(cfg, seed=1)
     if copying:
         H = cfg.hidden_size
@@ -106,13 +110,15 @@ def save_draft(folder: Path, checkpoint: Path, *, copying: bool = False) -> Path
     return dw.save_checkpoint(sd, folder, cfg)
 
 
-def eagle3_recipe(folder: Path, checkpoint: Path, draft: Path, *, name: str = "gpt-oss-vllm-eagle3") -> Path:
+def eagle3_recipe(folder: Path, checkpoint: Path, draft: Path, *, name: str = "gpt-oss-vllm-eagle3",
+                  num_seqs_buckets=(2,), max_model_len: int = SPEC_MAX_MODEL_LEN) -> Path:
     """The suite's one EAGLE3 recipe shape: HF_CONFIG's model, k = 3, batch bucket 2, context bucket 128 and the
     fallback 256 (1 x 2 x 3 = 6 graphs). tests/conftest.py's ``eagle3_built`` (random weights) and
     test_vllm_spec.py's bundle (weights that make drafts sometimes right) differ in their weights only, which no
     graph key covers: whichever builds first compiles the six graphs, the other finds them in the run's cache.
-    (The tiny EAGLE3 recipe's head_dim and block size, 16, are not vLLM's; this shape serves both engines.)"""
-    recipe = write_recipe(folder, checkpoint, name=name, num_seqs_buckets=(2,), max_model_len=SPEC_MAX_MODEL_LEN)
+    (The tiny EAGLE3 recipe's head_dim and block size, 16, are not vLLM's; this shape serves both engines.) The
+    buckets and max_model_len may be changed (benchmarks/vllm_spec.py's grid), the rest is the tests' draft section."""
+    recipe = write_recipe(folder, checkpoint, name=name, num_seqs_buckets=num_seqs_buckets, max_model_len=max_model_len)
     raw = yaml.safe_load(recipe.read_text())
     raw["speculative"] = {"method": "eagle3", "num_speculative_tokens": SPEC_K, "draft": {"checkpoint": str(draft)}}
     recipe.write_text(yaml.safe_dump(raw))
