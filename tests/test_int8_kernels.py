@@ -358,3 +358,69 @@ def test_greedy_agreement_of_the_int8_forms_on_the_tiny_model(tiny_recipe, tiny_
             print(f"\ngreedy agreement {forms or 'exact'}: {same}/{len(prompts) * steps} tokens, first difference "
                   f"at steps {lead}")
         assert same >= len(prompts)  # the first token of each prompt (prefill runs the exact forms)
+
+
+# -- the head at batch > 1 in integers (native_q8.head16): x rows as int16, exact int32 / int64 sums
+
+@pytest.mark.parametrize(("name", "flags", "needs", "path", "head_path"), ISAS, ids=[r[0] for r in ISAS])
+def test_integer_head_at_batch_above_one_equals_the_integer_loop(name, flags, needs, path, head_path):
+    """Each x row's int16 quantization (bit for bit), ex = sum |x - d qx|, and the logits bit for bit
+    fl32((s d) S) with S the exact integer sum, for widths with tails, 1-4 rows a tile and a fifth; an all-zero x
+    row gives zeros. Elsewhere than VNNI the form is absent (None: the bf16 tile runs)."""
+    lib = _lib(flags, needs)
+    assert lib.q8_head16 == (1 if name == "vnni" else 0)
+    g = torch.Generator().manual_seed(17)
+    for m, k, v in ((2, 67, 33), (4, 96, 6), (5, 131, 9), (3, 2880, 7)):
+        x, w = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(v, k, generator=g) * 0.05).bfloat16()
+        x[1] = 0
+        q, s = Q.quantize_rows(lib, w)
+        got = Q.head16(lib, x, q, s)
+        if name != "vnni":
+            assert got is None
+            continue
+        a, ex, qx, d = got
+        qmax = lib.neffbuild_q8_head16_qmax(k)
+        amax = x.float().abs().amax(-1)
+        inv = torch.where(amax > 0, torch.full_like(amax, float(qmax)) / amax, torch.zeros_like(amax))
+        assert torch.equal(qx, torch.round(x.float() * inv[:, None]).to(torch.int16))
+        assert torch.equal(d, amax / qmax)
+        xh = d.double()[:, None] * qx.double()
+        torch.testing.assert_close(ex, (x.double() - xh).abs().sum(-1), rtol=1e-12, atol=0)
+        exact_sum = (qx.long() @ q.long().t()).double()
+        assert torch.equal(a, ((s.double()[None] * d.double()[:, None]) * exact_sum).float()), (m, k)
+        assert bool((a[1] == 0).all())
+
+
+@pytest.mark.parametrize("k", [1, 2880, 8256, 8257, 300_000])
+def test_integer_head_lanes_cannot_overflow(k):
+    """A lane of ``vpdpwssd`` adds 2 products of |q| <= 127 and |qx| <= qmax for every 32 weights: qmax keeps it in
+    int32 at any width (32,767 up to K = 8,256, less beyond)."""
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no C kernels on this host")
+    qmax = lib.neffbuild_q8_head16_qmax(k)
+    assert 0 < qmax <= 32767 and 2 * -(-k // 32) * 127 * qmax <= 2 ** 31 - 1
+    assert (qmax == 32767) == (k <= 8256)
+
+
+@pytest.mark.parametrize(("case", "kinds", "argmax"), HEAD_TABLE, ids=[r[0] for r in HEAD_TABLE])
+def test_integer_head_at_batch_above_one_is_greedy_exact_at_its_error_bound(case, kinds, argmax):
+    """The bound table at batch 2 (x and x scaled by -1, whose argmax is elsewhere): the integer form's logits
+    stay within the bound with ex, the bound rows near it, and ``q8_head`` returns the exact form's argmax and
+    value in every row."""
+    lib = native.library()
+    if lib is None or not lib.q8_head16 or not lib.bf16_path:
+        pytest.skip("no AVX512-VNNI integer head on this host")
+    w, x = _head_table(kinds)
+    x2 = torch.cat([x, -x])
+    exact = native.bf16_native(lib, x2, w)
+    q, s = Q.quantize_rows(lib, w)
+    a, ex, _, _ = Q.head16(lib, x2, q, s)
+    err = (exact.double() - a.double()).abs()
+    assert bool((err <= Q.head_bound(s, x2, ex)).all())
+    bound_rows = [i for i, kind in enumerate(kinds) if kind == "bound"]
+    assert float((err / Q.head_bound(s, x2, ex))[0, bound_rows].min()) > 0.9
+    assert int(exact[0].argmax()) == argmax and int(a[0].argmax()) != argmax  # the int8 argmax alone would be wrong
+    got = torch.ops.neffbuild.q8_head(x2, w)
+    assert torch.equal(got.argmax(-1), exact.bfloat16().argmax(-1))
+    assert torch.equal(got.max(-1).values, exact.bfloat16().max(-1).values)

@@ -864,6 +864,121 @@ int neffbuild_q8_linear(const uint16_t *x, int64_t m, const int8_t *q, const flo
     return 0;
 }
 
+/* The int8 head at batch > 1 in integers (``q8_head`` at M >= 2 on AVX512-VNNI): each x row quantized to int16 with
+   one scale (d = max|x| / qmax, qx = x / d rounded to nearest even; qmax 32,767, or less where K is so long that a
+   lane's int32 sum could overflow), each 32 int8 weights widened to int16 once for the m rows of x, one ``vpdpwssd``
+   a row of x: exact int32 lane sums, then an exact int64 total S, and y = (float)((s * d) * S) in double. The bf16
+   tile converts each 32 weights in five instructions before its m dot products; here in one. x's rounding is
+   at most d / 2 a value: ex[i] = sum_t |x_t - d qx_t| (double) goes into the bound (``native_q8.bound_terms``).
+   Writes qx [m, in], d [m], ex [m]. 0; 1 when scratch could not be allocated; 2 where this form does not run (no
+   AVX512-VNNI, a non-finite x). */
+#if Q8_HEAD_PATH == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_HEAD16 1
+#else
+#define Q8_HEAD16 0
+#endif
+
+int neffbuild_q8_head16_path(void) { return Q8_HEAD16; }
+
+/* The largest |qx| for rows of ``in`` values: a lane adds 2 * ceil(in / 32) products of |q| <= 127. */
+int neffbuild_q8_head16_qmax(int64_t in) {
+    const int64_t per_lane = 2 * ((in + 31) / 32) * 127;
+    const int64_t most = per_lane > 0 ? INT32_MAX / per_lane : 32767;
+    return (int)(most < 32767 ? most : 32767);
+}
+
+#if Q8_HEAD16
+static int q8_head16_x(const uint16_t *x, int64_t m, int64_t in, int16_t *qx, float *d, double *ex) {
+    const float qmax = (float)neffbuild_q8_head16_qmax(in);
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *xi = x + i * in;
+        float amax = 0.0f;
+        for (int64_t t = 0; t < in; t++) {
+            const float v = bf16_to_float(xi[t]);
+            if (!isfinite(v)) return 2;
+            amax = fabsf(v) > amax ? fabsf(v) : amax;
+        }
+        const float inv = amax > 0.0f ? qmax / amax : 0.0f;
+        d[i] = amax / qmax;
+        double err = 0.0;
+        for (int64_t t = 0; t < in; t++) {
+            const float v = bf16_to_float(xi[t]);
+            const int k = (int)nearbyintf(v * inv);
+            qx[i * in + t] = (int16_t)k;
+            err += fabs((double)v - (double)d[i] * k);
+        }
+        ex[i] = err;
+    }
+    return 0;
+}
+
+static inline int64_t q8_lanes64(__m512i acc) {  /* the 16 int32 lanes summed without overflow */
+    return _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc))) +
+           _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1)));
+}
+
+/* r (1..4) int8 weight rows against mc (1..4) int16 x rows: sums[i * 4 + j] = sum_t q[j, t] qx[i, t], exactly. */
+static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, const int mc, const int8_t *q,
+                                                              const int r, int64_t in, int64_t *sums) {
+    __m512i acc[4][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_si512();
+    int64_t t = 0;
+    for (; t + 32 <= in; t += 32) {
+        __m512i xv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < mc; i++) xv[i] = _mm512_loadu_si512((const void *)(qx + i * in + t));
+#pragma GCC unroll 4
+        for (int j = 0; j < r; j++) {
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * in + t)));
+#pragma GCC unroll 4
+            for (int i = 0; i < mc; i++) acc[j][i] = _mm512_dpwssd_epi32(acc[j][i], wv, xv[i]);
+        }
+    }
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < mc; i++) {
+            int64_t v = q8_lanes64(acc[j][i]);
+            for (int64_t u = t; u < in; u++) v += (int64_t)q[j * in + u] * qx[i * in + u];
+            sums[i * 4 + j] = v;
+        }
+}
+#endif
+
+int neffbuild_q8_head16(const uint16_t *x, int64_t m, const int8_t *q, const float *s, int64_t out, int64_t in,
+                        float *y, int16_t *qx, float *d, double *ex, int threads) {
+#if Q8_HEAD16
+    const int status = q8_head16_x(x, m, in, qx, d, ex);
+    if (status) return status;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t o = 0; o < out; o += 4)  /* tiles of 4 weight rows (the last may hold fewer) */
+        for (int64_t i0 = 0; i0 < m; i0 += 4) {
+            const int mc = m - i0 < 4 ? (int)(m - i0) : 4, rc = out - o < 4 ? (int)(out - o) : 4;
+            int64_t sums[16];
+            const int16_t *xq = qx + i0 * in;
+            const int8_t *w = q + o * in;
+            if (rc == 4) {
+                switch (mc) {
+                    case 1: q8_tile16(xq, 1, w, 4, in, sums); break;
+                    case 2: q8_tile16(xq, 2, w, 4, in, sums); break;
+                    case 3: q8_tile16(xq, 3, w, 4, in, sums); break;
+                    default: q8_tile16(xq, 4, w, 4, in, sums); break;
+                }
+            } else {
+                q8_tile16(xq, mc, w, rc, in, sums);
+            }
+            for (int i = 0; i < mc; i++)
+                for (int j = 0; j < rc; j++)
+                    y[(i0 + i) * out + o + j] = (float)(((double)s[o + j] * (double)d[i0 + i]) * (double)sums[i * 4 + j]);
+        }
+    return 0;
+#else
+    (void)x; (void)m; (void)q; (void)s; (void)out; (void)in; (void)y; (void)qx; (void)d; (void)ex; (void)threads;
+    return 2;
+#endif
+}
+
 /* The int8 head's candidates (runtime/native_q8.py ``q8_head``): for each x row i, with the bound
    e[i, o] = (s[o] * x1c[i] + tiny) * (1 + 2^-30) (double, as ``head_bound`` computes it: the same operations, no
    contraction under -std=c11) and M = max_o (a - e), every o with R(a + e) >= R(M), R = rounding to float32, then to

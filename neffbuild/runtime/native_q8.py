@@ -217,18 +217,44 @@ def bound_factor(n_in: int) -> float:
     return 0.5 + 2.0 ** -12 + 256 * gamma
 
 
-def bound_terms(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+def bound_terms(x: torch.Tensor, ex: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """(x1c [M] float64, tiny) of the head's bound e = (s x1c + tiny) (1 + 2^-30) (``q8_head``'s proof):
-    x1c = |x|_1 c(K) + K 2^-117, tiny = K 2^-120 + 2^-126 max |x|_1 over the rows of x."""
+    x1c = |x|_1 c(K) + K 2^-117, tiny = K 2^-120 + 2^-126 max |x|_1 over the rows of x. With ``ex`` [M] (the
+    integer form at batch > 1, ``head16``: sum |x - d qx| of each row's int16 rounding), x1c also takes
+    ex (127 (1 + 2^-18) + 2^-16)."""
     n_in = x.shape[-1]
     x1 = x.double().abs().sum(-1)  # [M]
-    return x1 * bound_factor(n_in) + n_in * 2.0 ** -117, n_in * 2.0 ** -120 + 2.0 ** -126 * float(x1.max())
+    x1c = x1 * bound_factor(n_in) + n_in * 2.0 ** -117
+    if ex is not None:
+        x1c = x1c + ex.double() * (127 * (1 + 2.0 ** -18) + 2.0 ** -16)
+    return x1c, n_in * 2.0 ** -120 + 2.0 ** -126 * float(x1.max())
 
 
-def head_bound(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """e [M, V] float64: |exact-form float32 logit - int8 logit| <= e for every row (``q8_head``'s proof)."""
-    x1c, tiny = bound_terms(x)
+def head_bound(s: torch.Tensor, x: torch.Tensor, ex: torch.Tensor | None = None) -> torch.Tensor:
+    """e [M, V] float64: |exact-form float32 logit - int8 logit| <= e for every row (``q8_head``'s proof); ``ex``:
+    the integer form's (``head16``)."""
+    x1c, tiny = bound_terms(x, ex)
     return (s.double()[None, :] * x1c[:, None] + tiny) * (1 + 2.0 ** -30)
+
+
+def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
+    """The int8 head at batch > 1 in integers (``neffbuild_q8_head16``: x rows quantized to int16, one scale a row;
+    each 32 weights widened to int16 once and one ``vpdpwssd`` a row of x, where the bf16 tile converts them in five
+    instructions): (a [M, N] float32, ex [M] float64, qx int16 [M, K], d float32 [M]) on checked inputs, or None
+    where it does not run (batch 1: the float-x row is read-bound there; no AVX512-VNNI)."""
+    if not lib.q8_head16 or x.shape[0] < 2:
+        return None
+    xc = x.contiguous()
+    (m, k), n, op, p = xc.shape, q.shape[0], "q8_head", native._pointer
+    y, qx = torch.empty(m, n), torch.empty(m, k, dtype=torch.int16)
+    d, ex = torch.empty(m), torch.empty(m, dtype=torch.float64)
+    status = lib.neffbuild_q8_head16(p(op, "x", xc, torch.bfloat16, (m, k)), m, p(op, "q", q, torch.int8, (n, k)),
+                                     p(op, "s", s, torch.float32, (n,)), n, k, p(op, "out", y, torch.float32, (m, n)),
+                                     p(op, "qx", qx, torch.int16, (m, k)), p(op, "d", d, torch.float32, (m,)),
+                                     p(op, "ex", ex, torch.float64, (m,)), torch.get_num_threads())
+    if status == 1:
+        raise MemoryError(f"{op}: no memory for the quantized copy of x {tuple(x.shape)}")
+    return (y, ex, qx, d) if status == 0 else None
 
 
 @torch.library.custom_op("neffbuild::q8_head", mutates_args=())
@@ -256,14 +282,21 @@ def q8_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     is below the maximum too. The re-scored rows (every row whose exact value can reach the maximum, ties included)
     run the exact form's own C loop on its own inputs (``neffbuild_bf16_linear_at``), so they are bit-identical.
 
+    At batch > 1 on AVX512-VNNI (``head16``) each row of x is quantized to int16 with one scale, x^ = d qx, and
+    a = fl32((s d) S) with S = sum q qx an exact integer: |s sum q x - s sum q x^| <= 127 s ex, ex = sum |x - x^|
+    (double, widened by 2^-18), and the two double products and the rounding to float32 move a by at most
+    2^-23 |a| <= 2^-23 127 s (|x|_1 + ex): inside c(K)'s 127 (gamma_K + 2^-24) for |x|_1, and 2^-16 ex for the rest.
+    Both go into x1c (``bound_terms`` with ``ex``); the float sums' term of c(K) is then slack.
+
     Where the exact form is oneDNN's matmul (no C kernel, or its plain path), or a weight or x is not finite, the
     exact form itself runs."""
     quantized = _int8_rows("q8_head", x, w, rescores=True)
     if quantized is None or not bool(x.isfinite().all()):
         return native.bf16_linear(x, w)
     lib, q, s = quantized
-    a = q8_matmul(lib, x, q, s, "q8_head")
-    rows, cols = candidates(lib, a, s, x)
+    wide = head16(lib, x, q, s)
+    a, ex = (wide[0], wide[1]) if wide is not None else (q8_matmul(lib, x, q, s, "q8_head"), None)
+    rows, cols = candidates(lib, a, s, x, ex)
     out = a.bfloat16()
     out[rows, cols] = bf16_at(lib, x, w, rows, cols).bfloat16()
     return out
@@ -275,12 +308,13 @@ def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def candidates(lib: ctypes.CDLL, a: torch.Tensor, s: torch.Tensor, x: torch.Tensor):
+def candidates(lib: ctypes.CDLL, a: torch.Tensor, s: torch.Tensor, x: torch.Tensor,
+               ex: torch.Tensor | None = None):
     """(rows, cols) of the values ``q8_head`` re-scores: in each row of x, every logit with R(a + e) >= R(M),
     M = max(a - e), e = ``head_bound`` (the same float64 operations), picked by one C pass over the row instead of a
     dozen float64 torch passes over the vocabulary (about 2 ms a step at 201,088 rows)."""
     (m, n), op, p = a.shape, "q8_head", native._pointer
-    x1c, tiny = bound_terms(x)
+    x1c, tiny = bound_terms(x, ex)
     x1c = x1c.contiguous()
     cap = 64 * m
     while True:
