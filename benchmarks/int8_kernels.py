@@ -91,7 +91,7 @@ def attn_rows(lib, batch: int, repeat: int, layers: int) -> list[tuple]:
         def int8(ws=ws, x=x):
             for w in ws:
                 q, s, _ = native_q8._quantized(lib, w, "q8_linear")
-                native_q8.q8_matmul(lib, x, q, s, "q8_linear").to(torch.bfloat16)
+                native_q8.rows_matmul(lib, x, q, s, "q8_linear")[0].to(torch.bfloat16)
 
         def exact(ws=ws, x=x):
             for w in ws:

@@ -214,18 +214,25 @@ def test_int8_head_agrees_on_random_heads_and_batches():
             assert m <= rows.numel() < 3001 * m // 4, m
 
 
-def _rows_reference(x, w):
+def _rows_reference(x, w, lib):
     """A plain torch reference of ``q8_linear``: the per-row quantization in torch (as the C loop computes it), then
     s * (q @ x) in float64, and the float32 summation error bound of the C loop's sums (K roundings, exact products;
-    widened by one bf16 rounding of the result): (reference, bound)."""
+    widened by one bf16 rounding of the result); with the integer form (``head16``, AVX512-VNNI) x's rounding to
+    int16 instead, s * (|q| @ |x - x^|): (reference, bound)."""
     wf = w.float()
     amax = wf.abs().amax(-1)
     s = amax / 127
     q = torch.round(wf * (torch.full_like(amax, 127.0) / amax)[:, None]).double()
     ref = s.double()[None] * (x.double() @ q.t())
     k = x.shape[1]
-    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
     sums = s.double()[None] * (x.double().abs() @ q.abs().t())
+    if lib.q8_head16:
+        xa = x.double().abs().amax(-1, keepdim=True)
+        d = xa / lib.neffbuild_q8_head16_qmax(k)
+        xh = torch.where(xa > 0, torch.round(x.double() / d) * d, torch.zeros_like(xa))
+        rounding = s.double()[None] * ((x.double() - xh).abs() @ q.abs().t())
+        return ref, rounding * (1 + 2.0 ** -8) + 2.0 ** -8 * ref.abs() + 2.0 ** -24 * sums
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
     return ref, gamma * sums * (1 + 2.0 ** -8) + 2.0 ** -8 * ref.abs() + 2.0 ** -24 * sums
 
 
@@ -238,13 +245,14 @@ def test_int8_linear_equals_the_scaled_integer_product(m, k, n):
     """``neffbuild::q8_linear`` (the int8 attention projections) against s * (q @ x) within the float32 sums' error
     and the bf16 rounding of the result; and it is lossy: not the exact op's values, but within the quantization's
     half step a weight (|x|_1 * max|w_row| / 254, plus the exact op's own rounding)."""
-    if native.library() is None:
+    lib = native.library()
+    if lib is None:
         pytest.skip("no C kernels here: q8_linear runs the exact op")
     g = torch.Generator().manual_seed(m * 1000 + k)
     x, w = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(n, k, generator=g) * 0.1).bfloat16()
     got = torch.ops.neffbuild.q8_linear(x, w)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    ref, bound = _rows_reference(x, w)
+    ref, bound = _rows_reference(x, w, lib)
     assert bool(((got.double() - ref).abs() <= bound).all())
     exact = torch.ops.neffbuild.bf16_linear(x, w).double()
     half_step = x.double().abs().sum(-1, keepdim=True) * w.double().abs().amax(-1)[None] / 254
@@ -360,19 +368,20 @@ def test_greedy_agreement_of_the_int8_forms_on_the_tiny_model(tiny_recipe, tiny_
         assert same >= len(prompts)  # the first token of each prompt (prefill runs the exact forms)
 
 
-# -- the head at batch > 1 in integers (native_q8.head16): x rows as int16, exact int32 / int64 sums
+# -- the head in integers (native_q8.head16): x rows as int16, exact int32 / int64 sums, rows from four quarters
 
 @pytest.mark.parametrize(("name", "flags", "needs", "path", "head_path"), ISAS, ids=[r[0] for r in ISAS])
-def test_integer_head_at_batch_above_one_equals_the_integer_loop(name, flags, needs, path, head_path):
+def test_integer_head_equals_the_integer_loop(name, flags, needs, path, head_path):
     """Each x row's int16 quantization (bit for bit), ex = sum |x - d qx|, and the logits bit for bit
-    fl32((s d) S) with S the exact integer sum, for widths with tails, 1-4 rows a tile and a fifth; an all-zero x
-    row gives zeros. Elsewhere than VNNI the form is absent (None: the bf16 tile runs)."""
+    fl32((s d) S) with S the exact integer sum, for widths with tails, 1-4 rows a tile and a fifth, vocabularies
+    whose last quarter is short (tiles of 1-3 weight rows) or a single row; an all-zero x row gives zeros.
+    Elsewhere than VNNI the form is absent (None: the float forms run)."""
     lib = _lib(flags, needs)
     assert lib.q8_head16 == (1 if name == "vnni" else 0)
     g = torch.Generator().manual_seed(17)
-    for m, k, v in ((2, 67, 33), (4, 96, 6), (5, 131, 9), (3, 2880, 7)):
+    for m, k, v in ((2, 67, 33), (4, 96, 6), (5, 131, 9), (3, 2880, 7), (1, 2880, 13), (1, 45, 1), (1, 64, 5)):
         x, w = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(v, k, generator=g) * 0.05).bfloat16()
-        x[1] = 0
+        x[m - 1] = 0
         q, s = Q.quantize_rows(lib, w)
         got = Q.head16(lib, x, q, s)
         if name != "vnni":
@@ -388,7 +397,7 @@ def test_integer_head_at_batch_above_one_equals_the_integer_loop(name, flags, ne
         torch.testing.assert_close(ex, (x.double() - xh).abs().sum(-1), rtol=1e-12, atol=0)
         exact_sum = (qx.long() @ q.long().t()).double()
         assert torch.equal(a, ((s.double()[None] * d.double()[:, None]) * exact_sum).float()), (m, k)
-        assert bool((a[1] == 0).all())
+        assert bool((a[m - 1] == 0).all())
 
 
 @pytest.mark.parametrize("k", [1, 2880, 8256, 8257, 300_000])
@@ -404,14 +413,18 @@ def test_integer_head_lanes_cannot_overflow(k):
 
 
 @pytest.mark.parametrize(("case", "kinds", "argmax"), HEAD_TABLE, ids=[r[0] for r in HEAD_TABLE])
-def test_integer_head_at_batch_above_one_is_greedy_exact_at_its_error_bound(case, kinds, argmax):
-    """The bound table at batch 2 (x and x scaled by -1, whose argmax is elsewhere): the integer form's logits
-    stay within the bound with ex, the bound rows near it, and ``q8_head`` returns the exact form's argmax and
-    value in every row."""
+def test_integer_head_is_greedy_exact_at_its_error_bound(case, kinds, argmax):
+    """The bound table at batch 1 (x) and 2 (x and x scaled by -1, whose argmax is elsewhere): the integer form's
+    logits stay within the bound with ex, the bound rows near it, and ``q8_head`` returns the exact form's argmax
+    and value in every row."""
     lib = native.library()
     if lib is None or not lib.q8_head16 or not lib.bf16_path:
         pytest.skip("no AVX512-VNNI integer head on this host")
     w, x = _head_table(kinds)
+    exact1 = native.bf16_native(lib, x, w)
+    got1 = torch.ops.neffbuild.q8_head(x, w)
+    assert int(got1.argmax(-1)) == int(exact1.bfloat16().argmax(-1)) == argmax
+    assert torch.equal(got1.max(-1).values, exact1.bfloat16().max(-1).values)
     x2 = torch.cat([x, -x])
     exact = native.bf16_native(lib, x2, w)
     q, s = Q.quantize_rows(lib, w)

@@ -917,9 +917,10 @@ static inline int64_t q8_lanes64(__m512i acc) {  /* the 16 int32 lanes summed wi
            _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1)));
 }
 
-/* r (1..4) int8 weight rows against mc (1..4) int16 x rows: sums[i * 4 + j] = sum_t q[j, t] qx[i, t], exactly. */
+/* r (1..4) int8 weight rows, ``rs`` values apart, against mc (1..4) int16 x rows:
+   sums[i * 4 + j] = sum_t q[j * rs + t] qx[i, t], exactly. */
 static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, const int mc, const int8_t *q,
-                                                              const int r, int64_t in, int64_t *sums) {
+                                                              const int r, int64_t rs, int64_t in, int64_t *sums) {
     __m512i acc[4][4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
@@ -932,7 +933,7 @@ static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, c
         for (int i = 0; i < mc; i++) xv[i] = _mm512_loadu_si512((const void *)(qx + i * in + t));
 #pragma GCC unroll 4
         for (int j = 0; j < r; j++) {
-            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * in + t)));
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * rs + t)));
 #pragma GCC unroll 4
             for (int i = 0; i < mc; i++) acc[j][i] = _mm512_dpwssd_epi32(acc[j][i], wv, xv[i]);
         }
@@ -940,37 +941,47 @@ static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, c
     for (int j = 0; j < r; j++)
         for (int i = 0; i < mc; i++) {
             int64_t v = q8_lanes64(acc[j][i]);
-            for (int64_t u = t; u < in; u++) v += (int64_t)q[j * in + u] * qx[i * in + u];
+            for (int64_t u = t; u < in; u++) v += (int64_t)q[j * rs + u] * qx[i * in + u];
             sums[i * 4 + j] = v;
         }
 }
 #endif
 
+/* The tile's four weight rows come from the four quarters of the weight (k, k + Q, k + 2Q, k + 3Q; Q = ceil(out /
+   4)): four read streams far apart. One core reads a 579 MB head so at 24 GB/s where it reads one stream (row after
+   row) at 17-19 and four adjacent rows at 13 (docs/benchmarks.md, "Real width"), and the four rows are four
+   independent chains at batch 1. */
 int neffbuild_q8_head16(const uint16_t *x, int64_t m, const int8_t *q, const float *s, int64_t out, int64_t in,
                         float *y, int16_t *qx, float *d, double *ex, int threads) {
 #if Q8_HEAD16
     const int status = q8_head16_x(x, m, in, qx, d, ex);
     if (status) return status;
+    const int64_t quarter = (out + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t o = 0; o < out; o += 4)  /* tiles of 4 weight rows (the last may hold fewer) */
+    for (int64_t k = 0; k < quarter; k++)
         for (int64_t i0 = 0; i0 < m; i0 += 4) {
-            const int mc = m - i0 < 4 ? (int)(m - i0) : 4, rc = out - o < 4 ? (int)(out - o) : 4;
+            int rc = 0;
+            while (rc < 4 && rc * quarter + k < out) rc++;  /* the last quarter may be shorter */
+            const int mc = m - i0 < 4 ? (int)(m - i0) : 4;
             int64_t sums[16];
             const int16_t *xq = qx + i0 * in;
-            const int8_t *w = q + o * in;
+            const int8_t *w = q + k * in;
+            const int64_t rs = quarter * in;
             if (rc == 4) {
                 switch (mc) {
-                    case 1: q8_tile16(xq, 1, w, 4, in, sums); break;
-                    case 2: q8_tile16(xq, 2, w, 4, in, sums); break;
-                    case 3: q8_tile16(xq, 3, w, 4, in, sums); break;
-                    default: q8_tile16(xq, 4, w, 4, in, sums); break;
+                    case 1: q8_tile16(xq, 1, w, 4, rs, in, sums); break;
+                    case 2: q8_tile16(xq, 2, w, 4, rs, in, sums); break;
+                    case 3: q8_tile16(xq, 3, w, 4, rs, in, sums); break;
+                    default: q8_tile16(xq, 4, w, 4, rs, in, sums); break;
                 }
             } else {
-                q8_tile16(xq, mc, w, rc, in, sums);
+                q8_tile16(xq, mc, w, rc, rs, in, sums);
             }
             for (int i = 0; i < mc; i++)
-                for (int j = 0; j < rc; j++)
-                    y[(i0 + i) * out + o + j] = (float)(((double)s[o + j] * (double)d[i0 + i]) * (double)sums[i * 4 + j]);
+                for (int j = 0; j < rc; j++) {
+                    const int64_t o = j * quarter + k;
+                    y[(i0 + i) * out + o] = (float)(((double)s[o] * (double)d[i0 + i]) * (double)sums[i * 4 + j]);
+                }
         }
     return 0;
 #else

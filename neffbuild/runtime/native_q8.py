@@ -177,7 +177,7 @@ def _int8_rows(op: str, x: torch.Tensor, w: torch.Tensor, rescores: bool = False
 
 
 def q8_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, op: str = "q8_matmul"):
-    """a [M, N] float32 = s * (q @ x) (C, any of its paths; tiled at M > 1), on checked inputs."""
+    """a [M, N] float32 = s * (q @ x), float sums (C, any of its paths; tiled at M > 1), on checked inputs."""
     xc = x.contiguous()
     (m, k), n, p = xc.shape, q.shape[0], native._pointer
     y = torch.empty(m, n, dtype=torch.float32)
@@ -192,14 +192,15 @@ def q8_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tenso
 def q8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T with w read as int8 and one float32 scale a row (``model.attn_kernel: int8``: the
     attention projections), 1 byte a weight and 4 a row where ``neffbuild::bf16_linear`` reads 2 a weight: float32
-    sums of s * (q x), rounded to bfloat16 as bf16_linear's result is. Lossy, with no re-scoring: each weight moves
-    by at most half a step, max|w_row| / 254 (``q8_head``'s bound without its re-scoring). The exact op runs where
-    the C kernels are not built or a weight is not finite."""
+    sums of s * (q x), rounded to bfloat16 as bf16_linear's result is (with AVX512-VNNI exact integer sums of q
+    and x rounded to int16, ``head16``). Lossy, with no re-scoring: each weight moves by at most half a step,
+    max|w_row| / 254 (``q8_head``'s bound without its re-scoring). The exact op runs where the C kernels are not
+    built or a weight is not finite."""
     quantized = _int8_rows("q8_linear", x, w)
     if quantized is None:
         return native.bf16_linear(x, w)
     lib, q, s = quantized
-    return q8_matmul(lib, x, q, s, "q8_linear").to(torch.bfloat16)
+    return rows_matmul(lib, x, q, s, "q8_linear")[0].to(torch.bfloat16)
 
 
 @q8_linear.register_fake
@@ -220,7 +221,7 @@ def bound_factor(n_in: int) -> float:
 def bound_terms(x: torch.Tensor, ex: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """(x1c [M] float64, tiny) of the head's bound e = (s x1c + tiny) (1 + 2^-30) (``q8_head``'s proof):
     x1c = |x|_1 c(K) + K 2^-117, tiny = K 2^-120 + 2^-126 max |x|_1 over the rows of x. With ``ex`` [M] (the
-    integer form at batch > 1, ``head16``: sum |x - d qx| of each row's int16 rounding), x1c also takes
+    integer form, ``head16``: sum |x - d qx| of each row's int16 rounding), x1c also takes
     ex (127 (1 + 2^-18) + 2^-16)."""
     n_in = x.shape[-1]
     x1 = x.double().abs().sum(-1)  # [M]
@@ -238,11 +239,12 @@ def head_bound(s: torch.Tensor, x: torch.Tensor, ex: torch.Tensor | None = None)
 
 
 def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
-    """The int8 head at batch > 1 in integers (``neffbuild_q8_head16``: x rows quantized to int16, one scale a row;
-    each 32 weights widened to int16 once and one ``vpdpwssd`` a row of x, where the bf16 tile converts them in five
-    instructions): (a [M, N] float32, ex [M] float64, qx int16 [M, K], d float32 [M]) on checked inputs, or None
-    where it does not run (batch 1: the float-x row is read-bound there; no AVX512-VNNI)."""
-    if not lib.q8_head16 or x.shape[0] < 2:
+    """The int8 head in integers (``neffbuild_q8_head16``: x rows quantized to int16, one scale a row; each 32
+    weights widened to int16 once and one ``vpdpwssd`` a row of x, where the float forms convert them in two to five
+    instructions; four weight rows at a time from the four quarters of the head, four read streams): (a [M, N]
+    float32, ex [M] float64, qx int16 [M, K], d float32 [M]) on checked inputs, or None where it does not run (no
+    AVX512-VNNI: the float forms)."""
+    if not lib.q8_head16:
         return None
     xc = x.contiguous()
     (m, k), n, op, p = xc.shape, q.shape[0], "q8_head", native._pointer
@@ -255,6 +257,13 @@ def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
     if status == 1:
         raise MemoryError(f"{op}: no memory for the quantized copy of x {tuple(x.shape)}")
     return (y, ex, qx, d) if status == 0 else None
+
+
+def rows_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, op: str):
+    """(a [M, N] float32, ex [M] float64 or None): ``head16``'s integer form where it runs (x rounded to int16 first,
+    ex = sum |x - x^| a row), else ``q8_matmul``'s float sums (ex None)."""
+    wide = head16(lib, x, q, s)
+    return (wide[0], wide[1]) if wide is not None else (q8_matmul(lib, x, q, s, op), None)
 
 
 @torch.library.custom_op("neffbuild::q8_head", mutates_args=())
@@ -282,7 +291,7 @@ def q8_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     is below the maximum too. The re-scored rows (every row whose exact value can reach the maximum, ties included)
     run the exact form's own C loop on its own inputs (``neffbuild_bf16_linear_at``), so they are bit-identical.
 
-    At batch > 1 on AVX512-VNNI (``head16``) each row of x is quantized to int16 with one scale, x^ = d qx, and
+    On AVX512-VNNI (``head16``) each row of x is quantized to int16 with one scale, x^ = d qx, and
     a = fl32((s d) S) with S = sum q qx an exact integer: |s sum q x - s sum q x^| <= 127 s ex, ex = sum |x - x^|
     (double, widened by 2^-18), and the two double products and the rounding to float32 move a by at most
     2^-23 |a| <= 2^-23 127 s (|x|_1 + ex): inside c(K)'s 127 (gamma_K + 2^-24) for |x|_1, and 2^-16 ex for the rest.
@@ -294,8 +303,7 @@ def q8_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if quantized is None or not bool(x.isfinite().all()):
         return native.bf16_linear(x, w)
     lib, q, s = quantized
-    wide = head16(lib, x, q, s)
-    a, ex = (wide[0], wide[1]) if wide is not None else (q8_matmul(lib, x, q, s, "q8_head"), None)
+    a, ex = rows_matmul(lib, x, q, s, "q8_head")
     rows, cols = candidates(lib, a, s, x, ex)
     out = a.bfloat16()
     out[rows, cols] = bf16_at(lib, x, w, rows, cols).bfloat16()
