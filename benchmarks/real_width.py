@@ -281,11 +281,18 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict, bw: float) ->
             return f"skipped: {LLAMA_PY} is absent; install it with " + INSTALL.format(what="creates .venv-llama")
         if not Path(CONVERTER).is_file():
             return f"skipped: llama.cpp's converter {CONVERTER} is absent (LLAMA_CONVERTER=...; benchmarks/peers.sh)"
-        gguf, secs = gguf_for(kind, ckpt, work)
-        setup.setdefault(name, {"convert_s": round(secs, 1)})
-        if name == "llama-ft38":
+        ft38 = work / f"real-width-{kind}-ft38.gguf"
+        if name == "llama-ft38" and ft38.is_file():  # quantized in an earlier round or run
+            gguf = ft38
+            setup.setdefault(name, {"convert_s": 0.0, "quantize_s": 0.0})
+        else:
+            gguf, secs = gguf_for(kind, ckpt, work)
+            setup.setdefault(name, {"convert_s": round(secs, 1)})
+        if name == "llama-ft38" and gguf != ft38:
             gguf, secs = quantized(gguf, work)
             setup[name]["quantize_s"] = round(secs, 1)
+            if "llama-mxfp4" not in a.engines.split(","):  # the converter's GGUF was only a step (disk)
+                (work / f"real-width-{kind}.gguf").unlink()
         flags = ["--flash", "--kv", "f16"] if kind == "mxfp4" else ["--kv", "f16"]
         argv = [str(LLAMA_PY), str(HERE / "real_width_peers.py"), "llama", "--model", str(gguf), *common, *flags]
     else:
@@ -434,9 +441,13 @@ def main() -> None:
     work = a.workdir or Path(tempfile.mkdtemp(prefix="real-width-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    # The dense copy only where an engine reads it (at 24 layers it alone is ~38 GB): else the MXFP4 folder alone,
+    # a shard a layer, random blocks and scales (real_width_ckpt.py --mxfp4-only)
+    dense = any(ENGINES[n][0] == "bf16" for n in names)
     doc = last_json([sys.executable, str(HERE / "real_width_ckpt.py"), str(work / "ckpt"), "--layers",
-                     str(a.layers)] + (["--tiny"] if a.tiny else []), work / "ckpt.log")
-    ckpts = {k: Path(doc[k]) for k in ("mxfp4", "bf16")}
+                     str(a.layers)] + (["--tiny"] if a.tiny else []) + ([] if dense else ["--mxfp4-only"]),
+                    work / "ckpt.log")
+    ckpts = {k: Path(doc[k]) for k in ("mxfp4", "bf16") if k in doc}
     print(f"checkpoints ({a.layers} layers) ready in {time.perf_counter() - t0:.0f} s: {work / 'ckpt'}", flush=True)
     cfg = config(a.layers, a.tiny)
     (work / "prompts.json").write_text(json.dumps(prompts(max(a.batches), a.prompt, cfg.vocab_size)))

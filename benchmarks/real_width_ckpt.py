@@ -9,6 +9,11 @@ Two folders from one seed, the same weights:
               dense checkpoints only).
 The weights are random (std 0.02 for matrices, so activations stay near unit scale at width 2,880):
 speed does not depend on their values, and token agreement is reported as a number.
+
+``--mxfp4-only`` (the real depth, 24 layers: the dense copy alone would be ~38 GB) writes the MXFP4 folder
+only, one safetensors shard a layer with its index (peak memory one layer), the expert blocks as random
+bytes and the scales as random exponents of 2^-8 .. 2^-6 (values of the same scale as the std-0.02 weights,
+without quantising a dense draw: minutes instead of hours at this size).
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ def _quant(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _tensors(cfg: GptOssConfig, seed: int):
-    """(name, bf16 tensor or (blocks, scales, dense bf16)) in a fixed order: one seed, one model."""
+def _tensors(cfg: GptOssConfig, seed: int, fast: torch.Generator | None = None):
+    """(name, bf16 tensor or (blocks, scales)) in a fixed order: one seed, one model. ``fast``: the expert blocks
+    and scales drawn as random bytes and exponents from that generator (``--mxfp4-only``)."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, std=0.02):
@@ -74,7 +80,11 @@ def _tensors(cfg: GptOssConfig, seed: int):
         yield f"{p}mlp.router.bias", rnd(E, std=0.01)
         for name, (n_out, n_in) in (("gate_up_proj", (2 * inter, H)), ("down_proj", (H, inter))):
             base = f"{p}mlp.experts.{name}"
-            blocks, scales = _quant(torch.randn(E, n_out, n_in, generator=g) * 0.02)
+            if fast is None:
+                blocks, scales = _quant(torch.randn(E, n_out, n_in, generator=g) * 0.02)
+            else:  # E2M1 codes uniform, scales 2^-8 .. 2^-6 (E8M0: 119 .. 121)
+                blocks = torch.randint(0, 256, (E, n_out, n_in // 32, 16), dtype=torch.uint8, generator=fast)
+                scales = torch.randint(119, 122, (E, n_out, n_in // 32), dtype=torch.uint8, generator=fast)
             yield base, (blocks, scales)
             yield base + "_bias", rnd(E, n_out, std=0.01)
 
@@ -104,6 +114,44 @@ def write(folder: Path, layers: int, seed: int = 0, tiny: bool = False) -> dict[
     return out
 
 
+def write_mxfp4_only(folder: Path, layers: int, seed: int = 0, tiny: bool = False) -> dict[str, Path]:
+    """The MXFP4 folder alone, a shard a layer (``--mxfp4-only``); skipped when present. {"mxfp4": dir}."""
+    cfg = config(layers, tiny)
+    out = folder / "mxfp4"
+    if (out / "config.json").is_file():
+        return {"mxfp4": out}
+    tmp = folder / "mxfp4.partial"
+    tmp.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shards, index, shard = [], {}, {}
+    total = layers + 1
+
+    def flush():
+        name = f"model-{len(shards) + 1:05d}-of-{total:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(shard, name))
+        shards.append(name)
+        shard.clear()
+
+    group = None
+    for name, t in _tensors(cfg, seed, fast=g):
+        here = name.split(".")[2] if name.startswith("model.layers.") else "global"  # a shard a layer
+        if shard and here != group:
+            flush()
+        group = here
+        if isinstance(t, tuple):
+            shard[name + W.MXFP4_BLOCKS], shard[name + W.MXFP4_SCALES] = t
+        else:
+            shard[name] = t
+    flush()
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
+    hf = dict(cfg.to_hf_dict(), architectures=["GptOssForCausalLM"], dtype="bfloat16", model_type="gpt_oss",
+              quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": KEEP_BF16})
+    (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+    tmp.rename(out)
+    return {"mxfp4": out}
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -111,5 +159,8 @@ if __name__ == "__main__":
     ap.add_argument("folder", type=Path)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions (a pipeline check, not a benchmark)")
+    ap.add_argument("--mxfp4-only", action="store_true",
+                    help="the MXFP4 folder only, a shard a layer, random blocks and scales (the real depth)")
     a = ap.parse_args()
-    print(json.dumps({k: str(v) for k, v in write(a.folder, a.layers, tiny=a.tiny).items()}))
+    fn = write_mxfp4_only if a.mxfp4_only else write
+    print(json.dumps({k: str(v) for k, v in fn(a.folder, a.layers, tiny=a.tiny).items()}))
