@@ -75,11 +75,13 @@ def test_integer_expert_product_equals_the_plain_loop(name, flags, needs, path, 
     lib = _lib(flags, needs)
     assert (lib.q8_path, lib.neffbuild_q8_head_path()) == (path, head_path)
     g = torch.Generator().manual_seed(3)
-    E, out, G = 5, 7, 3  # odd output rows, 3 groups
-    blocks = torch.randint(0, 256, (E, out, G, 16), dtype=torch.uint8, generator=g)
-    scales = torch.randint(122, 132, (E, out, G), dtype=torch.uint8, generator=g)
-    # batch 1 (one pick an expert), repeated experts, a run past the 8-pick chunk (n = 11, every pick expert 2)
-    for n, kx, k, same in ((1, 1, 4, False), (3, 2, 2, False), (4, 1, 3, False), (11, 1, 1, True)):
+    # odd output rows (a run of one pick reads rows in fours from the expert's quarters: 7 rows as 4 + 3, 10 as
+    # 4 + 3 + 3), groups past the wide loop's fours by a pair, by one, by a pair and one
+    for E, out, G, n, kx, k, same in ((5, 7, 3, 1, 1, 4, False), (5, 7, 3, 3, 2, 2, False), (5, 7, 3, 4, 1, 3, False),
+                                      (5, 7, 3, 11, 1, 1, True), (3, 10, 9, 1, 1, 2, False), (3, 10, 6, 2, 3, 3, False),
+                                      (3, 10, 11, 1, 3, 3, False)):
+        blocks = torch.randint(0, 256, (E, out, G, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(122, 132, (E, out, G), dtype=torch.uint8, generator=g)
         x = torch.randn(n, kx, G * 32, generator=g) * 3
         x[0, 0, :32] = 0  # an all-zero block: scale 0
         idx = torch.full((n, k), 2) if same else torch.randint(0, E, (n, k), generator=g)
@@ -88,6 +90,11 @@ def test_integer_expert_product_equals_the_plain_loop(name, flags, needs, path, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
         torch.testing.assert_close(Q.q8_packed_dot(x, (blocks, scales), idx).double(), want, rtol=1e-5,
                                    atol=1e-5 * float(want.abs().max()))
+    # a run of one pick (four rows in step) gives bit for bit what a run of two picks (one row at a time) gives
+    x = torch.randn(1, 1, G * 32, generator=g)
+    one = Q.mxfp4_q8_native(lib, x, blocks, scales, torch.tensor([[1]]))
+    two = Q.mxfp4_q8_native(lib, x.expand(2, 1, -1).contiguous(), blocks, scales, torch.tensor([[1], [1]]))
+    assert torch.equal(one[0], two[0]) and torch.equal(two[0], two[1])
 
 
 @pytest.mark.parametrize(("name", "flags", "needs", "path", "head_path"), ISAS, ids=[r[0] for r in ISAS])

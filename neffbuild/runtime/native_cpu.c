@@ -159,12 +159,19 @@ _Static_assert(MX_CHUNK <= MAX_CHUNK, "mx_drive's unit arrays hold MAX_CHUNK pic
 typedef void (*rows_fn)(const void *ctx, const int64_t *xr, int cnt, const uint8_t *row, const uint8_t *sc,
                         int64_t groups, const float *scale_of, float *out);
 
+/* Four weight rows (``nr`` <= 4 of them) against one x row in step: out[j] for row j (a form's optional unit). */
+typedef void (*rows4_fn)(const void *ctx, int64_t xr, const uint8_t *const *rows, const uint8_t *const *scs, int nr,
+                         int64_t groups, const float *scale_of, float *out);
+
 /* The expert products' driver, every form's: the picks as runs of one expert in chunks of ``chunk``, and work units
-   (run, output row), each decoding the row's groups once for every pick of the run (``fn``). 0, or 1 when the scratch
+   (run, four output rows), each decoding a row's groups once for every pick of the run (``fn``). A run of one pick
+   (batch 1, and most runs at small batches) with ``fn4`` reads its four rows in step from the four quarters of the
+   expert (o = u, u + Q, u + 2Q, u + 3Q; Q = ceil(out / 4)): four read streams far apart, which one core reads faster
+   than one (``neffbuild_q8_head16``); other runs take rows 4u .. 4u + 3 one after another. 0, or 1 when the scratch
    could not be allocated (nothing written). */
 static int mx_drive(const void *ctx, int chunk, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
                     const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y, int threads,
-                    rows_fn fn) {
+                    rows_fn fn, rows4_fn fn4) {
     const int64_t picks = n * k;
     int64_t *pairs = malloc((size_t)(2 * picks + 1) * sizeof(int64_t));
     int64_t *starts = malloc((size_t)(picks + 2) * sizeof(int64_t));
@@ -172,15 +179,32 @@ static int mx_drive(const void *ctx, int chunk, int64_t kx, const uint8_t *block
     float scale_of[256];
     for (int s = 0; s < 256; s++) scale_of[s] = half_scale((uint8_t)s);
     const int64_t runs = expert_runs(idx, picks, chunk, pairs, starts);
+    const int64_t quarter = (out + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t u = 0; u < runs * out; u++) {
-        const int64_t r = u / out, o = u % out, e = pairs[2 * starts[r]];
+    for (int64_t u = 0; u < runs * quarter; u++) {
+        const int64_t r = u / quarter, v = u % quarter, e = pairs[2 * starts[r]];
         const int cnt = (int)(starts[r + 1] - starts[r]);
         int64_t xr[MAX_CHUNK];
-        float res[MAX_CHUNK];
         for (int t = 0; t < cnt; t++) xr[t] = x_row(pairs[2 * (starts[r] + t) + 1], k, kx);
-        fn(ctx, xr, cnt, blocks + (e * out + o) * groups * 16, scales + (e * out + o) * groups, groups, scale_of, res);
-        for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
+        if (cnt == 1 && fn4 != NULL) {
+            const uint8_t *rows[4], *scs[4];
+            float res[4];
+            int nr = 0;
+            for (; nr < 4 && nr * quarter + v < out; nr++) {
+                const int64_t o = nr * quarter + v;
+                rows[nr] = blocks + (e * out + o) * groups * 16;
+                scs[nr] = scales + (e * out + o) * groups;
+            }
+            fn4(ctx, xr[0], rows, scs, nr, groups, scale_of, res);
+            for (int j = 0; j < nr; j++) y[pairs[2 * starts[r] + 1] * out + j * quarter + v] = res[j];
+            continue;
+        }
+        for (int64_t o = 4 * v; o < 4 * v + 4 && o < out; o++) {
+            float res[MAX_CHUNK];
+            fn(ctx, xr, cnt, blocks + (e * out + o) * groups * 16, scales + (e * out + o) * groups, groups, scale_of,
+               res);
+            for (int t = 0; t < cnt; t++) y[pairs[2 * (starts[r] + t) + 1] * out + o] = res[t];
+        }
     }
     free(pairs); free(starts);
     return 0;
@@ -202,7 +226,7 @@ static void rows_f32(const void *ctx, const int64_t *xr, int cnt, const uint8_t 
 int neffbuild_mxfp4_dot(const float *x, int64_t kx, const uint8_t *blocks, const uint8_t *scales,
                         const int64_t *idx, int64_t n, int64_t k, int64_t out, int64_t groups, float *y,
                         int threads) {
-    return mx_drive(x, MX_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_f32);
+    return mx_drive(x, MX_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_f32, NULL);
 }
 
 /* bf16 linear without bias, y[m, o] = sum_k x[m, k] w[o, k] (the LM head over the vocabulary): bf16 inputs, float32
@@ -565,6 +589,46 @@ static inline __attribute__((always_inline)) void q8_rows_wide(const uint8_t *w,
 #pragma GCC unroll 8
     for (int t = 0; t < cnt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) + tail[t];
 }
+
+/* ``q8_rows_wide`` for four weight rows (nr <= 4) against one x row, in step (``mx_drive``'s quartered units): the
+   same pairs of groups, the same sums in the same order a row, so each output equals the one-row loop's. */
+static inline __attribute__((always_inline)) void q8_rows4_wide(const uint8_t *const *w, const uint8_t *const *sc,
+                                                                  const int nr, int64_t groups, const float *scale_of,
+                                                                  const int8_t *q, const int32_t *nc, const float *dv,
+                                                                  const float *d, float *out) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)TWICE_E2M1_12));
+    const int8_t *const qs[1] = {q};
+    const int32_t *const ncs[1] = {nc};
+    const float *const dvs[1] = {dv}, *const ds[1] = {d};
+    __m512 acc[4], acc2[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) acc[j] = acc2[j] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+#pragma GCC unroll 4
+        for (int j = 0; j < nr; j++) {
+            q8_pair(w[j], sc[j], g, scale_of, qs, ncs, dvs, 1, table, &acc[j]);
+            q8_pair(w[j], sc[j], g + 2, scale_of, qs, ncs, dvs, 1, table, &acc2[j]);
+        }
+    }
+    const int64_t g4 = g;
+    for (int j = 0; j < nr; j++) {  /* the one-row loop's tail, row by row */
+        g = g4;
+        if (g + 2 <= groups) {
+            q8_pair(w[j], sc[j], g, scale_of, qs, ncs, dvs, 1, table, &acc[j]);
+            g += 2;
+        }
+        float tail = 0.0f;
+        if (g < groups) {
+            const __m256i table8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
+            const __m256i c8 = q8_decode(w[j] + g * 16, table8, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+                                         _mm256_set1_epi8(0x0F));
+            const __m256i dot = q8_dot(_mm256_abs_epi8(c8), c8, _mm256_loadu_si256((const __m256i *)(q + g * 32)));
+            tail = q8_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale_of[sc[j][g]] * ds[0][g])));
+        }
+        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], acc2[j])) + tail;
+    }
+}
 #endif
 
 struct q8_x {  /* x quantized: int8 rows and their block scales (wide path: each block's lane corrections and d x 8) */
@@ -608,6 +672,25 @@ static void rows_q8(const void *ctx, const int64_t *xr, int cnt, const uint8_t *
 #endif
 }
 
+#ifdef Q8_WIDE
+static void rows4_q8(const void *ctx, int64_t xr, const uint8_t *const *rows, const uint8_t *const *scs, int nr,
+                     int64_t groups, const float *scale_of, float *out) {
+    const struct q8_x *x = ctx;
+    const int8_t *q = x->q + xr * groups * 32;
+    const int32_t *nc = x->nc + xr * groups * 8;
+    const float *dv = x->dv + xr * groups * 8, *d = x->d + xr * groups;
+    switch (nr) {  /* the row count a constant where inlined */
+        case 4: q8_rows4_wide(rows, scs, 4, groups, scale_of, q, nc, dv, d, out); break;
+        case 3: q8_rows4_wide(rows, scs, 3, groups, scale_of, q, nc, dv, d, out); break;
+        case 2: q8_rows4_wide(rows, scs, 2, groups, scale_of, q, nc, dv, d, out); break;
+        default: q8_rows4_wide(rows, scs, 1, groups, scale_of, q, nc, dv, d, out); break;
+    }
+}
+#define ROWS4_Q8 rows4_q8
+#else
+#define ROWS4_Q8 NULL
+#endif
+
 /* The wide path's per-block extras of quantized x (``q8_rows_wide``): nc[b, j] = -12 * (the 4 q values of lane j),
    dv[b, j] = d[b], for j < 8. */
 static void q8_extras(const int8_t *q, const float *d, int64_t blocks, int32_t *nc, float *dv) {
@@ -634,7 +717,7 @@ int neffbuild_mxfp4_q8_dot(const float *x, int64_t kx, const uint8_t *blocks, co
         neffbuild_q8_quantize(x, xrows, groups, q, d);
         q8_extras(q, d, xrows * groups, nc, dv);
         const struct q8_x qx = {q, d, nc, dv};
-        status = mx_drive(&qx, Q8_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_q8);
+        status = mx_drive(&qx, Q8_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_q8, ROWS4_Q8);
     }
     free(q); free(d); free(nc); free(dv);
     return status;
@@ -1178,7 +1261,7 @@ int neffbuild_mxfp4_dot_bf16(const uint16_t *x, int64_t kx, const uint8_t *block
     (void)threads;
     return 2;
 #else
-    return mx_drive(x, MX_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_bf16x);
+    return mx_drive(x, MX_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_bf16x, NULL);
 #endif
 }
 
