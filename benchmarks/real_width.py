@@ -266,6 +266,21 @@ def worker(a) -> None:
 
 def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict, bw: float) -> dict | str:
     """One round of one engine in its own process: the worker's JSON, or a line saying why it was skipped."""
+    argv = prepare(name, a, work, ckpts, setup)
+    if isinstance(argv, str):
+        return argv
+    before = os.getloadavg()[0]
+    doc = last_json(argv, work / f"{name}.log", plugin=ENGINES[name][1] == "vllm-plugin")
+    doc["load"] = f"{before:.1f}-{os.getloadavg()[0]:.1f}"
+    doc["copy_bandwidth"] = bw  # this run's figure, kept with the round (a later --report divides by it)
+    with open(work / f"{name}.jsonl", "a") as f:  # each round as it lands: a run cut short keeps what it measured
+        f.write(json.dumps(doc) + "\n")
+    return doc
+
+
+def prepare(name: str, a, work: Path, ckpts: dict, setup: dict) -> list[str] | str:
+    """An engine's set-up (its bundle compiled, its GGUF converted and quantized): the argv of its round, or a line
+    saying why it is skipped."""
     kind, runner, _ = ENGINES[name]
     ckpt = ckpts[kind]
     common = ["--prompts", str(work / "prompts.json"), "--batches", ",".join(map(str, a.batches)),
@@ -311,13 +326,15 @@ def run_engine(name: str, a, work: Path, ckpts: dict, setup: dict, bw: float) ->
             extra = ["--engine-args", json.dumps({"engine_args": engine_args,
                                                   "additional_config": doc["additional_config"]})]
         argv = [str(VLLM_PY), str(HERE / "real_width_peers.py"), "vllm", "--model", model, *common, *extra]
-    before = os.getloadavg()[0]
-    doc = last_json(argv, work / f"{name}.log", plugin=runner == "vllm-plugin")
-    doc["load"] = f"{before:.1f}-{os.getloadavg()[0]:.1f}"
-    doc["copy_bandwidth"] = bw  # this run's figure, kept with the round (a later --report divides by it)
-    with open(work / f"{name}.jsonl", "a") as f:  # each round as it lands: a run cut short keeps what it measured
-        f.write(json.dumps(doc) + "\n")
-    return doc
+    return argv
+
+
+def prepare_all(names: list[str], a, work: Path, ckpts: dict, setup: dict) -> None:
+    """``--prepare``: every engine's set-up, one line each."""
+    for n in names:
+        t0 = time.perf_counter()
+        got = prepare(n, a, work, ckpts, setup)
+        print(f"{n}: " + (got if isinstance(got, str) else f"ready in {time.perf_counter() - t0:.0f} s"), flush=True)
 
 
 def kept_reference(work: Path, a, docs: dict) -> list | None:
@@ -421,6 +438,9 @@ def main() -> None:
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions: checks the pipeline, measures nothing")
     ap.add_argument("--report", action="store_true", help="run nothing: the tables from WORKDIR/*.jsonl")
+    ap.add_argument("--prepare", action="store_true",
+                    help="the set-up only (checkpoint, bundles, GGUFs; on a busy host if need be), then exit: the "
+                         "measuring run later finds them in WORKDIR")
     ap.add_argument("--worker", choices=["bundle", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -455,6 +475,8 @@ def main() -> None:
     if a.report:
         docs = {n: [json.loads(ln) for ln in (work / f"{n}.jsonl").read_text().splitlines()]
                 for n in names if (work / f"{n}.jsonl").is_file()}
+    if a.prepare:
+        return prepare_all(names, a, work, ckpts, setup)
     bw = bandwidth(docs if a.report else None)
     for rnd in range(0 if a.report else a.rounds):
         for n in names:

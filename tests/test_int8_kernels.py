@@ -76,12 +76,14 @@ def test_integer_expert_product_equals_the_plain_loop(name, flags, needs, path, 
     assert (lib.q8_path, lib.neffbuild_q8_head_path()) == (path, head_path)
     g = torch.Generator().manual_seed(3)
     # odd output rows (a run of one pick reads rows in fours from the expert's quarters: 7 rows as 4 + 3, 10 as
-    # 4 + 3 + 3), groups past the wide loop's fours by a pair, by one, by a pair and one
+    # 4 + 3 + 3), groups past the wide loop's fours by a pair, by one, by a pair and one; a subnormal scale
     for E, out, G, n, kx, k, same in ((5, 7, 3, 1, 1, 4, False), (5, 7, 3, 3, 2, 2, False), (5, 7, 3, 4, 1, 3, False),
                                       (5, 7, 3, 11, 1, 1, True), (3, 10, 9, 1, 1, 2, False), (3, 10, 6, 2, 3, 3, False),
-                                      (3, 10, 11, 1, 3, 3, False)):
+                                      (3, 10, 11, 1, 3, 3, False), (3, 10, 35, 2, 1, 2, False)):
         blocks = torch.randint(0, 256, (E, out, G, 16), dtype=torch.uint8, generator=g)
         scales = torch.randint(122, 132, (E, out, G), dtype=torch.uint8, generator=g)
+        if G > 32:
+            scales[:, 3, 20] = 1
         x = torch.randn(n, kx, G * 32, generator=g) * 3
         x[0, 0, :32] = 0  # an all-zero block: scale 0
         idx = torch.full((n, k), 2) if same else torch.randint(0, E, (n, k), generator=g)
