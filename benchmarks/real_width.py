@@ -135,6 +135,8 @@ def build_bundle(name: str, ckpt: Path, work: Path, a) -> tuple[Path, float]:
     under WORKDIR makes a rerun of unchanged code compile nothing, and changed code is rebuilt."""
     out = work / "out" / f"real-width-{name}-0.1.0"
     recipe = recipe_for(name, ckpt, work, a.batches, a.ctx)
+    if a.no_rebuild and (out / "manifest.json").is_file():
+        return out, 0.0
     t0 = time.perf_counter()
     argv = [sys.executable, "-m", "neffbuild.cli.main", "compile", str(recipe), "-o", str(work / "out"),
             "--cache-dir", str(work / "cache"), "-j", "1"]
@@ -438,6 +440,9 @@ def main() -> None:
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions: checks the pipeline, measures nothing")
     ap.add_argument("--report", action="store_true", help="run nothing: the tables from WORKDIR/*.jsonl")
+    ap.add_argument("--no-rebuild", action="store_true",
+                    help="take the bundles in WORKDIR/out as they are (built by --prepare from this tree): at the real "
+                         "depth a rebuild writes a second copy of a 14 GB bundle before it replaces the first")
     ap.add_argument("--prepare", action="store_true",
                     help="the set-up only (checkpoint, bundles, GGUFs; on a busy host if need be), then exit: the "
                          "measuring run later finds them in WORKDIR")
