@@ -251,6 +251,24 @@ def test_bundle_stores_the_checkpoints_mxfp4_bytes(mxfp4_bundle):
     assert meta["dtype"] == "BF16"  # dense weights stored as served
 
 
+def test_loading_keeps_mxfp4_as_stored_and_stacking_consumes_it(tmp_path, tiny_cfg):
+    """``keep_mxfp4`` loads the experts' blocks and scales alone (a dense copy beside them was ~38 GB at
+    GPT-OSS-20B's 24 layers), and ``stack(consume=True)`` (what a compile runs) gives the same stacks as without,
+    dropping each per-layer tensor from the state dict as it is copied in."""
+    ck = write_mxfp4_checkpoint(tmp_path / "ck", tiny_cfg)
+    form = WeightForm("bfloat16", "mxfp4")
+    sd = W.load_checkpoint(ck, torch.bfloat16, keep_mxfp4=True)
+    experts = [k for k in sd if ".mlp.experts." in k and not k.endswith("_bias")]
+    assert experts and all(k.endswith((W.BLOCKS, W.SCALES)) for k in experts), experts
+    want = W.stack(tiny_cfg, sd, form)
+    got = W.stack(tiny_cfg, sd, form, consume=True)
+    assert not [k for k in sd if k.startswith("model.layers.")]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    dense = W.random_state_dict(tiny_cfg, 1)
+    assert all(torch.equal(a, b) for a, b in zip(W.stack(tiny_cfg, dict(dense)).values(),
+                                                 W.stack(tiny_cfg, dense, consume=True).values(), strict=True))
+
+
 @pytest.mark.slow
 def test_compiled_bf16_mxfp4_equals_eager_and_transformers(mxfp4_bundle):
     from neffbuild.runtime.bundle.reader import open_bundle

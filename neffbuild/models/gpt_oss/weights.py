@@ -126,8 +126,9 @@ def load_checkpoint(folder: str | Path, dtype=torch.float32, keep_mxfp4: bool = 
     out = {}
     for k, t in raw.items():
         if keep_mxfp4 and (k.endswith(MXFP4_BLOCKS) or k.endswith(MXFP4_SCALES)):
-            out[k] = t
-        elif k.endswith(MXFP4_SCALES):
+            out[k] = t  # as stored: no dense copy (at GPT-OSS-20B's 24 layers that copy alone is ~38 GB)
+            continue
+        if k.endswith(MXFP4_SCALES):
             continue
         if k.endswith(MXFP4_BLOCKS):
             base = k[: -len(MXFP4_BLOCKS)]
@@ -173,42 +174,58 @@ def random_state_dict(cfg: GptOssConfig, seed: int, std: float = 0.2) -> dict[st
 # ----------------------------------------------------------------------------- stacking
 
 
-def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor], form: WeightForm = DEFAULT_FORM) -> dict[str, torch.Tensor]:
+def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor], form: WeightForm = DEFAULT_FORM,
+          consume: bool = False) -> dict[str, torch.Tensor]:
     """HF state dict -> GK layout: per-layer tensors stacked once on a leading [L, ...] axis, the expert
     weights [out, in] (shapes.EXPERTS_OUT_IN), float tensors in ``form.dtype``. MXFP4 experts: the
-    checkpoint's blocks and scales stacked byte for byte (already [out, in]); dense experts are quantised."""
+    checkpoint's blocks and scales stacked byte for byte (already [out, in]); dense experts are quantised.
+    ``consume``: each per-layer tensor is dropped from ``sd`` once copied into its stack, so the peak holds the
+    model about once, not twice (a 24-layer GPT-OSS-20B is ~13 GB)."""
     L = cfg.num_hidden_layers
     dtype = getattr(torch, form.dtype)
 
     def get(name: str) -> torch.Tensor:
         if name not in sd:
             raise InvalidInput(f"checkpoint is missing tensor {name!r}")
-        return sd[name]
+        return sd.pop(name) if consume else sd[name]
+
+    def stacked(names: list[str], piece=lambda t: t) -> torch.Tensor:
+        """The L pieces in one new tensor, each copied in (and dropped, with ``consume``) in turn."""
+        first = piece(get(names[0]))
+        out = torch.empty((len(names), *first.shape), dtype=first.dtype)
+        out[0].copy_(first)
+        del first
+        for i, n in enumerate(names[1:], 1):
+            out[i].copy_(piece(get(n)))
+        return out
 
     out = {k: get(v).contiguous() for k, v in GLOBAL_KEYS.items()}
     for kind, suffix in (("qkv_w", "weight"), ("qkv_b", "bias")):
         out[kind] = torch.stack([torch.cat([get(f"model.layers.{i}.self_attn.{n}.{suffix}") for n in QKV])
                                  for i in range(L)])
     for key, pattern in LAYER_KEYS.items():
+        names = [pattern.format(i=i) for i in range(L)]
         if form.mxfp4 and key in EXPERTS_OUT_IN:
-            out.update(_packed_experts(key, [pattern.format(i=i) for i in range(L)], sd))
+            if all(n + BLOCKS in sd and n + SCALES in sd for n in names):  # the checkpoint's bytes
+                out[key + BLOCKS] = stacked([n + BLOCKS for n in names])
+                out[key + SCALES] = stacked([n + SCALES for n in names])
+            else:
+                out.update(_packed_experts(key, names, sd))
             continue
-        t = torch.stack([get(pattern.format(i=i)) for i in range(L)])
-        out[key] = (t.transpose(-1, -2) if key in EXPERTS_OUT_IN else t).contiguous()  # experts [in, out] -> [out, in]
+        if key in EXPERTS_OUT_IN:  # experts [in, out] -> [out, in]
+            out[key] = stacked(names, lambda t: t.transpose(-1, -2))
+        else:
+            out[key] = stacked(names)
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
 
 
 def _packed_experts(key: str, names: list[str], sd: dict) -> dict[str, torch.Tensor]:
-    """One expert weight's stacked blocks [L, E, out, G, 16] and scales [L, E, out, G]: the checkpoint's
-    bytes where it has them, else its dense [E, in, out] weight quantised (round to nearest code)."""
-    if all(n + BLOCKS in sd and n + SCALES in sd for n in names):
-        blocks = [sd[n + BLOCKS] for n in names]
-        scales = [sd[n + SCALES] for n in names]
-    else:
-        missing = [n for n in names if n not in sd]
-        if missing:
-            raise InvalidInput(f"checkpoint is missing tensor {missing[0]!r} (or its {BLOCKS} / {SCALES} pair)")
-        blocks, scales = zip(*(quant_mxfp4(sd[n].float().transpose(1, 2)) for n in names), strict=True)
+    """One expert weight's stacked blocks [L, E, out, G, 16] and scales [L, E, out, G] from its dense
+    [E, in, out] weight, quantised (round to nearest code); ``stack`` takes a checkpoint's own bytes as stored."""
+    missing = [n for n in names if n not in sd]
+    if missing:
+        raise InvalidInput(f"checkpoint is missing tensor {missing[0]!r} (or its {BLOCKS} / {SCALES} pair)")
+    blocks, scales = zip(*(quant_mxfp4(sd[n].float().transpose(1, 2)) for n in names), strict=True)
     return {key + BLOCKS: torch.stack(blocks).contiguous(), key + SCALES: torch.stack(scales).contiguous()}
 
 
@@ -219,4 +236,4 @@ def model_weights(cfg: GptOssConfig, checkpoint: Path | None, random_seed: int |
         sd = load_checkpoint(checkpoint, getattr(torch, form.dtype), keep_mxfp4=form.mxfp4)
     else:
         sd = random_state_dict(cfg, random_seed or 0)
-    return stack(cfg, sd, form)
+    return stack(cfg, sd, form, consume=True)  # sd is this function's own
