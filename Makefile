@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv lock clean bench bench-real-width bench-vllm-di bench-vllm-spec
+.PHONY: demo test test-fast lint venv lock clean bench bench-real-width bench-real-depth bench-vllm-di bench-vllm-spec
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -95,6 +95,17 @@ bench-real-width: $(STAMP)
 	$(BIN)/python benchmarks/real_width.py --workdir $(REAL_WIDTH_DIR) --rounds 2 \
 		--engines bundle-mxfp4,bundle-int8,llama-mxfp4,llama-ft38,llama-bf16,vllm-bf16,vllm-plugin-mxfp4 --plot docs/img/real-width.png
 	$(BIN)/python benchmarks/vllm_streaming.py --workdir $(REAL_WIDTH_DIR) --requests 12 --gap 1.0 --rounds 2
+
+# The same at GPT-OSS-20B's real depth, 24 layers: the bundle's exact and int8 forms against llama.cpp's file type 38
+# GGUF. Needs ~55 GB of disk under REAL_DEPTH_DIR (an MXFP4-only checkpoint, the bundles' one weights file, the GGUFs;
+# the converter's GGUF is removed once quantized) and ~15 GiB of memory; the set-up (about 25 minutes on 2 cores) runs first, then
+# two interleaved rounds of 100 new tokens (about 30 minutes) that reuse its bundles as built.
+REAL_DEPTH_DIR ?= /tmp/neffbuild-real-depth
+REAL_DEPTH_ARGS = --workdir $(REAL_DEPTH_DIR) --layers 24 --new 100 --engines bundle-mxfp4,bundle-int8,llama-ft38
+bench-real-depth: $(STAMP)
+	benchmarks/peers.sh
+	$(BIN)/python benchmarks/real_width.py $(REAL_DEPTH_ARGS) --prepare
+	$(BIN)/python benchmarks/real_width.py $(REAL_DEPTH_ARGS) --rounds 2 --no-rebuild
 
 # Disaggregated serving in vLLM (issue 51): NIXL transfer vs a DRAM copy per UCX_TLS, TTFT and decode tok/s vs one
 # instance. Needs the vLLM venv (tools/vllm_venv.sh), so not part of `bench`; about 10 minutes on 2 cores.
