@@ -383,17 +383,17 @@ def test_greedy_agreement_of_the_int8_forms_on_the_tiny_model(tiny_recipe, tiny_
 def test_integer_head_equals_the_integer_loop(name, flags, needs, path, head_path):
     """Each x row's int16 quantization (bit for bit), ex = sum |x - d qx|, and the logits bit for bit
     fl32((s d) S) with S the exact integer sum, for widths with tails, 1-4 rows a tile and a fifth, vocabularies
-    whose last quarter is short (tiles of 1-3 weight rows) or a single row; an all-zero x row gives zeros.
-    Elsewhere than VNNI the form is absent (None: the float forms run)."""
+    whose last quarter is short (tiles of 1-3 weight rows) or a single row; an all-zero x row gives zeros. On the
+    plain path the form is absent (None: the float forms run)."""
     lib = _lib(flags, needs)
-    assert lib.q8_head16 == (1 if name == "vnni" else 0)
+    assert lib.q8_head16 == {"vnni": 2, "avx2": 1, "plain": 0}[name]
     g = torch.Generator().manual_seed(17)
     for m, k, v in ((2, 67, 33), (4, 96, 6), (5, 131, 9), (3, 2880, 7), (1, 2880, 13), (1, 45, 1), (1, 64, 5)):
         x, w = torch.randn(m, k, generator=g).bfloat16(), (torch.randn(v, k, generator=g) * 0.05).bfloat16()
         x[m - 1] = 0
         q, s = Q.quantize_rows(lib, w)
         got = Q.head16(lib, x, q, s)
-        if name != "vnni":
+        if name == "plain":
             assert got is None
             continue
         a, ex, qx, d = got
@@ -409,16 +409,16 @@ def test_integer_head_equals_the_integer_loop(name, flags, needs, path, head_pat
         assert bool((a[m - 1] == 0).all())
 
 
-@pytest.mark.parametrize("k", [1, 2880, 8256, 8257, 300_000])
-def test_integer_head_lanes_cannot_overflow(k):
-    """A lane of ``vpdpwssd`` adds 2 products of |q| <= 127 and |qx| <= qmax for every 32 weights: qmax keeps it in
-    int32 at any width (32,767 up to K = 8,256, less beyond)."""
-    lib = native.library()
-    if lib is None:
-        pytest.skip("no C kernels on this host")
-    qmax = lib.neffbuild_q8_head16_qmax(k)
-    assert 0 < qmax <= 32767 and 2 * -(-k // 32) * 127 * qmax <= 2 ** 31 - 1
-    assert (qmax == 32767) == (k <= 8256)
+@pytest.mark.parametrize(("name", "flags", "needs", "path", "head_path"), ISAS[1:], ids=[r[0] for r in ISAS[1:]])
+def test_integer_head_lanes_cannot_overflow(name, flags, needs, path, head_path):
+    """A lane adds 2 products of |q| <= 127 and |qx| <= qmax a step of 32 weights (VNNI ``vpdpwssd``) or 16 (AVX2
+    ``vpmaddwd``): qmax keeps it in int32 at any width (32,767 up to K = 8,256 or 4,128, less beyond)."""
+    lib = _lib(flags, needs)
+    step, widest = {"vnni": (32, 8256), "avx2": (16, 4128)}[name]
+    for k in (1, 2880, widest, widest + 1, 300_000):
+        qmax = lib.neffbuild_q8_head16_qmax(k)
+        assert 0 < qmax <= 32767 and 2 * -(-k // step) * 127 * qmax <= 2 ** 31 - 1, k
+        assert (qmax == 32767) == (k <= widest), k
 
 
 @pytest.mark.parametrize(("case", "kinds", "argmax"), HEAD_TABLE, ids=[r[0] for r in HEAD_TABLE])

@@ -947,25 +947,34 @@ int neffbuild_q8_linear(const uint16_t *x, int64_t m, const int8_t *q, const flo
     return 0;
 }
 
-/* The int8 head at batch > 1 in integers (``q8_head`` at M >= 2 on AVX512-VNNI): each x row quantized to int16 with
-   one scale (d = max|x| / qmax, qx = x / d rounded to nearest even; qmax 32,767, or less where K is so long that a
-   lane's int32 sum could overflow), each 32 int8 weights widened to int16 once for the m rows of x, one ``vpdpwssd``
-   a row of x: exact int32 lane sums, then an exact int64 total S, and y = (float)((s * d) * S) in double. The bf16
-   tile converts each 32 weights in five instructions before its m dot products; here in one. x's rounding is
+/* The int8 rows in integers (``q8_head`` and ``q8_linear``, runtime/native_q8.py ``head16``): each x row quantized
+   to int16 with one scale (d = max|x| / qmax, qx = x / d rounded to nearest even; qmax 32,767, or less where K is
+   so long that a lane's int32 sum could overflow), the int8 weights widened to int16 once for the m rows of x and
+   one multiply-add of pairs a row of x (AVX512-VNNI ``vpdpwssd``, 32 weights; AVX2 ``vpmaddwd`` + ``vpaddd``, 16):
+   exact int32 lane sums, then an exact int64 total S, and y = (float)((s * d) * S) in double. The float forms
+   convert each 8-32 weights in two to five instructions before their dot products; here in one. x's rounding is
    at most d / 2 a value: ex[i] = sum_t |x_t - d qx_t| (double) goes into the bound (``native_q8.bound_terms``).
-   Writes qx [m, in], d [m], ex [m]. 0; 1 when scratch could not be allocated; 2 where this form does not run (no
-   AVX512-VNNI, a non-finite x). */
+   Writes qx [m, in], d [m], ex [m]. 0; 1 when scratch could not be allocated; 2 where this form does not run
+   (neither AVX512-VNNI nor AVX2, a non-finite x). Q8_HEAD16: 2 VNNI, 1 AVX2, 0 none. */
 #if Q8_HEAD_PATH == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_HEAD16 2
+#define Q8_LANE_WEIGHTS 32 /* weights a step; each int32 lane adds two products a step */
+#define Q8_TILE_M 4        /* x rows a tile (registers: 16 accumulators of 32) */
+#elif defined(__AVX2__)
 #define Q8_HEAD16 1
+#define Q8_LANE_WEIGHTS 16
+#define Q8_TILE_M 2        /* 8 accumulators of AVX2's 16 registers */
 #else
 #define Q8_HEAD16 0
+#define Q8_LANE_WEIGHTS 32
+#define Q8_TILE_M 1
 #endif
 
 int neffbuild_q8_head16_path(void) { return Q8_HEAD16; }
 
-/* The largest |qx| for rows of ``in`` values: a lane adds 2 * ceil(in / 32) products of |q| <= 127. */
+/* The largest |qx| for rows of ``in`` values: a lane adds 2 * ceil(in / Q8_LANE_WEIGHTS) products of |q| <= 127. */
 int neffbuild_q8_head16_qmax(int64_t in) {
-    const int64_t per_lane = 2 * ((in + 31) / 32) * 127;
+    const int64_t per_lane = 2 * ((in + Q8_LANE_WEIGHTS - 1) / Q8_LANE_WEIGHTS) * 127;
     const int64_t most = per_lane > 0 ? INT32_MAX / per_lane : 32767;
     return (int)(most < 32767 ? most : 32767);
 }
@@ -995,6 +1004,7 @@ static int q8_head16_x(const uint16_t *x, int64_t m, int64_t in, int16_t *qx, fl
     return 0;
 }
 
+#if Q8_HEAD16 == 2
 static inline int64_t q8_lanes64(__m512i acc) {  /* the 16 int32 lanes summed without overflow */
     return _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc))) +
            _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1)));
@@ -1028,6 +1038,41 @@ static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, c
             sums[i * 4 + j] = v;
         }
 }
+#else
+static inline int64_t q8_lanes64(__m256i acc) {  /* the 8 int32 lanes summed without overflow */
+    const __m256i w = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc)),
+                                       _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc, 1)));
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    return _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1);
+}
+
+/* The AVX2 tile: r (1..4) weight rows against mc (1..2) x rows, 16 weights a step (``vpmaddwd``: pairs of exact
+   products into 8 int32 lanes). */
+static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, const int mc, const int8_t *q,
+                                                              const int r, int64_t rs, int64_t in, int64_t *sums) {
+    __m256i acc[4][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+    int64_t t = 0;
+    for (; t + 16 <= in; t += 16) {
+        __m256i xv[2];
+#pragma GCC unroll 2
+        for (int i = 0; i < mc; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(qx + i * in + t));
+#pragma GCC unroll 4
+        for (int j = 0; j < r; j++) {
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + j * rs + t)));
+#pragma GCC unroll 2
+            for (int i = 0; i < mc; i++) acc[j][i] = _mm256_add_epi32(acc[j][i], _mm256_madd_epi16(wv, xv[i]));
+        }
+    }
+    for (int j = 0; j < r; j++)
+        for (int i = 0; i < mc; i++) {
+            int64_t v = q8_lanes64(acc[j][i]);
+            for (int64_t u = t; u < in; u++) v += (int64_t)q[j * rs + u] * qx[i * in + u];
+            sums[i * 4 + j] = v;
+        }
+}
+#endif
 #endif
 
 /* The tile's four weight rows come from the four quarters of the weight (k, k + Q, k + 2Q, k + 3Q; Q = ceil(out /
@@ -1042,20 +1087,24 @@ int neffbuild_q8_head16(const uint16_t *x, int64_t m, const int8_t *q, const flo
     const int64_t quarter = (out + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t k = 0; k < quarter; k++)
-        for (int64_t i0 = 0; i0 < m; i0 += 4) {
+        for (int64_t i0 = 0; i0 < m; i0 += Q8_TILE_M) {
             int rc = 0;
             while (rc < 4 && rc * quarter + k < out) rc++;  /* the last quarter may be shorter */
-            const int mc = m - i0 < 4 ? (int)(m - i0) : 4;
+            const int mc = m - i0 < Q8_TILE_M ? (int)(m - i0) : Q8_TILE_M;
             int64_t sums[16];
             const int16_t *xq = qx + i0 * in;
             const int8_t *w = q + k * in;
             const int64_t rs = quarter * in;
             if (rc == 4) {
-                switch (mc) {
+                switch (mc) {  /* the counts constants where inlined: the accumulators stay in registers */
                     case 1: q8_tile16(xq, 1, w, 4, rs, in, sums); break;
+#if Q8_TILE_M == 4
                     case 2: q8_tile16(xq, 2, w, 4, rs, in, sums); break;
                     case 3: q8_tile16(xq, 3, w, 4, rs, in, sums); break;
                     default: q8_tile16(xq, 4, w, 4, rs, in, sums); break;
+#else
+                    default: q8_tile16(xq, 2, w, 4, rs, in, sums); break;
+#endif
                 }
             } else {
                 q8_tile16(xq, mc, w, rc, rs, in, sums);

@@ -239,11 +239,11 @@ def head_bound(s: torch.Tensor, x: torch.Tensor, ex: torch.Tensor | None = None)
 
 
 def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
-    """The int8 head in integers (``neffbuild_q8_head16``: x rows quantized to int16, one scale a row; each 32
-    weights widened to int16 once and one ``vpdpwssd`` a row of x, where the float forms convert them in two to five
-    instructions; four weight rows at a time from the four quarters of the head, four read streams): (a [M, N]
-    float32, ex [M] float64, qx int16 [M, K], d float32 [M]) on checked inputs, or None where it does not run (no
-    AVX512-VNNI: the float forms)."""
+    """The int8 head in integers (``neffbuild_q8_head16``: x rows quantized to int16, one scale a row; the weights
+    widened to int16 once and one multiply-add of pairs a row of x, AVX512-VNNI ``vpdpwssd`` 32 weights or AVX2
+    ``vpmaddwd`` 16, where the float forms convert them in two to five instructions; four weight rows at a time
+    from the four quarters of the head, four read streams): (a [M, N] float32, ex [M] float64, qx int16 [M, K],
+    d float32 [M]) on checked inputs, or None where it does not run (neither: the float forms)."""
     if not lib.q8_head16:
         return None
     xc = x.contiguous()
