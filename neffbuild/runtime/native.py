@@ -72,7 +72,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.neffbuild_bf16_linear_at.restype = ctypes.c_int
     lib.neffbuild_bf16_linear_at.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr]
     lib.q8_path = int(lib.neffbuild_q8_path())  # 2: VNNI dpbusd, 1: AVX2 maddubs, 0: plain (native_q8.py)
-    lib.q8_head16 = int(lib.neffbuild_q8_head16_path())  # the int8 rows in integers (native_q8.head16): 2 VNNI, 1 AVX2, 0 not
+    lib.q8_head16 = int(lib.neffbuild_q8_head16_path())  # native_q8.head16: 2 VNNI, 1 AVX2, 0 none
     lib.bf16_path = int(lib.neffbuild_bf16_native())  # 2: AVX-512 BF16, 1: AVX2 + FMA, 0: plain (the matmul runs)
     return lib
 
