@@ -557,6 +557,21 @@ static inline __attribute__((always_inline)) void q8_pair(const uint8_t *w, cons
     }
 }
 
+/* An odd last group of one weight row against ``cnt`` x rows: the 256-bit loop's one step, into tail[t]. */
+static inline __attribute__((always_inline)) void q8_odd_group(const uint8_t *w, const uint8_t *sc, int64_t g,
+                                                                 const float *scale_of, const int8_t *const *q,
+                                                                 const float *const *d, const int cnt, float *tail) {
+    const __m256i table8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
+    const __m256i c8 = q8_decode(w + g * 16, table8, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+                                 _mm256_set1_epi8(0x0F));
+    const __m256i absc = _mm256_abs_epi8(c8);
+    const float hs = scale_of[sc[g]];
+    for (int t = 0; t < cnt; t++) {
+        const __m256i dot = q8_dot(absc, c8, _mm256_loadu_si256((const __m256i *)(q[t] + g * 32)));
+        tail[t] = q8_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(hs * d[t][g])));
+    }
+}
+
 static inline __attribute__((always_inline)) void q8_rows_wide(const uint8_t *w, const uint8_t *sc, int64_t groups,
                                                                  const float *scale_of, const int8_t *const *q,
                                                                  const int32_t *const *nc, const float *const *dv,
@@ -575,17 +590,7 @@ static inline __attribute__((always_inline)) void q8_rows_wide(const uint8_t *w,
         g += 2;
     }
     float tail[Q8_CHUNK] = {0};
-    if (g < groups) {  /* an odd last group: the 256-bit loop's one step */
-        const __m256i table8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
-        const __m256i c8 = q8_decode(w + g * 16, table8, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
-                                     _mm256_set1_epi8(0x0F));
-        const __m256i absc = _mm256_abs_epi8(c8);
-        const float hs = scale_of[sc[g]];
-        for (int t = 0; t < cnt; t++) {
-            const __m256i dot = q8_dot(absc, c8, _mm256_loadu_si256((const __m256i *)(q[t] + g * 32)));
-            tail[t] = q8_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(hs * d[t][g])));
-        }
-    }
+    if (g < groups) q8_odd_group(w, sc, g, scale_of, q, d, cnt, tail);
 #pragma GCC unroll 8
     for (int t = 0; t < cnt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) + tail[t];
 }
@@ -619,13 +624,7 @@ static inline __attribute__((always_inline)) void q8_rows4_wide(const uint8_t *c
             g += 2;
         }
         float tail = 0.0f;
-        if (g < groups) {
-            const __m256i table8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
-            const __m256i c8 = q8_decode(w[j] + g * 16, table8, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
-                                         _mm256_set1_epi8(0x0F));
-            const __m256i dot = q8_dot(_mm256_abs_epi8(c8), c8, _mm256_loadu_si256((const __m256i *)(q + g * 32)));
-            tail = q8_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale_of[sc[j][g]] * ds[0][g])));
-        }
+        if (g < groups) q8_odd_group(w[j], sc[j], g, scale_of, qs, ds, 1, &tail);
         out[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], acc2[j])) + tail;
     }
 }
@@ -1004,6 +1003,13 @@ static int q8_head16_x(const uint16_t *x, int64_t m, int64_t in, int16_t *qx, fl
     return 0;
 }
 
+/* The products the vector steps left (values t .. in - 1 of a row), exactly. */
+static inline int64_t q8_rest16(const int8_t *w, const int16_t *x, int64_t t, int64_t in) {
+    int64_t v = 0;
+    for (; t < in; t++) v += (int64_t)w[t] * x[t];
+    return v;
+}
+
 #if Q8_HEAD16 == 2
 static inline int64_t q8_lanes64(__m512i acc) {  /* the 16 int32 lanes summed without overflow */
     return _mm512_reduce_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc))) +
@@ -1032,11 +1038,8 @@ static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, c
         }
     }
     for (int j = 0; j < r; j++)
-        for (int i = 0; i < mc; i++) {
-            int64_t v = q8_lanes64(acc[j][i]);
-            for (int64_t u = t; u < in; u++) v += (int64_t)q[j * rs + u] * qx[i * in + u];
-            sums[i * 4 + j] = v;
-        }
+        for (int i = 0; i < mc; i++)
+            sums[i * 4 + j] = q8_lanes64(acc[j][i]) + q8_rest16(q + j * rs, qx + i * in, t, in);
 }
 #else
 static inline int64_t q8_lanes64(__m256i acc) {  /* the 8 int32 lanes summed without overflow */
@@ -1066,11 +1069,8 @@ static inline __attribute__((always_inline)) void q8_tile16(const int16_t *qx, c
         }
     }
     for (int j = 0; j < r; j++)
-        for (int i = 0; i < mc; i++) {
-            int64_t v = q8_lanes64(acc[j][i]);
-            for (int64_t u = t; u < in; u++) v += (int64_t)q[j * rs + u] * qx[i * in + u];
-            sums[i * 4 + j] = v;
-        }
+        for (int i = 0; i < mc; i++)
+            sums[i * 4 + j] = q8_lanes64(acc[j][i]) + q8_rest16(q + j * rs, qx + i * in, t, in);
 }
 #endif
 #endif

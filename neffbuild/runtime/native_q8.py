@@ -192,8 +192,8 @@ def q8_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tenso
 def q8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T with w read as int8 and one float32 scale a row (``model.attn_kernel: int8``: the
     attention projections), 1 byte a weight and 4 a row where ``neffbuild::bf16_linear`` reads 2 a weight: float32
-    sums of s * (q x), rounded to bfloat16 as bf16_linear's result is (with AVX512-VNNI exact integer sums of q
-    and x rounded to int16, ``head16``). Lossy, with no re-scoring: each weight moves by at most half a step,
+    sums of s * (q x), rounded to bfloat16 as bf16_linear's result is (with AVX512-VNNI or AVX2 exact integer sums
+    of q and x rounded to int16, ``head16``). Lossy, with no re-scoring: each weight moves by at most half a step,
     max|w_row| / 254 (``q8_head``'s bound without its re-scoring). The exact op runs where the C kernels are not
     built or a weight is not finite."""
     quantized = _int8_rows("q8_linear", x, w)
@@ -238,7 +238,7 @@ def head_bound(s: torch.Tensor, x: torch.Tensor, ex: torch.Tensor | None = None)
     return (s.double()[None, :] * x1c[:, None] + tiny) * (1 + 2.0 ** -30)
 
 
-def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
+def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, op: str = "q8_head"):
     """The int8 head in integers (``neffbuild_q8_head16``: x rows quantized to int16, one scale a row; the weights
     widened to int16 once and one multiply-add of pairs a row of x, AVX512-VNNI ``vpdpwssd`` 32 weights or AVX2
     ``vpmaddwd`` 16, where the float forms convert them in two to five instructions; four weight rows at a time
@@ -247,7 +247,7 @@ def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
     if not lib.q8_head16:
         return None
     xc = x.contiguous()
-    (m, k), n, op, p = xc.shape, q.shape[0], "q8_head", native._pointer
+    (m, k), n, p = xc.shape, q.shape[0], native._pointer
     y, qx = torch.empty(m, n), torch.empty(m, k, dtype=torch.int16)
     d, ex = torch.empty(m), torch.empty(m, dtype=torch.float64)
     status = lib.neffbuild_q8_head16(p(op, "x", xc, torch.bfloat16, (m, k)), m, p(op, "q", q, torch.int8, (n, k)),
@@ -262,7 +262,7 @@ def head16(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
 def rows_matmul(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, op: str):
     """(a [M, N] float32, ex [M] float64 or None): ``head16``'s integer form where it runs (x rounded to int16 first,
     ex = sum |x - x^| a row), else ``q8_matmul``'s float sums (ex None)."""
-    wide = head16(lib, x, q, s)
+    wide = head16(lib, x, q, s, op)
     return (wide[0], wide[1]) if wide is not None else (q8_matmul(lib, x, q, s, op), None)
 
 
@@ -291,7 +291,7 @@ def q8_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     is below the maximum too. The re-scored rows (every row whose exact value can reach the maximum, ties included)
     run the exact form's own C loop on its own inputs (``neffbuild_bf16_linear_at``), so they are bit-identical.
 
-    On AVX512-VNNI (``head16``) each row of x is quantized to int16 with one scale, x^ = d qx, and
+    With AVX512-VNNI or AVX2 (``head16``) each row of x is quantized to int16 with one scale, x^ = d qx, and
     a = fl32((s d) S) with S = sum q qx an exact integer: |s sum q x - s sum q x^| <= 127 s ex, ex = sum |x - x^|
     (double, widened by 2^-18), and the two double products and the rounding to float32 move a by at most
     2^-23 |a| <= 2^-23 127 s (|x|_1 + ex): inside c(K)'s 127 (gamma_K + 2^-24) for |x|_1, and 2^-16 ex for the rest.

@@ -211,6 +211,8 @@ def stack(cfg: GptOssConfig, sd: dict[str, torch.Tensor], form: WeightForm = DEF
                 out[key + SCALES] = stacked([n + SCALES for n in names])
             else:
                 out.update(_packed_experts(key, names, sd))
+                for n in names if consume else ():
+                    del sd[n]
             continue
         if key in EXPERTS_OUT_IN:  # experts [in, out] -> [out, in]
             out[key] = stacked(names, lambda t: t.transpose(-1, -2))
