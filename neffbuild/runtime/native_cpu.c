@@ -529,6 +529,102 @@ static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const fl
 }
 #endif
 
+#if Q8_PATH >= 1
+/* The codes as twice-E2M1 + 12 (0..24: unsigned, the operand dpbusd and maddubs take unsigned); each x block's lanes
+   then start from minus 12 times their q values (``nc``), so each lane's sum is the signed form's exact integer. */
+static const int8_t TWICE_E2M1_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* An odd last group of one weight row against ``cnt`` x rows: the 256-bit loop's one step, into tail[t]. */
+static inline __attribute__((always_inline)) void q8_odd_group(const uint8_t *w, const uint8_t *sc, int64_t g,
+                                                                 const float *scale_of, const int8_t *const *q,
+                                                                 const float *const *d, const int cnt, float *tail) {
+    const __m256i table8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
+    const __m256i c8 = q8_decode(w + g * 16, table8, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
+                                 _mm256_set1_epi8(0x0F));
+    const __m256i absc = _mm256_abs_epi8(c8);
+    const float hs = scale_of[sc[g]];
+    for (int t = 0; t < cnt; t++) {
+        const __m256i dot = q8_dot(absc, c8, _mm256_loadu_si256((const __m256i *)(q[t] + g * 32)));
+        tail[t] = q8_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(hs * d[t][g])));
+    }
+}
+
+#endif
+
+#if Q8_PATH == 1
+#define Q8_PAIRS 1
+/* AVX2, two groups a step. Each x row re-laid per pair of groups (``q8_pair_extras``): group g's 16 even-position q,
+   group g + 1's, then g's 16 odd ones, g + 1's. One 32-byte load of the pair's weight bytes then gives both groups'
+   even codes (low nibbles) in one register and their odd codes (high nibbles, one 16-bit shift) in another, looked
+   up as twice-E2M1 + 12; maddubs against the matching x halves, the two 16-bit sums added (|sum| <= 4 * 24 * 127:
+   no saturation) and widened by one madd to 8 int32 lanes, lanes 0-3 group g and 4-7 group g + 1, each started at
+   ``nc`` (-12 times its 8 q values): the exact signed sums. Scaled by x's block scales (``dv``: d in the lanes of its
+   group) and the groups' half scales (powers of two: exact), one chain a row. Groups g and g + 1 of one weight row
+   against ``cnt`` x rows, into ``acc``. */
+static inline __attribute__((always_inline)) void q8_pair2(const uint8_t *w, const uint8_t *sc, int64_t g,
+                                                             const float *scale_of, const int8_t *const *qp,
+                                                             const int32_t *const *nc, const float *const *dv,
+                                                             const int cnt, __m256 *acc) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_12));
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 16));
+    const __m256i clo = _mm256_shuffle_epi8(table, _mm256_and_si256(b, low4));
+    const __m256i chi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
+    const __m256 hs = _mm256_set_m128(_mm_set1_ps(scale_of[sc[g + 1]]), _mm_set1_ps(scale_of[sc[g]]));
+#pragma GCC unroll 8
+    for (int t = 0; t < cnt; t++) {
+        const int8_t *p = qp[t] + g * 32;  /* pair g / 2: 64 bytes */
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(clo, _mm256_loadu_si256((const __m256i *)p)),
+                                             _mm256_maddubs_epi16(chi, _mm256_loadu_si256((const __m256i *)(p + 32))));
+        const __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(s16, ones),
+                                              _mm256_loadu_si256((const __m256i *)(nc[t] + g * 4)));
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_loadu_ps(dv[t] + g * 4));
+        acc[t] = _mm256_fmadd_ps(v, hs, acc[t]);
+    }
+}
+
+/* One weight row against ``cnt`` x rows, pair by pair (an odd last group: the one-group step). */
+static inline __attribute__((always_inline)) void q8_rows_pairs(const uint8_t *w, const uint8_t *sc, int64_t groups,
+                                                                  const float *scale_of, const int8_t *const *qp,
+                                                                  const int32_t *const *nc, const float *const *dv,
+                                                                  const int8_t *const *q, const float *const *d,
+                                                                  const int cnt, float *out) {
+    __m256 acc[Q8_CHUNK];
+#pragma GCC unroll 8
+    for (int t = 0; t < Q8_CHUNK; t++) acc[t] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) q8_pair2(w, sc, g, scale_of, qp, nc, dv, cnt, acc);
+    float tail[Q8_CHUNK] = {0};
+    if (g < groups) q8_odd_group(w, sc, g, scale_of, q, d, cnt, tail);
+#pragma GCC unroll 8
+    for (int t = 0; t < cnt; t++) out[t] = q8_hsum(acc[t]) + tail[t];
+}
+
+/* ``q8_rows_pairs`` for four weight rows (nr <= 4) against one x row, in step (``mx_drive``'s quartered units): the
+   same steps in the same order a row, so each output equals the one-row loop's. */
+static inline __attribute__((always_inline)) void q8_rows4_pairs(const uint8_t *const *w, const uint8_t *const *sc,
+                                                                   const int nr, int64_t groups, const float *scale_of,
+                                                                   const int8_t *qp, const int32_t *nc, const float *dv,
+                                                                   const int8_t *q, const float *d, float *out) {
+    const int8_t *const qps[1] = {qp}, *const qs[1] = {q};
+    const int32_t *const ncs[1] = {nc};
+    const float *const dvs[1] = {dv}, *const ds[1] = {d};
+    __m256 acc[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+#pragma GCC unroll 4
+        for (int j = 0; j < nr; j++) q8_pair2(w[j], sc[j], g, scale_of, qps, ncs, dvs, 1, &acc[j]);
+    }
+    for (int j = 0; j < nr; j++) {
+        float tail = 0.0f;
+        if (g < groups) q8_odd_group(w[j], sc[j], g, scale_of, qs, ds, 1, &tail);
+        out[j] = q8_hsum(acc[j]) + tail;
+    }
+}
+#endif
+
 #if Q8_PATH == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define Q8_WIDE 1
 /* The 512-bit form: two groups a register, one dpbusd a pair of groups and x row. The codes are looked up as
@@ -536,7 +632,6 @@ static void q8_row(const uint8_t *w, const uint8_t *sc, int64_t groups, const fl
    from minus 12 times their 4 q values (``nc``, once per x row), so each lane's sum is the same exact integer as
    the signed form's. The lanes are scaled by the x block's d (``dv``: d in 8 lanes a block) and the weight group's
    half scale (a power of two: its product exact), two chains a row over pairs of pairs. */
-static const int8_t TWICE_E2M1_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 /* Groups g and g + 1 of one weight row against ``cnt`` x rows, into ``acc``. */
 static inline __attribute__((always_inline)) void q8_pair(const uint8_t *w, const uint8_t *sc, int64_t g,
@@ -554,21 +649,6 @@ static inline __attribute__((always_inline)) void q8_pair(const uint8_t *w, cons
                                                  _mm512_loadu_si512((const void *)(q[t] + g * 32)));
         const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_loadu_ps(dv[t] + g * 8));
         acc[t] = _mm512_fmadd_ps(v, hs, acc[t]);
-    }
-}
-
-/* An odd last group of one weight row against ``cnt`` x rows: the 256-bit loop's one step, into tail[t]. */
-static inline __attribute__((always_inline)) void q8_odd_group(const uint8_t *w, const uint8_t *sc, int64_t g,
-                                                                 const float *scale_of, const int8_t *const *q,
-                                                                 const float *const *d, const int cnt, float *tail) {
-    const __m256i table8 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1));
-    const __m256i c8 = q8_decode(w + g * 16, table8, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4),
-                                 _mm256_set1_epi8(0x0F));
-    const __m256i absc = _mm256_abs_epi8(c8);
-    const float hs = scale_of[sc[g]];
-    for (int t = 0; t < cnt; t++) {
-        const __m256i dot = q8_dot(absc, c8, _mm256_loadu_si256((const __m256i *)(q[t] + g * 32)));
-        tail[t] = q8_hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(hs * d[t][g])));
     }
 }
 
@@ -630,11 +710,12 @@ static inline __attribute__((always_inline)) void q8_rows4_wide(const uint8_t *c
 }
 #endif
 
-struct q8_x {  /* x quantized: int8 rows and their block scales (wide path: each block's lane corrections and d x 8) */
+struct q8_x {  /* x quantized: int8 rows and their block scales; the wide and pair paths' extras (q8_extras) */
     const int8_t *q;
     const float *d;
     const int32_t *nc;
     const float *dv;
+    const int8_t *qp;  /* the pair path's re-laid q */
 };
 
 static void rows_q8(const void *ctx, const int64_t *xr, int cnt, const uint8_t *row, const uint8_t *sc,
@@ -659,6 +740,22 @@ static void rows_q8(const void *ctx, const int64_t *xr, int cnt, const uint8_t *
         case 3: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, 3, out); break;
         case 4: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, 4, out); break;
         default: q8_rows_wide(row, sc, groups, scale_of, qs, ncs, dvs, ds, cnt, out); break;
+    }
+#elif defined(Q8_PAIRS)
+    const int8_t *qps[Q8_CHUNK];
+    const int32_t *ncs[Q8_CHUNK];
+    const float *dvs[Q8_CHUNK];
+    for (int t = 0; t < cnt; t++) {
+        qps[t] = x->qp + xr[t] * groups * 32;
+        ncs[t] = x->nc + xr[t] * groups * 4;
+        dvs[t] = x->dv + xr[t] * groups * 4;
+    }
+    switch (cnt) {  /* the count a constant where inlined: the accumulators stay in registers */
+        case 1: q8_rows_pairs(row, sc, groups, scale_of, qps, ncs, dvs, qs, ds, 1, out); break;
+        case 2: q8_rows_pairs(row, sc, groups, scale_of, qps, ncs, dvs, qs, ds, 2, out); break;
+        case 3: q8_rows_pairs(row, sc, groups, scale_of, qps, ncs, dvs, qs, ds, 3, out); break;
+        case 4: q8_rows_pairs(row, sc, groups, scale_of, qps, ncs, dvs, qs, ds, 4, out); break;
+        default: q8_rows_pairs(row, sc, groups, scale_of, qps, ncs, dvs, qs, ds, cnt, out); break;
     }
 #else
     switch (cnt) {
@@ -686,19 +783,52 @@ static void rows4_q8(const void *ctx, int64_t xr, const uint8_t *const *rows, co
     }
 }
 #define ROWS4_Q8 rows4_q8
+#elif defined(Q8_PAIRS)
+static void rows4_q8(const void *ctx, int64_t xr, const uint8_t *const *rows, const uint8_t *const *scs, int nr,
+                     int64_t groups, const float *scale_of, float *out) {
+    const struct q8_x *x = ctx;
+    const int8_t *q = x->q + xr * groups * 32, *qp = x->qp + xr * groups * 32;
+    const int32_t *nc = x->nc + xr * groups * 4;
+    const float *dv = x->dv + xr * groups * 4, *d = x->d + xr * groups;
+    switch (nr) {  /* the row count a constant where inlined */
+        case 4: q8_rows4_pairs(rows, scs, 4, groups, scale_of, qp, nc, dv, q, d, out); break;
+        case 3: q8_rows4_pairs(rows, scs, 3, groups, scale_of, qp, nc, dv, q, d, out); break;
+        case 2: q8_rows4_pairs(rows, scs, 2, groups, scale_of, qp, nc, dv, q, d, out); break;
+        default: q8_rows4_pairs(rows, scs, 1, groups, scale_of, qp, nc, dv, q, d, out); break;
+    }
+}
+#define ROWS4_Q8 rows4_q8
 #else
 #define ROWS4_Q8 NULL
 #endif
 
-/* The wide path's per-block extras of quantized x (``q8_rows_wide``): nc[b, j] = -12 * (the 4 q values of lane j),
-   dv[b, j] = d[b], for j < 8. */
-static void q8_extras(const int8_t *q, const float *d, int64_t blocks, int32_t *nc, float *dv) {
-    for (int64_t b = 0; b < blocks; b++)
+/* The per-block extras of quantized x (``rows`` rows of ``groups`` blocks). The wide path (``q8_rows_wide``):
+   nc[b, j] = -12 * (the 4 q values of lane j), dv[b, j] = d[b], for j < 8. The pair path (``q8_pair2``), per pair of
+   blocks g, g + 1 of a row: qp = g's 16 even-position q, g + 1's, g's 16 odd, g + 1's; its 8 lanes j (g's 0-3, g + 1's
+   4-7) nc = -12 * (the 4 even and the 4 odd q that lane sums), dv = the block's d (an odd last block has none). */
+static void q8_extras(const int8_t *q, const float *d, int64_t rows, int64_t groups, int32_t *nc, float *dv,
+                      int8_t *qp) {
+#ifdef Q8_PAIRS
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g + 2 <= groups; g += 2) {
+            const int8_t *a = q + (r * groups + g) * 32;  /* blocks g and g + 1: 64 bytes */
+            int8_t *p = qp + (r * groups + g) * 32;
+            memcpy(p, a, 16); memcpy(p + 16, a + 32, 16); memcpy(p + 32, a + 16, 16); memcpy(p + 48, a + 48, 16);
+            for (int j = 0; j < 8; j++) {
+                const int8_t *e = p + 4 * j, *o = p + 32 + 4 * j;
+                nc[(r * groups + g) * 4 + j] = -12 * ((int32_t)e[0] + e[1] + e[2] + e[3] + o[0] + o[1] + o[2] + o[3]);
+                dv[(r * groups + g) * 4 + j] = d[r * groups + g + j / 4];
+            }
+        }
+#else
+    (void)qp;
+    for (int64_t b = 0; b < rows * groups; b++)
         for (int j = 0; j < 8; j++) {
             const int8_t *l = q + b * 32 + 4 * j;
             nc[b * 8 + j] = -12 * ((int32_t)l[0] + l[1] + l[2] + l[3]);
             dv[b * 8 + j] = d[b];
         }
+#endif
 }
 
 /* The integer form of neffbuild_mxfp4_dot (same arguments and layout): x quantized once, then the experts' driver
@@ -711,14 +841,15 @@ int neffbuild_mxfp4_q8_dot(const float *x, int64_t kx, const uint8_t *blocks, co
     float *d = malloc((size_t)(xrows * groups + 1) * sizeof(float));
     int32_t *nc = malloc((size_t)(xrows * groups * 8 + 1) * sizeof(int32_t));
     float *dv = malloc((size_t)(xrows * groups * 8 + 1) * sizeof(float));
+    int8_t *qp = malloc((size_t)(xrows * groups * 32) + 1);
     int status = 1;
-    if (q && d && nc && dv) {
+    if (q && d && nc && dv && qp) {
         neffbuild_q8_quantize(x, xrows, groups, q, d);
-        q8_extras(q, d, xrows * groups, nc, dv);
-        const struct q8_x qx = {q, d, nc, dv};
+        q8_extras(q, d, xrows, groups, nc, dv, qp);
+        const struct q8_x qx = {q, d, nc, dv, qp};
         status = mx_drive(&qx, Q8_CHUNK, kx, blocks, scales, idx, n, k, out, groups, y, threads, rows_q8, ROWS4_Q8);
     }
-    free(q); free(d); free(nc); free(dv);
+    free(q); free(d); free(nc); free(dv); free(qp);
     return status;
 }
 
