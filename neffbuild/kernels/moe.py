@@ -20,7 +20,7 @@ from neffbuild.runtime import (
     native,
     native_q8,  # noqa: F401 - registers the opt-in integer ops the traced graph may call
 )
-from neffbuild.runtime.native import e2m1, e8m0, eager_dtype, packed_dot
+from neffbuild.runtime.native import e2m1, e8m0, matmul_dtype, packed_dot
 
 # On while a CPU graph is traced for AOTInductor (compiler/backends/inductor.py): the graph then calls the runtime's
 # native ops (runtime/native.py) for picked packed experts and bf16 linears, as it calls oneDNN's matmuls.
@@ -186,11 +186,11 @@ def _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, l
     (0.87 s per layer at N = 400, H = I = 256, top 2 of 8); ``_dense`` runs every expert on every token, E / k
     times the routed work (x8 at GPT-OSS's top 4 of 32) and every expert decoded at once.
 
-    bfloat16 runs in float32 where oneDNN has no fast bf16 matmul (``eager_dtype``): the weights widened exactly,
+    bfloat16 runs in float32 where oneDNN has no fast bf16 matmul (``matmul_dtype``): the weights widened exactly,
     the sums in float32, the result rounded to bfloat16 once."""
     E = gate_up_w.shape[0]
     local = top_idx if first_expert is None else top_idx - first_expert  # [N, k]: ids in the held slice
-    cdt = eager_dtype(x.dtype)
+    cdt = matmul_dtype(x.dtype)
     xc = x.to(cdt)
     out = torch.zeros(x.shape, dtype=cdt)
     for e in torch.unique(local[(local >= 0) & (local < E)]).tolist():

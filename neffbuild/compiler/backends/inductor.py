@@ -34,6 +34,7 @@ from neffbuild.compiler.reproducible import normalize_pt2
 from neffbuild.errors import InvalidInput
 from neffbuild.kernels.moe import native_cpu_ops
 from neffbuild.runtime.bundle.loaders import load_inductor
+from neffbuild.runtime.native import matmul_dtype
 
 # AOTInductor options whose torch defaults come from the environment at import (AOT_INDUCTOR_*): each shapes the
 # C++ build of every artifact, but no cache key names an environment variable. So the backend passes them itself,
@@ -128,6 +129,9 @@ class InductorBackend(Backend):
             "flags": list(self.flags),
             "cpu_target": dict(self.cpu),
             "cxx": cxx_version(),
+            # the decode graph's attention matmuls run in float32 on hosts without fast bf16 ones
+            # (runtime.native.matmul_dtype): a graph traced here differs from one traced on such a host
+            "bf16_matmul": str(matmul_dtype(torch.bfloat16)).removeprefix("torch."),
         }
 
 
