@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from neffbuild import grid
 from neffbuild import recipe as R
@@ -28,6 +29,8 @@ def test_default_target_is_the_portable_baseline_and_neuron_targets_mean_unset()
     fp = get_backend("inductor", target="trn2").fingerprint()
     assert fp["cpu_target"]["target"] == cpu_features.DEFAULT_TARGET or cpu_features.targets() == ("native",)
     assert fp["cxx"] and "unavailable" not in fp["cxx"]
+    # the decode graph's attention traces in float32 on hosts without fast bf16 matmuls: two kinds, two keys
+    assert fp["bf16_matmul"] == ("bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32")
     native = get_backend("inductor", target="native").fingerprint()["cpu_target"]
     assert native["march"] == "native" and set(native["features"]) <= cpu_features.host_features()
 

@@ -60,6 +60,38 @@ def test_paged_attention_matches_loop_reference():
             torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fast_bf16", [False, True], ids=["slow-bf16-matmul", "fast-bf16-matmul"])
+def test_decode_attention_matmuls_run_in_the_hosts_matmul_dtype(monkeypatch, fast_bf16):
+    """GQA 8 (the gathered-copy form): a bf16 decode's two batched matmuls run in ``matmul_dtype`` (float32 where
+    oneDNN has no fast bf16 kernel: there they took 12 ms a layer against 0.7, docs/benchmarks.md "Real width"),
+    read in the traced graph as the graph compiles it; the result is bf16 either way and near the loop reference."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    attention = importlib.import_module("neffbuild.kernels.attention")
+    monkeypatch.setattr(attention, "matmul_dtype",
+                        (lambda dt: dt) if fast_bf16 else (lambda dt: torch.float32 if dt == torch.bfloat16 else dt))
+    nb, h, bs, d, H = 6, 1, 4, 8, 8
+    kc, vc = rnd(nb, h, bs, d).bfloat16(), rnd(nb, h, bs, d).bfloat16()
+    table, q_pos, offset = torch.tensor([[3, 1, 5]]), torch.tensor([[10]]), torch.tensor([0])
+    q, sinks = rnd(1, 1, H, d).bfloat16(), rnd(H)
+
+    def step(q, cache):
+        return paged_attention(q, cache, table, q_pos, offset, sinks, 0.3, None)
+
+    cache = torch.stack([kc, vc])
+    gm = make_fx(step)(q, cache)
+    bmm = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)]
+    assert len(bmm) >= 2
+    want_dtype = torch.bfloat16 if fast_bf16 else torch.float32
+    assert {a.meta["val"].dtype for n in bmm for a in n.args[:2]} == {want_dtype}
+    got = step(q, cache)
+    assert got.dtype == torch.bfloat16
+    k = kc[table[0]].permute(0, 2, 1, 3).reshape(-1, h, d).float()
+    v = vc[table[0]].permute(0, 2, 1, 3).reshape(-1, h, d).float()
+    want = ref_attention(q[0].float(), k, v, sinks, 0.3, q_pos[0], torch.arange(k.shape[0]), None)
+    torch.testing.assert_close(got.view(1, H, d).float(), want, atol=3e-2, rtol=3e-2)
+
+
 def test_paged_attention_packed_fp8_and_several_queries_match_loop_reference():
     """Packed FP8 K (and FP8 V) read through the table, 3 query rows per request (a spec step), GQA 2."""
     nb, h, bs, d, H, S = 10, 2, 4, 8, 4, 3
