@@ -332,15 +332,15 @@ def prepare(name: str, a, work: Path, ckpts: dict, setup: dict) -> list[str] | s
 
 
 def prepare_all(names: list[str], a, work: Path, ckpts: dict, setup: dict) -> None:
-    """``--prepare``: every engine's set-up, one line each. Bundles whose weights file is byte for byte another's
-    (the manifests' digests agree: the int8 forms quantize at run time) then share one file (a hard link), so the
-    real depth needs one 14 GB weights file, not one a form; ``--no-rebuild`` keeps them so."""
+    """``--prepare``: every engine's set-up, one line each. A bundle whose weights file is byte for byte an earlier
+    one's (the manifests' digests agree: the int8 forms quantize at run time) then shares that file (a hard link),
+    as soon as it is built: the real depth needs one 14 GB weights file, not one a form, and the disk that the GGUFs
+    take next (a 24-layer run filled a 63 GB disk when the links waited for the end); ``--no-rebuild`` keeps them so."""
+    first: dict[str, Path] = {}
     for n in names:
         t0 = time.perf_counter()
         got = prepare(n, a, work, ckpts, setup)
         print(f"{n}: " + (got if isinstance(got, str) else f"ready in {time.perf_counter() - t0:.0f} s"), flush=True)
-    first: dict[str, Path] = {}
-    for n in names:
         bundle = work / "out" / f"real-width-{n}-0.1.0"
         if ENGINES[n][1] != "bundle" or not (bundle / "manifest.json").is_file():
             continue
