@@ -156,7 +156,7 @@ def test_moe_matches_per_token_loop(N, traced, monkeypatch):
     H, I, E, k = 6, 4, 4, 2
     x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
     gw, gb, dw, db = rnd(E, 2 * I, H), rnd(E, 2 * I), rnd(E, H, I), rnd(E, H)  # experts [out, in]
-    monkeypatch.setattr(moe_module, "_traced", lambda x: traced)
+    monkeypatch.setattr(moe_module, "traced", lambda x: traced)
     got = moe(x, rw, rb, gw, gb, dw, db, k, 1.702, 7.0)
     for n in range(N):
         logits = x[n] @ rw.t() + rb
@@ -169,7 +169,7 @@ def test_moe_matches_per_token_loop(N, traced, monkeypatch):
 @pytest.mark.parametrize("N,traced", [(5, False), (DENSE_TOKENS, False), (DENSE_TOKENS, True)])
 def test_moe_expert_slices_sum_to_the_whole(N, traced, monkeypatch):
     """Two EP ranks' slices (``first_expert``) add up to the unsharded MoE, in every form."""
-    monkeypatch.setattr(moe_module, "_traced", lambda x: traced)
+    monkeypatch.setattr(moe_module, "traced", lambda x: traced)
     H, I, E, k = 6, 4, 4, 2
     x, rw, rb = rnd(N, H), rnd(E, H), rnd(E)
     gw, gb, dw, db = rnd(E, 2 * I, H), rnd(E, 2 * I), rnd(E, H, I), rnd(E, H)  # experts [out, in]

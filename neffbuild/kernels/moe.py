@@ -145,8 +145,8 @@ def moe(
     logits = x @ router_w.t() + router_b  # [N, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [N, k]
     weights = torch.softmax(top_val, dim=-1)  # [N, k]
-    if x.shape[0] >= DENSE_TOKENS or (_indexed_values(x, gate_up_w, top_k) > EAGER_INDEXED_VALUES and not _traced(x)):
-        if _traced(x):
+    if x.shape[0] >= DENSE_TOKENS or (_indexed_values(x, gate_up_w, top_k) > EAGER_INDEXED_VALUES and not traced(x)):
+        if traced(x):
             return _dense(x, router_w.shape[0], top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit,
                           first_expert)
         return _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert)
@@ -172,7 +172,7 @@ def _indexed_values(x: torch.Tensor, gate_up_w, top_k: int) -> int:
     return x.shape[0] * top_k * out * n_in
 
 
-def _traced(x: torch.Tensor) -> bool:
+def traced(x: torch.Tensor) -> bool:
     """True while a graph is being traced (export, dynamo): shapes that depend on the routing cannot be traced."""
     from torch._guards import detect_fake_mode
 
