@@ -64,27 +64,33 @@ def test_paged_attention_matches_loop_reference():
 def test_decode_attention_matmuls_run_in_the_hosts_matmul_dtype(monkeypatch, fast_bf16):
     """GQA 8 (the gathered-copy form): a bf16 decode's two batched matmuls run in ``matmul_dtype`` (float32 where
     oneDNN has no fast bf16 kernel: there they took 12 ms a layer against 0.7, docs/benchmarks.md "Real width"),
-    read in the traced graph as the graph compiles it; the result is bf16 either way and near the loop reference."""
+    eagerly and in a graph traced for AOTInductor's CPU code (``native_cpu_ops``), read in the traced graph as the
+    graph compiles it; a graph traced for another backend (Neuron) keeps bf16 whatever the build host. The result is
+    bf16 either way and near the loop reference."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    attention = importlib.import_module("neffbuild.kernels.attention")
-    monkeypatch.setattr(attention, "matmul_dtype",
+    monkeypatch.setattr(moe_module, "matmul_dtype",
                         (lambda dt: dt) if fast_bf16 else (lambda dt: torch.float32 if dt == torch.bfloat16 else dt))
     nb, h, bs, d, H = 6, 1, 4, 8, 8
     kc, vc = rnd(nb, h, bs, d).bfloat16(), rnd(nb, h, bs, d).bfloat16()
     table, q_pos, offset = torch.tensor([[3, 1, 5]]), torch.tensor([[10]]), torch.tensor([0])
     q, sinks = rnd(1, 1, H, d).bfloat16(), rnd(H)
 
-    def step(q, cache):
+    def step(q, cache, table, q_pos, offset, sinks):
         return paged_attention(q, cache, table, q_pos, offset, sinks, 0.3, None)
 
-    cache = torch.stack([kc, vc])
-    gm = make_fx(step)(q, cache)
-    bmm = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)]
-    assert len(bmm) >= 2
+    def matmul_dtypes(gm):
+        bmm = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)]
+        assert len(bmm) >= 2
+        return {a.meta["val"].dtype for n in bmm for a in n.args[:2]}
+
+    args = (q, torch.stack([kc, vc]), table, q_pos, offset, sinks)
     want_dtype = torch.bfloat16 if fast_bf16 else torch.float32
-    assert {a.meta["val"].dtype for n in bmm for a in n.args[:2]} == {want_dtype}
-    got = step(q, cache)
+    assert matmul_dtypes(make_fx(step)(*args)) == {want_dtype}  # eager (real tensors)
+    with moe_module.native_cpu_ops():
+        assert matmul_dtypes(make_fx(step, tracing_mode="fake")(*args)) == {want_dtype}
+    assert matmul_dtypes(make_fx(step, tracing_mode="fake")(*args)) == {torch.bfloat16}
+    got = step(*args)
     assert got.dtype == torch.bfloat16
     k = kc[table[0]].permute(0, 2, 1, 3).reshape(-1, h, d).float()
     v = vc[table[0]].permute(0, 2, 1, 3).reshape(-1, h, d).float()

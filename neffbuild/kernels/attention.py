@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from neffbuild.kernels.moe import compute_dtype
 from neffbuild.runtime.kv.access import FP8, block_operand, gather_blocks
-from neffbuild.runtime.native import matmul_dtype
 
 ROWS_IN_PLACE = 4  # query rows per KV head up to which the in-place read beats the copy on CPU (measured)
 
@@ -55,7 +55,7 @@ def _softmax_with_sinks(logits, mask, sinks):
 def sdpa_with_sinks(q, k, v, sinks, scale: float, window: int | None):
     """Dense causal attention over one sequence chunk (eager prefill). q [B, S, H, d]; k, v [B, S, h, d].
 
-    bfloat16 runs in float32 where oneDNN has no fast bf16 matmul (``matmul_dtype``): without AVX-512 the two
+    bfloat16 runs in float32 where oneDNN has no fast bf16 matmul (``compute_dtype``): without AVX-512 the two
     batched matmuls of a 400-token GPT-OSS-20B layer took 1.6 s in bf16."""
     B, S, H, d = q.shape
     h = k.shape[2]
@@ -64,7 +64,8 @@ def sdpa_with_sinks(q, k, v, sinks, scale: float, window: int | None):
     if window is not None:
         mask &= pos[None, :] > pos[:, None] - window
     dtype = q.dtype
-    q, k, v = (t.to(matmul_dtype(dtype)) for t in (q, k, v))
+    cdt = compute_dtype(q)
+    q, k, v = (t.to(cdt) for t in (q, k, v))
     out = _attend(q.view(B, S, h, H // h, d), k.transpose(1, 2), v.transpose(1, 2), mask.expand(B, S, S), sinks, scale)
     return out.to(dtype)
 
@@ -90,7 +91,7 @@ def paged_attention(
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
     if g * S > ROWS_IN_PLACE or cache.dtype in (torch.uint8, FP8):  # copy (and decode) each block once
-        cdt = matmul_dtype(q.dtype)  # the copy in float32 where bf16 batched matmuls are slow (AVX2 hosts)
+        cdt = compute_dtype(q)  # the copy in float32 where bf16 batched matmuls are slow (AVX2 hosts)
         k = gather_blocks(cache, 0, table, packed_k, cdt)  # [B, h, T, d]
         v = gather_blocks(cache, 1, table, False, cdt)
         return _attend(q.view(B, S, h, g, d).to(cdt), k, v, mask, sinks, scale).to(q.dtype)

@@ -179,6 +179,15 @@ def traced(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or detect_fake_mode([x]) is not None
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's matmuls run in here: ``runtime.native.matmul_dtype`` (float32 for bfloat16 where oneDNN has no
+    fast bf16 kernel) for CPU tensors run eagerly or traced into an AOTInductor CPU graph (``native_on``); x's own
+    dtype on other devices and in other backends' graphs (a Neuron graph traced on an AVX2 build host keeps bf16)."""
+    if x.device.type != "cpu" or (traced(x) and not native_on()):
+        return x.dtype
+    return matmul_dtype(x.dtype)
+
+
 def _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert):
     """Eager form for many tokens (prefill): each held expert runs two matmuls over the tokens that chose it,
     its weights decoded (MXFP4: ``decode_eager``) one expert at a time. The indexed product-and-sum (``moe``)
@@ -190,7 +199,7 @@ def _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, l
     the sums in float32, the result rounded to bfloat16 once."""
     E = gate_up_w.shape[0]
     local = top_idx if first_expert is None else top_idx - first_expert  # [N, k]: ids in the held slice
-    cdt = matmul_dtype(x.dtype)
+    cdt = compute_dtype(x)
     xc = x.to(cdt)
     out = torch.zeros(x.shape, dtype=cdt)
     for e in torch.unique(local[(local >= 0) & (local < E)]).tolist():

@@ -32,7 +32,7 @@ from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from vllm.v1.attention.backend import AttentionType
 
 from neffbuild.errors import IncompatibleBundle
-from neffbuild.vllm import startup
+from neffbuild.vllm import kv, startup
 from neffbuild.vllm.config import from_additional_config
 from neffbuild.vllm.decode import BundleDecoder, register
 
@@ -47,6 +47,7 @@ class NeffbuildGptOssForCausalLM(GptOssForCausalLM):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             return
         bundle = startup.check(vllm_config)
+        kv.allow_fp8_kv_without_avx512()  # vLLM's own FP8 attention kernel never runs for the bundle's layers
         nn.Module.__init__(self)  # not GptOssForCausalLM's: no layer of vLLM's, no weight but the bundle's
         self.vllm_config, self.config = vllm_config, vllm_config.model_config.hf_config
         self.attention = nn.ModuleList(_attention_layers(bundle.facts, vllm_config, prefix))

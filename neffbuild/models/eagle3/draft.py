@@ -40,10 +40,10 @@ from neffbuild.kernels import (
     yarn_inv_freq,
 )
 from neffbuild.kernels.collectives import all_reduce_sum, vocab_parallel_argmax, vocab_parallel_embed
+from neffbuild.kernels.linear import linear
 from neffbuild.models.eagle3.config import Eagle3Config
 from neffbuild.models.eagle3.shapes import local_config
 from neffbuild.models.eagle3.weights import DRAFT_EMBED, DRAFT_NAMES
-from neffbuild.models.gpt_oss.decode import linear
 from neffbuild.runtime.parallel import TP_GROUP, ParallelLayout
 
 

@@ -40,35 +40,14 @@ from neffbuild.kernels.collectives import (
     vocab_parallel_embed,
     vocab_parallel_gather,
 )
-from neffbuild.kernels.moe import kernel_forms, native_form, native_on, traced  # also registers the native ops
+from neffbuild.kernels.linear import linear, rows_op
+from neffbuild.kernels.moe import kernel_forms, native_form  # also registers the native ops
 from neffbuild.models.gpt_oss.config import FULL, SLIDING, GptOssConfig, default_aux_layers  # noqa: F401 - re-export
 from neffbuild.models.gpt_oss.sharding import local_config
 from neffbuild.models.gpt_oss.weights import BLOCKS, SCALES, experts_of, stacked_names
-from neffbuild.runtime.native import matmul_dtype
 from neffbuild.runtime.parallel import EP_GROUP, TP_GROUP, ParallelLayout
 
 SINGLE = ParallelLayout()
-EAGER_WIDEN_ROWS = 16  # rows from which an eager bf16 linear runs in float32 where bf16 matmuls are slow (``linear``)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T. A bfloat16 CPU graph traced for AOTInductor calls ``neffbuild::bf16_linear``
-    (runtime/native.py; ``native_on``): float32 sums rounded to bf16 as the matmul's are, at the weights' read
-    bandwidth, where oneDNN's bf16 GEMV reads slower (and, without AVX-512, computes at about 10 GFLOP/s)."""
-    if native_on() and x.dtype == weight.dtype == torch.bfloat16:
-        return _rows_op(torch.ops.neffbuild.bf16_linear, x, weight)
-    cdt = matmul_dtype(x.dtype)
-    if cdt != x.dtype and x.shape[:-1].numel() >= EAGER_WIDEN_ROWS and not traced(x):
-        # eager prefill on a host without fast bf16 matmuls: the weights widened exactly (a copy of each, once a
-        # chunk), float32 sums rounded to bf16 as bf16_linear's are; 400 rows of GPT-OSS-20B's qkv and o took ~2 s
-        # a layer in bf16 there (docs/benchmarks.md "Real width"); a few rows (eager decode) read fewer bytes as bf16
-        return (x.to(cdt) @ weight.to(cdt).t()).to(x.dtype)
-    return x @ weight.t()
-
-
-def _rows_op(op, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``op`` (a native [M, K] x [N, K] op) on x [..., K]."""
-    return op(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
 
 
 def head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -76,7 +55,7 @@ def head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     argmax (and the values near it) are the exact form's bit for bit and the other logits approximate
     (runtime/native_q8.py): for greedy serving."""
     if native_form("head_kernel") == "int8" and x.dtype == weight.dtype == torch.bfloat16:
-        return _rows_op(torch.ops.neffbuild.q8_head, x, weight)
+        return rows_op(torch.ops.neffbuild.q8_head, x, weight)
     return linear(x, weight)
 
 
@@ -85,7 +64,7 @@ def projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ``neffbuild::q8_linear``: the weights read as int8 with one float scale a row, about half the bytes of bf16, and
     lossy (runtime/native_q8.py)."""
     if native_form("attn_kernel") == "int8" and x.dtype == weight.dtype == torch.bfloat16:
-        return _rows_op(torch.ops.neffbuild.q8_linear, x, weight)
+        return rows_op(torch.ops.neffbuild.q8_linear, x, weight)
     return linear(x, weight)
 
 
