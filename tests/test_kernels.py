@@ -98,6 +98,18 @@ def test_decode_attention_matmuls_run_in_the_hosts_matmul_dtype(monkeypatch, fas
     torch.testing.assert_close(got.view(1, H, d).float(), want, atol=3e-2, rtol=3e-2)
 
 
+def test_compute_dtype_is_the_hosts_only_for_eager_and_inductor_cpu_graphs(monkeypatch):
+    """Where bf16 matmuls are slow, eager code and AOTInductor CPU graphs widen them to float32; a graph another
+    backend traces (the Neuron compiler runs ``torch.jit.trace`` on real tensors) keeps bf16, and the host query
+    is never recorded into it."""
+    monkeypatch.setattr(moe_module, "matmul_dtype", lambda dt: torch.float32 if dt == torch.bfloat16 else dt)
+    x = rnd(2, 3).bfloat16()
+    assert moe_module.compute_dtype(x) == torch.float32 and moe_module.compute_dtype(x.float()) == torch.float32
+    assert moe_module.compute_dtype(torch.empty(2, 3, dtype=torch.bfloat16, device="meta")) == torch.bfloat16
+    graph = torch.jit.trace(lambda x: x.to(moe_module.compute_dtype(x)) * 2, x)
+    assert graph(x).dtype == torch.bfloat16
+
+
 def test_paged_attention_packed_fp8_and_several_queries_match_loop_reference():
     """Packed FP8 K (and FP8 V) read through the table, 3 query rows per request (a spec step), GQA 2."""
     nb, h, bs, d, H, S = 10, 2, 4, 8, 4, 3

@@ -173,10 +173,11 @@ def _indexed_values(x: torch.Tensor, gate_up_w, top_k: int) -> int:
 
 
 def traced(x: torch.Tensor) -> bool:
-    """True while a graph is being traced (export, dynamo): shapes that depend on the routing cannot be traced."""
+    """True while a graph is being traced (export, dynamo, ``torch.jit.trace``: the Neuron compiler's trace runs the
+    module on real tensors): shapes that depend on the routing cannot be traced."""
     from torch._guards import detect_fake_mode
 
-    return torch.compiler.is_compiling() or detect_fake_mode([x]) is not None
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or detect_fake_mode([x]) is not None
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

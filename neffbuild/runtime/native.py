@@ -25,7 +25,6 @@ the weights or of a tensor with no memory (the meta device).
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import sys
 import threading
@@ -111,7 +110,10 @@ def prepare() -> bool:
     return library() is not None
 
 
-@functools.cache
+# asked once, at import: a call of the op inside a trace (torch.jit.trace, the Neuron compiler's) would be recorded
+_FAST_BF16_MATMUL = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def matmul_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype CPU matmuls of ``dtype`` operands run in: float32 for bfloat16 where oneDNN has no fast bf16
     kernel (``torch.ops.mkldnn._is_mkldnn_bf16_supported``; without AVX-512 torch's bf16 matmul ran at 10.7 GFLOP/s
@@ -119,7 +121,7 @@ def matmul_dtype(dtype: torch.dtype) -> torch.dtype:
     matmuls a layer, 12 ms against 0.7 in float32 at a 1,024-token context), else ``dtype``. Eager code (prefill's
     MoE and attention) and the decode graph's attention over its gathered KV ask it when they run or are traced:
     a graph compiled on such a host keeps float32 there."""
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and not _FAST_BF16_MATMUL:
         return torch.float32
     return dtype
 
