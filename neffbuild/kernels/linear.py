@@ -20,12 +20,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     bandwidth, where oneDNN's bf16 GEMV reads slower (and, without AVX-512, computes at about 10 GFLOP/s)."""
     if native_on() and x.dtype == weight.dtype == torch.bfloat16:
         return rows_op(torch.ops.neffbuild.bf16_linear, x, weight)
-    cdt = compute_dtype(x)
-    if cdt != x.dtype and x.shape[:-1].numel() >= EAGER_WIDEN_ROWS and not traced(x):
-        # eager prefill on a host without fast bf16 matmuls: the weights widened exactly (a copy of each, once a
-        # chunk), float32 sums rounded to bf16 as bf16_linear's are; 400 rows of GPT-OSS-20B's qkv and o took ~2 s
-        # a layer in bf16 there (docs/benchmarks.md "Real width"); a few rows (eager decode) read fewer bytes as bf16
-        return (x.to(cdt) @ weight.to(cdt).t()).to(x.dtype)
+    if x.shape[:-1].numel() >= EAGER_WIDEN_ROWS and not traced(x):  # a few rows (eager decode) ask nothing
+        cdt = compute_dtype(x)
+        if cdt != x.dtype:
+            # eager prefill on a host without fast bf16 matmuls: the weights widened exactly (a copy of each, once a
+            # chunk), float32 sums rounded to bf16 as bf16_linear's are; 400 rows of GPT-OSS-20B's qkv and o took
+            # ~2 s a layer in bf16 there (docs/benchmarks.md "Real width"); a few rows read fewer bytes as bf16
+            return (x.to(cdt) @ weight.to(cdt).t()).to(x.dtype)
     return x @ weight.t()
 
 
