@@ -5,6 +5,7 @@ reference and transformers: tests/test_serving_dtypes.py)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -61,6 +62,40 @@ def test_moe_through_the_op_equals_the_traced_form():
     with native_cpu_ops():
         native = moe(x, *args)
     torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))
+
+
+def test_a_host_engines_eager_prefill_runs_the_op_row_by_row_and_the_reference_stays_torch(monkeypatch):
+    """``native.eager_experts`` (runtime/bundle/eager.py's prefill): from DENSE_TOKENS tokens on, eager packed
+    experts run ``mxfp4_dot`` on the picked rows instead of decoding each routed expert whole (``_grouped``); the
+    same numbers within float32 summation order; outside it, and above EAGER_NATIVE_ROWS, ``_grouped`` as before."""
+    moe_module = importlib.import_module("neffbuild.kernels.moe")
+    torch.manual_seed(1)
+    H, I, E, N = 64, 32, 6, moe_module.DENSE_TOKENS + 3
+    gate_up, down = Mxfp4(*_weights(E, 2 * I, H // 32, 3)), Mxfp4(*_weights(E, H, I // 32, 4))
+    bf16 = torch.bfloat16
+    args = ((torch.randn(E, H) * 0.1).to(bf16), torch.zeros(E, dtype=bf16), gate_up,
+            (torch.randn(E, 2 * I) * 0.1).to(bf16), down, (torch.randn(E, H) * 0.1).to(bf16), 2, 1.702, 7.0)
+    x = torch.randn(N, H).to(bf16)
+    assert native.prepare()
+    calls = []
+    op = torch.ops.neffbuild.mxfp4_dot
+
+    class Counting:  # the op as the module calls it, counted
+        def __call__(self, *a):
+            calls.append(a[0].shape)
+            return op(*a)
+
+    monkeypatch.setattr(moe_module.torch.ops.neffbuild, "mxfp4_dot", Counting(), raising=False)
+    grouped = moe(x, *args)  # the eager reference: expert by expert, no op call
+    assert calls == []
+    with native.eager_experts():
+        fast = moe(x, *args)
+        assert [c[0] for c in calls] == [N, N]  # gate/up then down, every token's picked rows
+        calls.clear()
+        monkeypatch.setattr(moe_module, "EAGER_NATIVE_ROWS", N * 2 - 1)
+        assert torch.equal(moe(x, *args), grouped) and calls == []  # too many rows: expert by expert again
+    # the same values up to float32 summation order, rounded to bf16 once in either form
+    torch.testing.assert_close(fast.float(), grouped.float(), rtol=2e-2, atol=1e-2 * float(grouped.float().abs().max()))
 
 
 @pytest.mark.parametrize(("change", "needle"), [

@@ -33,6 +33,11 @@ DENSE_TOKENS = 64  # from this many tokens on (prefill): expert by expert over i
 # floats); above this many, expert by expert instead. A chunk of 16 tokens at GPT-OSS-20B's width would be 1.1e9
 # values (over 10 GB: a host engine's prefill chunk after a prefix-cache hit); the tiny test models stay far below.
 EAGER_INDEXED_VALUES = 1 << 26
+# Eager, with the native kernels (a host engine's prefill: ``native.eager_experts``): packed experts run the C loop
+# row by row (``mxfp4_dot``, reading only the picked rows' bytes) up to this many (token, expert) rows, expert by
+# expert (``_grouped``: each routed expert decoded whole) above. GPT-OSS-20B width, one thread, AVX2: 64 tokens
+# 0.36 s a layer against 2.4, 256 tokens 1.5 s against 4.6 (docs/benchmarks.md "Eager prefill's experts").
+EAGER_NATIVE_ROWS = 2048
 
 
 class Mxfp4(NamedTuple):
@@ -102,12 +107,13 @@ def native_form(name: str) -> str:
     return dict(_FORMS.get()).get(name, "exact") if native_on() else "exact"
 
 
-def _dot(x: torch.Tensor, w, idx: torch.Tensor) -> torch.Tensor:
-    """x [N, 1 or k, in] times the picked experts' weights [N, k, out, in]: [N, k, out]."""
+def _dot(x: torch.Tensor, w, idx: torch.Tensor, eager_native: bool = False) -> torch.Tensor:
+    """x [N, 1 or k, in] times the picked experts' weights [N, k, out, in]: [N, k, out]. ``eager_native``: the C
+    loop run eagerly (``_eager_native``)."""
     if isinstance(w, Mxfp4):
         if native_form("expert_kernel") == "int8":
             return torch.ops.neffbuild.mxfp4_q8_dot(x, w.blocks, w.scales, idx)
-        if native_on():
+        if native_on() or eager_native:
             return torch.ops.neffbuild.mxfp4_dot(x, w.blocks, w.scales, idx)
         return packed_dot(x, w, idx)
     return (x[:, :, None, :] * w[idx]).sum(-1)
@@ -145,11 +151,13 @@ def moe(
     logits = x @ router_w.t() + router_b  # [N, E]
     top_val, top_idx = torch.topk(logits, top_k, dim=-1)  # [N, k]
     weights = torch.softmax(top_val, dim=-1)  # [N, k]
+    eager_native = _eager_native(x, gate_up_w, top_k)
     if x.shape[0] >= DENSE_TOKENS or (_indexed_values(x, gate_up_w, top_k) > EAGER_INDEXED_VALUES and not traced(x)):
         if traced(x):
             return _dense(x, router_w.shape[0], top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit,
                           first_expert)
-        return _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert)
+        if not eager_native:
+            return _grouped(x, top_idx, weights, gate_up_w, gate_up_b, down_w, down_b, alpha, limit, first_expert)
     if first_expert is not None:
         local = top_idx - first_expert  # [N, k]
         held = (local >= 0) & (local < gate_up_w.shape[0])
@@ -160,10 +168,17 @@ def moe(
     # with the weights [out, in] each output is one dot product over a contiguous weight row (vectorised
     # along it), not an accumulator over rows 2I apart (docs/benchmarks.md: x0.6-0.8 of that loop's time).
     # MXFP4: the chosen rows decoded inside the same loops (packed_dot), so only their bytes are read.
-    h = _dot(x[:, None, :], gate_up_w, top_idx) + gate_up_b[top_idx]  # [N, k, 2I]
+    h = _dot(x[:, None, :], gate_up_w, top_idx, eager_native) + gate_up_b[top_idx]  # [N, k, 2I]
     h = swiglu(h, alpha, limit)  # [N, k, I]
-    out = _dot(h, down_w, top_idx) + down_b[top_idx]  # [N, k, H]
+    out = _dot(h, down_w, top_idx, eager_native) + down_b[top_idx]  # [N, k, H]
     return (out * weights.unsqueeze(-1)).sum(1)
+
+
+def _eager_native(x: torch.Tensor, gate_up_w, top_k: int) -> bool:
+    """Whether packed experts run the C loop eagerly here: a host engine's prefill (``native.eager_experts``, the
+    kernels loaded) on the CPU, not traced, at most ``EAGER_NATIVE_ROWS`` (token, expert) rows."""
+    return (isinstance(gate_up_w, Mxfp4) and x.device.type == "cpu" and x.shape[0] * top_k <= EAGER_NATIVE_ROWS
+            and native.eager_experts_on() and not traced(x))
 
 
 def _indexed_values(x: torch.Tensor, gate_up_w, top_k: int) -> int:

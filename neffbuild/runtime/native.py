@@ -24,6 +24,8 @@ the weights or of a tensor with no memory (the meta device).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import math
 import sys
@@ -102,6 +104,27 @@ def library(flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
         if key not in _LOADED:
             _LOADED[key] = _obtain(key)
         return _LOADED[key]
+
+
+_EAGER_EXPERTS = contextvars.ContextVar("neffbuild_eager_native_experts", default=False)
+
+
+@contextlib.contextmanager
+def eager_experts():
+    """Inside: eager MXFP4 expert products (a host engine's prefill, ``runtime.bundle.eager``) call ``mxfp4_dot``
+    where the kernels are built (``eager_experts_on``). The eager reference stays plain torch: only the runtime's
+    prefill turns it on."""
+    token = _EAGER_EXPERTS.set(True)
+    try:
+        yield
+    finally:
+        _EAGER_EXPERTS.reset(token)
+
+
+def eager_experts_on() -> bool:
+    """True inside ``eager_experts`` where the C kernels load (never builds them: ``prepare`` did, or the torch
+    forms run)."""
+    return _EAGER_EXPERTS.get() and _LOADED.get(None) is not None
 
 
 def prepare() -> bool:

@@ -2,7 +2,8 @@
 weights, so a prompt (or a chunk of one) writes exactly the KV layout the artifacts read, with the weights the
 artifacts bind (one copy in the process, memory-mapped), for every weight form and KV dtype the bundle holds.
 
-``prefill_on`` builds the callable once for a config, a weight dict and a rank; ``Bundle.prefill`` is the same
+``prefill_on`` builds the callable once for a config, a weight dict and a rank (MXFP4 experts run the native C
+loop there, ``native.eager_experts``; the eager reference stays plain torch); ``Bundle.prefill`` is the same
 over an opened bundle (the vLLM plugin's prefill and chunks, neffbuild's own engine's prompts). The
 architecture's part comes from the registry (``prefill``), as the config does: the runtime names no model.
 ``draft_prefill_on`` is the speculative method's prompt catch-up (EAGLE3: the draft's KV over a prompt's
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from neffbuild import registry
+from neffbuild.runtime import native
 from neffbuild.runtime.kv.blocks import FULL_GROUP, SLIDING_GROUP
 from neffbuild.runtime.parallel import ParallelLayout, rank_tensor
 
@@ -31,8 +33,9 @@ def prefill_on(cfg, weights: dict, packed_k: bool, parallel: ParallelLayout | No
 
     def prefill(prompt: Sequence[int] | torch.Tensor, kv_caches: list, rows: dict, *, start: int = 0,
                 pad_to: int = 0, aux_layers: tuple[int, ...] = (), logits: str = "all"):
-        return run(cfg, weights, prompt, kv_caches, rows[FULL_GROUP], rows.get(SLIDING_GROUP, rows[FULL_GROUP]),
-                   packed_k=packed_k, pad_to=pad_to, aux_layers=aux_layers, logits=logits, start=start, **shard)
+        with native.eager_experts():  # packed experts through the C loop where it is built (kernels/moe.py)
+            return run(cfg, weights, prompt, kv_caches, rows[FULL_GROUP], rows.get(SLIDING_GROUP, rows[FULL_GROUP]),
+                       packed_k=packed_k, pad_to=pad_to, aux_layers=aux_layers, logits=logits, start=start, **shard)
 
     return prefill
 
