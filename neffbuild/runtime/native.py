@@ -112,8 +112,8 @@ _EAGER_EXPERTS = contextvars.ContextVar("neffbuild_eager_native_experts", defaul
 @contextlib.contextmanager
 def eager_experts():
     """Inside: eager MXFP4 expert products (a host engine's prefill, ``runtime.bundle.eager``) call ``mxfp4_dot``
-    where the kernels are built (``eager_experts_on``). The eager reference stays plain torch: only the runtime's
-    prefill turns it on."""
+    where the kernels are built (``eager_experts_on``). Only the runtime's prefill turns it on: eager decode (the
+    reference compiled steps are checked against) and the models' own calls stay plain torch."""
     token = _EAGER_EXPERTS.set(True)
     try:
         yield

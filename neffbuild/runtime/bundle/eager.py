@@ -3,7 +3,7 @@ weights, so a prompt (or a chunk of one) writes exactly the KV layout the artifa
 artifacts bind (one copy in the process, memory-mapped), for every weight form and KV dtype the bundle holds.
 
 ``prefill_on`` builds the callable once for a config, a weight dict and a rank (MXFP4 experts run the native C
-loop there, ``native.eager_experts``; the eager reference stays plain torch); ``Bundle.prefill`` is the same
+loop there, ``native.eager_experts``; eager decode stays plain torch); ``Bundle.prefill`` is the same
 over an opened bundle (the vLLM plugin's prefill and chunks, neffbuild's own engine's prompts). The
 architecture's part comes from the registry (``prefill``), as the config does: the runtime names no model.
 ``draft_prefill_on`` is the speculative method's prompt catch-up (EAGLE3: the draft's KV over a prompt's
