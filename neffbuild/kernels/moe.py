@@ -36,7 +36,7 @@ EAGER_INDEXED_VALUES = 1 << 26
 # Eager, with the native kernels (a host engine's prefill: ``native.eager_experts``): packed experts run the C loop
 # row by row (``mxfp4_dot``, reading only the picked rows' bytes) up to this many (token, expert) rows, expert by
 # expert (``_grouped``: each routed expert decoded whole) above. GPT-OSS-20B width, one thread, AVX2: 64 tokens
-# 0.36 s a layer against 2.4, 256 tokens 1.5 s against 4.6 (docs/benchmarks.md "Eager prefill's experts").
+# 0.39 s a layer against 4.2, 512 tokens 3.0 s against 5.3 (docs/benchmarks.md "Eager prefill's experts").
 EAGER_NATIVE_ROWS = 2048
 
 
