@@ -14,9 +14,7 @@ with the host's ISA flags.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import machine  # noqa: E402
+from benchmarks.int8_kernels import median_s  # noqa: E402
 from neffbuild.kernels.moe import EAGER_NATIVE_ROWS, Mxfp4, moe  # noqa: E402
 from neffbuild.runtime import native  # noqa: E402
 
@@ -47,16 +46,6 @@ def layer(seed: int = 0):
     return ((torch.randn(E, H, generator=g) * 0.05).to(bf16), torch.zeros(E, dtype=bf16), mx(2 * INTER, H),
             (torch.randn(E, 2 * INTER, generator=g) * 0.01).to(bf16), mx(H, INTER),
             (torch.randn(E, H, generator=g) * 0.01).to(bf16), TOP_K, 1.702, 7.0)
-
-
-def median_s(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:
