@@ -99,9 +99,10 @@ bench-real-width: $(STAMP)
 # The same at GPT-OSS-20B's real depth, 24 layers: the bundle's exact and int8 forms against llama.cpp's file type 38
 # GGUF. Needs ~55 GB of disk under REAL_DEPTH_DIR (an MXFP4-only checkpoint, the bundles' one weights file, the GGUFs;
 # the converter's GGUF is removed once quantized) and ~15 GiB of memory; the set-up (about 25 minutes on 2 cores) runs first, then
-# two interleaved rounds of 100 new tokens (about 30 minutes) that reuse its bundles as built.
+# two interleaved rounds of 64-token prompts and 100 new tokens (about 36 minutes on an AVX2 host: each engine
+# prefills 14 prompts a round) that reuse its bundles as built.
 REAL_DEPTH_DIR ?= /tmp/neffbuild-real-depth
-REAL_DEPTH_ARGS = --workdir $(REAL_DEPTH_DIR) --layers 24 --new 100 --engines bundle-mxfp4,bundle-int8,llama-ft38
+REAL_DEPTH_ARGS = --workdir $(REAL_DEPTH_DIR) --layers 24 --prompt 64 --new 100 --engines bundle-mxfp4,bundle-int8,llama-ft38
 bench-real-depth: $(STAMP)
 	benchmarks/peers.sh
 	$(BIN)/python benchmarks/real_width.py $(REAL_DEPTH_ARGS) --prepare
