@@ -231,7 +231,6 @@ def worker_bundle(a, ps) -> dict:
     session = open_rank(open_bundle(Path(a.model), preload=True))
     warm_pages(Path(a.model) / "weights")
 
-
     def run(b, new):
         reqs = [Request(str(r), p, new, 0, index=r) for r, p in enumerate(ps[:b])]
         engine = Engine(session.stepper, session.block_manager(), LocalPrefill(session.prefill, session.kv_caches))

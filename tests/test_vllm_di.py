@@ -274,7 +274,7 @@ def test_a_prefill_instance_killed_mid_run_fails_its_requests_and_the_decode_ins
             t0[0] = time.monotonic()
             pulled = _outcome(t0, _decode_leg, decode.url, held, params)
             _, hung = wait(running, timeout=120)
-            assert not hung, f"{len(hung)} requests through the proxy unanswered 120 s after the kill"
+            assert not hung, f"{len(hung)} requests through the proxy unanswered 120 s after the instance was gone"
             outcomes = [f.result() for f in running]
         print(f"the instance was gone {t0[0] - killed:.2f} s after the kill; then (kind, status, seconds):",
               [(o[0], o[1][0] if o[0] == "error" else "", round(o[2], 2)) for o in [pulled, *outcomes]])

@@ -6,7 +6,8 @@ caller's (the architecture's decode graph).
 Expert weights come dense ([E, out, in] tensors) or MXFP4 (``Mxfp4``: the checkpoint's blocks
 and scales, kept packed). Packed experts are decoded where they are read: in decode, only
 the rows of the experts the router picked (``packed_dot``), inside the product-and-sum, so a
-compiled step reads 4.25 bits a weight; in eager prefill, each expert that got tokens once.
+compiled step reads 4.25 bits a weight; in a host engine's eager prefill (``native.eager_experts``),
+the picked rows again, through the C loop; in other eager code, each expert that got tokens once.
 """
 
 import contextlib
