@@ -14,15 +14,14 @@ from neffbuild.cli import ship_cmds
 from neffbuild.cli.output import echo_json, json_option
 from neffbuild.errors import BundleError
 from neffbuild.runtime.bundle import paths
+from neffbuild.runtime.bundle.manifest_file import read_manifest, safe_path
 from neffbuild.runtime.bundle.schema import Problem
 from neffbuild.runtime.bundle.schema import problems as schema_problems
 
 
 def _manifest(path: str) -> dict:
     """The manifest of a bundle whose schema holds (what every read command may rely on)."""
-    from neffbuild.runtime.bundle import reader
-
-    m = reader.read_manifest(Path(path))
+    m = read_manifest(Path(path))
     found = schema_problems(m)
     if found:
         raise BundleError(f"{path}: {len(found)} manifest problem(s)\n" + "\n".join(f"  - {p}" for p in found[:20]))
@@ -31,9 +30,7 @@ def _manifest(path: str) -> dict:
 
 def _diffable(path: str) -> dict:
     """A manifest with the fields diff reads well typed (diff may compare a bundle that fails verify)."""
-    from neffbuild.runtime.bundle import reader
-
-    m = reader.read_manifest(Path(path))
+    m = read_manifest(Path(path))
     ok = (all(isinstance(m.get(k), dict) for k in ("graph_inputs", "toolchain", "files", "weights"))
           and isinstance(m.get("artifacts"), list)
           and all(isinstance(a, dict) and isinstance(a.get("label"), str) for a in m["artifacts"]))
@@ -135,9 +132,7 @@ def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
     import yaml
 
     from neffbuild.bundle import handoff, paths
-    from neffbuild.runtime.bundle import reader
-
-    recipe_file = reader.safe_path(root, paths.RECIPE_PATH)
+    recipe_file = safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
     recipe = recipe if isinstance(recipe, dict) else {}
     backend = registry.BACKENDS.get(manifest.get("toolchain", {}).get("backend"))
@@ -219,10 +214,8 @@ def _bundle_recipe(path: str) -> dict:
     """The bundle's normalised recipe.yaml, flattened to dotted fields ({} when absent or unreadable)."""
     from neffbuild.errors import NeffbuildError
     from neffbuild.recipe import parse_yaml, read_regular_file
-    from neffbuild.runtime.bundle import reader
-
     try:
-        f = reader.safe_path(Path(path), paths.RECIPE_PATH)
+        f = safe_path(Path(path), paths.RECIPE_PATH)
         if not f.is_file():
             return {}
         raw = parse_yaml(read_regular_file(f, "bundle recipe"), str(f))

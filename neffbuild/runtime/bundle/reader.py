@@ -9,14 +9,13 @@ safetensors; never unpickles anything from a bundle. The format is docs/bundle-f
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
-from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered, short_repr
-from neffbuild.fsutil import no_duplicate_keys, sha256_file
+from neffbuild.errors import BundleError, IncompatibleBundle, Problem, ShapeNotCovered
+from neffbuild.fsutil import sha256_file
 from neffbuild.runtime import parallel, world
 from neffbuild.runtime.bundle import aoti_package, eager, loaders, paths, weights_file
 from neffbuild.runtime.bundle import facts as bundle_facts
@@ -24,65 +23,9 @@ from neffbuild.runtime.bundle import gate as bundle_gate
 from neffbuild.runtime.bundle import model_sig as signature
 from neffbuild.runtime.bundle import schema as manifest_schema
 from neffbuild.runtime.bundle.graph_inputs import GraphInputs
-
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-MAX_MANIFEST_DEPTH = 32
+from neffbuild.runtime.bundle.manifest_file import manifest_bytes, read_manifest, safe_path
 
 __all__ = ["Bundle", "Problem", "check", "open_bundle", "read_facts", "read_manifest", "safe_path", "weight_pieces"]
-
-
-def safe_path(root: Path, rel: object) -> Path:
-    """Resolve a manifest path inside the bundle, refusing escapes and symlinks."""
-    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
-        raise BundleError(f"{root}: manifest path {short_repr(rel)} is not a relative POSIX path")
-    pure = PurePosixPath(rel)
-    if pure.is_absolute() or ".." in pure.parts:
-        raise BundleError(f"{root}: manifest path {rel!r} points outside the bundle")
-    p = root
-    for part in pure.parts:
-        p = p / part
-        if p.is_symlink():
-            raise BundleError(f"{root}: manifest path {rel!r} goes through a symbolic link ({p.name})")
-    return p
-
-
-def _manifest_bytes(root: Path) -> bytes:
-    mpath = root / paths.MANIFEST_PATH
-    if not mpath.is_file() or mpath.is_symlink():
-        raise BundleError(f"{root}: no {paths.MANIFEST_PATH} (a regular file); not a neffbuild bundle")
-    try:
-        size = mpath.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise BundleError(f"{mpath}: {size} bytes is over the {MAX_MANIFEST_BYTES}-byte manifest limit")
-        return mpath.read_bytes()
-    except OSError as exc:
-        raise BundleError(f"{mpath}: unreadable manifest ({exc.strerror or exc})") from None
-
-
-def read_manifest(root: Path) -> dict:
-    """The parsed manifest: bounded size and depth, no duplicate keys, this format and a supported version."""
-    mpath = root / paths.MANIFEST_PATH
-    raw = _manifest_bytes(root)
-    try:
-        text = raw.decode("utf-8")
-        if not weights_file.json_depth_ok(text, MAX_MANIFEST_DEPTH):
-            raise ValueError(f"nested deeper than {MAX_MANIFEST_DEPTH} levels")
-        m = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise BundleError(f"{mpath}: unreadable manifest ({short_repr(str(exc), 160)})") from None
-    if not isinstance(m, dict) or m.get("format") != paths.BUNDLE_FORMAT:
-        got = short_repr(m.get("format") if isinstance(m, dict) else None)
-        raise IncompatibleBundle(f"{mpath}: format is {got}, expected {paths.BUNDLE_FORMAT!r}")
-    v = m.get("format_version")
-    if not isinstance(v, int) or isinstance(v, bool) or v not in paths.SUPPORTED_FORMAT_VERSIONS:
-        raise IncompatibleBundle(f"{mpath}: format_version {short_repr(v)} is not supported by this "
-                                 f"reader (supported: {list(paths.SUPPORTED_FORMAT_VERSIONS)}); rebuild the bundle "
-                                 "or use the neffbuild that built it")
-    return m
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not standard JSON")
 
 
 def digest_problem(root: Path) -> Problem | None:
@@ -91,7 +34,7 @@ def digest_problem(root: Path) -> Problem | None:
     line = bundle_gate.read_digest_line(dpath)  # bounded: never the whole file
     if line is None:
         return Problem(paths.MANIFEST_DIGEST_PATH, "missing or unreadable; the manifest is not covered by a digest")
-    digest = hashlib.sha256(_manifest_bytes(root)).hexdigest()
+    digest = hashlib.sha256(manifest_bytes(root)).hexdigest()
     if line.split(" ")[0].strip() != digest:
         return Problem(paths.MANIFEST_PATH, f"sha256 {digest} differs from {paths.MANIFEST_DIGEST_PATH} "
                        "(the manifest was modified or corrupted)")

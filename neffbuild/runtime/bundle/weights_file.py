@@ -17,10 +17,12 @@ import math
 import os
 import struct
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from neffbuild.errors import BundleError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading a header (validate, verify's sizes) needs none
+    import torch
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_JSON_DEPTH = 8  # {name: {"shape": [..]}} is 3 deep; anything much deeper is not a safetensors header
@@ -183,4 +185,6 @@ def _finite(part: torch.Tensor) -> bool:
         part = part.float()
     if math.isfinite(float(part.sum())):
         return True
+    import torch
+
     return bool(torch.isfinite(part).all())
