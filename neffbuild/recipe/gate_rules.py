@@ -65,7 +65,7 @@ def checkpoint_headers(v, folder: Path, path: str) -> None:
     from neffbuild.runtime.bundle.weights_file import read_header
 
     # The library checks a header the same way for every framework; numpy's import costs ~0.1 s, torch's ~3 s
-    # (`validate` and `plan` read no tensor).
+    # (`validate` reads no tensor).
     framework = "numpy" if importlib.util.find_spec("numpy") else "pt"
     for f in sorted(folder.glob("*.safetensors"))[:256]:
         try:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from neffbuild.errors import BundleError
 
-if TYPE_CHECKING:  # torch is imported where tensors are made: reading a header (validate, verify's sizes) needs none
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading a header (validate) needs none
     import torch
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
