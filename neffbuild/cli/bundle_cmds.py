@@ -132,6 +132,7 @@ def _print_vllm_config(root: Path, manifest: dict, as_json: bool) -> None:
     import yaml
 
     from neffbuild.bundle import handoff, paths
+
     recipe_file = safe_path(root, paths.RECIPE_PATH)
     recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
     recipe = recipe if isinstance(recipe, dict) else {}
@@ -170,8 +171,8 @@ def verify(ctx, bundle_path, trust, as_json):
 
     signed = ship_cmds.check_signature(bundle_path, trust)
     problems = [Problem(path, message) for path, message in signed] or reader.check(Path(bundle_path), full=True)
-    problems = problems or recipe_check.problems(Path(bundle_path), reader.read_manifest(Path(bundle_path)))  # + yaml
-    problems = problems or nonfinite_weights(Path(bundle_path), reader)
+    problems = problems or recipe_check.problems(Path(bundle_path), read_manifest(Path(bundle_path)))  # + yaml
+    problems = problems or nonfinite_weights(Path(bundle_path))
     if as_json:
         echo_json({"ok": not problems, "problems": [{"path": p.path, "message": p.message} for p in problems]})
         ctx.meta["json_printed"] = True
@@ -181,16 +182,16 @@ def verify(ctx, bundle_path, trust, as_json):
         click.echo(f"{bundle_path}: ok")
 
 
-def nonfinite_weights(root: Path, reader) -> list:
+def nonfinite_weights(root: Path) -> list:
     """A NaN or an infinity in any stored weight (digests recomputed to match would pass every other check, and
     generate would print zeros): one pass over every weights file, after the digests held."""
     from neffbuild.runtime.bundle import weights_file
 
-    m = reader.read_manifest(root)
+    m = read_manifest(root)
     files = [m["weights"]["file"], *(e["file"] for e in m.get("parallel", {}).get("pieces", {}).values())]
     out = []
     for rel in files:
-        bad = weights_file.nonfinite(reader.safe_path(root, rel))
+        bad = weights_file.nonfinite(safe_path(root, rel))
         if bad:
             out.append(Problem(rel, f"tensors {bad[:5]} hold NaN or infinite values; rebuild from a sound "
                                     "checkpoint"))
@@ -214,6 +215,7 @@ def _bundle_recipe(path: str) -> dict:
     """The bundle's normalised recipe.yaml, flattened to dotted fields ({} when absent or unreadable)."""
     from neffbuild.errors import NeffbuildError
     from neffbuild.recipe import parse_yaml, read_regular_file
+
     try:
         f = safe_path(Path(path), paths.RECIPE_PATH)
         if not f.is_file():

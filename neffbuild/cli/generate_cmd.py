@@ -122,7 +122,7 @@ def _refuse_nonfinite(bundle_path: str):
     facts = reader.read_facts(bundle_path, strict=False)
     if facts is None:
         return None
-    bad = bundle_cmds.nonfinite_weights(Path(bundle_path), reader)
+    bad = bundle_cmds.nonfinite_weights(Path(bundle_path))
     if bad:
         raise BundleError(f"{bundle_path}: " + "; ".join(map(str, bad)) + " (`neffbuild verify` refuses it too)")
     return facts
